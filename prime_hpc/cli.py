@@ -1,0 +1,297 @@
+"""`prime-hpc`: submit, doctor, status, list, cancel, tail.
+
+Heavy modules are imported inside the commands that need them; `--help`, `status`,
+`list`, `tail` and `submit --dry-run` never import torch or vllm.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional
+
+USAGE_EXAMPLES = """examples:
+  prime-hpc submit +experiment=reverse_text                 compose with Hydra, submit one het job
+  prime-hpc submit +experiment=reverse_text --dry-run       write config + sbatch script, submit nothing
+  prime-hpc submit -m +experiment=reverse_text trainer.optim.lr=1e-6,3e-6   a sweep: one job per point
+  prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the het layout on the cluster
+  prime-hpc status [JOB]      prime-hpc list      prime-hpc cancel JOB      prime-hpc tail JOB
+JOB is a SLURM job id, a run name or an output dir."""
+
+
+def _print_err(msg: str) -> None:
+    print(f"prime-hpc: error: {msg}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- submit
+def _compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], object]]:
+    """Compose and validate every point (of a sweep) before submitting any: nothing is
+    submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`
+    unless the sweep itself sets output_dir."""
+    from prime_hpc.config import compose, expand_sweep
+    from prime_hpc.config.validate import validate
+
+    points = expand_sweep(overrides) if multirun else [overrides]
+    sweeps_dir = len(points) > 1 and not any(o.split("=", 1)[0].lstrip("+~") == "output_dir" for o in overrides)
+    composed = []
+    for i, point in enumerate(points):
+        cfg = compose(point)
+        if len(points) > 1:
+            cfg.name = f"{cfg.name}_{i}"
+        if sweeps_dir:
+            cfg.output_dir = f"{cfg.output_dir}/{i}"
+        validate(cfg)
+        composed.append((point, cfg))
+    return composed
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    from prime_hpc.launcher import launch
+
+    composed = _compose_all(a.overrides, a.multirun)
+    if a.dry_run:
+        for _, cfg in composed:
+            run, _plan = launch.prepare(cfg, "rl")
+            print(f"dry run: nothing submitted; wrote {run.config_yaml}, {run.configs_dir}/"
+                  f"{{orchestrator,trainer,inference}}.yaml, {run.sbatch_script}")
+        return 0
+    for _, cfg in composed:  # refuse before submitting anything
+        launch.check_fresh(cfg)
+    for point, cfg in composed:
+        sub = launch.submit(cfg, point)
+        ref = sub.ref
+        print(f"submitted job {ref.job_id} ({ref.name}, {ref.backend})")
+        print(f"  output dir: {ref.output_dir}")
+        print(f"  logs:       {ref.run.latest_logs}")
+        print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- doctor
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from prime_hpc.config import compose
+    from prime_hpc.doctor import format_table
+    from prime_hpc.launcher import launch
+    from prime_hpc.rundir import read_json
+
+    cfg = compose(a.overrides)
+    sub = launch.submit(cfg, a.overrides, mode="doctor")
+    run = sub.ref.run
+    print(f"preflight job {sub.ref.job_id} submitted ({sub.ref.backend}); waiting (up to {a.timeout:g}s)...",
+          file=sys.stderr)
+    try:
+        state = launch.wait_done(sub, a.timeout)
+    except KeyboardInterrupt:
+        launch.cancel(sub.ref)
+        raise
+    except Exception:
+        launch.cancel(sub.ref)
+        raise
+    if not run.preflight_summary.exists():
+        from prime_hpc.jobs import read_job
+
+        failure = read_job(run).get("failure") or {}
+        log = failure.get("log") or run.latest_logs
+        print(f"preflight job {sub.ref.job_id} ended {state} without a report; see {log}")
+        return 1
+    summary = read_json(run.preflight_summary)
+    print(format_table(summary))
+    verdict = "PASS" if summary["ok"] and state == "COMPLETED" else "FAIL"
+    print(f"preflight {verdict} (job {sub.ref.job_id} {state}); report: {run.preflight_summary}")
+    return 0 if verdict == "PASS" else 1
+
+
+# ----------------------------------------------------------------------------- status / list
+def _ago(t: Optional[float]) -> str:
+    if not t:
+        return "-"
+    d = max(0.0, time.time() - t)
+    return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.1f}h ago"
+
+
+def _heartbeat(run, component: str) -> str:
+    import json
+    import os
+
+    best = None
+    try:
+        names = [n for n in os.listdir(run.heartbeats_dir) if n.startswith(component + "_")]
+    except FileNotFoundError:
+        names = []
+    for n in names:
+        try:
+            info = json.loads((run.heartbeats_dir / n).read_text())
+        except (OSError, ValueError):
+            continue
+        if best is None or info.get("time", 0) > best.get("time", 0):
+            best = info
+    if not best:
+        return "-"
+    step = f" step {best['step']}" if "step" in best else ""
+    return f"{_ago(best.get('time'))}{step}"
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+    from prime_hpc.launcher.plan import GROUP_NAMES
+
+    if a.job:
+        ref = jobs.resolve(a.job)
+    else:
+        refs = jobs.recent(1)
+        if not refs:
+            print("no jobs submitted yet (prime-hpc submit ...)")
+            return 0
+        ref = refs[0]
+    job = jobs.read_job(ref.run)
+    groups = launch.group_states(ref)
+    from prime_hpc.launcher.slurm import aggregate
+
+    overall = aggregate(list(groups.values())) if ref.backend == "slurm" else groups["orchestrator"]
+    attempts = job.get("attempts", [])
+    print(f"job {ref.job_id}  {ref.name}  {overall}  ({ref.backend}, {ref.mode}, attempt {len(attempts) or '-'})")
+    print(f"output dir: {ref.output_dir}")
+    rows = [("GROUP", "STATE", "HEARTBEAT")]
+    for g in GROUP_NAMES:
+        rows.append((g, groups.get(g, "?"), _heartbeat(ref.run, g)))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip())
+    failure = job.get("failure")
+    if failure:
+        who = failure.get("component") or "job"
+        print(f"failed: {who} {failure.get('reason', '')}; see {failure.get('log')}")
+    return 0
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+
+    refs = jobs.recent(a.n)
+    if not refs:
+        print("no jobs submitted yet (prime-hpc submit ...)")
+        return 0
+    rows = [("JOB", "NAME", "STATE", "BACKEND", "SUBMITTED", "OUTPUT DIR")]
+    live = _live_states([r for r in refs if r.backend == "slurm"])
+    for r in refs:
+        state = live.get(r.job_id) or jobs.read_job(r.run).get("state", "?")
+        if r.backend == "local" and state not in jobs.FINAL_STATES:
+            from prime_hpc.launcher import local
+
+            state = local.state(r.run)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted_at))
+        rows.append((r.job_id, r.name, state, r.backend + ("/doctor" if r.mode == "doctor" else ""), when,
+                     r.output_dir))
+    w = [max(len(r[i]) for r in rows) for i in range(5)]
+    for row in rows:
+        print("  ".join(c.ljust(x) for c, x in zip(row[:5], w)) + "  " + row[5])
+    return 0
+
+
+def _live_states(refs) -> dict[str, str]:
+    """One sacct call for every listed SLURM job: {job id: aggregated state}."""
+    import shutil
+    import subprocess
+
+    from prime_hpc.launcher.slurm import aggregate
+
+    if not refs or not shutil.which("sacct"):
+        return {}
+    cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State"]
+    for r in refs:
+        cmd += ["-j", r.job_id]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    per_job: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        jid, _, state = line.partition("|")
+        per_job.setdefault(jid.split("+")[0], []).append(state)
+    return {j: aggregate(s) for j, s in per_job.items()}
+
+
+# ----------------------------------------------------------------------------- cancel / tail
+def cmd_cancel(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+
+    ref = jobs.resolve(a.job)
+    launch.cancel(ref)
+    print(f"cancelled job {ref.job_id} ({ref.name})")
+    return 0
+
+
+def cmd_tail(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+    from prime_hpc.tail import follow
+
+    ref = jobs.resolve(a.job)
+    return follow(ref.run, components=a.component, once=a.no_follow, lines=a.lines)
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prime-hpc", description="SLURM-native asynchronous RL and SFT for LLMs.",
+                                epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    s = sub.add_parser("submit", help="compose a run from Hydra overrides and submit it")
+    s.add_argument("-m", "--multirun", action="store_true", help="sweep: one job per combination of a=x,y values")
+    s.add_argument("--dry-run", action="store_true", help="write config.yaml, configs/ and submit/rl.sbatch only")
+    s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=reverse_text max_steps=50")
+    s.set_defaults(fn=cmd_submit)
+    d = sub.add_parser("doctor", help="preflight the run's het layout on the cluster and print a pass/fail table")
+    d.add_argument("--timeout", type=float, default=900, help="seconds to wait for the preflight job")
+    d.add_argument("overrides", nargs="*")
+    d.set_defaults(fn=cmd_doctor)
+    st = sub.add_parser("status", help="state of each het group and the last heartbeat of each component")
+    st.add_argument("job", nargs="?")
+    st.set_defaults(fn=cmd_status)
+    ls = sub.add_parser("list", help="recently submitted jobs")
+    ls.add_argument("-n", type=int, default=20)
+    ls.set_defaults(fn=cmd_list)
+    c = sub.add_parser("cancel", help="cancel a job (every het group)")
+    c.add_argument("job")
+    c.set_defaults(fn=cmd_cancel)
+    t = sub.add_parser("tail", help="follow every component's log of a job")
+    t.add_argument("job")
+    t.add_argument("--component", action="append", choices=("orchestrator", "inference", "trainer"))
+    t.add_argument("--no-follow", action="store_true", help="print the last lines and exit")
+    t.add_argument("-n", "--lines", type=int, default=10)
+    t.set_defaults(fn=cmd_tail)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from prime_hpc.errors import LaunchError, UserError
+
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if unknown:
+        if args.command in ("submit", "doctor"):  # e.g. "~key" or options after overrides
+            bad = [u for u in unknown if u.startswith("-") and not u.startswith("~")]
+            if bad:
+                _print_err(f"unknown option {bad[0]!r} (see prime-hpc {args.command} --help)")
+                return 2
+            args.overrides += unknown
+        else:
+            _print_err(f"unexpected argument {unknown[0]!r} (see prime-hpc {args.command} --help)")
+            return 2
+    try:
+        return args.fn(args)
+    except UserError as e:
+        _print_err(str(e))
+        return e.exit_code
+    except LaunchError as e:
+        _print_err(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Compose a run config from `conf/` + command-line overrides with Hydra's compose API,
+onto the typed schema, and turn every Hydra/OmegaConf complaint into one `ConfigError`
+line naming the key. Imports only hydra/omegaconf (no torch, no vllm)."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from prime_hpc.errors import ConfigError, UserError
+
+SCHEMA_NAME = "prime_hpc_schema"
+
+
+def conf_dir() -> Path:
+    """The `conf/` tree: `$PRIME_HPC_CONF_DIR`, else the one next to the package."""
+    env = os.environ.get("PRIME_HPC_CONF_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
+    if not (path / "config.yaml").is_file():
+        raise UserError(f"no config tree at {path} (set PRIME_HPC_CONF_DIR to a directory with config.yaml)")
+    return path
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    from prime_hpc.config.schema import RunConfig
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    # OmegaConf appends a "full_key: ... object_type=..." block; keep only the message.
+    text = re.split(r"\n\s*full_key:", text)[0]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines)
+
+
+def _explain(err: BaseException) -> ConfigError | UserError:
+    """Map a Hydra/OmegaConf exception (possibly wrapping another) to a one-line error."""
+    cause = err
+    while cause.__cause__ is not None and not isinstance(cause, ConfigError):
+        cause = cause.__cause__
+    key = getattr(cause, "full_key", None) or getattr(err, "full_key", None)
+    msg = _one_line(cause)
+    outer = _one_line(err)
+    m = re.search(r"Could not override '([^']+)'", outer)
+    if m:
+        key = m.group(1)
+    if re.search(r"Key '[^']+' not in|Key '[^']+' is not in struct|not in struct", msg + outer):
+        bad = key or "?"
+        return ConfigError(bad, f"unknown key; {_valid_siblings(bad)}")
+    if "Could not load" in outer or "Could not find" in outer or "In '" in outer and "not found" in outer:
+        return UserError(_group_choice_error(outer))
+    if key:
+        return ConfigError(str(key), msg)
+    return UserError(outer)
+
+
+def _valid_siblings(dotted: str) -> str:
+    """'valid keys here: a, b, c' for the parent node of `dotted` in the schema."""
+    import typing
+    from dataclasses import fields, is_dataclass
+
+    from prime_hpc.config.schema import RunConfig
+
+    node: object = RunConfig
+    for part in dotted.split(".")[:-1]:
+        origin = typing.get_origin(node)
+        if origin is typing.Union:  # Optional[X]
+            node = next(a for a in typing.get_args(node) if a is not type(None))
+            origin = typing.get_origin(node)
+        if origin is list and part.isdigit():
+            node = typing.get_args(node)[0]
+            continue
+        hints = typing.get_type_hints(node) if is_dataclass(node) else {}
+        if part not in hints:
+            return "no such section"
+        node = hints[part]
+    if typing.get_origin(node) is typing.Union:
+        node = next(a for a in typing.get_args(node) if a is not type(None))
+    if not is_dataclass(node):
+        return "no such section"
+    return "valid keys here: " + ", ".join(sorted(f.name for f in fields(node)))
+
+
+def _group_choice_error(text: str) -> str:
+    m = re.search(r"Could not (?:load|find) '([^/']+)/([^']+)'", text)
+    if m:
+        group, choice = m.group(1), m.group(2)
+        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        return f"{group}={choice}: unknown {group}; choose from {', '.join(options)}"
+    return text
+
+
+def compose(overrides: Sequence[str] = (), *, resolve: bool = True) -> DictConfig:
+    """Compose `conf/config.yaml` with `overrides` (Hydra syntax) onto the typed schema.
+
+    Raises `ConfigError`/`UserError` (one line) on an unknown key, a wrong type or an
+    unknown group option. With `resolve`, interpolations are resolved and `output_dir`
+    made absolute, so what is returned is exactly what every component will see."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    for o in overrides:
+        if o.startswith("-") and not o.startswith("~"):
+            raise UserError(f"unexpected option {o!r} among overrides; options go before the overrides")
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        _check_schema(cfg)
+        if resolve:
+            OmegaConf.resolve(cfg)
+            cfg.output_dir = str(Path(cfg.output_dir).expanduser().absolute())
+    except (ConfigError, UserError):
+        raise
+    except Exception as e:  # hydra/omegaconf raise many types; all are user mistakes here
+        raise _explain(e) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
+def _check_schema(cfg: DictConfig) -> None:
+    """Reject keys added with `+key=...` that the schema does not have (Hydra lets an
+    append through, and OmegaConf's merge does not catch it either)."""
+    from dataclasses import fields, is_dataclass
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, DictConfig):
+            typ = OmegaConf.get_type(node)
+            if typ is not None and is_dataclass(typ):
+                allowed = {f.name for f in fields(typ)}
+                extra = sorted(set(node.keys()) - allowed - {"hydra"})
+                if extra:
+                    key = prefix + str(extra[0])
+                    raise ConfigError(key, f"unknown key; {_valid_siblings(key)}")
+            else:
+                return  # free-form mapping (e.g. env args)
+            for k in node.keys():
+                walk(node._get_node(k), f"{prefix}{k}.")
+        elif OmegaConf.is_list(node):
+            for i, item in enumerate(node):  # type: ignore[arg-type]
+                walk(node._get_node(i), f"{prefix}{i}.")  # type: ignore[union-attr]
+
+    walk(cfg, "")
+
+
+def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
+    """Expand Hydra sweep syntax (`a=1,2 b=x,y`, `range(...)`, `choice(...)`) into the
+    cartesian product of plain override lists, in Hydra's order."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as e:
+        raise UserError(_one_line(e)) from None
+    axes: list[list[str]] = []
+    for o in parsed:
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def to_yaml(cfg: DictConfig | dict) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True, sort_keys=False)
+
+
+def component_config(cfg: DictConfig, component: str) -> dict:
+    """What `component` is started with: its own sub-tree plus the run-level values it
+    needs, copied in explicitly (a component never reads another component's config)."""
+    run_level = {
+        "name": cfg.name,
+        "output_dir": cfg.output_dir,
+        "max_steps": cfg.max_steps,
+        "seq_len": cfg.seq_len,
+        "async_level": cfg.async_level,
+        "seed": cfg.seed,
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "device": cfg.cluster.device,
+        "ckpt": OmegaConf.to_container(cfg.ckpt, resolve=True),
+        "wandb": OmegaConf.to_container(cfg.wandb, resolve=True),
+    }
+    own = OmegaConf.to_container(cfg[component], resolve=True)
+    if component == "inference":
+        for k in ("ckpt", "wandb", "max_steps", "async_level"):
+            run_level.pop(k)
+    return {**run_level, component: own}
+
+
+def load_yaml(path: os.PathLike | str) -> DictConfig:
+    return OmegaConf.load(path)  # type: ignore[return-value]
+
+
+def maybe_int(value: Optional[str]) -> Optional[int]:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

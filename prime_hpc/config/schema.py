@@ -1,0 +1,266 @@
+"""Typed schema of a run. Hydra composes `conf/` onto these dataclasses, so an unknown
+key or a wrongly-typed value fails at composition, before anything is written.
+
+Each component receives only its own sub-tree (plus the few run-level values it needs,
+copied in explicitly by `prime_hpc.config.components`). Units live in field names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+MISSING = "???"
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # HF id or local path; "tiny" = the offline tiny Qwen3 (built on demand)
+    seed: int = 0  # only for built models (model=tiny): the builder's seed
+    trust_remote_code: bool = False
+
+
+# ----------------------------------------------------------------------------- trainer
+@dataclass
+class ActivationCheckpointConfig:
+    freq: Optional[int] = None  # checkpoint every `freq`-th layer; None = off, 1 = every layer
+
+
+@dataclass
+class LoRAConfig:
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class TrainerModelConfig:
+    name: str = "${model.name}"  # must agree with model.name
+    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    optimization_dtype: str = "float32"  # bfloat16 | float32 (forward/backward)
+    reduce_dtype: str = "float32"  # bfloat16 | float32 (gradient reduction)
+
+
+@dataclass
+class TokenizerConfig:
+    name: str = "${model.name}"  # must agree with model.name
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    max_norm: float = 1.0  # gradient clipping norm
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+
+
+@dataclass
+class LossConfig:
+    type: str = "dppo"  # dppo (mask tokens whose probability moved too far) | cispo (clipped ratio)
+    mask_low: float = 0.2  # dppo: mask a token when p_trainer - p_inference < -mask_low (prob. space)
+    mask_high: float = 0.2  # dppo: mask a token when p_trainer - p_inference > mask_high
+    clip_low: float = 0.2  # cispo: lower clip of the importance ratio (1 - clip_low)
+    clip_high: float = 0.28  # cispo: upper clip of the importance ratio (1 + clip_high)
+    kl_coef: float = 0.0  # weight of the optional KL(trainer || inference) term
+
+
+@dataclass
+class LossMaskConfig:
+    system: bool = False
+    user: bool = False
+    assistant: bool = True
+    tool: bool = False
+
+
+@dataclass
+class SFTDataConfig:
+    name: Optional[str] = None  # HF dataset name or local path (sft only)
+    split: str = "train"
+    seq_len: int = "${seq_len}"  # type: ignore[assignment]  # packed sample length, tokens
+    batch_size: int = 8192  # tokens per trainer step (packed)
+    micro_batch_size: int = 1  # packed samples per forward pass
+
+
+@dataclass
+class ValConfig:
+    interval: Optional[int] = None  # validation loss every N steps; None = off
+    data: Optional[SFTDataConfig] = None
+
+
+@dataclass
+class LogConfig:
+    level: str = "info"
+    vf_level: str = "info"  # verifiers / env-worker log level (orchestrator only)
+
+
+@dataclass
+class TrainerConfig:
+    type: str = "rl"  # rl | sft
+    model: TrainerModelConfig = field(default_factory=TrainerModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    micro_batch_size: int = 1  # packed sequences per forward pass
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    loss_mask: LossMaskConfig = field(default_factory=LossMaskConfig)
+    val: ValConfig = field(default_factory=ValConfig)
+    log: LogConfig = field(default_factory=lambda: LogConfig(level="${log.level}"))
+
+
+# ----------------------------------------------------------------------------- orchestrator
+@dataclass
+class EnvEntry:
+    id: str = MISSING  # importable module exposing load_environment(**args) -> verifiers.Environment
+    args: Dict[str, Any] = field(default_factory=dict)
+    ratio: float = 1.0  # relative sampling weight among the listed envs
+    name: Optional[str] = None  # metric/log name; defaults to the id
+
+
+@dataclass
+class SamplingConfig:
+    max_tokens: Optional[int] = None  # per model turn; None = up to max_model_len
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 100  # eval every N steps (0 = off)
+    env: List[EnvEntry] = field(default_factory=list)
+    num_examples: Optional[int] = None  # None = the whole eval set
+    rollouts_per_example: int = 1
+
+
+@dataclass
+class ClientConfig:
+    base_url: Optional[str] = None  # OpenAI-compatible endpoint, e.g. http://host:8000/v1
+    api_key_var: str = "INFERENCE_SERVER_API_KEY"  # env var holding the key (never the key itself)
+    model: Optional[str] = None
+
+
+@dataclass
+class TeacherConfig:
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+
+@dataclass
+class OrchestratorModelConfig:
+    name: str = "${model.name}"  # must agree with model.name
+
+
+@dataclass
+class OrchestratorConfig:
+    model: OrchestratorModelConfig = field(default_factory=OrchestratorModelConfig)
+    batch_size: int = 128  # rollouts per trainer step
+    group_size: int = 8  # rollouts per example (batch_size must be a multiple)
+    max_off_policy_steps: int = 8  # drop a rollout touched by more distinct policies than this
+    max_concurrent: int = 256  # in-flight generation requests
+    training_mode: str = "rl"  # rl | opd | sft
+    online_difficulty_filtering: bool = False  # drop groups whose rewards have no variance
+    env: List[EnvEntry] = field(default_factory=list)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # opd/sft need client.base_url; rl forbids it
+    log: LogConfig = field(default_factory=lambda: LogConfig(level="${log.level}"))
+
+
+# ----------------------------------------------------------------------------- inference
+@dataclass
+class InferenceModelConfig:
+    name: str = "${model.name}"  # must agree with model.name
+    dtype: str = "auto"  # auto | float16 | bfloat16 | float32
+    max_model_len: Optional[int] = "${seq_len}"  # type: ignore[assignment]  # must be <= seq_len
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
+
+
+@dataclass
+class InferenceConfig:
+    model: InferenceModelConfig = field(default_factory=InferenceModelConfig)
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # per node
+    cpu_kvcache_space_gb: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    cpu_threads: Optional[int] = None  # CPU only: OMP threads; None = what SLURM gave the task
+    extra_args: List[str] = field(default_factory=list)  # passed verbatim to the vLLM server
+    startup_timeout_s: int = 600
+
+
+# ----------------------------------------------------------------------------- run-level
+@dataclass
+class WeightsCkptConfig:
+    save_adapter_separately: bool = False  # LoRA: write the adapter next to merged weights
+
+
+@dataclass
+class CkptConfig:
+    interval: Optional[int] = None  # checkpoint every N steps; None = off (end-of-run only if enabled)
+    enabled: bool = False
+    keep_last: Optional[int] = None  # keep only the newest N checkpoints
+    keep_interval: Optional[int] = None  # ...plus every checkpoint whose step is a multiple of N
+    step: Optional[int] = None  # resume from this step (-1 = latest complete checkpoint)
+    save_async: bool = False
+    weights: WeightsCkptConfig = field(default_factory=WeightsCkptConfig)
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "prime-hpc"
+    name: Optional[str] = None  # defaults to the run name
+    entity: Optional[str] = None
+    offline: bool = False
+
+
+@dataclass
+class GroupResources:
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_gb: Optional[float] = None  # None = the partition default
+    nproc_per_node: Optional[int] = None  # trainer only: ranks per node (default gpus_per_node or 1)
+
+
+@dataclass
+class ClusterConfig:
+    backend: str = "local"  # local | slurm
+    device: str = "cpu"  # cpu | cuda: the one switch for accelerators (NCCL vs gloo, vllm vs vllm-cpu)
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: str = "04:00:00"  # wall-clock limit, SLURM format
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    sbatch_extra: List[str] = field(default_factory=list)  # extra lines, each becomes "#SBATCH <line>"
+    env_setup: List[str] = field(default_factory=list)  # shell lines run before any component
+    python: Optional[str] = None  # interpreter on the nodes; None = the submitting one
+    signal_delay_s: int = 120  # SIGUSR2 this long before the time limit (requeue/checkpoint)
+    orchestrator: GroupResources = field(default_factory=GroupResources)
+    inference: GroupResources = field(default_factory=GroupResources)
+    trainer: GroupResources = field(default_factory=GroupResources)
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # run name: job name, W&B name, default output_dir
+    output_dir: str = "outputs/${name}"
+    clean_output_dir: bool = False  # wipe a non-empty output_dir of a fresh run
+    max_steps: Optional[int] = None  # absolute target step; None = until the data runs out
+    seq_len: int = 2048  # trainer sequence length, tokens
+    async_level: int = 2  # rollouts for step n come from a policy no older than n - async_level
+    seed: int = 42
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -1,0 +1,233 @@
+"""Cross-field validation: every rule that involves more than one key lives here, runs at
+submit time (and at `--dry-run`), and raises one `ConfigError` naming the key and the fix.
+
+Type and unknown-key errors are caught earlier, by the typed schema during composition.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from omegaconf import DictConfig
+
+from prime_hpc.errors import ConfigError
+
+CHOICES = {
+    "cluster.backend": ("local", "slurm"),
+    "cluster.device": ("cpu", "cuda"),
+    "trainer.type": ("rl", "sft"),
+    "trainer.loss.type": ("dppo", "cispo"),
+    "trainer.model.optimization_dtype": ("bfloat16", "float32"),
+    "trainer.model.reduce_dtype": ("bfloat16", "float32"),
+    "orchestrator.training_mode": ("rl", "opd", "sft"),
+    "inference.model.dtype": ("auto", "float16", "bfloat16", "float32"),
+    "log.level": ("debug", "info", "warning", "error"),
+    "trainer.log.level": ("debug", "info", "warning", "error"),
+    "orchestrator.log.level": ("debug", "info", "warning", "error"),
+    "orchestrator.log.vf_level": ("debug", "info", "warning", "error"),
+}
+
+
+def _get(cfg: DictConfig, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def check_choices(cfg: DictConfig) -> None:
+    for key, options in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in options:
+            raise ConfigError(key, f"unknown value {value!r}; choose from {', '.join(options)}")
+
+
+def check_positive(cfg: DictConfig) -> None:
+    for key in ("orchestrator.batch_size", "orchestrator.group_size", "orchestrator.max_concurrent",
+                "orchestrator.max_off_policy_steps", "seq_len", "trainer.micro_batch_size",
+                "cluster.orchestrator.nodes", "cluster.inference.nodes", "cluster.trainer.nodes",
+                "inference.tensor_parallel_size", "inference.data_parallel_size"):
+        if _get(cfg, key) < 1:
+            raise ConfigError(key, f"must be >= 1 (got {_get(cfg, key)})")
+    if cfg.async_level < 0:
+        raise ConfigError("async_level", f"must be >= 0 (got {cfg.async_level}); 0 is fully on-policy")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        raise ConfigError("max_steps", f"must be >= 1 or null (got {cfg.max_steps})")
+    if cfg.cluster.orchestrator.nodes != 1:
+        raise ConfigError("cluster.orchestrator.nodes", "the orchestrator runs on exactly one node; set it to 1")
+    for key in ("trainer.optim.lr", "trainer.optim.max_norm"):
+        if _get(cfg, key) <= 0:
+            raise ConfigError(key, f"must be > 0 (got {_get(cfg, key)})")
+    if not 0 < cfg.inference.gpu_memory_utilization <= 1:
+        raise ConfigError("inference.gpu_memory_utilization", "must be in (0, 1]")
+
+
+def check_batch(cfg: DictConfig) -> None:
+    o = cfg.orchestrator
+    if o.batch_size % o.group_size:
+        lower = o.batch_size // o.group_size * o.group_size or o.group_size
+        raise ConfigError(
+            "orchestrator.batch_size",
+            f"{o.batch_size} is not a multiple of orchestrator.group_size={o.group_size}; "
+            f"set it to {lower} or {lower + o.group_size}",
+        )
+
+
+def check_lengths(cfg: DictConfig) -> None:
+    mml = cfg.inference.model.max_model_len
+    if mml is not None and mml > cfg.seq_len:
+        raise ConfigError(
+            "inference.model.max_model_len",
+            f"{mml} exceeds seq_len={cfg.seq_len}: the trainer could not fit a full rollout; "
+            f"set inference.model.max_model_len<={cfg.seq_len} or raise seq_len",
+        )
+    max_tokens = cfg.orchestrator.sampling.max_tokens
+    limit = mml if mml is not None else cfg.seq_len
+    if max_tokens is not None and max_tokens >= limit:
+        raise ConfigError(
+            "orchestrator.sampling.max_tokens",
+            f"{max_tokens} leaves no room for the prompt within {limit} tokens (max_model_len); lower it",
+        )
+
+
+def check_gpus(cfg: DictConfig) -> None:
+    c = cfg.cluster
+    groups = {"orchestrator": c.orchestrator, "inference": c.inference, "trainer": c.trainer}
+    if c.device == "cpu":
+        for name, g in groups.items():
+            if g.gpus_per_node:
+                raise ConfigError(
+                    f"cluster.{name}.gpus_per_node",
+                    f"{g.gpus_per_node} GPUs requested but cluster.device=cpu; set it to 0 or cluster.device=cuda",
+                )
+        return
+    inf = cfg.inference
+    per_node = inf.tensor_parallel_size * inf.data_parallel_size
+    if per_node != c.inference.gpus_per_node:
+        raise ConfigError(
+            "cluster.inference.gpus_per_node",
+            f"{c.inference.gpus_per_node} GPUs per node but inference.tensor_parallel_size x data_parallel_size "
+            f"= {inf.tensor_parallel_size} x {inf.data_parallel_size} = {per_node}; make them equal",
+        )
+    if c.trainer.gpus_per_node < 1:
+        raise ConfigError("cluster.trainer.gpus_per_node", "cluster.device=cuda needs >= 1 GPU per trainer node")
+    nproc = c.trainer.nproc_per_node
+    if nproc is not None and nproc != c.trainer.gpus_per_node:
+        raise ConfigError(
+            "cluster.trainer.nproc_per_node",
+            f"{nproc} ranks per node but {c.trainer.gpus_per_node} GPUs per node; one rank per GPU "
+            f"(set it to {c.trainer.gpus_per_node} or null)",
+        )
+
+
+def check_models(cfg: DictConfig) -> None:
+    ref = cfg.model.name
+    for key in ("trainer.model.name", "trainer.tokenizer.name", "inference.model.name", "orchestrator.model.name"):
+        if _get(cfg, key) != ref:
+            raise ConfigError(
+                key, f"{_get(cfg, key)!r} differs from model.name={ref!r}; set model.name once and leave this unset"
+            )
+
+
+def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None = None) -> None:
+    """Every env id must be importable (installed package, or a module on the path)."""
+    importable = importable or env_import_error
+    o = cfg.orchestrator
+    if cfg.trainer.type == "rl" and not o.env:
+        raise ConfigError("orchestrator.env", "no training environment; add env=<name> or +experiment=<name>")
+    for where, entries in (("orchestrator.env", o.env), ("orchestrator.eval.env", o.eval.env)):
+        for i, e in enumerate(entries):
+            if e.ratio <= 0:
+                raise ConfigError(f"{where}.{i}.ratio", f"must be > 0 (got {e.ratio})")
+            err = importable(e.id)
+            if err:
+                raise ConfigError(
+                    f"{where}.{i}.id",
+                    f"cannot import environment {e.id!r} ({err}); install its package (pip install -e <path>) "
+                    "or fix the id",
+                )
+
+
+def env_import_error(module: str) -> str | None:
+    """Why `module` cannot be imported (None if it can), without importing it."""
+    if not module or any(not part.isidentifier() for part in module.split(".")):
+        return "not a module name"
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as e:
+        return str(e)
+    return None if spec is not None else f"no module named {module!r} in {Path(sys.executable).parent.parent}"
+
+
+def check_training_mode(cfg: DictConfig) -> None:
+    mode = cfg.orchestrator.training_mode
+    teacher = cfg.orchestrator.teacher.client.base_url
+    if mode in ("opd", "sft") and not teacher:
+        raise ConfigError(
+            "orchestrator.teacher.client.base_url",
+            f"training_mode={mode} needs a teacher server; set it to the teacher's OpenAI URL (http://host:port/v1)",
+        )
+    if mode == "rl" and teacher:
+        raise ConfigError(
+            "orchestrator.teacher.client.base_url",
+            "a teacher is only used with training_mode=opd or sft; unset it or change the mode",
+        )
+
+
+def check_sft(cfg: DictConfig) -> None:
+    if cfg.trainer.type == "sft" and not cfg.trainer.data.name:
+        raise ConfigError("trainer.data.name", "an SFT run needs a dataset; set it to a HF dataset name or local path")
+
+
+def check_ckpt(cfg: DictConfig) -> None:
+    k = cfg.ckpt
+    for key in ("interval", "keep_last", "keep_interval"):
+        v = k[key]
+        if v is not None and v < 1:
+            raise ConfigError(f"ckpt.{key}", f"must be >= 1 or null (got {v})")
+    if k.step is not None and k.step < -1:
+        raise ConfigError("ckpt.step", f"must be -1 (latest) or a step >= 0 (got {k.step})")
+    if cfg.wandb.enabled and not cfg.wandb.project:
+        raise ConfigError("wandb.project", "set a project name when wandb.enabled=true")
+
+
+def check_output_dir(cfg: DictConfig) -> None:
+    path = Path(cfg.output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError("output_dir", f"{path} exists and is not a directory; choose another output_dir")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError("output_dir", f"{probe} is not writable; choose an output_dir on a writable shared filesystem")
+
+
+def check_name(cfg: DictConfig) -> None:
+    if not str(cfg.name).strip():
+        raise ConfigError("name", "must not be empty")
+
+
+RULES: tuple[Callable[[DictConfig], None], ...] = (
+    check_name,
+    check_choices,
+    check_positive,
+    check_batch,
+    check_lengths,
+    check_gpus,
+    check_models,
+    check_training_mode,
+    check_sft,
+    check_ckpt,
+    check_envs,
+    check_output_dir,
+)
+
+
+def validate(cfg: DictConfig, rules: Iterable[Callable[[DictConfig], None]] = RULES) -> DictConfig:
+    """Run every cross-field rule; the first violation raises `ConfigError`."""
+    for rule in rules:
+        rule(cfg)
+    return cfg

@@ -1,0 +1,249 @@
+"""Preflight (`prime-hpc doctor`): the run's het layout with a check on every node instead
+of the components. Each node reports hostname, visible accelerators, the Python imports
+its component needs, read+write of the shared run directory, and whether it reaches a
+port opened by the head group; the trainer group also runs a collective over its process
+group (gloo on CPU, NCCL on GPU) under the same torchrun/rendezvous the trainer uses.
+
+  head (group 0):  run_head()  -> preflight/head.json, waits for every report, report.json
+  nodes (1, 2):    python -m prime_hpc.doctor node --group inference|trainer --output-dir D
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
+
+IMPORTS = {
+    "orchestrator": ("verifiers", "openai", "transformers"),
+    "inference": ("vllm", "transformers"),
+    "trainer": ("torch", "transformers"),
+}
+HANDSHAKE = b"prime-hpc-preflight\n"
+REPORT_TIMEOUT_S = float(os.environ.get("PRIME_HPC_PREFLIGHT_TIMEOUT_S", "600"))
+
+
+def _check(name: str, fn: Callable[[], str]) -> dict[str, Any]:
+    try:
+        return {"name": name, "ok": True, "detail": fn()}
+    except Exception as e:  # a failed check is data, not a crash
+        return {"name": name, "ok": False, "detail": f"{type(e).__name__}: {e}".strip()}
+
+
+def _accelerators() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        gpus = [ln for ln in out.stdout.splitlines() if ln.startswith("GPU")]
+        return f"{len(gpus)} GPU(s) (CUDA_VISIBLE_DEVICES={visible})"
+    return f"none (CPU only; CUDA_VISIBLE_DEVICES={visible})"
+
+
+def _check_accelerators(device: str) -> str:
+    found = _accelerators()
+    if device == "cuda" and found.startswith("none"):
+        raise RuntimeError(f"cluster.device=cuda but {found}")
+    return found
+
+
+def _imports(group: str) -> str:
+    versions = []
+    for mod in IMPORTS[group]:
+        m = importlib.import_module(mod)
+        versions.append(f"{mod} {getattr(m, '__version__', '?')}")
+    return ", ".join(versions)
+
+
+def _shared_rw(run: RunDir, group: str, rank: int) -> str:
+    """Write a file into the shared run dir and read it back; read the head's file too
+    (proves this node sees what another node wrote)."""
+    probe = run.preflight_dir / f".rw_{group}_{rank}"
+    token = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
+    atomic_write_json(probe, {"token": token})
+    if read_json(probe)["token"] != token:
+        raise RuntimeError(f"read back a different content from {probe}")
+    probe.unlink()
+    if group != "orchestrator":
+        read_json(wait_file(run.preflight_head, timeout_s=120, producer="the head group (orchestrator)"))
+    return f"read+write ok in {run.preflight_dir}"
+
+
+def _reach_head(run: RunDir) -> str:
+    head = read_json(wait_file(run.preflight_head, timeout_s=120, producer="the head group (orchestrator)"))
+    with socket.create_connection((head["address"], head["port"]), timeout=30) as s:
+        s.sendall(HANDSHAKE)
+        reply = s.recv(64)
+    if reply != HANDSHAKE:
+        raise RuntimeError(f"unexpected reply {reply!r} from {head['address']}:{head['port']}")
+    return f"reached {head['address']}:{head['port']} ({head['host']})"
+
+
+def _collective(device: str) -> str:
+    """all_reduce over the trainer's process group (set up by torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+    try:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else torch.device("cpu")
+        if device == "cuda":
+            torch.cuda.set_device(dev)
+        t = torch.ones(1, device=dev)
+        dist.all_reduce(t)
+        world = dist.get_world_size()
+        if int(t.item()) != world:
+            raise RuntimeError(f"all_reduce gave {t.item()}, expected {world}")
+        return f"{backend} all_reduce over {world} rank(s) ok"
+    finally:
+        dist.destroy_process_group()
+
+
+def node_checks(run: RunDir, group: str, rank: int, device: str) -> list[dict[str, Any]]:
+    checks = [
+        _check("hostname", socket.gethostname),
+        _check("accelerators", lambda: _check_accelerators(device)),
+        _check("imports", lambda: _imports(group)),
+        _check("shared run dir", lambda: _shared_rw(run, group, rank)),
+    ]
+    if group != "orchestrator":
+        checks.append(_check("reach head port", lambda: _reach_head(run)))
+    if group == "trainer" and "WORLD_SIZE" in os.environ:
+        checks.append(_check("trainer collective", lambda: _collective(device)))
+    return checks
+
+
+def _node_rank(group: str) -> int:
+    if group == "trainer":
+        return int(os.environ.get("RANK", 0))
+    return int(os.environ.get("SLURM_NODEID", os.environ.get("PRIME_HPC_NODE_RANK", 0)))
+
+
+def write_report(run: RunDir, group: str, rank: int, checks: list[dict[str, Any]]) -> dict[str, Any]:
+    report = {
+        "group": group,
+        "rank": rank,
+        "host": socket.gethostname(),
+        "slurm_node": os.environ.get("SLURMD_NODENAME"),
+        "ok": all(c["ok"] for c in checks),
+        "checks": checks,
+    }
+    atomic_write_json(run.preflight_report(group, rank), report)
+    return report
+
+
+def run_node(run: RunDir, group: str) -> int:
+    rank = _node_rank(group)
+    device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
+    report = write_report(run, group, rank, node_checks(run, group, rank, device))
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+class _HeadServer:
+    """A TCP port on the head node that every other node must reach."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.5)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            with conn:
+                conn.settimeout(10)
+                try:
+                    if conn.recv(64) == HANDSHAKE:
+                        conn.sendall(HANDSHAKE)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+def head_address() -> str:
+    """An address of this node that other nodes can connect to."""
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
+    """Open the port, publish it, check this node, wait for every node's report and
+    write `preflight/report.json`. `expected` maps group -> number of reports."""
+    server = _HeadServer()
+    try:
+        atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": head_address(),
+                                               "port": server.port})
+        device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
+        write_report(run, "orchestrator", 0, node_checks(run, "orchestrator", 0, device))
+        reports = {"orchestrator": [read_json(run.preflight_report("orchestrator", 0))]}
+        logs = run.latest_logs
+        for group, n in expected.items():
+            reports[group] = []
+            for rank in range(n):
+                path = run.preflight_report(group, rank)
+                try:
+                    wait_file(path, timeout_s=REPORT_TIMEOUT_S, producer=f"{group} rank {rank}",
+                              producer_log=logs / group / "node_0.log")
+                    reports[group].append(read_json(path))
+                except WaitTimeout as e:
+                    reports[group].append({"group": group, "rank": rank, "host": None, "ok": False,
+                                           "checks": [{"name": "report", "ok": False, "detail": str(e).splitlines()[0]}]})
+    finally:
+        server.close()
+    summary = {"ok": all(r["ok"] for rs in reports.values() for r in rs), "groups": reports}
+    atomic_write_json(run.preflight_summary, summary)
+    return summary
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """One row per group and rank: PASS/FAIL, host, and the failing checks' details."""
+    rows = [("GROUP", "RANK", "RESULT", "HOST", "DETAIL")]
+    for group, reports in summary["groups"].items():
+        for r in reports:
+            failed = [f"{c['name']}: {c['detail']}" for c in r["checks"] if not c["ok"]]
+            detail = "; ".join(failed) if failed else ", ".join(
+                f"{c['name']}" for c in r["checks"])
+            rows.append((group, str(r["rank"]), "PASS" if r["ok"] else "FAIL", str(r.get("host")), detail))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.doctor")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    n = sub.add_parser("node")
+    n.add_argument("--group", choices=("inference", "trainer"), required=True)
+    n.add_argument("--output-dir", required=True)
+    a = p.parse_args(argv)
+    return run_node(RunDir(a.output_dir), a.group)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Job records: `job.json` in each run directory (the truth about a run: job ids incl.
+requeues and resumes, overrides, git sha, cluster, state, attempts, failure) and a small
+index of submitted runs in the user's state dir, so a job can be named by SLURM id, run
+name or output dir. Light imports only: this backs `status` and `list`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from prime_hpc.errors import JobNotFound
+from prime_hpc.rundir import RunDir, atomic_write_json, read_json
+
+# job.json "state" values (SLURM's vocabulary where it has one)
+PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
+FINAL_STATES = {COMPLETED, FAILED, CANCELLED, "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                "DEADLINE"}
+
+
+def state_dir() -> Path:
+    """Where prime-hpc keeps per-user state (`$PRIME_HPC_STATE_DIR`, else XDG state)."""
+    env = os.environ.get("PRIME_HPC_STATE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "prime-hpc"
+
+
+def index_file() -> Path:
+    return state_dir() / "jobs.jsonl"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------- job.json
+def read_job(run: RunDir) -> dict[str, Any]:
+    try:
+        return read_json(run.job_json)
+    except FileNotFoundError:
+        return {}
+
+
+def update_job(run: RunDir, **changes: Any) -> dict[str, Any]:
+    """Read-modify-write job.json under a lock; list values given as `append_<key>` are
+    appended to `<key>`."""
+    with _locked(run.job_json):
+        job = read_job(run)
+        for key, value in changes.items():
+            if key.startswith("append_"):
+                job.setdefault(key[7:], []).append(value)
+            else:
+                job[key] = value
+        job["updated_at"] = time.time()
+        atomic_write_json(run.job_json, job)
+    return job
+
+
+def git_sha(path: Path) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+# ----------------------------------------------------------------------------- index
+@dataclass
+class JobRef:
+    job_id: str  # SLURM job id (het leader) or local-<pid>
+    name: str
+    output_dir: str
+    backend: str
+    submitted_at: float
+    mode: str = "rl"
+
+    @property
+    def run(self) -> RunDir:
+        return RunDir(self.output_dir)
+
+
+def record(ref: JobRef) -> None:
+    """Append `ref` to the user's job index."""
+    with _locked(index_file()):
+        with open(index_file(), "a") as f:
+            f.write(json.dumps(ref.__dict__) + "\n")
+
+
+def recent(limit: Optional[int] = None) -> list[JobRef]:
+    """Indexed jobs, newest first."""
+    try:
+        lines = index_file().read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    refs = []
+    for line in lines:
+        try:
+            refs.append(JobRef(**json.loads(line)))
+        except (ValueError, TypeError):
+            continue  # a torn or foreign line never breaks `list`
+    refs.reverse()
+    return refs[:limit] if limit else refs
+
+
+def resolve(name: str) -> JobRef:
+    """A job named by SLURM id, run name or output dir (newest match wins)."""
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "job.json").exists():
+        job = read_job(RunDir(path))
+        ids = job.get("job_ids") or ["?"]
+        return JobRef(job_id=str(ids[-1]), name=job.get("name", path.name), output_dir=str(RunDir(path).root),
+                      backend=job.get("backend", "?"), submitted_at=job.get("submitted_at", 0),
+                      mode=job.get("mode", "rl"))
+    refs = recent()
+    for ref in refs:
+        if ref.job_id == name or ref.job_id.split("_")[0] == name:
+            return ref
+    for ref in refs:
+        if ref.name == name:
+            return ref
+    for ref in refs:  # a job id of an earlier attempt (resume/requeue) recorded in job.json
+        if name in [str(i) for i in read_job(ref.run).get("job_ids", [])]:
+            return ref
+    hint = f"; known: {', '.join(r.job_id + ' (' + r.name + ')' for r in refs[:5])}" if refs else ""
+    raise JobNotFound(f"no job {name!r} (give a SLURM job id, a run name or an output dir){hint}")

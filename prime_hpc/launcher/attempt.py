@@ -1,0 +1,85 @@
+"""Runtime helpers the job script calls (light imports: runs once per attempt).
+
+  python -m prime_hpc.launcher.attempt start <output_dir> --job-id ID
+      new log tree logs/attempt_<k>/ (+ logs/latest), job.json state RUNNING; prints the path
+  python -m prime_hpc.launcher.attempt end <output_dir> --rc N [--component C] [--reason R]
+      job.json final state, and which component failed with the log to read
+  python -m prime_hpc.launcher.attempt rendezvous
+      prints <address>:<port> of this node with a port free here (torchrun c10d endpoint)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+from prime_hpc.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, update_job
+from prime_hpc.rundir import RunDir
+
+
+def start(run: RunDir, job_id: str) -> str:
+    k, logs = run.new_attempt()
+    for sub in ("inference", "trainer", "envs"):
+        (logs / sub).mkdir(exist_ok=True)
+    # top-level names of the reference layout, pointing at node 0's stream
+    for comp in ("trainer", "inference"):
+        os.symlink(os.path.join(comp, "node_0.log"), run.component_log(logs, comp))
+    update_job(
+        run,
+        state=RUNNING,
+        attempt=k,
+        append_attempts={"attempt": k, "job_id": job_id, "host": socket.gethostname(), "started_at": time.time(),
+                         "logs": str(logs)},
+    )
+    return str(logs)
+
+
+def end(run: RunDir, rc: int, component: str = "", reason: str = "") -> str:
+    state = COMPLETED if rc == 0 else CANCELLED if rc in (130, 143) and not component else FAILED
+    failure = None
+    if rc != 0:
+        logs = run.latest_logs.resolve()
+        log = run.component_log(logs, component) if component else logs
+        failure = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
+    update_job(run, state=state, failure=failure, ended_at=time.time())
+    if failure:
+        where = f"{component} {reason}" if component else reason
+        return f"prime-hpc: run {state.lower()}: {where}; see {failure['log']}"
+    return f"prime-hpc: run completed; logs in {run.latest_logs}"
+
+
+def rendezvous() -> str:
+    """This node's address and a port that is free here right now."""
+    host = socket.gethostname()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{host}:{port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.attempt")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start")
+    s.add_argument("output_dir")
+    s.add_argument("--job-id", default="")
+    e = sub.add_parser("end")
+    e.add_argument("output_dir")
+    e.add_argument("--rc", type=int, required=True)
+    e.add_argument("--component", default="")
+    e.add_argument("--reason", default="")
+    sub.add_parser("rendezvous")
+    a = p.parse_args(argv)
+    if a.cmd == "start":
+        print(start(RunDir(a.output_dir), a.job_id))
+    elif a.cmd == "end":
+        print(end(RunDir(a.output_dir), a.rc, a.component, a.reason), file=sys.stderr)
+    else:
+        print(rendezvous())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The head task: what het group 0 runs. On SLURM it is the callable submitit pickles and
+runs (`python -m submitit.core._submit`), so submitit tracks its result and handles its
+checkpoint/requeue signal; locally it runs as `python -m prime_hpc.launcher.head`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+from prime_hpc.rundir import RunDir
+
+
+@dataclass
+class HeadTask:
+    mode: str  # rl | doctor
+    output_dir: str
+    expected: dict[str, int] = field(default_factory=dict)  # doctor: reports to wait for, per group
+
+    def __call__(self) -> dict:
+        run = RunDir(self.output_dir)
+        if self.mode == "doctor":
+            from prime_hpc.doctor import run_head
+
+            summary = run_head(run, self.expected)
+            if not summary["ok"]:
+                raise SystemExit(f"preflight failed; see {run.preflight_summary}")
+            return summary
+        from prime_hpc.orchestrator import main as orchestrator_main  # the RL head component
+
+        return orchestrator_main(["--config", str(run.component_config("orchestrator"))])
+
+    def argv(self, python: str) -> list[str]:
+        """The local equivalent of submitit's command for this task."""
+        args = [python, "-u", "-m", "prime_hpc.launcher.head", self.mode, self.output_dir]
+        for group, n in self.expected.items():
+            args += ["--expect", f"{group}={n}"]
+        return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.head")
+    p.add_argument("mode", choices=("rl", "doctor"))
+    p.add_argument("output_dir")
+    p.add_argument("--expect", action="append", default=[], help="group=N reports to wait for (doctor)")
+    a = p.parse_args(argv)
+    expected = {k: int(v) for k, v in (e.split("=", 1) for e in a.expect)}
+    HeadTask(a.mode, a.output_dir, expected)()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Submit a run (or its preflight): validate, write the run directory's launch files,
+render, hand to the backend, record the job. Shared by both backends."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from prime_hpc import jobs
+from prime_hpc.config.compose import component_config, to_yaml
+from prime_hpc.config.validate import validate
+from prime_hpc.errors import ConfigError, LaunchError
+from prime_hpc.launcher.head import HeadTask
+from prime_hpc.launcher.plan import GROUP_NAMES, Plan, make_plan
+from prime_hpc.launcher.render import render_sbatch
+from prime_hpc.rundir import RunDir, atomic_write_text
+
+
+@dataclass
+class Submitted:
+    ref: jobs.JobRef
+    plan: Plan
+    job: object = None  # HetSlurmJob on SLURM
+
+
+def check_fresh(cfg: DictConfig, resume: bool = False) -> None:
+    """A fresh run needs an empty output_dir (or clean_output_dir=true, or a resume)."""
+    run = RunDir(cfg.output_dir)
+    if resume or run.is_fresh():
+        return
+    if cfg.clean_output_dir:
+        state = jobs.read_job(run).get("state")
+        if state in ("RUNNING", "PENDING"):
+            raise ConfigError("clean_output_dir", f"{run.root} belongs to a job that is {state}; cancel it first")
+        return
+    job = jobs.read_job(run)
+    owner = f" (run {job.get('name')!r}, job {', '.join(map(str, job.get('job_ids', [])))})" if job else ""
+    raise ConfigError(
+        "output_dir",
+        f"{run.root} is not empty{owner}; set clean_output_dir=true to wipe it, choose another output_dir, "
+        f"or continue it with `prime-hpc resume {run.root}`",
+    )
+
+
+def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
+    """config.yaml, configs/<component>.yaml and submit/rl.sbatch."""
+    atomic_write_text(run.config_yaml, to_yaml(cfg))
+    for component in GROUP_NAMES:
+        atomic_write_text(run.component_config(component), to_yaml(OmegaConf.create(component_config(cfg, component))))
+    if not plan.head_argv:
+        plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(run.submitit_dir)]
+    atomic_write_text(run.sbatch_script, render_sbatch(plan))
+
+
+def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False) -> tuple[RunDir, Plan]:
+    """Validate and write everything a launch needs; returns the run dir used by the job
+    (the run's own, or `<output_dir>/doctor/` for a preflight)."""
+    validate(cfg)
+    run = RunDir(cfg.output_dir)
+    if mode == "rl":
+        check_fresh(cfg, resume)
+        if cfg.clean_output_dir and not resume:
+            run.wipe()
+    else:
+        run = run.doctor_run
+        run.wipe()
+        cfg = cfg.copy()
+        cfg.output_dir = str(run.root)
+    plan = make_plan(cfg, mode)
+    if plan.backend == "slurm":
+        plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(run.submitit_dir)]
+    write_launch_files(cfg, run, plan)
+    return run, plan
+
+
+def expected_reports(plan: Plan) -> dict[str, int]:
+    inf, tr = plan.group("inference"), plan.group("trainer")
+    return {"inference": inf.nodes, "trainer": tr.nodes * plan.trainer.nproc_per_node}
+
+
+def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: bool = False) -> Submitted:
+    run, plan = prepare(cfg, mode, resume)
+    task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
+    prior = jobs.read_job(run) if resume else {}
+    now = time.time()
+    # job.json before the job exists: the job itself only ever moves the state forward
+    jobs.update_job(
+        run,
+        name=cfg.name,
+        mode=mode,
+        backend=plan.backend,
+        output_dir=str(run.root),
+        overrides=[*prior.get("overrides", []), list(overrides)],
+        git_sha=jobs.git_sha(Path(__file__).resolve().parent),
+        cluster={k: cfg.cluster[k] for k in ("backend", "device", "partition", "account", "qos")},
+        submitted_at=now,
+        state=jobs.PENDING,
+    )
+    job_obj = None
+    pid: Optional[int] = None
+    if plan.backend == "slurm":
+        from prime_hpc.launcher import slurm
+
+        job_obj = slurm.submit(plan, task)
+        job_id = job_obj.job_id
+    else:
+        from prime_hpc.launcher import local
+
+        job_id, pid = local.submit(plan, task)
+    jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], pid=pid)
+    ref = jobs.JobRef(job_id=job_id, name=cfg.name, output_dir=str(run.root), backend=plan.backend,
+                      submitted_at=now, mode=mode)
+    jobs.record(ref)
+    return Submitted(ref=ref, plan=plan, job=job_obj)
+
+
+def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 1.0) -> str:
+    """Block until the job is finished; returns its final state."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = job_state(sub.ref)
+        if st in jobs.FINAL_STATES:
+            return st
+        time.sleep(poll_s)
+    raise LaunchError(f"job {sub.ref.job_id} still {job_state(sub.ref)} after {timeout_s:g}s; "
+                      f"see {sub.ref.run.latest_logs}")
+
+
+def group_states(ref: jobs.JobRef) -> dict[str, str]:
+    """State of each het group (SLURM), or of the local run as a whole."""
+    if ref.backend == "slurm":
+        from prime_hpc.launcher import slurm
+
+        return slurm.job(ref.job_id, str(ref.run.submitit_dir)).group_states(mode="force")
+    from prime_hpc.launcher import local
+
+    st = local.state(ref.run)
+    return {g: st for g in GROUP_NAMES}
+
+
+def job_state(ref: jobs.JobRef) -> str:
+    if ref.backend == "slurm":
+        from prime_hpc.launcher.slurm import aggregate
+
+        return aggregate(list(group_states(ref).values()))
+    from prime_hpc.launcher import local
+
+    return local.state(ref.run)
+
+
+def cancel(ref: jobs.JobRef) -> None:
+    if ref.backend == "slurm":
+        from prime_hpc.launcher import slurm
+
+        slurm.cancel(ref.job_id)
+    else:
+        from prime_hpc.launcher import local
+
+        local.cancel(ref.run)

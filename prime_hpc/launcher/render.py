@@ -1,0 +1,57 @@
+"""Render the job scripts from `sbatch_templates/`: a pure function of a `Plan`.
+
+Every interpolated value goes through a quoting filter: `q` (POSIX shell), `qjoin`
+(an argv) or `sbatch_q` (a value on an `#SBATCH` line, which sbatch parses itself).
+"""
+from __future__ import annotations
+
+import shlex
+from functools import lru_cache
+from pathlib import Path
+
+from prime_hpc.errors import UserError
+from prime_hpc.launcher.plan import Plan
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch_templates"
+STOP_GRACE_S = 60  # how long components get to exit (e.g. finish a checkpoint) before SIGKILL
+
+
+def sbatch_quote(value: object) -> str:
+    """Quote a value for an `#SBATCH` line. sbatch strips double quotes itself; it cannot
+    carry a double quote or a newline, so such values are refused with a clear error."""
+    text = str(value)
+    if '"' in text or "\n" in text:
+        raise UserError(f"{text!r}: SLURM options cannot contain a double quote or a newline")
+    return '"' + text + '"' if any(c.isspace() or c in "'\\$`;&|<>()#" for c in text) else text
+
+
+def slurm_pattern(path: object) -> str:
+    """Escape '%' in a path SLURM expands (--output): '%%' is a literal percent sign."""
+    return str(path).replace("%", "%%")
+
+
+@lru_cache(maxsize=1)
+def _env():
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters["qjoin"] = lambda argv: " ".join(shlex.quote(str(a)) for a in argv)
+    env.filters["sbatch_q"] = sbatch_quote
+    return env
+
+
+def render_sbatch(plan: Plan) -> str:
+    """The het-job batch script for `plan` (cluster=slurm)."""
+    slurm_output = slurm_pattern(plan.run.submitit_dir / "%j_batch.out")
+    return _env().get_template("rl.sbatch.j2").render(plan=plan, slurm_output=slurm_output, grace_s=STOP_GRACE_S)
+
+
+def render_local(plan: Plan, job_id: str) -> str:
+    """The same three components as local processes (cluster=local)."""
+    return _env().get_template("local.sh.j2").render(plan=plan, job_id=job_id, grace_s=STOP_GRACE_S)

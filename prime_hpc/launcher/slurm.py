@@ -1,0 +1,137 @@
+"""SLURM backend on top of submitit: submitit pickles the head task, submits, parses the
+job id and tracks state through sacct; we render the het script (submitit cannot emit het
+jobs itself) and aggregate the per-component states of a het job (sacct lists them as
+`<id>+0`, `<id>+1`, ... and never as a bare `<id>`)."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+from typing import Any
+
+import submitit
+from submitit.slurm.slurm import SlurmJob, SlurmInfoWatcher
+
+from prime_hpc.errors import LaunchError
+from prime_hpc.launcher.plan import GROUP_NAMES, Plan
+from prime_hpc.launcher.render import render_sbatch
+
+ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "RESIZING", "SUSPENDED", "REQUEUE_HOLD",
+          "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
+FAILED_FIRST = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "CANCELLED")
+
+
+def minutes(slurm_time: str) -> int:
+    """'[D-]HH:MM:SS' / 'MM:SS' / 'MM' -> minutes (for submitit's timeout bookkeeping)."""
+    days, _, rest = slurm_time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    h, m, s = ([0] * (3 - len(parts)) + parts) if len(parts) > 1 else (0, parts[0], 0)
+    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
+
+
+def aggregate(states: list[str]) -> str:
+    """One state for a het job from its components' states."""
+    states = [s.split()[0] if s else "UNKNOWN" for s in states]  # "CANCELLED by 0" -> CANCELLED
+    if not states or all(s == "UNKNOWN" for s in states):
+        return "UNKNOWN"
+    if all(s == "COMPLETED" for s in states):
+        return "COMPLETED"
+    if any(s in ACTIVE and s != "PENDING" for s in states):
+        return "RUNNING"
+    if all(s == "PENDING" for s in states):
+        return "PENDING"
+    for s in FAILED_FIRST:
+        if s in states:
+            return s
+    return states[0]
+
+
+class HetSlurmJob(SlurmJob):
+    """A het job: state is the aggregate of its components `<id>+<k>`."""
+
+    watcher = SlurmInfoWatcher(delay_s=60)
+    num_groups = len(GROUP_NAMES)
+
+    def group_states(self, mode: str = "standard") -> dict[str, str]:
+        out = {}
+        for k, name in enumerate(GROUP_NAMES[: self.num_groups]):
+            info = self.watcher.get_info(f"{self.job_id}+{k}", mode=mode)
+            out[name] = info.get("State") or "UNKNOWN"
+        if all(s == "UNKNOWN" for s in out.values()):
+            out = {**out, **_squeue_states(self.job_id)}
+        return out
+
+    @property
+    def state(self) -> str:
+        return aggregate(list(self.group_states().values()))
+
+    def done(self, force_check: bool = False) -> bool:
+        state = aggregate(list(self.group_states(mode="force" if force_check else "standard").values()))
+        return state not in ACTIVE and state != "UNKNOWN"
+
+
+def _squeue_states(job_id: str) -> dict[str, str]:
+    """Component states from squeue (a job sacct does not know yet)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i|%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    states = {}
+    for line in out.stdout.splitlines():
+        jid, _, state = line.partition("|")
+        if "+" in jid:
+            k = int(jid.split("+")[1])
+            if k < len(GROUP_NAMES):
+                states[GROUP_NAMES[k]] = state
+    return states
+
+
+class HetSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's Slurm executor with our het-job script in place of its sbatch string."""
+
+    job_class = HetSlurmJob
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(folder=plan.run.submitit_dir, max_num_timeout=3, python=shlex.quote(plan.python))
+        self.plan = plan
+        self.parameters["time"] = minutes(plan.time)
+
+    @property
+    def head_argv(self) -> list[str]:
+        return [self.plan.python, "-u", "-m", "submitit.core._submit", str(self.folder)]
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return render_sbatch(self.plan)
+
+    def _num_tasks(self) -> int:
+        return 1  # the head task; the other groups are srun steps of the script
+
+
+def submit(plan: Plan, task: Any) -> HetSlurmJob:
+    """Submit the het job running `task` on the head group; returns at once."""
+    if not _have_slurm():
+        raise LaunchError("cluster.backend=slurm but no SLURM here (sbatch not found); use cluster=local "
+                          "or start the dev cluster: tools/dev-cluster start")
+    executor = HetSlurmExecutor(plan)
+    plan.head_argv = executor.head_argv
+    try:
+        job = executor.submit(task)
+    except (submitit.core.utils.FailedSubmissionError, submitit.core.utils.FailedJobError) as e:
+        detail = " ".join(str(e).split())
+        raise LaunchError(f"sbatch refused the job: {detail[-400:]}") from None
+    return job  # type: ignore[return-value]
+
+
+def job(job_id: str, plan_folder: str) -> HetSlurmJob:
+    return HetSlurmJob(folder=plan_folder, job_id=job_id, tasks=[0])
+
+
+def cancel(job_id: str) -> None:
+    out = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise LaunchError(f"scancel {job_id} failed: {out.stderr.strip()}")
+
+
+def _have_slurm() -> bool:
+    import shutil
+
+    return shutil.which("sbatch") is not None

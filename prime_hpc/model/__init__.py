@@ -1,0 +1,23 @@
+"""Model helpers.
+
+Importing this package does not import torch or transformers: the public functions
+are resolved lazily (and the heavy imports happen inside them), which keeps the CLI
+and ``python -m prime_hpc.model.tiny`` light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["build_tiny_model", "ensure_tiny_model"]
+
+if TYPE_CHECKING:
+    from prime_hpc.model.tiny import build_tiny_model, ensure_tiny_model
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from prime_hpc.model import tiny
+
+        return getattr(tiny, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

