@@ -225,12 +225,14 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
 def format_table(summary: dict[str, Any]) -> str:
     """One row per group and rank: PASS/FAIL, host, and the failing checks' details."""
     rows = [("GROUP", "RANK", "RESULT", "HOST", "DETAIL")]
-    for group, reports in summary["groups"].items():
+    order = {"orchestrator": 0, "inference": 1, "trainer": 2}
+    for group, reports in sorted(summary["groups"].items(), key=lambda kv: order.get(kv[0], 9)):
         for r in reports:
             failed = [f"{c['name']}: {c['detail']}" for c in r["checks"] if not c["ok"]]
             detail = "; ".join(failed) if failed else ", ".join(
                 f"{c['name']}" for c in r["checks"])
-            rows.append((group, str(r["rank"]), "PASS" if r["ok"] else "FAIL", str(r.get("host")), detail))
+            host = str(r.get("host")) + (f" ({r['slurm_node']})" if r.get("slurm_node") else "")
+            rows.append((group, str(r["rank"]), "PASS" if r["ok"] else "FAIL", host, detail))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
 

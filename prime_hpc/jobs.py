@@ -40,7 +40,7 @@ def index_file() -> Path:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "a") as lock:
+    with open(path.parent / f".{path.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

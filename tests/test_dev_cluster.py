@@ -23,7 +23,9 @@ HINT = "start the dev cluster first: `tools/dev-cluster start` (as root)"
 # Generous bound on how long a tiny het job may take from submission to a COMPLETED record
 # in sacct; with bf_interval=1 it normally takes a few seconds. Not a timing assertion.
 JOB_DEADLINE_S = 120
-USABLE_NODE_STATES = {"idle", "mix", "alloc"}  # responding nodes, no '*', not drained/down
+# Responding (no '*' suffix), not drained/down. Others may be running jobs on the shared dev
+# cluster, so allocated nodes and "plnd" (idle, held for a backfill-planned job) count too.
+USABLE_NODE_STATES = {"idle", "mix", "alloc", "plnd"}
 TERMINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
     "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED",

@@ -261,8 +261,11 @@ def _client(server):
 SAMPLING = {
     "max_tokens": 12,
     "temperature": 1.0,
+    # logprobs + return_token_ids: verifiers then fills trajectory[i]["tokens"]
     "logprobs": True,
-    "extra_body": {"return_token_ids": True},
+    # min_tokens: the untrained model samples <|im_end|> first ~1% of the time; an empty
+    # answer is an EmptyModelResponseError rollout in verifiers 0.3.1 (error, reward 0)
+    "extra_body": {"return_token_ids": True, "min_tokens": 4},
 }
 
 
@@ -295,29 +298,35 @@ def test_generate_and_evaluate_against_vllm(vllm_server):
 
     tok = AutoTokenizer.from_pretrained(vllm_server["model_dir"], local_files_only=True)
     env = reverse_text.load_environment(num_train_examples=4, num_eval_examples=3)
-    client = _client(vllm_server)
     quiet = lambda *a, **k: None  # noqa: E731  (replaces the tqdm bar)
 
-    # training-style: env.get_dataset() (has example_id), 2 rollouts per example
-    inputs = env.get_dataset().repeat(2)
-    res = asyncio.run(env.generate(
-        inputs, client=client, model=vllm_server["model"], sampling_args=SAMPLING,
-        state_columns=["trajectory"], on_progress=quiet,
-    ))
+    async def run():
+        # One event loop for both calls: the AsyncOpenAI (httpx) client is bound to the
+        # loop it first ran on; reusing it under a second asyncio.run() makes every
+        # rollout fail with "Event loop is closed" (reported in out["error"], not raised).
+        client = _client(vllm_server)
+        # training-style: env.get_dataset() (has example_id), 2 rollouts per example
+        gen = await env.generate(
+            env.get_dataset().repeat(2), client=client, model=vllm_server["model"],
+            sampling_args=SAMPLING, state_columns=["trajectory"], on_progress=quiet,
+        )
+        # evaluation: the eval split, rollouts_per_example
+        ev = await env.evaluate(
+            client=client, model=vllm_server["model"], sampling_args=SAMPLING,
+            rollouts_per_example=2, state_columns=["trajectory"], on_progress=quiet,
+        )
+        return gen, ev
+
+    res, ev = asyncio.run(run())
     outs = res["outputs"]
     assert len(outs) == 8
     assert sorted(o["example_id"] for o in outs) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert res["metadata"]["rollouts_per_example"] == 2
     _check_outputs(outs, tok)
 
-    # evaluation: the eval split, rollouts_per_example
-    res = asyncio.run(env.evaluate(
-        client=client, model=vllm_server["model"], sampling_args=SAMPLING,
-        rollouts_per_example=2, state_columns=["trajectory"], on_progress=quiet,
-    ))
-    assert len(res["outputs"]) == 6
-    answers = {o["answer"] for o in res["outputs"]}
+    assert len(ev["outputs"]) == 6
+    answers = {o["answer"] for o in ev["outputs"]}
     assert answers == set(env.get_eval_dataset()["answer"])
-    _check_outputs(res["outputs"], tok)
-    avg = sum(o["reward"] for o in res["outputs"]) / 6
-    assert res["metadata"]["avg_reward"] == pytest.approx(avg)
+    _check_outputs(ev["outputs"], tok)
+    avg = sum(o["reward"] for o in ev["outputs"]) / 6
+    assert ev["metadata"]["avg_reward"] == pytest.approx(avg)

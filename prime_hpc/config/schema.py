@@ -186,7 +186,7 @@ class InferenceConfig:
     model: InferenceModelConfig = field(default_factory=InferenceModelConfig)
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # per node
+    data_parallel_size: Optional[int] = None  # per node; None = gpus_per_node / tensor_parallel_size
     cpu_kvcache_space_gb: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     cpu_threads: Optional[int] = None  # CPU only: OMP threads; None = what SLURM gave the task
     extra_args: List[str] = field(default_factory=list)  # passed verbatim to the vLLM server

@@ -50,7 +50,7 @@ def check_positive(cfg: DictConfig) -> None:
                 "orchestrator.max_off_policy_steps", "seq_len", "trainer.micro_batch_size",
                 "cluster.orchestrator.nodes", "cluster.inference.nodes", "cluster.trainer.nodes",
                 "inference.tensor_parallel_size", "inference.data_parallel_size"):
-        if _get(cfg, key) < 1:
+        if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(key, f"must be >= 1 (got {_get(cfg, key)})")
     if cfg.async_level < 0:
         raise ConfigError("async_level", f"must be >= 0 (got {cfg.async_level}); 0 is fully on-policy")
@@ -105,12 +105,18 @@ def check_gpus(cfg: DictConfig) -> None:
                 )
         return
     inf = cfg.inference
-    per_node = inf.tensor_parallel_size * inf.data_parallel_size
-    if per_node != c.inference.gpus_per_node:
+    tp, dp, gpus = inf.tensor_parallel_size, inf.data_parallel_size, c.inference.gpus_per_node
+    if dp is None and (gpus < tp or gpus % tp):
         raise ConfigError(
             "cluster.inference.gpus_per_node",
-            f"{c.inference.gpus_per_node} GPUs per node but inference.tensor_parallel_size x data_parallel_size "
-            f"= {inf.tensor_parallel_size} x {inf.data_parallel_size} = {per_node}; make them equal",
+            f"{gpus} GPUs per node cannot hold replicas of inference.tensor_parallel_size={tp}; "
+            f"use a multiple of {tp}",
+        )
+    if dp is not None and tp * dp != gpus:
+        raise ConfigError(
+            "cluster.inference.gpus_per_node",
+            f"{gpus} GPUs per node but inference.tensor_parallel_size x data_parallel_size "
+            f"= {tp} x {dp} = {tp * dp}; make them equal",
         )
     if c.trainer.gpus_per_node < 1:
         raise ConfigError("cluster.trainer.gpus_per_node", "cluster.device=cuda needs >= 1 GPU per trainer node")
@@ -195,14 +201,24 @@ def check_ckpt(cfg: DictConfig) -> None:
 
 
 def check_output_dir(cfg: DictConfig) -> None:
+    """output_dir must be (or be creatable as) a writable directory. Probed for real with
+    a temporary directory in the nearest existing ancestor, removed at once."""
+    import tempfile
+
     path = Path(cfg.output_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError("output_dir", f"{path} exists and is not a directory; choose another output_dir")
     probe = path
     while not probe.exists():
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError("output_dir", f"{probe} is not writable; choose an output_dir on a writable shared filesystem")
+    if not probe.is_dir():
+        raise ConfigError("output_dir", f"{probe} is not a directory; choose another output_dir")
+    try:
+        tempfile.TemporaryDirectory(prefix=".prime-hpc-probe-", dir=probe).cleanup()
+    except OSError as e:
+        raise ConfigError(
+            "output_dir", f"cannot write in {probe} ({e.strerror}); choose an output_dir on a writable shared filesystem"
+        ) from None
 
 
 def check_name(cfg: DictConfig) -> None:

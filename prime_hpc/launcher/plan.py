@@ -126,6 +126,8 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
     }
     if c.device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
+    if c.backend == "slurm":
+        env["SUBMITIT_EXECUTOR"] = "slurm"  # the head task runs under submitit's job environment
     return Plan(
         mode=mode,
         job_name=slurm_job_name(cfg.name if mode == "rl" else f"{cfg.name}-doctor"),

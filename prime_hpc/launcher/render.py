@@ -17,12 +17,14 @@ STOP_GRACE_S = 60  # how long components get to exit (e.g. finish a checkpoint) 
 
 
 def sbatch_quote(value: object) -> str:
-    """Quote a value for an `#SBATCH` line. sbatch strips double quotes itself; it cannot
-    carry a double quote or a newline, so such values are refused with a clear error."""
+    """Quote a value for an `#SBATCH` line, which sbatch parses itself: double quotes
+    group, a backslash escapes the next character. A newline cannot be carried."""
     text = str(value)
-    if '"' in text or "\n" in text:
-        raise UserError(f"{text!r}: SLURM options cannot contain a double quote or a newline")
-    return '"' + text + '"' if any(c.isspace() or c in "'\\$`;&|<>()#" for c in text) else text
+    if "\n" in text:
+        raise UserError(f"{text!r}: a SLURM option cannot contain a newline")
+    if text and not any(c.isspace() or c in "'\"\\$`;&|<>()#*?[]{}~" for c in text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def slurm_pattern(path: object) -> str:
@@ -48,7 +50,7 @@ def _env():
 
 def render_sbatch(plan: Plan) -> str:
     """The het-job batch script for `plan` (cluster=slurm)."""
-    slurm_output = slurm_pattern(plan.run.submitit_dir / "%j_batch.out")
+    slurm_output = slurm_pattern(plan.run.submitit_dir) + "/%j_batch.out"
     return _env().get_template("rl.sbatch.j2").render(plan=plan, slurm_output=slurm_output, grace_s=STOP_GRACE_S)
 
 

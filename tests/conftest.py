@@ -1,0 +1,36 @@
+"""Shared fixtures. Every test that starts a process or a job cleans it up itself."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Things tests must never reach for at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+# Shell-hostile path fragments (spaces, quotes, command separators, substitutions, %).
+HOSTILE = "we ird 'q\" ; echo PWNED $(touch PWNED) `x` %j"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state(tmp_path_factory, monkeypatch):
+    """Each test gets its own job index (the user's state dir)."""
+    monkeypatch.setenv("PRIME_HPC_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `prime-hpc` entry point in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "prime_hpc.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env={**os.environ, **(env or {})},
+    )
+
+
+def hydra_quote(value: str) -> str:
+    """Quote a value for a Hydra override (double quotes, escaped)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

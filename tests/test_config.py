@@ -1,0 +1,131 @@
+"""Composition of every experiment, each validation rule, and the CLI's one-line errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prime_hpc.config import compose
+from prime_hpc.config.validate import validate
+from prime_hpc.errors import ConfigError, UserError
+from tests.conftest import REPO, cli
+
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+def make(tmp_path: Path, *overrides: str):
+    return compose(["+experiment=reverse_text", f"output_dir={tmp_path}/run", *overrides])
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment, tmp_path):
+    cfg = compose([f"+experiment={experiment}", f"output_dir={tmp_path}/run"])
+    validate(cfg)
+    assert cfg.output_dir == f"{tmp_path}/run"
+
+
+def test_reference_defaults(tmp_path):
+    cfg = compose([f"output_dir={tmp_path}"])
+    assert cfg.async_level == 2
+    assert cfg.orchestrator.max_off_policy_steps == 8
+    assert cfg.orchestrator.eval.interval == 100
+    assert cfg.trainer.model.optimization_dtype == "float32" and cfg.trainer.model.reduce_dtype == "float32"
+    assert cfg.inference.model.dtype == "auto"
+    assert cfg.ckpt.interval is None and cfg.ckpt.keep_last is None  # checkpointing off by default
+    assert cfg.wandb.enabled is False
+    assert cfg.log.level == "info"
+
+
+def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
+    cfg = make(tmp_path, "model.name=/models/x", "seq_len=256")
+    assert cfg.trainer.model.name == cfg.inference.model.name == cfg.orchestrator.model.name == "/models/x"
+    assert cfg.trainer.tokenizer.name == "/models/x"
+    assert cfg.inference.model.max_model_len == 256
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fix",
+    [
+        (["orchestrator.batch_size=60"], "orchestrator.batch_size", "set it to 56 or 64"),
+        (["inference.model.max_model_len=4096"], "inference.model.max_model_len", "max_model_len<=128"),
+        (["orchestrator.sampling.max_tokens=128"], "orchestrator.sampling.max_tokens", "lower it"),
+        (["cluster.trainer.gpus_per_node=4"], "cluster.trainer.gpus_per_node", "cluster.device=cuda"),
+        (["cluster=slurm", "inference.data_parallel_size=2"], "cluster.inference.gpus_per_node", "make them equal"),
+        (["cluster=slurm", "inference.tensor_parallel_size=3"], "cluster.inference.gpus_per_node", "multiple of 3"),
+        (["cluster=slurm", "cluster.trainer.nproc_per_node=4"], "cluster.trainer.nproc_per_node", "set it to 8"),
+        (["inference.model.name=other"], "inference.model.name", "model.name"),
+        (["trainer.tokenizer.name=other"], "trainer.tokenizer.name", "model.name"),
+        (["orchestrator.env.0.id=no_such_env_pkg"], "orchestrator.env.0.id", "install its package"),
+        (["orchestrator.eval.env.0.id=no_such_env_pkg"], "orchestrator.eval.env.0.id", "install its package"),
+        (["orchestrator.env.0.ratio=0"], "orchestrator.env.0.ratio", "must be > 0"),
+        (["orchestrator.training_mode=opd"], "orchestrator.teacher.client.base_url", "teacher"),
+        (["orchestrator.teacher.client.base_url=http://h:1/v1"], "orchestrator.teacher.client.base_url", "unset it"),
+        (["orchestrator.training_mode=bogus"], "orchestrator.training_mode", "choose from rl, opd, sft"),
+        (["cluster.device=tpu"], "cluster.device", "choose from cpu, cuda"),
+        (["trainer.loss.type=ppo"], "trainer.loss.type", "choose from"),
+        (["trainer.type=sft"], "trainer.data.name", "dataset"),
+        (["ckpt.keep_last=0"], "ckpt.keep_last", ">= 1"),
+        (["async_level=-1"], "async_level", ">= 0"),
+        (["cluster.orchestrator.nodes=2"], "cluster.orchestrator.nodes", "exactly one node"),
+    ],
+)
+def test_validation_rule(tmp_path, overrides, key, fix):
+    cfg = make(tmp_path, *overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == key
+    assert fix in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_output_dir_must_be_writable_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = compose(["+experiment=reverse_text", f"output_dir={blocker}/run"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "output_dir"
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("trainer.optim.lrr=1", "trainer.optim.lrr: unknown key; valid keys here: betas, lr,"),
+        ("trainer.optim.lr=abc", "trainer.optim.lr:"),
+        ("+foo=1", "foo: unknown key"),
+        ("model=nope", "model=nope: unknown model; choose from"),
+        ("orchestrator.batch_size=1.5", "orchestrator.batch_size:"),
+    ],
+)
+def test_composition_errors_are_one_line(override, needle):
+    with pytest.raises(UserError) as e:
+        compose(["+experiment=reverse_text", override])
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["trainer.optim.lrr=1"],
+        ["orchestrator.batch_size=60"],
+        ["+experiment=nope"],
+        ["orchestrator.env.0.id=no_such_env_pkg"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args):
+    out = tmp_path / "run"
+    for command in (["submit"], ["submit", "--dry-run"], ["doctor"]):
+        r = cli(*command, "+experiment=reverse_text", f"output_dir={out}", *args)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("prime-hpc: error: "), r.stderr
+        assert "Traceback" not in r.stderr
+        assert not out.exists()
+
+
+def test_sweep_with_one_bad_point_submits_nothing(tmp_path):
+    out = tmp_path / "sweep"
+    r = cli("submit", "-m", "+experiment=reverse_text", f"output_dir={out}", "orchestrator.batch_size=64,60")
+    assert r.returncode == 2 and "orchestrator.batch_size" in r.stderr
+    assert not out.exists()
