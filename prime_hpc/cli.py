@@ -75,7 +75,10 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     from prime_hpc.rundir import read_json
 
     cfg = compose(a.overrides)
-    sub = launch.submit(cfg, a.overrides, mode="doctor")
+    # every node must import the run's environments too, and whatever the user names
+    envs = [e.id for e in list(cfg.orchestrator.env) + list(cfg.orchestrator.eval.env)]
+    require = ",".join(dict.fromkeys([*envs, *a.require]))
+    sub = launch.submit(cfg, a.overrides, mode="doctor", extra_env={"PRIME_HPC_PREFLIGHT_REQUIRE": require})
     run = sub.ref.run
     print(f"preflight job {sub.ref.job_id} submitted ({sub.ref.backend}); waiting (up to {a.timeout:g}s)...",
           file=sys.stderr)
@@ -91,7 +94,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
         from prime_hpc.jobs import read_job
 
         failure = read_job(run).get("failure") or {}
-        log = failure.get("log") or run.latest_logs
+        log = failure.get("log") or (run.latest_logs if run.latest_logs.exists() else run.batch_log(sub.ref.job_id))
         print(f"preflight job {sub.ref.job_id} ended {state} without a report; see {log}")
         return 1
     summary = read_json(run.preflight_summary)
@@ -190,26 +193,35 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def _live_states(refs) -> dict[str, str]:
-    """One sacct call for every listed SLURM job: {job id: aggregated state}."""
+    """{job id: aggregated state} for the listed SLURM jobs: squeue for what the
+    controller still knows (live and current), sacct for the rest (only once it has
+    recorded a row per het component: early on it shows one misleading row)."""
     import shutil
     import subprocess
 
     from prime_hpc.launcher.slurm import aggregate
 
-    if not refs or not shutil.which("sacct"):
+    if not refs or not shutil.which("squeue"):
         return {}
-    cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State"]
-    for r in refs:
-        cmd += ["-j", r.job_id]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    per_job: dict[str, list[str]] = {}
-    for line in out.splitlines():
-        jid, _, state = line.partition("|")
-        per_job.setdefault(jid.split("+")[0], []).append(state)
-    return {j: aggregate(s) for j, s in per_job.items()}
+
+    def query(cmd: list[str]) -> dict[str, list[str]]:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        per_job: dict[str, list[str]] = {}
+        for line in out.splitlines():
+            jid, _, state = line.partition("|")
+            if "+" in jid:
+                per_job.setdefault(jid.split("+")[0], []).append(state)
+        return per_job
+
+    ids = ",".join(r.job_id for r in refs)
+    found = query(["squeue", "-h", "-t", "all", "-o", "%i|%T", "-j", ids])
+    rest = [r.job_id for r in refs if r.job_id not in found]
+    if rest and shutil.which("sacct"):
+        found.update(query(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)]))
+    return {j: aggregate(s) for j, s in found.items() if len(s) >= 3}
 
 
 # ----------------------------------------------------------------------------- cancel / tail
@@ -243,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_submit)
     d = sub.add_parser("doctor", help="preflight the run's het layout on the cluster and print a pass/fail table")
     d.add_argument("--timeout", type=float, default=900, help="seconds to wait for the preflight job")
+    d.add_argument("--require", action="append", default=[], metavar="MODULE",
+                   help="also check that every node can import MODULE (repeatable)")
     d.add_argument("overrides", nargs="*")
     d.set_defaults(fn=cmd_doctor)
     st = sub.add_parser("status", help="state of each het group and the last heartbeat of each component")

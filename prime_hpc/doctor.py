@@ -56,11 +56,24 @@ def _check_accelerators(device: str) -> str:
     return found
 
 
+def required_modules(group: str) -> list[str]:
+    """What this group must import: its component's stack, plus the modules listed in
+    `PRIME_HPC_PREFLIGHT_REQUIRE` (comma-separated; the run's env ids, `doctor --require`)."""
+    extra = [m for m in os.environ.get("PRIME_HPC_PREFLIGHT_REQUIRE", "").split(",") if m]
+    return list(IMPORTS[group]) + extra
+
+
 def _imports(group: str) -> str:
-    versions = []
-    for mod in IMPORTS[group]:
-        m = importlib.import_module(mod)
+    versions, missing = [], []
+    for mod in required_modules(group):
+        try:
+            m = importlib.import_module(mod)
+        except Exception as e:
+            missing.append(f"{mod} ({type(e).__name__}: {e})")
+            continue
         versions.append(f"{mod} {getattr(m, '__version__', '?')}")
+    if missing:
+        raise ImportError("cannot import " + "; ".join(missing))
     return ", ".join(versions)
 
 

@@ -229,6 +229,12 @@ class RunDir:
         """submitit's folder: pickled head task, results, SLURM batch output."""
         return self.submit_dir / "submitit"
 
+    def batch_log(self, job_id: str) -> Path:
+        """The SLURM batch script's own output (before any component log exists)."""
+        if str(job_id).startswith("local-"):
+            return self.submit_dir / "local.out"
+        return self.submitit_dir / f"{job_id}_batch.out"
+
     # --- discovery and liveness
     @property
     def endpoints_dir(self) -> Path:

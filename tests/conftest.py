@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-# Shell-hostile path fragments (spaces, quotes, command separators, substitutions, %).
-HOSTILE = "we ird 'q\" ; echo PWNED $(touch PWNED) `x` %j"
+# Shell-hostile path fragments (spaces, quotes, command separators, substitutions).
+HOSTILE = "we ird 'q\" ; echo PWNED $(touch PWNED) `x` & y"
 
 
 @pytest.fixture(autouse=True)

@@ -78,6 +78,13 @@ def test_validation_rule(tmp_path, overrides, key, fix):
     assert "\n" not in str(e.value)
 
 
+def test_output_dir_without_slurm_patterns(tmp_path):
+    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}/run_%j"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "output_dir" and "'%'" in str(e.value)
+
+
 def test_output_dir_must_be_writable_directory(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -206,6 +206,9 @@ def check_output_dir(cfg: DictConfig) -> None:
     import tempfile
 
     path = Path(cfg.output_dir)
+    if "%" in str(path) or "\n" in str(path):
+        raise ConfigError("output_dir", f"{str(path)!r} contains '%' or a newline, which SLURM and submitit expand "
+                                        "in paths; choose a path without them")
     if path.exists() and not path.is_dir():
         raise ConfigError("output_dir", f"{path} exists and is not a directory; choose another output_dir")
     probe = path

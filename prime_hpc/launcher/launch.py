@@ -55,7 +55,8 @@ def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
     atomic_write_text(run.sbatch_script, render_sbatch(plan))
 
 
-def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False) -> tuple[RunDir, Plan]:
+def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False,
+            extra_env: Optional[dict[str, str]] = None) -> tuple[RunDir, Plan]:
     """Validate and write everything a launch needs; returns the run dir used by the job
     (the run's own, or `<output_dir>/doctor/` for a preflight)."""
     validate(cfg)
@@ -70,6 +71,7 @@ def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False) -> tuple[Ru
         cfg = cfg.copy()
         cfg.output_dir = str(run.root)
     plan = make_plan(cfg, mode)
+    plan.env.update(extra_env or {})
     if plan.backend == "slurm":
         plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(run.submitit_dir)]
     write_launch_files(cfg, run, plan)
@@ -81,8 +83,9 @@ def expected_reports(plan: Plan) -> dict[str, int]:
     return {"inference": inf.nodes, "trainer": tr.nodes * plan.trainer.nproc_per_node}
 
 
-def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: bool = False) -> Submitted:
-    run, plan = prepare(cfg, mode, resume)
+def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: bool = False,
+           extra_env: Optional[dict[str, str]] = None) -> Submitted:
+    run, plan = prepare(cfg, mode, resume, extra_env)
     task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
     prior = jobs.read_job(run) if resume else {}
     now = time.time()
