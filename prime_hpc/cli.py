@@ -26,13 +26,13 @@ def _print_err(msg: str) -> None:
 # ----------------------------------------------------------------------------- submit
 def _compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], object]]:
     """Compose and validate every point (of a sweep) before submitting any: nothing is
-    submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`
-    unless the sweep itself sets output_dir."""
+    submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`."""
     from prime_hpc.config import compose, expand_sweep
     from prime_hpc.config.validate import validate
 
     points = expand_sweep(overrides) if multirun else [overrides]
-    sweeps_dir = len(points) > 1 and not any(o.split("=", 1)[0].lstrip("+~") == "output_dir" for o in overrides)
+    # each point gets <output_dir>/<i>, unless the sweep varies output_dir itself
+    sweeps_dir = len(points) > 1 and len({o for p in points for o in p if o.lstrip("+~").startswith("output_dir=")}) <= 1
     composed = []
     for i, point in enumerate(points):
         cfg = compose(point)

@@ -41,7 +41,8 @@ def end(run: RunDir, rc: int, component: str = "", reason: str = "") -> str:
     failure = None
     if rc != 0:
         logs = run.latest_logs.resolve()
-        log = run.component_log(logs, component) if component else logs
+        base = component.split("_")[0]  # "inference_1" (a local node) -> inference
+        log = run.component_log(logs, base) if component else logs
         failure = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
     update_job(run, state=state, failure=failure, ended_at=time.time())
     if failure:

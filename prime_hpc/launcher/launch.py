@@ -155,6 +155,9 @@ def job_state(ref: jobs.JobRef) -> str:
 
 
 def cancel(ref: jobs.JobRef) -> None:
+    """Cancel every group of the job; job.json records who ended it."""
+    if jobs.read_job(ref.run).get("state") in jobs.FINAL_STATES:
+        return
     if ref.backend == "slurm":
         from prime_hpc.launcher import slurm
 
@@ -163,3 +166,4 @@ def cancel(ref: jobs.JobRef) -> None:
         from prime_hpc.launcher import local
 
         local.cancel(ref.run)
+    jobs.update_job(ref.run, state=jobs.CANCELLED, cancelled_at=time.time())

@@ -1,0 +1,105 @@
+"""The CLI on this machine (cluster=local): light imports, dry run, the local backend's
+full lifecycle (submit, status, list, tail, cancel), sweeps, refusal of a used output_dir."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prime_hpc import jobs
+from prime_hpc.rundir import RunDir
+from tests.conftest import HOSTILE, REPO, cli, hydra_quote
+
+HEAVY = ("torch", "vllm", "transformers", "verifiers")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["status"], ["list"], ["submit", "+experiment=reverse_text", "--dry-run", "output_dir={out}"],
+     ["tail", "{out}", "--no-follow"]],
+)
+def test_read_only_commands_do_not_import_heavy_stacks(argv, tmp_path):
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "job.json").write_text(json.dumps({"name": "x", "job_ids": ["local-0"], "backend": "local"}))
+    argv = [a.format(out=out) for a in argv]
+    code = (
+        "import sys\n"
+        "from prime_hpc.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
+
+
+def test_dry_run_writes_launch_files_and_submits_nothing(tmp_path):
+    out = tmp_path / "run"
+    r = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    for rel in ("config.yaml", "configs/orchestrator.yaml", "configs/trainer.yaml", "configs/inference.yaml",
+                "submit/rl.sbatch"):
+        assert (out / rel).is_file(), rel
+    assert str(out / "submit" / "rl.sbatch") in r.stdout
+    assert not (out / "job.json").exists() and jobs.recent() == []
+    # each component's config holds its own sub-tree and no other component's
+    import yaml
+
+    trainer = yaml.safe_load((out / "configs/trainer.yaml").read_text())
+    assert "trainer" in trainer and "orchestrator" not in trainer and "inference" not in trainer
+    assert trainer["output_dir"] == str(out) and trainer["model"]["name"] == "tiny"
+    # a dry run does not make the directory "used": a real submit may follow
+    assert RunDir(out).is_fresh()
+
+
+def test_sweep_dry_run_gives_each_point_its_own_dir(tmp_path):
+    r = cli("submit", "-m", "+experiment=reverse_text", f"output_dir={tmp_path}/sw", "--dry-run",
+            "trainer.optim.lr=1e-6,3e-6")
+    assert r.returncode == 0, r.stderr
+    import yaml
+
+    lrs = [yaml.safe_load((tmp_path / f"sw/{i}/config.yaml").read_text()) for i in (0, 1)]
+    assert [c["trainer"]["optim"]["lr"] for c in lrs] == [1e-6, 3e-6]
+    assert [c["name"] for c in lrs] == ["reverse_text_0", "reverse_text_1"]
+
+
+def test_local_preflight_with_hostile_paths(tmp_path):
+    out = tmp_path / HOSTILE
+    r = cli("doctor", "+experiment=reverse_text", f"output_dir={hydra_quote(str(out))}", "--timeout", "300")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "preflight PASS" in r.stdout
+    assert not (tmp_path / "PWNED").exists() and not (REPO / "PWNED").exists()
+    summary = json.loads(RunDir(out).doctor_run.preflight_summary.read_text())
+    assert summary["ok"] and set(summary["groups"]) == {"orchestrator", "inference", "trainer"}
+
+
+def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
+    out = tmp_path / "run"
+    # a run whose script holds before its components start, so it stays RUNNING
+    r = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "cluster.env_setup=[\"sleep 300\"]")
+    assert r.returncode == 0, r.stderr
+    job = jobs.read_job(RunDir(out))
+    job_id = job["job_ids"][-1]
+    pid = job["pid"]
+    assert job_id.startswith("local-") and f"submitted job {job_id}" in r.stdout
+    try:
+        st = cli("status", job_id)
+        assert st.returncode == 0 and "RUNNING" in st.stdout and str(out) in st.stdout
+        ls = cli("list")
+        assert job_id in ls.stdout and "RUNNING" in ls.stdout
+        again = cli("submit", "+experiment=reverse_text", f"output_dir={out}")
+        assert again.returncode == 2 and "is not empty" in again.stderr and f"resume {out}" in again.stderr
+        c = cli("cancel", "reverse_text")  # by run name
+        assert c.returncode == 0 and job_id in c.stdout
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "CANCELLED" not in cli("status", str(out)).stdout:
+            time.sleep(0.5)
+        assert "CANCELLED" in cli("status", str(out)).stdout
+    finally:
+        subprocess.run(["kill", "-TERM", f"-{pid}"], capture_output=True)
