@@ -30,7 +30,7 @@ def test_reference_defaults(tmp_path):
     assert cfg.orchestrator.max_off_policy_steps == 8
     assert cfg.orchestrator.eval.interval == 100
     assert cfg.trainer.model.optimization_dtype == "float32" and cfg.trainer.model.reduce_dtype == "float32"
-    assert cfg.inference.model.dtype == "auto"
+    assert cfg.inference.dtype == "auto"
     assert cfg.ckpt.interval is None and cfg.ckpt.keep_last is None  # checkpointing off by default
     assert cfg.wandb.enabled is False
     assert cfg.log.level == "info"
@@ -40,14 +40,14 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
     cfg = make(tmp_path, "model.name=/models/x", "seq_len=256")
     assert cfg.trainer.model.name == cfg.inference.model.name == cfg.orchestrator.model.name == "/models/x"
     assert cfg.trainer.tokenizer.name == "/models/x"
-    assert cfg.inference.model.max_model_len == 256
+    assert cfg.inference.max_model_len == 256
 
 
 @pytest.mark.parametrize(
     "overrides, key, fix",
     [
         (["orchestrator.batch_size=60"], "orchestrator.batch_size", "set it to 56 or 64"),
-        (["inference.model.max_model_len=4096"], "inference.model.max_model_len", "max_model_len<=128"),
+        (["inference.max_model_len=4096"], "inference.max_model_len", "max_model_len<=128"),
         (["orchestrator.sampling.max_tokens=128"], "orchestrator.sampling.max_tokens", "lower it"),
         (["cluster.trainer.gpus_per_node=4"], "cluster.trainer.gpus_per_node", "cluster.device=cuda"),
         (["cluster=slurm", "inference.data_parallel_size=2"], "cluster.inference.gpus_per_node", "make them equal"),

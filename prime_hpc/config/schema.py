@@ -174,8 +174,6 @@ class OrchestratorConfig:
 @dataclass
 class InferenceModelConfig:
     name: str = "${model.name}"  # must agree with model.name
-    dtype: str = "auto"  # auto | float16 | bfloat16 | float32
-    max_model_len: Optional[int] = "${seq_len}"  # type: ignore[assignment]  # must be <= seq_len
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
     reasoning_parser: Optional[str] = None
@@ -184,6 +182,8 @@ class InferenceModelConfig:
 @dataclass
 class InferenceConfig:
     model: InferenceModelConfig = field(default_factory=InferenceModelConfig)
+    dtype: str = "auto"  # auto | float16 | bfloat16 | float32 (vLLM --dtype)
+    max_model_len: Optional[int] = "${seq_len}"  # type: ignore[assignment]  # context length; must be <= seq_len
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     data_parallel_size: Optional[int] = None  # per node; None = gpus_per_node / tensor_parallel_size

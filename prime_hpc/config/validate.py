@@ -23,7 +23,7 @@ CHOICES = {
     "trainer.model.optimization_dtype": ("bfloat16", "float32"),
     "trainer.model.reduce_dtype": ("bfloat16", "float32"),
     "orchestrator.training_mode": ("rl", "opd", "sft"),
-    "inference.model.dtype": ("auto", "float16", "bfloat16", "float32"),
+    "inference.dtype": ("auto", "float16", "bfloat16", "float32"),
     "log.level": ("debug", "info", "warning", "error"),
     "trainer.log.level": ("debug", "info", "warning", "error"),
     "orchestrator.log.level": ("debug", "info", "warning", "error"),
@@ -77,12 +77,12 @@ def check_batch(cfg: DictConfig) -> None:
 
 
 def check_lengths(cfg: DictConfig) -> None:
-    mml = cfg.inference.model.max_model_len
+    mml = cfg.inference.max_model_len
     if mml is not None and mml > cfg.seq_len:
         raise ConfigError(
-            "inference.model.max_model_len",
+            "inference.max_model_len",
             f"{mml} exceeds seq_len={cfg.seq_len}: the trainer could not fit a full rollout; "
-            f"set inference.model.max_model_len<={cfg.seq_len} or raise seq_len",
+            f"set inference.max_model_len<={cfg.seq_len} or raise seq_len",
         )
     max_tokens = cfg.orchestrator.sampling.max_tokens
     limit = mml if mml is not None else cfg.seq_len
