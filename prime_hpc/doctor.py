@@ -157,6 +157,7 @@ def write_report(run: RunDir, group: str, rank: int, checks: list[dict[str, Any]
 
 def run_node(run: RunDir, group: str) -> int:
     rank = _node_rank(group)
+    run.beat(group, rank, phase="preflight")
     device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
     report = write_report(run, group, rank, node_checks(run, group, rank, device))
     print(json.dumps(report, indent=2))
@@ -210,6 +211,7 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
     """Open the port, publish it, check this node, wait for every node's report and
     write `preflight/report.json`. `expected` maps group -> number of reports."""
     server = _HeadServer()
+    run.beat("orchestrator", 0, phase="preflight")
     try:
         atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": head_address(),
                                                "port": server.port})

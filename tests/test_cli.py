@@ -101,5 +101,14 @@ def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
         while time.monotonic() < deadline and "CANCELLED" not in cli("status", str(out)).stdout:
             time.sleep(0.5)
         assert "CANCELLED" in cli("status", str(out)).stdout
+        # clean_output_dir=true wipes the finished run and starts a fresh one
+        (out / "marker").write_text("old")
+        fresh = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "clean_output_dir=true",
+                    "cluster.env_setup=[\"sleep 300\"]")
+        assert fresh.returncode == 0, fresh.stderr
+        new = jobs.read_job(RunDir(out))
+        assert not (out / "marker").exists() and new["job_ids"] != [job_id]
+        assert cli("cancel", str(out)).returncode == 0
+        pid = new["pid"]
     finally:
         subprocess.run(["kill", "-TERM", f"-{pid}"], capture_output=True)
