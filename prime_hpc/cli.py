@@ -34,13 +34,21 @@ def _compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], 
     # each point gets <output_dir>/<i>, unless the sweep varies output_dir itself
     sweeps_dir = len(points) > 1 and len({o for p in points for o in p if o.lstrip("+~").startswith("output_dir=")}) <= 1
     composed = []
+    from prime_hpc.errors import UserError
+
     for i, point in enumerate(points):
-        cfg = compose(point)
-        if len(points) > 1:
-            cfg.name = f"{cfg.name}_{i}"
-        if sweeps_dir:
-            cfg.output_dir = f"{cfg.output_dir}/{i}"
-        validate(cfg)
+        try:
+            cfg = compose(point)
+            if len(points) > 1:
+                cfg.name = f"{cfg.name}_{i}"
+            if sweeps_dir:
+                cfg.output_dir = f"{cfg.output_dir}/{i}"
+            validate(cfg)
+        except UserError as e:
+            if len(points) > 1:
+                swept = " ".join(o for o in point if o not in overrides)
+                raise UserError(f"sweep point {i} ({swept}): {e}") from None
+            raise
         composed.append((point, cfg))
     return composed
 
@@ -49,14 +57,14 @@ def cmd_submit(a: argparse.Namespace) -> int:
     from prime_hpc.launcher import launch
 
     composed = _compose_all(a.overrides, a.multirun)
+    for _, cfg in composed:  # refuse before writing or submitting anything
+        launch.check_fresh(cfg)
     if a.dry_run:
         for _, cfg in composed:
-            run, _plan = launch.prepare(cfg, "rl")
+            run, _plan = launch.prepare(cfg, "rl", dry_run=True)
             print(f"dry run: nothing submitted; wrote {run.config_yaml}, {run.configs_dir}/"
                   f"{{orchestrator,trainer,inference}}.yaml, {run.sbatch_script}")
         return 0
-    for _, cfg in composed:  # refuse before submitting anything
-        launch.check_fresh(cfg)
     for point, cfg in composed:
         sub = launch.submit(cfg, point)
         ref = sub.ref
@@ -230,8 +238,10 @@ def cmd_cancel(a: argparse.Namespace) -> int:
     from prime_hpc.launcher import launch
 
     ref = jobs.resolve(a.job)
-    launch.cancel(ref)
-    print(f"cancelled job {ref.job_id} ({ref.name})")
+    if launch.cancel(ref):
+        print(f"cancelled job {ref.job_id} ({ref.name})")
+    else:
+        print(f"job {ref.job_id} ({ref.name}) already ended: {launch.job_state(ref)}")
     return 0
 
 
@@ -305,6 +315,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `prime-hpc list | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def node_checks(run: RunDir, group: str, rank: int, device: str) -> list[dict[st
 def _node_rank(group: str) -> int:
     if group == "trainer":
         return int(os.environ.get("RANK", 0))
-    return int(os.environ.get("SLURM_NODEID", os.environ.get("PRIME_HPC_NODE_RANK", 0)))
+    return int(os.environ.get("PRIME_HPC_NODE_RANK", os.environ.get("SLURM_NODEID", 0)))
 
 
 def write_report(run: RunDir, group: str, rank: int, checks: list[dict[str, Any]]) -> dict[str, Any]:

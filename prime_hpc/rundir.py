@@ -14,6 +14,7 @@ lists the parent directory (readdir revalidates the directory) and opens the fil
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -47,6 +48,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@functools.lru_cache(maxsize=1)
+def _file_mode() -> int:
+    """0o666 minus the umask: what open() would give (mkstemp always gives 0o600, which
+    would hide run files from teammates on the shared filesystem)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: os.PathLike | str, data: bytes) -> Path:
     """Write `data` to `path` so that a reader sees either nothing, the old content, or
     all of the new content: temp file in the same directory, fsync, `os.replace`."""
@@ -54,6 +64,7 @@ def atomic_write_bytes(path: os.PathLike | str, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

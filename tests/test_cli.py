@@ -94,7 +94,7 @@ def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
         ls = cli("list")
         assert job_id in ls.stdout and "RUNNING" in ls.stdout
         again = cli("submit", "+experiment=reverse_text", f"output_dir={out}")
-        assert again.returncode == 2 and "is not empty" in again.stderr and f"resume {out}" in again.stderr
+        assert again.returncode == 2 and "is not empty" in again.stderr and "clean_output_dir=true" in again.stderr
         c = cli("cancel", "reverse_text")  # by run name
         assert c.returncode == 0 and job_id in c.stdout
         deadline = time.monotonic() + 60

@@ -67,6 +67,7 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         (["ckpt.keep_last=0"], "ckpt.keep_last", ">= 1"),
         (["async_level=-1"], "async_level", ">= 0"),
         (["cluster.orchestrator.nodes=2"], "cluster.orchestrator.nodes", "exactly one node"),
+        (["cluster.trainer.mem_gb=8"], "cluster.orchestrator.mem_gb", "every group or for none"),
     ],
 )
 def test_validation_rule(tmp_path, overrides, key, fix):

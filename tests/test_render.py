@@ -25,6 +25,8 @@ GOLDEN_OVERRIDES = [
     "cluster.exclude=node9",
     "cluster.inference.nodes=2",
     "cluster.trainer.nodes=2",
+    "cluster.orchestrator.mem_gb=4",
+    "cluster.inference.mem_gb=16",
     "cluster.trainer.mem_gb=8",
     "cluster.sbatch_extra=[\"--mail-type=END\"]",
     "cluster.env_setup=[\"module load cuda\"]",
@@ -51,6 +53,7 @@ def test_golden_script_is_a_three_group_het_job():
     assert "--rdzv-backend=c10d" in text and "--redirects=3 --tee=3" in text
     assert '--log-dir="$LOGS/trainer/torchrun"' in text
     assert "#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n#SBATCH --mem=8192M" in text
+    assert text.count("#SBATCH --mem=") == 3  # one per group: SLURM would copy one group's to the next
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 

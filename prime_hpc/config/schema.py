@@ -84,7 +84,6 @@ class SFTDataConfig:
     split: str = "train"
     seq_len: int = "${seq_len}"  # type: ignore[assignment]  # packed sample length, tokens
     batch_size: int = 8192  # tokens per trainer step (packed)
-    micro_batch_size: int = 1  # packed samples per forward pass
 
 
 @dataclass
@@ -201,8 +200,8 @@ class WeightsCkptConfig:
 
 @dataclass
 class CkptConfig:
-    interval: Optional[int] = None  # checkpoint every N steps; None = off (end-of-run only if enabled)
-    enabled: bool = False
+    enabled: bool = False  # save a checkpoint at the end of training (off by default: disk)
+    interval: Optional[int] = None  # ...and every N steps (implies enabled)
     keep_last: Optional[int] = None  # keep only the newest N checkpoints
     keep_interval: Optional[int] = None  # ...plus every checkpoint whose step is a multiple of N
     step: Optional[int] = None  # resume from this step (-1 = latest complete checkpoint)

@@ -129,6 +129,20 @@ def check_gpus(cfg: DictConfig) -> None:
         )
 
 
+def check_memory(cfg: DictConfig) -> None:
+    """SLURM copies --mem from one het group to the next, so a group without mem_gb would
+    silently inherit another group's limit."""
+    groups = ("orchestrator", "inference", "trainer")
+    unset = [g for g in groups if cfg.cluster[g].mem_gb is None]
+    if unset and len(unset) < len(groups):
+        given = next(g for g in groups if g not in unset)
+        raise ConfigError(
+            f"cluster.{unset[0]}.mem_gb",
+            f"set mem_gb for every group or for none (cluster.{given}.mem_gb is set, and SLURM would copy it "
+            "to groups without one)",
+        )
+
+
 def check_models(cfg: DictConfig) -> None:
     ref = cfg.model.name
     for key in ("trainer.model.name", "trainer.tokenizer.name", "inference.model.name", "orchestrator.model.name"):
@@ -236,6 +250,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_batch,
     check_lengths,
     check_gpus,
+    check_memory,
     check_models,
     check_training_mode,
     check_sft,

@@ -37,7 +37,11 @@ def start(run: RunDir, job_id: str) -> str:
 
 
 def end(run: RunDir, rc: int, component: str = "", reason: str = "") -> str:
-    state = COMPLETED if rc == 0 else CANCELLED if rc in (130, 143) and not component else FAILED
+    from prime_hpc.jobs import read_job
+
+    if read_job(run).get("state") == CANCELLED:  # `prime-hpc cancel` got there first
+        return f"prime-hpc: run cancelled; logs in {run.latest_logs}"
+    state = COMPLETED if rc == 0 else FAILED
     failure = None
     if rc != 0:
         logs = run.latest_logs.resolve()

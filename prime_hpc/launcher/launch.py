@@ -40,8 +40,7 @@ def check_fresh(cfg: DictConfig, resume: bool = False) -> None:
     owner = f" (run {job.get('name')!r}, job {', '.join(map(str, job.get('job_ids', [])))})" if job else ""
     raise ConfigError(
         "output_dir",
-        f"{run.root} is not empty{owner}; set clean_output_dir=true to wipe it, choose another output_dir, "
-        f"or continue it with `prime-hpc resume {run.root}`",
+        f"{run.root} is not empty{owner}; set clean_output_dir=true to wipe it or choose another output_dir",
     )
 
 
@@ -56,14 +55,14 @@ def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
 
 
 def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False,
-            extra_env: Optional[dict[str, str]] = None) -> tuple[RunDir, Plan]:
+            extra_env: Optional[dict[str, str]] = None, dry_run: bool = False) -> tuple[RunDir, Plan]:
     """Validate and write everything a launch needs; returns the run dir used by the job
     (the run's own, or `<output_dir>/doctor/` for a preflight)."""
     validate(cfg)
     run = RunDir(cfg.output_dir)
     if mode == "rl":
         check_fresh(cfg, resume)
-        if cfg.clean_output_dir and not resume:
+        if cfg.clean_output_dir and not resume and not dry_run:
             run.wipe()
     else:
         run = run.doctor_run
@@ -92,7 +91,7 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
     # job.json before the job exists: the job itself only ever moves the state forward
     jobs.update_job(
         run,
-        name=cfg.name,
+        name=cfg.name if mode == "rl" else f"{cfg.name}-doctor",
         mode=mode,
         backend=plan.backend,
         output_dir=str(run.root),
@@ -114,7 +113,8 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
 
         job_id, pid = local.submit(plan, task)
     jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], pid=pid)
-    ref = jobs.JobRef(job_id=job_id, name=cfg.name, output_dir=str(run.root), backend=plan.backend,
+    name = cfg.name if mode == "rl" else f"{cfg.name}-doctor"
+    ref = jobs.JobRef(job_id=job_id, name=name, output_dir=str(run.root), backend=plan.backend,
                       submitted_at=now, mode=mode)
     jobs.record(ref)
     return Submitted(ref=ref, plan=plan, job=job_obj)
@@ -154,10 +154,11 @@ def job_state(ref: jobs.JobRef) -> str:
     return local.state(ref.run)
 
 
-def cancel(ref: jobs.JobRef) -> None:
-    """Cancel every group of the job; job.json records who ended it."""
-    if jobs.read_job(ref.run).get("state") in jobs.FINAL_STATES:
-        return
+def cancel(ref: jobs.JobRef) -> bool:
+    """Cancel every group of the job; job.json records who ended it. False if the job
+    had already ended."""
+    if job_state(ref) in jobs.FINAL_STATES:
+        return False
     if ref.backend == "slurm":
         from prime_hpc.launcher import slurm
 
@@ -167,3 +168,4 @@ def cancel(ref: jobs.JobRef) -> None:
 
         local.cancel(ref.run)
     jobs.update_job(ref.run, state=jobs.CANCELLED, cancelled_at=time.time())
+    return True

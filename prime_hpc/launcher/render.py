@@ -13,7 +13,9 @@ from prime_hpc.errors import UserError
 from prime_hpc.launcher.plan import Plan
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch_templates"
-STOP_GRACE_S = 60  # how long components get to exit (e.g. finish a checkpoint) before SIGKILL
+# How long components get to exit (e.g. finish a checkpoint) before SIGKILL; below SLURM's
+# default KillWait (30 s) so the script still records the outcome after a scancel.
+STOP_GRACE_S = 20
 
 
 def sbatch_quote(value: object) -> str:
