@@ -58,7 +58,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
 
     composed = _compose_all(a.overrides, a.multirun)
     for _, cfg in composed:  # refuse before writing or submitting anything
-        launch.check_fresh(cfg)
+        launch.check_fresh(cfg, dry_run=a.dry_run)
     if a.dry_run:
         for _, cfg in composed:
             run, _plan = launch.prepare(cfg, "rl", dry_run=True)

@@ -156,6 +156,9 @@ def write_report(run: RunDir, group: str, rank: int, checks: list[dict[str, Any]
 
 
 def run_node(run: RunDir, group: str) -> int:
+    if os.environ.get("PRIME_HPC_FAULT_INJECT") == group:  # fault-injection tests: this group crashes
+        print(f"prime-hpc: injected fault in {group}", file=sys.stderr)
+        return 3
     rank = _node_rank(group)
     run.beat(group, rank, phase="preflight")
     device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
@@ -219,12 +222,13 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
         write_report(run, "orchestrator", 0, node_checks(run, "orchestrator", 0, device))
         reports = {"orchestrator": [read_json(run.preflight_report("orchestrator", 0))]}
         logs = run.latest_logs
+        deadline = time.monotonic() + REPORT_TIMEOUT_S  # one deadline for all reports
         for group, n in expected.items():
             reports[group] = []
             for rank in range(n):
                 path = run.preflight_report(group, rank)
                 try:
-                    wait_file(path, timeout_s=REPORT_TIMEOUT_S, producer=f"{group} rank {rank}",
+                    wait_file(path, timeout_s=max(0.0, deadline - time.monotonic()), producer=f"{group} rank {rank}",
                               producer_log=logs / group / "node_0.log")
                     reports[group].append(read_json(path))
                 except WaitTimeout as e:

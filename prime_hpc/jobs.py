@@ -39,13 +39,20 @@ def index_file() -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock next to `path` (flock; POSIX lockf where flock is not supported,
+    e.g. Lustre mounted without -o flock)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            unlock = lambda: fcntl.flock(lock, fcntl.LOCK_UN)  # noqa: E731
+        except OSError:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+            unlock = lambda: fcntl.lockf(lock, fcntl.LOCK_UN)  # noqa: E731
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            unlock()
 
 
 # ----------------------------------------------------------------------------- job.json
@@ -54,6 +61,16 @@ def read_job(run: RunDir) -> dict[str, Any]:
         return read_json(run.job_json)
     except FileNotFoundError:
         return {}
+
+
+@contextlib.contextmanager
+def editing_job(run: RunDir) -> Iterator[dict[str, Any]]:
+    """Read-modify-write job.json under its lock: mutate the yielded dict."""
+    with _locked(run.job_json):
+        job = read_job(run)
+        yield job
+        job["updated_at"] = time.time()
+        atomic_write_json(run.job_json, job)
 
 
 def update_job(run: RunDir, **changes: Any) -> dict[str, Any]:

@@ -109,6 +109,12 @@ def _exists_fresh(path: Path) -> bool:
     """Existence check that does not trust a cached negative lookup on NFS: list the
     parent directory (forces a readdir round-trip) rather than stat the name."""
     try:
+        # list the grandparent too: a cached "no such entry" for a step directory that
+        # appeared later (rollouts/step_7) is dropped when its parent is re-read
+        os.listdir(path.parent.parent)
+    except OSError:
+        pass
+    try:
         return path.name in os.listdir(path.parent)
     except (FileNotFoundError, NotADirectoryError):
         return False

@@ -3,6 +3,8 @@ full lifecycle (submit, status, list, tail, cancel), sweeps, refusal of a used o
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +16,14 @@ from prime_hpc.rundir import RunDir
 from tests.conftest import HOSTILE, REPO, cli, hydra_quote
 
 HEAVY = ("torch", "vllm", "transformers", "verifiers")
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 @pytest.mark.parametrize(
@@ -101,6 +111,14 @@ def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
         while time.monotonic() < deadline and "CANCELLED" not in cli("status", str(out)).stdout:
             time.sleep(0.5)
         assert "CANCELLED" in cli("status", str(out)).stdout
+        # the supervisor itself stopped everything and recorded the end
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not jobs.read_job(RunDir(out)).get("ended_at"):
+            time.sleep(0.5)
+        assert jobs.read_job(RunDir(out)).get("ended_at")
+        while time.monotonic() < deadline and group_alive(pid):
+            time.sleep(0.2)
+        assert not group_alive(pid)
         # clean_output_dir=true wipes the finished run and starts a fresh one
         (out / "marker").write_text("old")
         fresh = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "clean_output_dir=true",
@@ -111,4 +129,5 @@ def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
         assert cli("cancel", str(out)).returncode == 0
         pid = new["pid"]
     finally:
-        subprocess.run(["kill", "-TERM", f"-{pid}"], capture_output=True)
+        if group_alive(pid):
+            os.killpg(pid, signal.SIGTERM)

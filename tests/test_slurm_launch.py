@@ -152,7 +152,7 @@ def test_status_list_cancel_across_states(tmp_path, cancel_later):
     st = cli("status", sub_held.ref.job_id)
     assert st.returncode == 0 and "PENDING" in st.stdout
     assert all(f"{g}" in st.stdout for g in ("orchestrator", "inference", "trainer"))
-    st = cli("status", "busy")  # by run name
+    st = cli("status", "busy-doctor")  # by run name
     assert st.returncode == 0
     rows = [ln.split() for ln in st.stdout.splitlines() if ln.strip().startswith(("orchestrator", "inference", "trainer"))]
     assert [r[1] for r in rows] == ["RUNNING"] * 3
@@ -169,10 +169,43 @@ def test_status_list_cancel_across_states(tmp_path, cancel_later):
         assert c.returncode == 0, c.stderr
     for ref in (sub_held.ref, sub_busy.ref):
         assert wait_state(ref, {"CANCELLED"}) == "CANCELLED"
-        assert set(sacct_states(ref.job_id).values()) == {"CANCELLED"} or all(
-            s.startswith("CANCELLED") for s in sacct_states(ref.job_id).values())
+        states = sacct_states(ref.job_id)
+        assert len(states) == 3 and all(s.startswith("CANCELLED") for s in states.values()), states
     st = cli("status", sub_busy.ref.job_id)
     assert "CANCELLED" in st.stdout
+
+
+def test_scancel_of_a_running_job_is_recorded_by_the_job_itself(tmp_path, cancel_later):
+    """A plain scancel (as by an admin, or the time limit) ends every group, and the job's
+    own supervisor records the outcome in job.json before SLURM kills it."""
+    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
+                   "cluster.env_setup=[\"sleep 300\"]"])
+    sub = launch.submit(cfg, [], mode="doctor")
+    cancel_later(sub.ref.job_id)
+    wait_state(sub.ref, {"RUNNING"})
+    subprocess.run(["scancel", sub.ref.job_id], check=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not jobs.read_job(sub.ref.run).get("ended_at"):
+        time.sleep(0.5)
+    job = jobs.read_job(sub.ref.run)
+    assert job.get("ended_at"), job
+    assert job["state"] == "FAILED" and "signal" in job["failure"]["reason"]
+    assert wait_state(sub.ref, {"CANCELLED"}) == "CANCELLED"
+
+
+def test_a_failing_component_ends_the_job_and_is_named(tmp_path):
+    """The trainer group crashes (an injected fault); the others are stopped at once and
+    job.json names the trainer and its log."""
+    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
+                   "cluster.env_setup=[\"export PRIME_HPC_FAULT_INJECT=trainer\"]"])
+    sub = launch.submit(cfg, [], mode="doctor")
+    try:
+        assert launch.wait_done(sub, 300) == "FAILED"
+    finally:
+        subprocess.run(["scancel", sub.ref.job_id], capture_output=True)
+    failure = jobs.read_job(sub.ref.run)["failure"]
+    assert failure["component"] == "trainer" and failure["log"].endswith("trainer.log")
+    assert set(sacct_states(sub.ref.job_id).values()) == {"FAILED"}
 
 
 def test_unknown_job_is_a_one_line_error():

@@ -118,6 +118,8 @@ def compose(overrides: Sequence[str] = (), *, resolve: bool = True) -> DictConfi
         _check_schema(cfg)
         if resolve:
             OmegaConf.resolve(cfg)
+            if not str(cfg.output_dir).strip():
+                raise ConfigError("output_dir", "must not be empty; give the run's directory, e.g. outputs/my-run")
             cfg.output_dir = str(Path(cfg.output_dir).expanduser().absolute())
     except (ConfigError, UserError):
         raise

@@ -129,6 +129,34 @@ def check_gpus(cfg: DictConfig) -> None:
         )
 
 
+def check_slurm(cfg: DictConfig) -> None:
+    from prime_hpc.launcher.slurm import minutes  # light: no SLURM needed
+
+    c = cfg.cluster
+    try:
+        limit = minutes(c.time)
+    except ValueError:
+        raise ConfigError("cluster.time", f"{c.time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or "
+                                          "UNLIMITED") from None
+    if c.signal_delay_s < 0 or (limit is not None and c.signal_delay_s >= limit * 60):
+        raise ConfigError("cluster.signal_delay_s", f"{c.signal_delay_s}s must be >= 0 and shorter than "
+                                                    f"cluster.time={c.time}")
+    for i, line in enumerate(c.sbatch_extra):
+        if "\n" in line or not line.strip().startswith("-"):
+            raise ConfigError(f"cluster.sbatch_extra.{i}", f"{line!r} must be one sbatch option such as "
+                                                           "--mail-type=END (no newline)")
+    for g in ("orchestrator", "inference", "trainer"):
+        r = c[g]
+        if r.cpus_per_task < 1:
+            raise ConfigError(f"cluster.{g}.cpus_per_task", f"must be >= 1 (got {r.cpus_per_task})")
+        if r.gpus_per_node < 0:
+            raise ConfigError(f"cluster.{g}.gpus_per_node", f"must be >= 0 (got {r.gpus_per_node})")
+        if r.nproc_per_node is not None and r.nproc_per_node < 1:
+            raise ConfigError(f"cluster.{g}.nproc_per_node", f"must be >= 1 or null (got {r.nproc_per_node})")
+        if r.mem_gb is not None and r.mem_gb <= 0:
+            raise ConfigError(f"cluster.{g}.mem_gb", f"must be > 0 or null (got {r.mem_gb})")
+
+
 def check_memory(cfg: DictConfig) -> None:
     """SLURM copies --mem from one het group to the next, so a group without mem_gb would
     silently inherit another group's limit."""
@@ -220,9 +248,9 @@ def check_output_dir(cfg: DictConfig) -> None:
     import tempfile
 
     path = Path(cfg.output_dir)
-    if "%" in str(path) or "\n" in str(path):
-        raise ConfigError("output_dir", f"{str(path)!r} contains '%' or a newline, which SLURM and submitit expand "
-                                        "in paths; choose a path without them")
+    if any(c in str(path) for c in "%\\\n"):
+        raise ConfigError("output_dir", f"{str(path)!r} contains '%', a backslash or a newline, which SLURM and "
+                                        "submitit interpret in paths; choose a path without them")
     if path.exists() and not path.is_dir():
         raise ConfigError("output_dir", f"{path} exists and is not a directory; choose another output_dir")
     probe = path
@@ -250,6 +278,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_batch,
     check_lengths,
     check_gpus,
+    check_slurm,
     check_memory,
     check_models,
     check_training_mode,

@@ -2,7 +2,7 @@
 
   python -m prime_hpc.launcher.attempt start <output_dir> --job-id ID
       new log tree logs/attempt_<k>/ (+ logs/latest), job.json state RUNNING; prints the path
-  python -m prime_hpc.launcher.attempt end <output_dir> --rc N [--component C] [--reason R]
+  python -m prime_hpc.launcher.attempt end <output_dir> --job-id ID --rc N [--component C] [--reason R]
       job.json final state, and which component failed with the log to read
   python -m prime_hpc.launcher.attempt rendezvous
       prints <address>:<port> of this node with a port free here (torchrun c10d endpoint)
@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 
-from prime_hpc.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, update_job
+from prime_hpc.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, editing_job
 from prime_hpc.rundir import RunDir
 
 
@@ -26,33 +26,34 @@ def start(run: RunDir, job_id: str) -> str:
     # top-level names of the reference layout, pointing at node 0's stream
     for comp in ("trainer", "inference"):
         os.symlink(os.path.join(comp, "node_0.log"), run.component_log(logs, comp))
-    update_job(
-        run,
-        state=RUNNING,
-        attempt=k,
-        append_attempts={"attempt": k, "job_id": job_id, "host": socket.gethostname(), "started_at": time.time(),
-                         "logs": str(logs)},
-    )
+    with editing_job(run) as job:
+        job.update(state=RUNNING, attempt=k, failure=None, ended_at=None)
+        job.setdefault("attempts", []).append(
+            {"attempt": k, "job_id": job_id, "host": socket.gethostname(), "started_at": time.time(),
+             "logs": str(logs)})
     return str(logs)
 
 
-def end(run: RunDir, rc: int, component: str = "", reason: str = "") -> str:
-    from prime_hpc.jobs import read_job
-
-    if read_job(run).get("state") == CANCELLED:  # `prime-hpc cancel` got there first
-        return f"prime-hpc: run cancelled; logs in {run.latest_logs}"
-    state = COMPLETED if rc == 0 else FAILED
-    failure = None
+def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = "") -> str:
+    """Record how this attempt ended. A job that no longer owns the run directory (it was
+    cancelled and the directory reused) records nothing; a cancel stays a cancel."""
+    logs = run.latest_logs.resolve()
+    with editing_job(run) as job:
+        ids = [str(i) for i in job.get("job_ids", [])]
+        if ids and ids[-1] != str(job_id):
+            return f"prime-hpc: job {job_id} no longer owns {run.root}; nothing recorded"
+        job["ended_at"] = time.time()
+        if job.get("state") == CANCELLED:
+            return f"prime-hpc: run cancelled; logs in {logs}"
+        job["state"] = COMPLETED if rc == 0 else FAILED
+        job["failure"] = None
+        if rc != 0:
+            base = component.split("_")[0]  # "inference_1" (a local node) -> inference
+            log = run.component_log(logs, base) if component else logs
+            job["failure"] = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
     if rc != 0:
-        logs = run.latest_logs.resolve()
-        base = component.split("_")[0]  # "inference_1" (a local node) -> inference
-        log = run.component_log(logs, base) if component else logs
-        failure = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
-    update_job(run, state=state, failure=failure, ended_at=time.time())
-    if failure:
-        where = f"{component} {reason}" if component else reason
-        return f"prime-hpc: run {state.lower()}: {where}; see {failure['log']}"
-    return f"prime-hpc: run completed; logs in {run.latest_logs}"
+        return f"prime-hpc: run failed: {(component + ' ') if component else ''}{reason}; see {job['failure']['log']}"
+    return f"prime-hpc: run completed; logs in {logs}"
 
 
 def rendezvous() -> str:
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--job-id", default="")
     e = sub.add_parser("end")
     e.add_argument("output_dir")
+    e.add_argument("--job-id", required=True)
     e.add_argument("--rc", type=int, required=True)
     e.add_argument("--component", default="")
     e.add_argument("--reason", default="")
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "start":
         print(start(RunDir(a.output_dir), a.job_id))
     elif a.cmd == "end":
-        print(end(RunDir(a.output_dir), a.rc, a.component, a.reason), file=sys.stderr)
+        print(end(RunDir(a.output_dir), a.job_id, a.rc, a.component, a.reason), file=sys.stderr)
     else:
         print(rendezvous())
     return 0

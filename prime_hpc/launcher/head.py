@@ -4,10 +4,15 @@ checkpoint/requeue signal; locally it runs as `python -m prime_hpc.launcher.head
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import dataclass, field
 
 from prime_hpc.rundir import RunDir
+
+
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @dataclass
@@ -17,6 +22,9 @@ class HeadTask:
     expected: dict[str, int] = field(default_factory=dict)  # doctor: reports to wait for, per group
 
     def __call__(self) -> dict:
+        # SIGTERM means "stop now, cleanly" (cancel, time limit, a failed peer): exit via
+        # SystemExit so `finally` blocks run. (submitit's own handler would ignore it.)
+        signal.signal(signal.SIGTERM, _exit_on_term)
         run = RunDir(self.output_dir)
         if self.mode == "doctor":
             from prime_hpc.doctor import run_head

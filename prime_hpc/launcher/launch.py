@@ -26,15 +26,41 @@ class Submitted:
     job: object = None  # HetSlurmJob on SLURM
 
 
-def check_fresh(cfg: DictConfig, resume: bool = False) -> None:
-    """A fresh run needs an empty output_dir (or clean_output_dir=true, or a resume)."""
+def active_job(run: RunDir) -> Optional[str]:
+    """The id of a job of this run directory that is still alive (queued, running, or
+    still stopping after a cancel), asked of SLURM or of the process table."""
+    job = jobs.read_job(run)
+    ids = [str(i) for i in job.get("job_ids", [])]
+    if not ids:
+        return None
+    if job.get("backend") == "slurm":
+        import subprocess
+
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", ids[-1], "-o", "%T"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return ids[-1] if out.strip() else None
+    from prime_hpc.launcher import local
+
+    return ids[-1] if local.supervisor_alive(job) else None
+
+
+def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) -> None:
+    """A fresh run needs an empty output_dir (or clean_output_dir=true, or a resume).
+    Only a run directory is ever wiped, and never while one of its jobs is alive."""
     run = RunDir(cfg.output_dir)
     if resume or run.is_fresh():
         return
-    if cfg.clean_output_dir:
-        state = jobs.read_job(run).get("state")
-        if state in ("RUNNING", "PENDING"):
-            raise ConfigError("clean_output_dir", f"{run.root} belongs to a job that is {state}; cancel it first")
+    if cfg.clean_output_dir and not dry_run:
+        if not (run.job_json.exists() or run.config_yaml.exists()):
+            raise ConfigError("clean_output_dir", f"{run.root} is not a prime-hpc run directory (no job.json or "
+                                                  "config.yaml); refusing to wipe it; choose another output_dir")
+        job_id = active_job(run)
+        if job_id:
+            raise ConfigError("clean_output_dir", f"{run.root} belongs to job {job_id}, which is still alive; "
+                                                  f"cancel it (prime-hpc cancel {job_id}) and let it stop first")
         return
     job = jobs.read_job(run)
     owner = f" (run {job.get('name')!r}, job {', '.join(map(str, job.get('job_ids', [])))})" if job else ""
@@ -61,7 +87,7 @@ def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False,
     validate(cfg)
     run = RunDir(cfg.output_dir)
     if mode == "rl":
-        check_fresh(cfg, resume)
+        check_fresh(cfg, resume, dry_run)
         if cfg.clean_output_dir and not resume and not dry_run:
             run.wipe()
     else:
@@ -102,17 +128,25 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
         state=jobs.PENDING,
     )
     job_obj = None
-    pid: Optional[int] = None
-    if plan.backend == "slurm":
-        from prime_hpc.launcher import slurm
+    proc: dict = {}
+    try:
+        if plan.backend == "slurm":
+            from prime_hpc.launcher import slurm
 
-        job_obj = slurm.submit(plan, task)
-        job_id = job_obj.job_id
-    else:
-        from prime_hpc.launcher import local
+            job_obj = slurm.submit(plan, task)
+            job_id = job_obj.job_id
+        else:
+            from prime_hpc.launcher import local
 
-        job_id, pid = local.submit(plan, task)
-    jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], pid=pid)
+            job_id, proc = local.submit(plan, task)
+    except BaseException:
+        # nothing was submitted: leave the directory as fresh as it was
+        if prior:
+            jobs.update_job(run, **{k: prior.get(k) for k in ("state", "overrides", "submitted_at")})
+        else:
+            run.job_json.unlink(missing_ok=True)
+        raise
+    jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **proc)
     name = cfg.name if mode == "rl" else f"{cfg.name}-doctor"
     ref = jobs.JobRef(job_id=job_id, name=name, output_dir=str(run.root), backend=plan.backend,
                       submitted_at=now, mode=mode)
@@ -120,7 +154,7 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
     return Submitted(ref=ref, plan=plan, job=job_obj)
 
 
-def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 1.0) -> str:
+def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 2.0) -> str:
     """Block until the job is finished; returns its final state."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

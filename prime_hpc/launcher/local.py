@@ -6,7 +6,7 @@ import os
 import secrets
 import signal
 import subprocess
-from typing import Any
+from typing import Any, Optional
 
 from prime_hpc.jobs import FINAL_STATES, read_job
 from prime_hpc.launcher.plan import Plan
@@ -14,8 +14,9 @@ from prime_hpc.launcher.render import render_local
 from prime_hpc.rundir import RunDir, atomic_write_text
 
 
-def submit(plan: Plan, task: Any) -> tuple[str, int]:
-    """Start the run in the background; returns (job id, pid of the supervising script)."""
+def submit(plan: Plan, task: Any) -> tuple[str, dict]:
+    """Start the run in the background; returns (job id, {pid, pid_start} of the
+    supervising script, for job.json)."""
     run = plan.run
     job_id = f"local-{secrets.token_hex(4)}"
     plan.head_argv = task.argv(plan.python)
@@ -29,22 +30,23 @@ def submit(plan: Plan, task: Any) -> tuple[str, int]:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: cancel ends exactly this run
         )
-    return job_id, proc.pid
+    return job_id, {"pid": proc.pid, "pid_start": start_time(proc.pid)}
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie (exited, not yet reaped by its parent) is not alive
+def start_time(pid: int) -> Optional[str]:
+    """The kernel's start time of `pid` (tells a reused pid from ours); None if gone or a
+    zombie (exited, not yet reaped by its parent)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def supervisor_alive(job: dict) -> bool:
+    pid = job.get("pid")
+    return bool(pid) and start_time(int(pid)) is not None and start_time(int(pid)) == job.get("pid_start")
 
 
 def state(run: RunDir) -> str:
@@ -52,13 +54,15 @@ def state(run: RunDir) -> str:
     recorded = job.get("state", "UNKNOWN")
     if recorded in FINAL_STATES:
         return recorded
-    pid = job.get("pid")
-    if pid and alive(int(pid)):
+    if supervisor_alive(job):
         return "RUNNING"
     return "FAILED" if recorded in ("RUNNING", "PENDING") else recorded
 
 
 def cancel(run: RunDir) -> None:
-    pid = read_job(run).get("pid")
-    if pid and alive(int(pid)):
-        os.killpg(int(pid), signal.SIGTERM)
+    job = read_job(run)
+    if supervisor_alive(job):
+        try:
+            os.killpg(int(job["pid"]), signal.SIGTERM)
+        except ProcessLookupError:
+            pass

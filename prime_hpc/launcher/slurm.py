@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-from typing import Any
+from typing import Any, Optional
 
 import submitit
 from submitit.slurm.slurm import SlurmJob, SlurmInfoWatcher
@@ -20,11 +20,22 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "RESIZI
 FAILED_FIRST = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "CANCELLED")
 
 
-def minutes(slurm_time: str) -> int:
-    """'[D-]HH:MM:SS' / 'MM:SS' / 'MM' -> minutes (for submitit's timeout bookkeeping)."""
-    days, _, rest = slurm_time.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    h, m, s = ([0] * (3 - len(parts)) + parts) if len(parts) > 1 else (0, parts[0], 0)
+def minutes(slurm_time: str) -> Optional[int]:
+    """A SLURM time limit in minutes (None = unlimited). Formats: M, M:S, H:M:S, D-H,
+    D-H:M, D-H:M:S, UNLIMITED/infinite. Raises ValueError otherwise."""
+    text = slurm_time.strip()
+    if text.lower() in ("unlimited", "infinite"):
+        return None
+    days, dash, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]  # ValueError on garbage
+    if any(p < 0 for p in parts) or not 1 <= len(parts) <= 3:
+        raise ValueError(slurm_time)
+    if dash:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:
+        h, (m, s) = 0, (parts + [0])[:2]
     return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
 
 
@@ -52,9 +63,14 @@ class HetSlurmJob(SlurmJob):
     num_groups = len(GROUP_NAMES)
 
     def group_states(self, mode: str = "standard") -> dict[str, str]:
+        ids = [f"{self.job_id}+{k}" for k in range(self.num_groups)]
+        for i in ids:
+            if i not in self.watcher._registered:
+                self.watcher.register_job(i)
+        self.watcher.update_if_long_enough(mode)  # one sacct call for every component
         out = {}
-        for k, name in enumerate(GROUP_NAMES[: self.num_groups]):
-            info = self.watcher.get_info(f"{self.job_id}+{k}", mode=mode)
+        for i, name in zip(ids, GROUP_NAMES):
+            info = self.watcher.get_info(i, mode="cache")
             out[name] = info.get("State") or "UNKNOWN"
         if all(s == "UNKNOWN" for s in out.values()):
             out = {**out, **_squeue_states(self.job_id)}
@@ -93,7 +109,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
     def __init__(self, plan: Plan) -> None:
         super().__init__(folder=plan.run.submitit_dir, max_num_timeout=3, python=shlex.quote(plan.python))
         self.plan = plan
-        self.parameters["time"] = minutes(plan.time)
+        self.parameters["time"] = minutes(plan.time) or 60 * 24 * 365
 
     @property
     def head_argv(self) -> list[str]:
