@@ -99,11 +99,14 @@ def cmd_doctor(a: argparse.Namespace) -> int:
         launch.cancel(sub.ref)
         raise
     if not run.preflight_summary.exists():
+        from prime_hpc.doctor import collect
         from prime_hpc.jobs import read_job
 
         failure = read_job(run).get("failure") or {}
         log = failure.get("log") or (run.latest_logs if run.latest_logs.exists() else run.batch_log(sub.ref.job_id))
-        print(f"preflight job {sub.ref.job_id} ended {state} without a report; see {log}")
+        if run.preflight_dir.exists():
+            print(format_table(collect(run, launch.expected_reports(sub.plan), f"no report; see {log}")))
+        print(f"preflight job {sub.ref.job_id} ended {state} without a full report; see {log}")
         return 1
     summary = read_json(run.preflight_summary)
     print(format_table(summary))

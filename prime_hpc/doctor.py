@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
@@ -26,6 +27,7 @@ from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, 
 IMPORTS = {
     "orchestrator": ("verifiers", "openai", "transformers"),
     "inference": ("vllm", "transformers"),
+    "router": (),
     "trainer": ("torch", "transformers"),
 }
 HANDSHAKE = b"prime-hpc-preflight\n"
@@ -101,6 +103,18 @@ def _reach_head(run: RunDir) -> str:
     return f"reached {head['address']}:{head['port']} ({head['host']})"
 
 
+def _router_binary() -> str:
+    """The vllm-router executable next to this interpreter (or on PATH) runs."""
+    exe = Path(sys.executable).parent / "vllm-router"
+    path = str(exe) if exe.exists() else shutil.which("vllm-router")
+    if not path:
+        raise FileNotFoundError("vllm-router not found next to the interpreter nor on PATH (pip install vllm-router)")
+    out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"{path} --help exited {out.returncode}: {out.stderr.strip()[:200]}")
+    return path
+
+
 def _collective(device: str) -> str:
     """all_reduce over the trainer's process group (set up by torchrun)."""
     import torch
@@ -133,12 +147,16 @@ def node_checks(run: RunDir, group: str, rank: int, device: str) -> list[dict[st
         checks.append(_check("reach head port", lambda: _reach_head(run)))
     if group == "trainer" and "WORLD_SIZE" in os.environ:
         checks.append(_check("trainer collective", lambda: _collective(device)))
+    if group == "router":
+        checks.append(_check("vllm-router", _router_binary))
     return checks
 
 
 def _node_rank(group: str) -> int:
     if group == "trainer":
         return int(os.environ.get("RANK", 0))
+    if group == "router":
+        return 0
     return int(os.environ.get("PRIME_HPC_NODE_RANK", os.environ.get("SLURM_NODEID", 0)))
 
 
@@ -164,7 +182,7 @@ def run_node(run: RunDir, group: str) -> int:
     device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
     report = write_report(run, group, rank, node_checks(run, group, rank, device))
     print(json.dumps(report, indent=2))
-    return 0 if report["ok"] else 1
+    return 0  # a failed check is in the report; the head's verdict decides the job's exit
 
 
 class _HeadServer:
@@ -241,10 +259,24 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
     return summary
 
 
+def collect(run: RunDir, expected: dict[str, int], why_missing: str) -> dict[str, Any]:
+    """A summary from whatever reports exist (the job ended before the head wrote one)."""
+    groups: dict[str, list] = {}
+    for group, n in {"orchestrator": 1, **expected}.items():
+        groups[group] = []
+        for rank in range(n):
+            try:
+                groups[group].append(read_json(run.preflight_report(group, rank)))
+            except (OSError, ValueError):
+                groups[group].append({"group": group, "rank": rank, "host": None, "ok": False,
+                                      "checks": [{"name": "report", "ok": False, "detail": why_missing}]})
+    return {"ok": False, "groups": groups}
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """One row per group and rank: PASS/FAIL, host, and the failing checks' details."""
     rows = [("GROUP", "RANK", "RESULT", "HOST", "DETAIL")]
-    order = {"orchestrator": 0, "inference": 1, "trainer": 2}
+    order = {"orchestrator": 0, "inference": 1, "router": 2, "trainer": 3}
     for group, reports in sorted(summary["groups"].items(), key=lambda kv: order.get(kv[0], 9)):
         for r in reports:
             failed = [f"{c['name']}: {c['detail']}" for c in r["checks"] if not c["ok"]]
@@ -260,7 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.doctor")
     sub = p.add_subparsers(dest="cmd", required=True)
     n = sub.add_parser("node")
-    n.add_argument("--group", choices=("inference", "trainer"), required=True)
+    n.add_argument("--group", choices=("inference", "router", "trainer"), required=True)
     n.add_argument("--output-dir", required=True)
     a = p.parse_args(argv)
     return run_node(RunDir(a.output_dir), a.group)

@@ -86,7 +86,7 @@ def test_local_preflight_with_hostile_paths(tmp_path):
     assert "preflight PASS" in r.stdout
     assert not (tmp_path / "PWNED").exists() and not (REPO / "PWNED").exists()
     summary = json.loads(RunDir(out).doctor_run.preflight_summary.read_text())
-    assert summary["ok"] and set(summary["groups"]) == {"orchestrator", "inference", "trainer"}
+    assert summary["ok"] and set(summary["groups"]) == {"orchestrator", "inference", "router", "trainer"}
 
 
 def test_local_lifecycle_submit_status_tail_cancel(tmp_path):

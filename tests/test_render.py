@@ -49,7 +49,9 @@ def test_sbatch_matches_golden_file():
 def test_golden_script_is_a_three_group_het_job():
     text = GOLDEN.read_text()
     assert text.count("#SBATCH hetjob") == 2
-    assert re.findall(r"srun --het-group=(\d)", text) == ["2", "1", "2", "0"]  # rendezvous probe, then 1, 2, 0
+    # rendezvous probe, inference servers, router (first inference node), trainer, head
+    assert re.findall(r"srun --het-group=(\d)", text) == ["2", "1", "1", "2", "0"]
+    assert "--overlap" in text and "router_0.log" in text
     assert "--rdzv-backend=c10d" in text and "--redirects=3 --tee=3" in text
     assert '--log-dir="$LOGS/trainer/torchrun"' in text
     assert "#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n#SBATCH --mem=8192M" in text

@@ -69,10 +69,12 @@ def test_preflight_passes_on_every_node_of_a_multi_node_layout(tmp_path):
     summary = json.loads(run.preflight_summary.read_text())
     assert summary["ok"]
     got = {g: sorted(x["rank"] for x in reps) for g, reps in summary["groups"].items()}
-    assert got == {"orchestrator": [0], "inference": [0, 1], "trainer": [0, 1]}
+    assert got == {"orchestrator": [0], "inference": [0, 1], "router": [0], "trainer": [0, 1]}
     # every group ran on its own SLURM node(s) of the het job
     nodes = {g: {x["slurm_node"] for x in reps} for g, reps in summary["groups"].items()}
     assert len(nodes["inference"]) == 2
+    first_inference = min(nodes["inference"], key=lambda n: int(n.lstrip("node")))
+    assert nodes["router"] == {first_inference}  # the router shares the first inference node
     assert nodes["orchestrator"].isdisjoint(nodes["inference"] | nodes["trainer"])
     for reps in summary["groups"].values():
         for rep in reps:
@@ -100,8 +102,8 @@ def test_preflight_failure_exits_nonzero_and_names_the_failing_check(tmp_path):
     r = cli("doctor", "+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
             "--require", "no_such_module_on_nodes", "--timeout", "300")
     assert r.returncode == 1, r.stdout + r.stderr
-    rows = [ln for ln in r.stdout.splitlines() if ln.startswith(("orchestrator", "inference", "trainer"))]
-    assert len(rows) == 3 and all(" FAIL " in ln and "no_such_module_on_nodes" in ln for ln in rows)
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith(("orchestrator", "inference", "router", "trainer"))]
+    assert len(rows) == 4 and all(" FAIL " in ln and "no_such_module_on_nodes" in ln for ln in rows)
     assert "preflight FAIL" in r.stdout
 
 
@@ -109,7 +111,7 @@ def test_broken_python_on_nodes_fails_with_the_log_to_read(tmp_path):
     r = cli("doctor", "+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
             "cluster.python=/nonexistent/bin/python", "--timeout", "300")
     assert r.returncode == 1
-    assert "without a report; see" in r.stdout
+    assert "without a full report; see" in r.stdout
     log = r.stdout.split("see ")[-1].strip()
     assert "_batch.out" in log and "nonexistent" in open(log).read()
 

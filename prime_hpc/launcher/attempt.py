@@ -48,12 +48,20 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
         job["state"] = COMPLETED if rc == 0 else FAILED
         job["failure"] = None
         if rc != 0:
-            base = component.split("_")[0]  # "inference_1" (a local node) -> inference
-            log = run.component_log(logs, base) if component else logs
+            log = component_log(logs, component) if component else logs
             job["failure"] = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
     if rc != 0:
         return f"prime-hpc: run failed: {(component + ' ') if component else ''}{reason}; see {job['failure']['log']}"
     return f"prime-hpc: run completed; logs in {logs}"
+
+
+def component_log(logs, component: str):
+    """The log to read first when `component` failed."""
+    if component == "router":
+        return RunDir.router_log(logs, 0)
+    if component.startswith("inference_"):  # a local "node"
+        return RunDir.node_log(logs, "inference", int(component.split("_")[1]))
+    return RunDir.component_log(logs, component)
 
 
 def rendezvous() -> str:

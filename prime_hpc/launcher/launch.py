@@ -105,7 +105,7 @@ def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False,
 
 def expected_reports(plan: Plan) -> dict[str, int]:
     inf, tr = plan.group("inference"), plan.group("trainer")
-    return {"inference": inf.nodes, "trainer": tr.nodes * plan.trainer.nproc_per_node}
+    return {"inference": inf.nodes, "router": 1, "trainer": tr.nodes * plan.trainer.nproc_per_node}
 
 
 def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: bool = False,

@@ -59,6 +59,7 @@ class Plan:
     sbatch_extra: list[str] = field(default_factory=list)
     signal_delay_s: int = 120
     head_argv: list[str] = field(default_factory=list)  # group 0 command (set by the backend)
+    router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server
 
     @property
     def run(self) -> RunDir:
@@ -93,6 +94,7 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
             "inference": _argv(py, "prime_hpc.inference", "--config", str(run.component_config("inference"))),
             "trainer": [],
         }
+        router = _argv(py, "prime_hpc.inference.router", "--config", str(run.component_config("inference")))
         trainer_module = f"prime_hpc.trainer.{cfg.trainer.type}"
         trainer_args = ["--config", str(run.component_config("trainer"))]
     else:
@@ -101,6 +103,7 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
             "inference": _argv(py, "prime_hpc.doctor", "node", "--group", "inference", "--output-dir", out),
             "trainer": [],
         }
+        router = _argv(py, "prime_hpc.doctor", "node", "--group", "router", "--output-dir", out)
         trainer_module = "prime_hpc.doctor"
         trainer_args = ["node", "--group", "trainer", "--output-dir", out]
     groups = []
@@ -147,4 +150,5 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
         exclude=c.exclude,
         sbatch_extra=list(c.sbatch_extra),
         signal_delay_s=int(c.signal_delay_s),
+        router_argv=router,
     )
