@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from prime_hpc.launcher.attempt import component_log
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
 
 IMPORTS = {
@@ -247,7 +248,7 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
                 path = run.preflight_report(group, rank)
                 try:
                     wait_file(path, timeout_s=max(0.0, deadline - time.monotonic()), producer=f"{group} rank {rank}",
-                              producer_log=logs / group / "node_0.log")
+                              producer_log=component_log(logs, group))
                     reports[group].append(read_json(path))
                 except WaitTimeout as e:
                     reports[group].append({"group": group, "rank": rank, "host": None, "ok": False,
@@ -282,7 +283,7 @@ def format_table(summary: dict[str, Any]) -> str:
             failed = [f"{c['name']}: {c['detail']}" for c in r["checks"] if not c["ok"]]
             detail = "; ".join(failed) if failed else ", ".join(
                 f"{c['name']}" for c in r["checks"])
-            host = str(r.get("host")) + (f" ({r['slurm_node']})" if r.get("slurm_node") else "")
+            host = (r.get("host") or "-") + (f" ({r['slurm_node']})" if r.get("slurm_node") else "")
             rows.append((group, str(r["rank"]), "PASS" if r["ok"] else "FAIL", host, detail))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)

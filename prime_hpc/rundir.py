@@ -411,7 +411,7 @@ class RunDir:
     def is_fresh(self) -> bool:
         """True when no run ever started here: the directory is missing, empty, or holds
         only what `--dry-run` and `doctor` write (never a job.json)."""
-        launch_only = {"config.yaml", "configs", "submit", "doctor"}
+        launch_only = {"config.yaml", "configs", "submit", "doctor", ".job.json.lock"}
         try:
             return all(e.name in launch_only for e in os.scandir(self.root))
         except FileNotFoundError:

@@ -213,3 +213,11 @@ def test_a_failing_component_ends_the_job_and_is_named(tmp_path):
 def test_unknown_job_is_a_one_line_error():
     r = cli("status", "no-such-job-999")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no job 'no-such-job-999'" in r.stderr
+
+
+def test_refused_submission_leaves_the_directory_fresh(tmp_path):
+    out = tmp_path / "run"
+    r = cli("submit", "+experiment=reverse_text", "cluster=dev", f"output_dir={out}", "cluster.partition=nosuch")
+    assert r.returncode == 1 and "sbatch refused the job" in r.stderr and r.stderr.count("\n") == 1
+    assert RunDir(out).is_fresh() and not (out / "job.json").exists()
+    assert jobs.recent() == []

@@ -53,7 +53,10 @@ def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) ->
     run = RunDir(cfg.output_dir)
     if resume or run.is_fresh():
         return
-    if cfg.clean_output_dir and not dry_run:
+    if dry_run:
+        raise ConfigError("output_dir", f"{run.root} holds a run; a dry run never overwrites one; "
+                                        "choose another output_dir")
+    if cfg.clean_output_dir:
         if not (run.job_json.exists() or run.config_yaml.exists()):
             raise ConfigError("clean_output_dir", f"{run.root} is not a prime-hpc run directory (no job.json or "
                                                   "config.yaml); refusing to wipe it; choose another output_dir")

@@ -4,6 +4,8 @@ jobs itself) and aggregate the per-component states of a het job (sacct lists th
 `<id>+0`, `<id>+1`, ... and never as a bare `<id>`)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import shlex
 import subprocess
 from typing import Any, Optional
@@ -130,7 +132,8 @@ def submit(plan: Plan, task: Any) -> HetSlurmJob:
     executor = HetSlurmExecutor(plan)
     plan.head_argv = executor.head_argv
     try:
-        job = executor.submit(task)
+        with contextlib.redirect_stderr(io.StringIO()):  # sbatch's complaint is re-raised as one line
+            job = executor.submit(task)
     except (submitit.core.utils.FailedSubmissionError, submitit.core.utils.FailedJobError) as e:
         detail = " ".join(str(e).split())
         raise LaunchError(f"sbatch refused the job: {detail[-400:]}") from None
