@@ -204,35 +204,13 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def _live_states(refs) -> dict[str, str]:
-    """{job id: aggregated state} for the listed SLURM jobs: squeue for what the
-    controller still knows (live and current), sacct for the rest (only once it has
-    recorded a row per het component: early on it shows one misleading row)."""
     import shutil
-    import subprocess
-
-    from prime_hpc.launcher.slurm import aggregate
 
     if not refs or not shutil.which("squeue"):
         return {}
+    from prime_hpc.launcher.slurm import live_states
 
-    def query(cmd: list[str]) -> dict[str, list[str]]:
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return {}
-        per_job: dict[str, list[str]] = {}
-        for line in out.splitlines():
-            jid, _, state = line.partition("|")
-            if "+" in jid:
-                per_job.setdefault(jid.split("+")[0], []).append(state)
-        return per_job
-
-    ids = ",".join(r.job_id for r in refs)
-    found = query(["squeue", "-h", "-t", "all", "-o", "%i|%T", "-j", ids])
-    rest = [r.job_id for r in refs if r.job_id not in found]
-    if rest and shutil.which("sacct"):
-        found.update(query(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)]))
-    return {j: aggregate(s) for j, s in found.items() if len(s) >= 3}
+    return live_states([r.job_id for r in refs])
 
 
 # ----------------------------------------------------------------------------- cancel / tail

@@ -90,12 +90,17 @@ def _shared_rw(run: RunDir, group: str, rank: int) -> str:
         raise RuntimeError(f"read back a different content from {probe}")
     probe.unlink()
     if group != "orchestrator":
-        read_json(wait_file(run.preflight_head, timeout_s=120, producer="the head group (orchestrator)"))
+        _head(run)
     return f"read+write ok in {run.preflight_dir}"
 
 
+def _head(run: RunDir) -> dict[str, Any]:
+    """The head's published address (waits for it)."""
+    return read_json(wait_file(run.preflight_head, timeout_s=120, producer="the head group (orchestrator)"))
+
+
 def _reach_head(run: RunDir) -> str:
-    head = read_json(wait_file(run.preflight_head, timeout_s=120, producer="the head group (orchestrator)"))
+    head = _head(run)
     with socket.create_connection((head["address"], head["port"]), timeout=30) as s:
         s.sendall(HANDSHAKE)
         reply = s.recv(64)

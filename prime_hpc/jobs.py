@@ -74,17 +74,9 @@ def editing_job(run: RunDir) -> Iterator[dict[str, Any]]:
 
 
 def update_job(run: RunDir, **changes: Any) -> dict[str, Any]:
-    """Read-modify-write job.json under a lock; list values given as `append_<key>` are
-    appended to `<key>`."""
-    with _locked(run.job_json):
-        job = read_job(run)
-        for key, value in changes.items():
-            if key.startswith("append_"):
-                job.setdefault(key[7:], []).append(value)
-            else:
-                job[key] = value
-        job["updated_at"] = time.time()
-        atomic_write_json(run.job_json, job)
+    """Set `changes` in job.json (read-modify-write under its lock)."""
+    with editing_job(run) as job:
+        job.update(changes)
     return job
 
 

@@ -22,11 +22,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 STABLE = "STABLE"
 TMP_PREFIX = ".tmp."
-COMPONENTS = ("orchestrator", "inference", "trainer")
+COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group order (0, 1, 2)
 
 
 class WaitTimeout(TimeoutError):
@@ -293,9 +293,6 @@ class RunDir:
     def weights_step(self, step: int) -> Path:
         return _step_dir(self.weights_dir, step)
 
-    def stable_weight_steps(self) -> list[int]:
-        return _steps_in(self.weights_dir, require_stable=True)
-
     @property
     def checkpoints_dir(self) -> Path:
         return self.root / "checkpoints"
@@ -437,7 +434,3 @@ class RunDir:
                     shutil.rmtree(p)
                 else:
                     p.unlink()
-
-    def iter_tmp_orphans(self) -> Iterable[Path]:
-        """Temp files left by writers that died mid-write (safe to delete)."""
-        return self.root.rglob(TMP_PREFIX + "*")

@@ -8,9 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from prime_hpc.rundir import RunDir, tail
-
-COMPONENTS = ("orchestrator", "inference", "trainer")
+from prime_hpc.rundir import COMPONENTS, RunDir, tail
 
 
 def _open_at_end(path: Path, lines: int) -> Optional[tuple]:

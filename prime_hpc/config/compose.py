@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -200,14 +200,3 @@ def component_config(cfg: DictConfig, component: str) -> dict:
         for k in ("ckpt", "wandb", "max_steps", "async_level"):
             run_level.pop(k)
     return {**run_level, component: own}
-
-
-def load_yaml(path: os.PathLike | str) -> DictConfig:
-    return OmegaConf.load(path)  # type: ignore[return-value]
-
-
-def maybe_int(value: Optional[str]) -> Optional[int]:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None

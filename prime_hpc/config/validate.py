@@ -6,7 +6,6 @@ Type and unknown-key errors are caught earlier, by the typed schema during compo
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable

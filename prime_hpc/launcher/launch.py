@@ -34,14 +34,9 @@ def active_job(run: RunDir) -> Optional[str]:
     if not ids:
         return None
     if job.get("backend") == "slurm":
-        import subprocess
+        from prime_hpc.launcher.slurm import squeue_components
 
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", ids[-1], "-o", "%T"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return ids[-1] if out.strip() else None
+        return ids[-1] if squeue_components(ids[-1:]) else None
     from prime_hpc.launcher import local
 
     return ids[-1] if local.supervisor_alive(job) else None
@@ -78,8 +73,6 @@ def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
     atomic_write_text(run.config_yaml, to_yaml(cfg))
     for component in GROUP_NAMES:
         atomic_write_text(run.component_config(component), to_yaml(OmegaConf.create(component_config(cfg, component))))
-    if not plan.head_argv:
-        plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(run.submitit_dir)]
     atomic_write_text(run.sbatch_script, render_sbatch(plan))
 
 
@@ -100,8 +93,6 @@ def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False,
         cfg.output_dir = str(run.root)
     plan = make_plan(cfg, mode)
     plan.env.update(extra_env or {})
-    if plan.backend == "slurm":
-        plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(run.submitit_dir)]
     write_launch_files(cfg, run, plan)
     return run, plan
 
@@ -120,7 +111,7 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
     # job.json before the job exists: the job itself only ever moves the state forward
     jobs.update_job(
         run,
-        name=cfg.name if mode == "rl" else f"{cfg.name}-doctor",
+        name=plan.name,
         mode=mode,
         backend=plan.backend,
         output_dir=str(run.root),
@@ -150,8 +141,7 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
             run.job_json.unlink(missing_ok=True)
         raise
     jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **proc)
-    name = cfg.name if mode == "rl" else f"{cfg.name}-doctor"
-    ref = jobs.JobRef(job_id=job_id, name=name, output_dir=str(run.root), backend=plan.backend,
+    ref = jobs.JobRef(job_id=job_id, name=plan.name, output_dir=str(run.root), backend=plan.backend,
                       submitted_at=now, mode=mode)
     jobs.record(ref)
     return Submitted(ref=ref, plan=plan, job=job_obj)

@@ -45,8 +45,8 @@ def start_time(pid: int) -> Optional[str]:
 
 
 def supervisor_alive(job: dict) -> bool:
-    pid = job.get("pid")
-    return bool(pid) and start_time(int(pid)) is not None and start_time(int(pid)) == job.get("pid_start")
+    pid, started = job.get("pid"), job.get("pid_start")
+    return bool(pid) and started is not None and start_time(int(pid)) == started
 
 
 def state(run: RunDir) -> str:

@@ -13,10 +13,10 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import COMPONENTS, RunDir
 
 MODES = ("rl", "doctor")
-GROUP_NAMES = ("orchestrator", "inference", "trainer")
+GROUP_NAMES = COMPONENTS  # het group k runs GROUP_NAMES[k]
 
 
 @dataclass
@@ -41,6 +41,7 @@ class TrainerLaunch:
 @dataclass
 class Plan:
     mode: str  # rl | doctor
+    name: str  # the run's name (a preflight: "<name>-doctor"); job_name is its SLURM-safe form
     job_name: str
     output_dir: str
     python: str
@@ -58,7 +59,7 @@ class Plan:
     exclude: Optional[str] = None
     sbatch_extra: list[str] = field(default_factory=list)
     signal_delay_s: int = 120
-    head_argv: list[str] = field(default_factory=list)  # group 0 command (set by the backend)
+    head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server
 
     @property
@@ -131,9 +132,11 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
         env["VLLM_TARGET_DEVICE"] = "cpu"
     if c.backend == "slurm":
         env["SUBMITIT_EXECUTOR"] = "slurm"  # the head task runs under submitit's job environment
+    name = cfg.name if mode == "rl" else f"{cfg.name}-doctor"
     return Plan(
         mode=mode,
-        job_name=slurm_job_name(cfg.name if mode == "rl" else f"{cfg.name}-doctor"),
+        name=name,
+        job_name=slurm_job_name(name),
         output_dir=out,
         python=py,
         backend=c.backend,
@@ -151,4 +154,6 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
         sbatch_extra=list(c.sbatch_extra),
         signal_delay_s=int(c.signal_delay_s),
         router_argv=router,
+        # submitit runs the pickled head task from its folder (the SLURM path)
+        head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),
     )

@@ -87,20 +87,42 @@ class HetSlurmJob(SlurmJob):
         return state not in ACTIVE and state != "UNKNOWN"
 
 
-def _squeue_states(job_id: str) -> dict[str, str]:
-    """Component states from squeue (a job sacct does not know yet)."""
+def _components(cmd: list[str]) -> dict[str, dict[int, str]]:
+    """{leader id: {het group index: state}} from squeue/sacct lines "<id>+<k>|<state>"."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i|%T"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
-    states = {}
-    for line in out.stdout.splitlines():
+    found: dict[str, dict[int, str]] = {}
+    for line in out.splitlines():
         jid, _, state = line.partition("|")
-        if "+" in jid:
-            k = int(jid.split("+")[1])
-            if k < len(GROUP_NAMES):
-                states[GROUP_NAMES[k]] = state
-    return states
+        leader, plus, k = jid.partition("+")
+        if plus and k.isdigit():
+            found.setdefault(leader, {})[int(k)] = state
+    return found
+
+
+def squeue_components(job_ids: list[str], finished_too: bool = False) -> dict[str, dict[int, str]]:
+    """Component states the controller knows (queued and running; with `finished_too`,
+    also jobs that ended in the last MinJobAge seconds)."""
+    cmd = ["squeue", "-h", "-o", "%i|%T", "-j", ",".join(job_ids)] + (["-t", "all"] if finished_too else [])
+    return _components(cmd)
+
+
+def live_states(job_ids: list[str]) -> dict[str, str]:
+    """{job id: aggregated state}: squeue for what the controller still knows, sacct for
+    the rest, and only once it lists every het component (early on it shows one row)."""
+    found = squeue_components(job_ids, finished_too=True)
+    rest = [j for j in job_ids if j not in found]
+    if rest:
+        found.update(_components(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)]))
+    return {j: aggregate(list(s.values())) for j, s in found.items() if len(s) >= len(GROUP_NAMES)}
+
+
+def _squeue_states(job_id: str) -> dict[str, str]:
+    """Component states from squeue (a job sacct does not know yet)."""
+    comps = squeue_components([job_id]).get(job_id, {})
+    return {GROUP_NAMES[k]: st for k, st in comps.items() if k < len(GROUP_NAMES)}
 
 
 class HetSlurmExecutor(submitit.SlurmExecutor):
@@ -112,10 +134,6 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         super().__init__(folder=plan.run.submitit_dir, max_num_timeout=3, python=shlex.quote(plan.python))
         self.plan = plan
         self.parameters["time"] = minutes(plan.time) or 60 * 24 * 365
-
-    @property
-    def head_argv(self) -> list[str]:
-        return [self.plan.python, "-u", "-m", "submitit.core._submit", str(self.folder)]
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         return render_sbatch(self.plan)
@@ -130,7 +148,6 @@ def submit(plan: Plan, task: Any) -> HetSlurmJob:
         raise LaunchError("cluster.backend=slurm but no SLURM here (sbatch not found); use cluster=local "
                           "or start the dev cluster: tools/dev-cluster start")
     executor = HetSlurmExecutor(plan)
-    plan.head_argv = executor.head_argv
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # sbatch's complaint is re-raised as one line
             job = executor.submit(task)
