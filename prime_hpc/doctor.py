@@ -126,12 +126,11 @@ def _collective(device: str) -> str:
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
+    from prime_hpc import device as devices
+
+    dist.init_process_group(backend=devices.dist_backend(device))
     try:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else torch.device("cpu")
-        if device == "cuda":
-            torch.cuda.set_device(dev)
+        dev = devices.torch_device(device, int(os.environ.get("LOCAL_RANK", 0)))
         t = torch.ones(1, device=dev)
         dist.all_reduce(t)
         world = dist.get_world_size()

@@ -11,8 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = ["build_tiny_model", "ensure_tiny_model"]
 
+TINY = "tiny"  # model.name that selects the offline tiny Qwen3 (built on first use)
+
 if TYPE_CHECKING:
     from prime_hpc.model.tiny import build_tiny_model, ensure_tiny_model
+
+
+def resolve_model(name: str, seed: int = 0) -> str:
+    """What to hand to `from_pretrained` / vLLM for the run's `model.name`: the built tiny
+    model's directory for "tiny", otherwise the HF id or local path unchanged."""
+    if name == TINY:
+        from prime_hpc.model.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model(seed=seed))
+    return name
 
 
 def __getattr__(name: str) -> Any:
