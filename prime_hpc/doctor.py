@@ -19,10 +19,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from prime_hpc.launcher.attempt import component_log
+from prime_hpc.net import node_address
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
 
 IMPORTS = {
@@ -110,11 +110,10 @@ def _reach_head(run: RunDir) -> str:
 
 
 def _router_binary() -> str:
-    """The vllm-router executable next to this interpreter (or on PATH) runs."""
-    exe = Path(sys.executable).parent / "vllm-router"
-    path = str(exe) if exe.exists() else shutil.which("vllm-router")
-    if not path:
-        raise FileNotFoundError("vllm-router not found next to the interpreter nor on PATH (pip install vllm-router)")
+    """The vllm-router executable the run would start, and that it runs."""
+    from prime_hpc.inference.router import router_binary
+
+    path = router_binary()
     out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         raise RuntimeError(f"{path} --help exited {out.returncode}: {out.stderr.strip()[:200]}")
@@ -128,7 +127,8 @@ def _collective(device: str) -> str:
 
     from prime_hpc import device as devices
 
-    dist.init_process_group(backend=devices.dist_backend(device))
+    backend = devices.dist_backend(device)
+    dist.init_process_group(backend=backend)
     try:
         dev = devices.torch_device(device, int(os.environ.get("LOCAL_RANK", 0)))
         t = torch.ones(1, device=dev)
@@ -224,22 +224,13 @@ class _HeadServer:
         self.sock.close()
 
 
-def head_address() -> str:
-    """An address of this node that other nodes can connect to."""
-    host = socket.gethostname()
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
-
-
 def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
     """Open the port, publish it, check this node, wait for every node's report and
     write `preflight/report.json`. `expected` maps group -> number of reports."""
     server = _HeadServer()
     run.beat("orchestrator", 0, phase="preflight")
     try:
-        atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": head_address(),
+        atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": node_address(),
                                                "port": server.port})
         device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
         write_report(run, "orchestrator", 0, node_checks(run, "orchestrator", 0, device))

@@ -199,4 +199,8 @@ def component_config(cfg: DictConfig, component: str) -> dict:
     if component == "inference":
         for k in ("ckpt", "wandb", "max_steps", "async_level"):
             run_level.pop(k)
+        lora = cfg.trainer.model.lora
+        run_level["nodes"] = int(cfg.cluster.inference.nodes)  # servers the router waits for
+        run_level["gpus_per_node"] = int(cfg.cluster.inference.gpus_per_node)
+        run_level["lora"] = {"enabled": bool(lora.enabled), "rank": int(lora.rank)}
     return {**run_level, component: own}

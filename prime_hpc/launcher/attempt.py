@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 import time
@@ -21,6 +22,9 @@ from prime_hpc.rundir import RunDir
 
 def start(run: RunDir, job_id: str) -> str:
     k, logs = run.new_attempt()
+    # endpoints are per attempt: nobody may find a previous attempt's servers
+    shutil.rmtree(run.endpoints_dir, ignore_errors=True)
+    run.endpoints_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("inference", "trainer", "envs"):
         (logs / sub).mkdir(exist_ok=True)
     # top-level names of the reference layout, pointing at node 0's stream

@@ -1,0 +1,5 @@
+import sys
+
+from prime_hpc.inference.server import main
+
+sys.exit(main())

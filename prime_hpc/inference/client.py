@@ -1,0 +1,115 @@
+"""Talking to a run's inference: find the servers and the router in `endpoints/`, and send
+admin calls (weight updates) to every server directly. Generation goes through the router
+with any OpenAI client (`base_url = endpoints.router + "/v1"`).
+
+Light imports (httpx only); the API key comes from `$INFERENCE_SERVER_API_KEY` and is
+never written anywhere.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from prime_hpc.rundir import RunDir, read_json, wait_for
+
+API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
+
+
+class InferenceError(RuntimeError):
+    """An admin call failed; the message names the server and what it answered."""
+
+
+def api_key(var: str = API_KEY_VAR) -> Optional[str]:
+    return os.environ.get(var) or None
+
+
+def headers(key: Optional[str] = None) -> dict[str, str]:
+    key = key if key is not None else api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@dataclass
+class Endpoints:
+    router: str  # base URL (no /v1)
+    servers: list[str]  # base URLs, node order
+    server_records: list[dict]
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.router + "/v1"
+
+
+def discover(run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[Path] = None,
+             alive: Any = None) -> Endpoints:
+    """Wait until every server and the router have published their endpoints."""
+    def log_of(node: Optional[int]) -> Optional[Path]:
+        if logs is None:
+            return None
+        return RunDir.router_log(logs, 0) if node is None else RunDir.node_log(logs, "inference", node)
+
+    records = []
+    for node in range(nodes):
+        path = run.inference_endpoint(node)
+        wait_for(lambda p=path: p.exists(), what=str(path), timeout_s=timeout_s,
+                 producer=f"inference server on node {node}", producer_log=log_of(node), alive=alive)
+        records.append(read_json(path))
+    path = run.router_endpoint
+    wait_for(lambda: path.exists(), what=str(path), timeout_s=timeout_s, producer="vllm-router",
+             producer_log=log_of(None), alive=alive)
+    router = read_json(path)
+    return Endpoints(router=router["url"], servers=[r["url"] for r in records], server_records=records)
+
+
+class Admin:
+    """Admin calls to every server of a run, concurrently; any failure raises one
+    `InferenceError` naming the servers that failed."""
+
+    def __init__(self, servers: list[str], key: Optional[str] = None, timeout_s: float = 900.0) -> None:
+        self.servers = list(servers)
+        self.key = key if key is not None else api_key()
+        self.timeout_s = timeout_s
+
+    async def _post_all(self, path: str, body: Optional[dict]) -> list[dict]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers(self.key)) as client:
+            async def one(base: str) -> dict:
+                try:
+                    r = await client.post(base + path, json=body or {})
+                except httpx.HTTPError as e:
+                    raise InferenceError(f"{base}{path}: {type(e).__name__}: {e}") from None
+                if r.status_code != 200:
+                    try:
+                        detail = r.json().get("error", r.text)
+                    except ValueError:
+                        detail = r.text
+                    if isinstance(detail, dict):
+                        detail = detail.get("message", detail)
+                    raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {str(detail)[:300]}")
+                return r.json()
+
+            results = await asyncio.gather(*(one(s) for s in self.servers), return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise InferenceError("; ".join(errors))
+        return list(results)  # type: ignore[arg-type]
+
+    async def update_weights(self, weight_dir: os.PathLike | str, step: int) -> list[dict]:
+        """Every server: wait for in-flight generations, load `weight_dir`, serve `step`."""
+        return await self._post_all("/update_weights", {"weight_dir": str(weight_dir), "step": int(step)})
+
+    async def reload_base(self) -> list[dict]:
+        return await self._post_all("/reload_weights", None)
+
+    async def load_lora(self, name: str, path: os.PathLike | str, step: int) -> list[dict]:
+        return await self._post_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "step": int(step)})
+
+    async def policies(self) -> list[dict]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=30, headers=headers(self.key)) as client:
+            rs = await asyncio.gather(*(client.get(s + "/policy") for s in self.servers))
+        return [r.json() for r in rs]

@@ -1,0 +1,165 @@
+"""What the inference server adds in front of vLLM's app: the API key on every route, and
+the policy gate that keeps a weight update from overlapping any generation.
+
+`PolicyGate` is a writer-preferring shared/exclusive lock: each generation request holds
+it shared for its whole life (queueing and decoding included), a weight update holds it
+exclusively. So an update waits until the requests in flight have finished, new requests
+wait until the update is done, and every completion was produced by exactly one policy,
+whose step the server stamps on the response (`policy_step` in the JSON body and the
+`x-policy-step` header; streams get the header).
+
+Pure ASGI, no vLLM import: unit-testable with any ASGI app.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+POLICY_HEADER = b"x-policy-step"
+POLICY_FIELD = "policy_step"
+# Generation routes: a response produced by the model (incl. prompt logprobs for OPD).
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate")
+# Open without a key: liveness only (the router and load balancers probe it).
+OPEN_PATHS = ("/health", "/ping")
+
+Scope = dict
+Message = dict
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class UpdateTimeout(Exception):
+    pass
+
+
+class PolicyGate:
+    def __init__(self, step: int = 0, weight_dir: Optional[str] = None) -> None:
+        self.step = step
+        self.weight_dir = weight_dir
+        self.active = 0  # generation requests holding the gate
+        self.served = 0  # generation requests completed
+        self._writer = False
+        self._writers_waiting = 0
+        self._cond: Optional[asyncio.Condition] = None
+
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:  # bound to the serving loop on first use
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    @asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self._writer and not self._writers_waiting)
+            self.active += 1
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self.active -= 1
+                self.served += 1
+                self.cond.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self, timeout_s: float) -> AsyncIterator[None]:
+        """Wait (at most `timeout_s`) for in-flight generations to finish; block new ones."""
+        async with self.cond:
+            self._writers_waiting += 1
+            try:
+                await asyncio.wait_for(self.cond.wait_for(lambda: not self._writer and self.active == 0), timeout_s)
+            except asyncio.TimeoutError:
+                raise UpdateTimeout(f"{self.active} generation request(s) still running after {timeout_s:g}s") from None
+            finally:
+                self._writers_waiting -= 1
+                self.cond.notify_all()
+            self._writer = True
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self._writer = False
+                self.cond.notify_all()
+
+
+def _key_ok(headers: list[tuple[bytes, bytes]], key_hash: bytes) -> bool:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), key_hash)
+    return False
+
+
+async def _send_json(send: Send, status: int, obj: Any) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GateMiddleware:
+    """API key on everything but liveness; the policy gate and stamp on generation routes."""
+
+    def __init__(self, app: Callable, gate: PolicyGate, api_key: Optional[str] = None) -> None:
+        self.app = app
+        self.gate = gate
+        self.key_hash = hashlib.sha256(api_key.encode()).digest() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if self.key_hash is not None and scope.get("method") != "OPTIONS" and path not in OPEN_PATHS:
+            if not _key_ok(scope.get("headers", []), self.key_hash):
+                if scope["type"] == "http":
+                    return await _send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
+                return None  # websocket: close without accepting
+        if scope["type"] == "http" and scope.get("method") == "POST" and path in GENERATION_PATHS:
+            async with self.gate.shared():
+                return await self.app(scope, receive, _Stamper(send, self.gate.step))
+        return await self.app(scope, receive, send)
+
+
+class _Stamper:
+    """Adds the policy step to a response: header always, JSON body field when the body
+    is a JSON object (buffered; streams pass through untouched)."""
+
+    def __init__(self, send: Send, step: int) -> None:
+        self.send = send
+        self.step = step
+        self.start: Optional[Message] = None
+        self.chunks: list[bytes] = []
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", [])]
+            headers.append((POLICY_HEADER, str(self.step).encode()))
+            message = {**message, "headers": headers}
+            ctype = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
+            if ctype.startswith(b"application/json"):
+                self.start = message  # hold until the body is complete
+                return
+            return await self.send(message)
+        if message["type"] == "http.response.body" and self.start is not None:
+            self.chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(self.chunks)
+            try:
+                obj = json.loads(body)
+                if isinstance(obj, dict):
+                    obj[POLICY_FIELD] = self.step
+                    body = json.dumps(obj).encode()
+            except ValueError:
+                pass
+            headers = [(k, v) for k, v in self.start["headers"] if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await self.send({**self.start, "headers": headers})
+            self.start = None
+            return await self.send({"type": "http.response.body", "body": body})
+        return await self.send(message)

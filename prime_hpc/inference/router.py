@@ -1,0 +1,111 @@
+"""`python -m prime_hpc.inference.router --config <run>/configs/inference.yaml`: one
+vllm-router per run, on the first inference node, in front of every server of the run.
+
+It waits (at most `inference.startup_timeout_s`) until every server has published
+`endpoints/inference_<node>.json`, starts `vllm-router` on this node's address and a port
+free here, waits for it to answer, publishes `endpoints/router.json`, and then lives as
+long as the router does (SIGTERM/SIGINT are passed on). The router forwards the client's
+`Authorization` header, so the servers' API key check covers requests through it too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from prime_hpc.net import free_port, node_address, url
+from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_for
+
+POLICY = "round_robin"
+
+
+def router_binary() -> str:
+    """The vllm-router executable next to this interpreter, or on PATH."""
+    exe = Path(sys.executable).parent / "vllm-router"
+    path = str(exe) if exe.exists() else shutil.which("vllm-router")
+    if not path:
+        raise FileNotFoundError("vllm-router not found next to the interpreter nor on PATH (pip install vllm-router)")
+    return path
+
+
+def wait_for_servers(run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None) -> list[dict]:
+    """Every server's endpoint record, in node order, once all have published one."""
+    out: list[dict] = []
+    for node in range(nodes):
+        path = run.inference_endpoint(node)
+        log = RunDir.node_log(logs, "inference", node) if logs else None
+        wait_for(lambda p=path: p.exists(), what=str(path), timeout_s=timeout_s,
+                 producer=f"inference server on node {node}", producer_log=log)
+        out.append(read_json(path))
+    return out
+
+
+def router_argv(binary: str, host: str, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:
+    return [binary, "--host", host, "--port", str(port), "--worker-urls", *worker_urls, "--policy", POLICY,
+            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
+            "--worker-startup-check-interval", "1"]
+
+
+def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
+    import httpx
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm-router exited with code {proc.returncode} before it was ready")
+        try:
+            return httpx.get(base + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, what=f"vllm-router at {base}/health", timeout_s=timeout_s, producer="vllm-router")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import yaml
+
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.inference.router", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
+    a = p.parse_args(argv)
+    with open(a.config) as f:
+        cfg = yaml.safe_load(f)
+    run = RunDir(cfg["output_dir"])
+    logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
+    timeout_s = float(cfg["inference"].get("startup_timeout_s") or 600)
+    try:
+        servers = wait_for_servers(run, int(cfg.get("nodes") or 1), timeout_s, logs)
+    except WaitTimeout as e:
+        print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        return 1
+    host = node_address()
+    port, metrics_port = free_port(host), free_port(host)
+    argv_ = router_argv(router_binary(), host, port, metrics_port, [s["url"] for s in servers])
+    print("prime-hpc router: " + " ".join(argv_), flush=True)
+    proc = subprocess.Popen(argv_)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    try:
+        wait_ready(proc, url(host, port), timeout_s=120)
+    except (WaitTimeout, RuntimeError) as e:
+        proc.terminate()
+        print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        return 1
+    atomic_write_json(run.router_endpoint, {
+        "url": url(host, port), "host": host, "port": port, "metrics_port": metrics_port, "pid": proc.pid,
+        "policy": POLICY, "workers": [s["url"] for s in servers], "started_at": time.time()})
+    print(f"prime-hpc router: serving at {url(host, port)} in front of {len(servers)} server(s)", flush=True)
+    rc = proc.wait()
+    try:
+        os.unlink(run.router_endpoint)
+    except OSError:
+        pass
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""`python -m prime_hpc.inference --config <run>/configs/inference.yaml`: one vLLM OpenAI
+server on this node, for the run's model, with in-place weight updates.
+
+vLLM's own app serves the OpenAI API and its native admin routes (`/pause`, `/resume`,
+`/is_paused`, `/health`, ...). This module adds what is missing for RL:
+
+  POST /update_weights     {"weight_dir": ".../weights/step_N", "step": N?}
+                           load the full HF safetensors weights the trainer wrote, in place
+  POST /reload_weights     back to the base model (policy step 0)
+  POST /load_lora_adapter  {"lora_name", "lora_path", "step"?}: load/replace an adapter
+  GET  /policy             {"policy_step", "weight_dir", "in_flight"}
+
+An update holds the policy gate (see `gate.py`) exclusively: it waits for in-flight
+generations to finish, keeps new ones waiting, reloads, clears the prefix cache (its KV
+entries were computed by the old weights) and releases. Every completion carries the
+`policy_step` that produced it. With `INFERENCE_SERVER_API_KEY` set, every route except
+`/health` needs `Authorization: Bearer <key>`.
+
+Once healthy, the server publishes `endpoints/inference_<node>.json` (address, port,
+model, policy step), and rewrites it after each update.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from fastapi import Request
+
+from prime_hpc import device as devices
+from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
+from prime_hpc.net import node_address, url
+from prime_hpc.rundir import RunDir, atomic_write_json
+
+API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
+UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
+HEARTBEAT_S = 10.0
+
+
+def load_config(path: str) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def node_rank() -> int:
+    """This server's node index within the inference group (SLURM step or local launcher)."""
+    for var in ("SLURM_NODEID", "PRIME_HPC_NODE_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def data_parallel_size(inf: dict, gpus_per_node: int, device: str) -> int:
+    if inf.get("data_parallel_size"):
+        return int(inf["data_parallel_size"])
+    if device == "cuda" and gpus_per_node:
+        return max(1, gpus_per_node // int(inf.get("tensor_parallel_size") or 1))
+    return 1
+
+
+def vllm_args(cfg: dict, model_path: str, host: str) -> list[str]:
+    """The vLLM server command line for this run (port 0: the kernel picks one)."""
+    inf = cfg["inference"]
+    m = inf["model"]
+    argv = [
+        "--model", model_path,
+        "--served-model-name", cfg["model"]["name"],
+        "--host", host,
+        "--port", "0",
+        "--dtype", str(inf.get("dtype") or "auto"),
+        "--gpu-memory-utilization", str(inf["gpu_memory_utilization"]),
+        "--tensor-parallel-size", str(inf.get("tensor_parallel_size") or 1),
+        "--seed", str(cfg.get("seed", 0)),
+    ]
+    if inf.get("max_model_len"):
+        argv += ["--max-model-len", str(inf["max_model_len"])]
+    dp = data_parallel_size(inf, int(cfg.get("gpus_per_node") or 0), cfg.get("device", "cpu"))
+    if dp > 1:
+        argv += ["--data-parallel-size", str(dp)]
+    if m.get("enable_auto_tool_choice"):
+        argv.append("--enable-auto-tool-choice")
+    if m.get("tool_call_parser"):
+        argv += ["--tool-call-parser", m["tool_call_parser"]]
+    if m.get("reasoning_parser"):
+        argv += ["--reasoning-parser", m["reasoning_parser"]]
+    if cfg["model"].get("trust_remote_code"):
+        argv.append("--trust-remote-code")
+    lora = cfg.get("lora") or {}
+    if lora.get("enabled"):
+        argv += ["--enable-lora", "--max-lora-rank", str(lora.get("rank", 16))]
+    return argv + [str(a) for a in inf.get("extra_args") or []]
+
+
+def engine_env(cfg: dict) -> dict[str, str]:
+    """What the engine needs in its environment on this device (CPU: KV cache space and
+    threads from the config, or from the CPUs SLURM gave this task)."""
+    inf = cfg["inference"]
+    threads = inf.get("cpu_threads") or (int(os.environ["SLURM_CPUS_PER_TASK"])
+                                         if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit() else None)
+    env = devices.inference_env(cfg.get("device", "cpu"), inf.get("cpu_kvcache_space_gb"), threads)
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    return env
+
+
+def step_of(weight_dir: str) -> Optional[int]:
+    m = re.search(r"step_(\d+)/?$", str(weight_dir))
+    return int(m.group(1)) if m else None
+
+
+class Server:
+    """State shared by the added routes: the engine, the gate, what to publish."""
+
+    def __init__(self, cfg: dict, model_path: str, host: str) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.host = host
+        self.port = 0
+        self.node = node_rank()
+        self.run = RunDir(cfg["output_dir"])
+        self.gate = PolicyGate(step=0, weight_dir=None)
+        self.engine: Any = None
+        self.app: Any = None
+        self.healthy = False
+        self.tied_on_cpu = False
+        self.updates = 0
+
+    # ------------------------------------------------------------------ publishing
+    def endpoint(self) -> dict:
+        return {
+            "url": url(self.host, self.port),
+            "host": self.host,
+            "port": self.port,
+            "node": self.node,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "model": self.cfg["model"]["name"],
+            "policy_step": self.gate.step,
+            "weight_dir": self.gate.weight_dir,
+            "updated_at": time.time(),
+        }
+
+    def publish(self) -> None:
+        atomic_write_json(self.run.inference_endpoint(self.node), self.endpoint())
+
+    def unpublish(self) -> None:
+        try:
+            os.unlink(self.run.inference_endpoint(self.node))
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ weight updates
+    async def _swap(self, load, step: int, weight_dir: Optional[str]) -> dict:
+        t0 = time.monotonic()
+        try:
+            async with self.gate.exclusive(UPDATE_DRAIN_TIMEOUT_S):
+                waited = time.monotonic() - t0
+                await load()
+                await self.engine.reset_prefix_cache()
+                self.gate.step, self.gate.weight_dir = step, weight_dir
+                self.updates += 1
+        except UpdateTimeout as e:
+            return _error(503, f"update not applied: {e}")
+        self.publish()
+        return {"status": "ok", "policy_step": step, "weight_dir": weight_dir,
+                "drain_s": round(waited, 4), "load_s": round(time.monotonic() - t0 - waited, 4)}
+
+    async def update_weights(self, body: dict) -> Any:
+        weight_dir = body.get("weight_dir") or body.get("weights_path")
+        if not weight_dir:
+            return _error(400, "body needs 'weight_dir': a directory with HF safetensors weights")
+        d = Path(weight_dir)
+        if not d.is_dir() or not any(d.glob("*.safetensors")):
+            return _error(400, f"{weight_dir}: no *.safetensors weights there")
+        step = body.get("step", step_of(weight_dir))
+        if step is None:
+            return _error(400, f"give 'step': it cannot be read from {weight_dir} (expected .../step_<n>)")
+        if self.tied_on_cpu:
+            return _error(409, "this model ties its input and output embeddings: in-place updates are wrong "
+                               "on CPU vLLM; use a model with tie_word_embeddings=false")
+        if await self.engine.is_paused():
+            return _error(409, "generation is paused (POST /resume first): /update_weights pauses by itself")
+
+        async def load():
+            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(d)})
+
+        return await self._swap(load, int(step), str(d))
+
+    async def reload_base(self) -> Any:
+        async def load():
+            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": self.model_path})
+
+        if self.tied_on_cpu and self.gate.step == 0:
+            return {"status": "ok", "policy_step": 0, "weight_dir": None}
+        return await self._swap(load, 0, None)
+
+    async def load_lora(self, body: dict) -> Any:
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return _error(400, "body needs 'lora_name' and 'lora_path'")
+        if not (self.cfg.get("lora") or {}).get("enabled"):
+            return _error(409, "this server was started without LoRA (trainer.model.lora.enabled=false)")
+        step = body.get("step", step_of(path))
+        result: dict = {}
+
+        async def load():
+            models = self.app.state.openai_serving_models
+            resp = await models.load_lora_adapter(
+                LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path), load_inplace=True))
+            if not isinstance(resp, str):
+                result["error"] = resp.model_dump() if hasattr(resp, "model_dump") else str(resp)
+
+        out = await self._swap(load, int(step) if step is not None else self.gate.step, str(path))
+        if result.get("error"):
+            return _error(400, f"adapter not loaded: {result['error']}")
+        return out
+
+
+def _error(status: int, message: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=status, content={"error": message})
+
+
+def add_routes(app: Any, server: Server) -> None:
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        return await server.update_weights(await _json(request))
+
+    @app.post("/reload_weights")
+    async def reload_weights():
+        return await server.reload_base()
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await server.load_lora(await _json(request))
+
+    @app.get("/policy")
+    async def policy():
+        return {"policy_step": server.gate.step, "weight_dir": server.gate.weight_dir,
+                "in_flight": server.gate.active, "served": server.gate.served, "updates": server.updates}
+
+
+async def _json(request: Any) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            try:
+                r = await client.get(url(server.host, server.port) + "/health")
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                print(f"prime-hpc inference: node {server.node} not healthy after {timeout_s:g}s; see {log}",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            await asyncio.sleep(0.5)
+    server.healthy = True
+    server.publish()
+    print(f"prime-hpc inference: node {server.node} serving {server.cfg['model']['name']} at "
+          f"{url(server.host, server.port)}", flush=True)
+    while True:  # heartbeat while serving
+        server.run.beat("inference", server.node, policy_step=server.gate.step, in_flight=server.gate.active)
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def serve(cfg: dict, log: str) -> None:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from prime_hpc.model import resolve_model
+
+    model_path = resolve_model(cfg["model"]["name"], int(cfg["model"].get("seed", 0)))
+    host = node_address()
+    server = Server(cfg, model_path, host)
+    server.unpublish()
+    args = make_arg_parser(FlexibleArgumentParser(prog="prime_hpc.inference")).parse_args(
+        vllm_args(cfg, model_path, host))
+    validate_parsed_serve_args(args)
+    print("prime-hpc inference: vllm " + " ".join(vllm_args(cfg, model_path, host)), flush=True)
+    _, sock = setup_server(args, reuse_port=False)
+    server.port = args.port = sock.getsockname()[1]
+    try:
+        async with build_async_engine_client(args) as engine:
+            server.engine = engine
+            hf = engine.model_config.hf_config
+            server.tied_on_cpu = cfg.get("device", "cpu") == "cpu" and bool(
+                getattr(hf, "tie_word_embeddings", False))
+            tasks = await engine.get_supported_tasks()
+            app = build_app(args, tasks, engine.model_config)
+            server.app = app
+            add_routes(app, server)
+            app.middleware_stack = None  # built early by vLLM's bootstrap; rebuilt lazily with ours outermost
+            app.add_middleware(GateMiddleware, gate=server.gate, api_key=os.environ.get(API_KEY_VAR) or None)
+            await init_app_state(engine, app.state, args, tasks)
+            publisher = asyncio.get_running_loop().create_task(
+                _publish_when_healthy(server, float(cfg["inference"].get("startup_timeout_s") or 600), log))
+            shutdown = await serve_http(app, sock=sock, host=host, port=server.port,
+                                        log_level=args.uvicorn_log_level,
+                                        access_log=not args.disable_uvicorn_access_log)
+        try:
+            await shutdown
+        finally:
+            publisher.cancel()
+    finally:
+        server.unpublish()
+        sock.close()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.inference", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
+    a = p.parse_args(argv)
+    cfg = load_config(a.config)
+    node = node_rank()
+    logs = os.environ.get("PRIME_HPC_LOGS")
+    log = str(RunDir.node_log(Path(logs), "inference", node)) if logs else "this process's output"
+    os.environ.update(engine_env(cfg))
+    try:
+        import uvloop
+
+        uvloop.run(serve(cfg, log))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:  # the traceback above for the log; one line for the reader
+        traceback.print_exc()
+        print(f"prime-hpc inference: node {node} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+              f"; see {log}", file=sys.stderr, flush=True)
+        return 1
+    return 0

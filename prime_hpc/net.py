@@ -1,0 +1,62 @@
+"""Addresses and ports of this node. Servers bind to the node's own address on a port the
+kernel picks (several "nodes" may share one host), and publish address:port in the run
+directory; nothing assumes localhost or a fixed free port."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+
+ADDRESS_VAR = "PRIME_HPC_NODE_ADDRESS"  # override when the heuristics pick the wrong interface
+
+
+def _routable(addr: str) -> bool:
+    try:
+        return not ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def node_address() -> str:
+    """An IPv4 address of this node that other nodes can reach.
+
+    `$PRIME_HPC_NODE_ADDRESS` if set; else what the hostname resolves to unless that is a
+    loopback address (Debian maps the hostname to 127.0.1.1); else the address of the
+    interface that routes outwards (a UDP connect sends no packet); else 127.0.0.1."""
+    forced = os.environ.get(ADDRESS_VAR)
+    if forced:
+        return forced
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if _routable(addr):
+            return addr
+    except OSError:
+        pass
+    for probe in ("10.255.255.255", "192.0.2.1"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                addr = s.getsockname()[0]
+            if _routable(addr):
+                return addr
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+def bound_socket(host: str) -> socket.socket:
+    """A TCP socket bound to `host` on a port the kernel chose (kept open: no race)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` right now (for programs that only take a port number)."""
+    with bound_socket(host) as s:
+        return s.getsockname()[1]
+
+
+def url(host: str, port: int) -> str:
+    return f"http://{host}:{port}"
