@@ -34,3 +34,17 @@ def cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | N
 def hydra_quote(value: str) -> str:
     """Quote a value for a Hydra override (double quotes, escaped)."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@pytest.fixture(scope="session")
+def inference(tmp_path_factory):
+    """Two of the run's real inference servers (node ranks 0, 1) and the router, with an
+    API key, serving the tiny model (float32). Shared by every test that generates; tests
+    that change the policy put the base weights back."""
+    from tests.inference_util import start_inference
+
+    inf = start_inference(tmp_path_factory.mktemp("inference"), nodes=2)
+    try:
+        yield inf
+    finally:
+        inf.stop_all()

