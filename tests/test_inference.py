@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import os
 import signal
 from pathlib import Path
 
@@ -401,7 +399,6 @@ def test_router_spreads_requests_and_survives_a_dead_server(inference, tmp_path)
     extra = start_inference(tmp_path / "one", nodes=1, key=inference.key)
     try:
         import subprocess
-        import sys
 
         from prime_hpc.inference.router import router_argv, router_binary, wait_ready
         from prime_hpc.net import free_port, node_address, url

