@@ -22,11 +22,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 STABLE = "STABLE"
 TMP_PREFIX = ".tmp."
 COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group order (0, 1, 2)
+CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
 
 
 class WaitTimeout(TimeoutError):
@@ -55,6 +56,14 @@ def _file_mode() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+@functools.lru_cache(maxsize=1)
+def _dir_mode() -> int:
+    """0o777 minus the umask: what mkdir() would give."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o777 & ~mask
 
 
 def atomic_write_bytes(path: os.PathLike | str, data: bytes) -> Path:
@@ -172,6 +181,31 @@ def wait_for(
         delay = min(poll_max_s, delay * 1.5)
 
 
+def staging_dir(final: os.PathLike | str) -> Path:
+    """A fresh temp directory next to `final` (same filesystem) to build it in, named so
+    readers ignore it; hand it to `publish_dir` when everything is written."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}.", dir=final.parent))
+
+
+def publish_dir(staging: os.PathLike | str, final: os.PathLike | str, info: Optional[dict] = None) -> Path:
+    """Move a fully written `staging` directory to `final` (replacing an older copy, e.g.
+    after a resume) and write its `STABLE` marker last."""
+    staging, final = Path(staging), Path(final)
+    os.chmod(staging, _dir_mode())  # mkdtemp makes 0700
+    for p in staging.rglob("*"):
+        if p.is_dir():
+            _fsync_dir(p)
+    _fsync_dir(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    mark_stable(final, info)
+    return final
+
+
 def wait_stable(directory: os.PathLike | str, **kwargs: Any) -> Path:
     """Wait until `directory/STABLE` exists; see `wait_for`."""
     directory = Path(directory)
@@ -287,11 +321,28 @@ class RunDir:
         return self.rollout_step(step) / f"rank_{int(rank)}.{ext}"
 
     @property
+    def rollouts_done(self) -> Path:
+        """`rollouts/DONE`: written (atomically, JSON {"last_step": n}) by the orchestrator
+        when no rollouts after step n will come (data exhausted); the trainer stops there."""
+        return self.rollouts_dir / "DONE"
+
+    def rollout_steps(self) -> list[int]:
+        """Steps with a complete (`STABLE`) rollout directory, ascending."""
+        return _steps_in(self.rollouts_dir, require_stable=True)
+
+    @property
     def weights_dir(self) -> Path:
         return self.root / "weights"
 
     def weights_step(self, step: int) -> Path:
         return _step_dir(self.weights_dir, step)
+
+    def weights_adapter(self, step: int) -> Path:
+        """LoRA runs: the PEFT-layout adapter of step n (for vLLM `/v1/load_lora_adapter`)."""
+        return self.weights_step(step) / "adapter"
+
+    def weight_steps(self, stable_only: bool = True) -> list[int]:
+        return _steps_in(self.weights_dir, require_stable=stable_only)
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -304,17 +355,24 @@ class RunDir:
         """`checkpoints/step_n/{trainer,orchestrator}/` (each with its own STABLE)."""
         return self.checkpoint_step(step) / component
 
-    def complete_checkpoint_steps(self) -> list[int]:
-        """Steps whose trainer and orchestrator parts are both marked complete."""
+    def complete_checkpoint_steps(self, parts: Sequence[str] = CHECKPOINT_PARTS) -> list[int]:
+        """Steps whose `parts` are all marked complete: by default the trainer's and the
+        orchestrator's (an RL run); an SFT run has no orchestrator and asks for
+        `parts=("trainer",)`."""
         return [
             s
             for s in _steps_in(self.checkpoints_dir, require_stable=False)
-            if all(is_stable(self.checkpoint_part(s, c)) for c in ("trainer", "orchestrator"))
+            if all(is_stable(self.checkpoint_part(s, c)) for c in parts)
         ]
 
-    def latest_checkpoint_step(self) -> Optional[int]:
-        steps = self.complete_checkpoint_steps()
+    def latest_checkpoint_step(self, parts: Sequence[str] = CHECKPOINT_PARTS) -> Optional[int]:
+        steps = self.complete_checkpoint_steps(parts)
         return steps[-1] if steps else None
+
+    def checkpoint_steps(self, component: str) -> list[int]:
+        """Steps that have a `component` part at all (complete or not), ascending."""
+        return [s for s in _steps_in(self.checkpoints_dir, require_stable=False)
+                if self.checkpoint_part(s, component).is_dir()]
 
     @property
     def metrics_dir(self) -> Path:
@@ -322,6 +380,11 @@ class RunDir:
 
     def metrics(self, component: str) -> Path:
         return self.metrics_dir / f"{component}.jsonl"
+
+    @property
+    def wandb_dir(self) -> Path:
+        """W&B's local files (offline runs, caches) stay inside the run directory."""
+        return self.root / "wandb"
 
     # --- logs: one tree per attempt, logs/latest -> the current one
     @property
@@ -418,6 +481,9 @@ class RunDir:
         """Remove rollouts/weights/checkpoints of steps > `step` (before a resume), so a
         restarted run never consumes stale state. Returns what was removed."""
         removed = []
+        if self.rollouts_done.exists():
+            self.rollouts_done.unlink()
+            removed.append(self.rollouts_done)
         for parent in (self.rollouts_dir, self.weights_dir, self.checkpoints_dir):
             for s in _steps_in(parent, require_stable=False):
                 if s > step:

@@ -1,0 +1,116 @@
+"""The training objectives against values computed by hand (numbers written here)."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prime_hpc.trainer.loss import k3, rl_loss, sft_loss, token_logprobs
+
+# Four loss tokens and one padding token (mask False). Trainer / inference probabilities:
+P = [0.5, 0.25, 0.8, 0.1, 0.3]
+P_INF = [0.25, 0.5, 0.4, 0.1, 0.9]
+A = [1.0, -1.0, -1.0, 2.0, 5.0]
+MASK = [True, True, True, True, False]
+
+
+def tensors():
+    lp = torch.tensor([[math.log(p) for p in P]], dtype=torch.float64, requires_grad=True)
+    ilp = torch.tensor([[math.log(p) for p in P_INF]], dtype=torch.float64)
+    return lp, ilp, torch.tensor([A], dtype=torch.float64), torch.tensor([MASK])
+
+
+def cfg(**kw):
+    base = dict(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+# k3 per token: r - log r - 1 with r = 2, 0.5, 2, 1 on the four loss tokens
+K3 = [2 - math.log(2) - 1, 0.5 + math.log(2) - 1, 2 - math.log(2) - 1, 0.0]
+
+
+def test_dppo_masks_tokens_that_moved_too_far_in_the_advantage_direction():
+    lp, ilp, adv, mask = tensors()
+    out = rl_loss(lp, ilp, adv, mask, cfg(), normalizer=4)
+    # token 0: p - p_inf = +0.25 > 0.2 with A > 0  -> masked (positive)
+    # token 1: p - p_inf = -0.25 < -0.2 with A < 0 -> masked (negative)
+    # token 2: p - p_inf = +0.4 but A < 0: kept, r = 2: -(2 * -1 * log 0.8)
+    # token 3: r = 1: -(1 * 2 * log 0.1)
+    expected = (0 + 0 + 2 * math.log(0.8) - 2 * math.log(0.1)) / 4
+    assert out.loss.item() == pytest.approx(expected, abs=1e-12)
+    assert out.loss.item() == pytest.approx(1.0397208, abs=1e-6)
+    assert out.sums["masked_positive"].item() == 1 and out.sums["masked_negative"].item() == 1
+    assert out.sums["tokens"].item() == 4
+    assert out.sums["mismatch_kl"].item() == pytest.approx(sum(K3), abs=1e-12)
+    out.loss.backward()
+    # d/d lp = -w * A / 4: masked tokens and the padding token get no gradient
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 0.0, 0.5, -0.5, 0.0], abs=1e-12)
+
+
+def test_dppo_thresholds_are_separate():
+    lp, ilp, adv, mask = tensors()
+    # mask_high=0.3 keeps token 0 (+0.25 is below it); token 1 still masked
+    out = rl_loss(lp, ilp, adv, mask, cfg(mask_high=0.3), normalizer=4)
+    expected = (-(2 * 1 * math.log(0.5)) + 2 * math.log(0.8) - 2 * math.log(0.1)) / 4
+    assert out.loss.item() == pytest.approx(expected, abs=1e-12)
+    assert out.sums["masked_positive"].item() == 0 and out.sums["masked_negative"].item() == 1
+
+
+def test_cispo_clips_the_ratio_weight_but_keeps_every_token():
+    lp, ilp, adv, mask = tensors()
+    out = rl_loss(lp, ilp, adv, mask, cfg(type="cispo"), normalizer=4)
+    # r = 2, 0.5, 2, 1 -> clipped into [0.8, 1.28] -> w = 1.28, 0.8, 1.28, 1
+    w = [1.28, 0.8, 1.28, 1.0]
+    per_token = [-(w[i] * A[i] * math.log(P[i])) for i in range(4)]
+    assert per_token == pytest.approx([0.887228, -1.109035, -0.285624, 4.605170], abs=1e-6)
+    assert out.loss.item() == pytest.approx(sum(per_token) / 4, abs=1e-12)
+    # clipped tokens by advantage sign: token 0 (A>0); tokens 1, 2 (A<0)
+    assert out.sums["masked_positive"].item() == 1 and out.sums["masked_negative"].item() == 2
+    out.loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-1.28 / 4, 0.8 / 4, 1.28 / 4, -2 / 4, 0.0], abs=1e-12)  # -w * A / 4
+
+
+def test_kl_term_adds_k3_with_its_gradient():
+    lp, ilp, adv, mask = tensors()
+    out = rl_loss(lp, ilp, adv, mask, cfg(kl_coef=0.1), normalizer=4)
+    expected = (2 * math.log(0.8) - 2 * math.log(0.1) + 0.1 * sum(K3)) / 4
+    assert out.loss.item() == pytest.approx(expected, abs=1e-12)
+    out.loss.backward()
+    # d k3 / d lp = r - 1 = 1, -0.5, 1, 0 (masked dppo tokens still get the KL gradient)
+    pg = [0.0, 0.0, 2.0, -2.0]
+    klg = [1.0, -0.5, 1.0, 0.0]
+    assert lp.grad[0, :4].tolist() == pytest.approx([(pg[i] + 0.1 * klg[i]) / 4 for i in range(4)], abs=1e-12)
+
+
+def test_normalizer_is_the_global_token_count():
+    lp, ilp, adv, mask = tensors()
+    a = rl_loss(lp, ilp, adv, mask, cfg(), normalizer=4).loss.item()
+    b = rl_loss(lp, ilp, adv, mask, cfg(), normalizer=8).loss.item()  # e.g. another rank has 4 more tokens
+    assert b == pytest.approx(a / 2, abs=1e-12)
+
+
+def test_k3_by_hand():
+    lp = torch.tensor([math.log(0.5), math.log(0.5)])
+    ref = torch.tensor([math.log(0.25), math.log(0.5)])
+    assert k3(lp, ref).tolist() == pytest.approx([2 - math.log(2) - 1, 0.0], abs=1e-6)
+
+
+def test_sft_loss_is_mean_nll_over_loss_tokens():
+    lp, _, _, mask = tensors()
+    out = sft_loss(lp, mask, normalizer=4)
+    assert out.loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.25) + math.log(0.8) + math.log(0.1)) / 4)
+
+
+def test_token_logprobs_are_aligned_to_the_predicted_token():
+    # vocab 2; logits at t predict token t+1. Row: [0, log 3] -> p = (0.25, 0.75)
+    logits = torch.tensor([[[0.0, math.log(3)], [0.0, 0.0], [5.0, 5.0]]])
+    ids = torch.tensor([[0, 1, 0]])
+    lp, ent = token_logprobs(logits, ids)
+    assert lp[0].tolist() == pytest.approx([0.0, math.log(0.75), math.log(0.5)], abs=1e-6)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert ent[0].tolist() == pytest.approx([0.0, h, math.log(2)], abs=1e-6)
+    # temperature 2 halves the logits: [0, log 3]/2 -> p(1) = sqrt(3) / (1 + sqrt(3))
+    lp_t, _ = token_logprobs(logits, ids, temperature=2.0)
+    assert lp_t[0, 1].item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
