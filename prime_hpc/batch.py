@@ -11,7 +11,8 @@ Per rank, a file holds a list of micro-batches of right-padded tensors (shape [B
     input_ids           int64    prompt + completion token ids (pad = 0)
     attention_mask      bool     True on real tokens
     loss_mask           bool     True on tokens the loss trains (completion tokens)
-    advantages          float32  the sample's advantage on every token (0 on pads)
+    advantages          float32  the sample's advantage on every token, or its per-token
+                                 advantages (distillation); 0 on pads
     inference_logprobs  float32  log p_inference(input_ids[t] | input_ids[:t]); 0 where unknown
     teacher_logprobs    float32  (optional, training_mode=opd) same alignment as above
     policy_steps        int64    [B] policy step that generated each sample
@@ -46,12 +47,14 @@ class Sample:
     teacher_logprobs: Optional[list[float]] = None
     env: str = ""
     reward: float = 0.0
+    token_advantages: Optional[list[float]] = None  # per token (e.g. distillation); overrides `advantage`
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         lens = {len(self.loss_mask), len(self.inference_logprobs)}
-        if self.teacher_logprobs is not None:
-            lens.add(len(self.teacher_logprobs))
+        for extra in (self.teacher_logprobs, self.token_advantages):
+            if extra is not None:
+                lens.add(len(extra))
         if lens != {n}:
             raise ValueError(f"sample fields have different lengths: input_ids {n}, others {sorted(lens)}")
 
@@ -110,7 +113,10 @@ def collate(samples: list[Sample]) -> dict[str, Any]:
         mb["input_ids"][i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
         mb["attention_mask"][i, :n] = True
         mb["loss_mask"][i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        mb["advantages"][i, :n] = float(s.advantage)
+        if s.token_advantages is not None:
+            mb["advantages"][i, :n] = torch.tensor(s.token_advantages, dtype=torch.float32)
+        else:
+            mb["advantages"][i, :n] = float(s.advantage)
         mb["inference_logprobs"][i, :n] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
         if with_teacher:
             mb["teacher_logprobs"][i, :n] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)

@@ -344,6 +344,10 @@ class RunDir:
     def weight_steps(self, stable_only: bool = True) -> list[int]:
         return _steps_in(self.weights_dir, require_stable=stable_only)
 
+    def weight_steps(self) -> list[int]:
+        """Steps with complete (`STABLE`) weights, ascending."""
+        return _steps_in(self.weights_dir, require_stable=True)
+
     @property
     def checkpoints_dir(self) -> Path:
         return self.root / "checkpoints"

@@ -203,4 +203,11 @@ def component_config(cfg: DictConfig, component: str) -> dict:
         run_level["nodes"] = int(cfg.cluster.inference.nodes)  # servers the router waits for
         run_level["gpus_per_node"] = int(cfg.cluster.inference.gpus_per_node)
         run_level["lora"] = {"enabled": bool(lora.enabled), "rank": int(lora.rank)}
+    if component == "orchestrator":
+        from prime_hpc.launcher.plan import trainer_ranks
+
+        run_level["trainer_ranks"] = trainer_ranks(cfg)  # one rollout file per rank
+        run_level["micro_batch_size"] = int(cfg.trainer.micro_batch_size)
+        run_level["inference_nodes"] = int(cfg.cluster.inference.nodes)
+        run_level["lora"] = {"enabled": bool(cfg.trainer.model.lora.enabled)}
     return {**run_level, component: own}

@@ -76,6 +76,16 @@ def slurm_job_name(name: str) -> str:
     return (cleaned or "run")[:64]
 
 
+def trainer_nproc_per_node(cfg: DictConfig) -> int:
+    c = cfg.cluster
+    return int(c.trainer.nproc_per_node or (c.trainer.gpus_per_node if c.device == "cuda" else 1))
+
+
+def trainer_ranks(cfg: DictConfig) -> int:
+    """The trainer's data-parallel world size (one rollout file per rank)."""
+    return int(cfg.cluster.trainer.nodes) * trainer_nproc_per_node(cfg)
+
+
 def _argv(python: str, module: str, *args: str) -> list[str]:
     return [python, "-u", "-m", module, *args]
 
@@ -122,7 +132,7 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
                 service=(mode == "rl" and name == "inference"),
             )
         )
-    nproc = c.trainer.nproc_per_node or (c.trainer.gpus_per_node if c.device == "cuda" else 1)
+    nproc = trainer_nproc_per_node(cfg)
     env = {
         "PRIME_HPC_OUTPUT_DIR": out,
         "PRIME_HPC_DEVICE": c.device,

@@ -1,0 +1,43 @@
+"""The orchestrator: verifiers environments → group rollouts through the inference router
+→ advantages and filtering → per-rank batches in `rollouts/step_n/`, plus the weight relay
+to the inference servers and periodic eval. Runs on the head node (het group 0).
+
+`main(["--config", "<run>/configs/orchestrator.yaml"])` returns a summary dict on success
+and raises SystemExit with one line naming the cause (and where to look) on failure.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    import yaml
+    from loguru import logger
+
+    from prime_hpc.errors import UserError
+    from prime_hpc.rundir import WaitTimeout
+
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.orchestrator")
+    p.add_argument("--config", required=True, help="the run's configs/orchestrator.yaml")
+    a = p.parse_args(argv)
+    with open(a.config) as f:
+        cfg = yaml.safe_load(f)
+    logger.remove()
+    logger.add(sys.stdout, level=str(cfg["orchestrator"]["log"].get("level", "info")).upper(),
+               format="{time:HH:mm:ss} {level} orchestrator: {message}")
+    from prime_hpc.orchestrator.loop import Orchestrator
+
+    try:
+        return asyncio.run(Orchestrator(cfg).main())
+    except (UserError, WaitTimeout) as e:
+        lines = str(e).splitlines()
+        if len(lines) > 1:  # a wait's log tail: keep it in our log, one line for the record
+            print("\n".join(lines[1:]), file=sys.stderr)
+        raise SystemExit(f"prime-hpc orchestrator: {lines[0]}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from prime_hpc.orchestrator import main
+
+main()

@@ -1,0 +1,196 @@
+"""Environments of a run: load each `{id, args, ratio}` entry into a verifiers Environment,
+sample tasks by ratio, route each env's log records to its own file, and notice reward
+functions that raise (verifiers scores them 0 and logs; we also count them as errors).
+"""
+from __future__ import annotations
+
+import contextvars
+import importlib
+import importlib.util
+import inspect
+import logging
+import random
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from prime_hpc.errors import UserError
+
+REWARD_ERROR = "reward_error"  # state key set when a reward function raised
+CURRENT_ENV: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("prime_hpc_env", default=None)
+
+
+def env_name(entry: dict) -> str:
+    return entry.get("name") or str(entry["id"]).rstrip("/").split("/")[-1].removesuffix(".py")
+
+
+def import_env_module(env_id: str):
+    """An installed module (`reverse_text`, `my-env` → `my_env`) or a local path (a
+    package directory or a .py file)."""
+    path = Path(env_id).expanduser()
+    if path.exists():
+        if path.is_dir():
+            sys.path.insert(0, str(path.parent.resolve()))
+            return importlib.import_module(path.name)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(env_id.replace("-", "_"))
+
+
+def load_env(entry: dict, kind: str = "train") -> Any:
+    """`load_environment(**args)` of the entry's module; one-line UserError on failure."""
+    env_id = entry["id"]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            module = import_env_module(env_id)
+        except Exception as e:
+            raise UserError(f"{kind} env {env_id!r} cannot be imported: {type(e).__name__}: {e}") from None
+        load = getattr(module, "load_environment", None)
+        if load is None:
+            raise UserError(f"{kind} env {env_id!r}: module {module.__name__} has no load_environment()")
+        try:
+            env = load(**(entry.get("args") or {}))
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise UserError(f"{kind} env {env_id!r}: load_environment() failed: {type(e).__name__}: {first}") from None
+    finally:
+        for s, h in handlers.items():  # verifiers installs its own SIGINT/SIGTERM handlers
+            if h is not None:
+                signal.signal(s, h)
+    watch_reward_errors(env.rubric)
+    return env
+
+
+# ----------------------------------------------------------------------------- reward errors
+def _individual_funcs(rubric: Any) -> list[tuple[Any, int]]:
+    out = []
+    for sub in getattr(rubric, "rubrics", None) or []:
+        out += _individual_funcs(sub)
+    funcs = getattr(rubric, "funcs", None)
+    if isinstance(funcs, list):
+        for i, f in enumerate(funcs):
+            if not rubric._is_group_func(f):
+                out.append((rubric, i))
+    return out
+
+
+def watch_reward_errors(rubric: Any) -> None:
+    """Wrap each per-rollout reward function so an exception is recorded in the rollout's
+    state (`reward_error`) before verifiers swallows it (reward 0)."""
+    for owner, i in _individual_funcs(rubric):
+        func = owner.funcs[i]
+        if getattr(func, "_prime_hpc_watched", False):
+            continue
+        params = inspect.signature(func).parameters
+        takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+        async def watched(__f=func, __all=takes_all, __params=params, **kwargs):
+            args = kwargs if __all else {k: v for k, v in kwargs.items() if k in __params}
+            try:
+                value = __f(**args)
+                if inspect.isawaitable(value):
+                    value = await value
+                return value
+            except Exception as e:
+                state = kwargs.get("state")
+                if isinstance(state, dict):
+                    state[REWARD_ERROR] = f"{getattr(__f, '__name__', 'reward')}: {type(e).__name__}: {e}"
+                raise
+
+        watched.__name__ = getattr(func, "__name__", "reward")
+        watched._prime_hpc_watched = True  # type: ignore[attr-defined]
+        owner.funcs[i] = watched
+
+
+# ----------------------------------------------------------------------------- logs
+class EnvLogRouter(logging.Handler):
+    """Writes each log record to the file of the env whose rollout emitted it (the
+    current task's `CURRENT_ENV`); records outside any env go to the orchestrator log."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        super().__init__()
+        self.handlers: dict[str, logging.Handler] = {}
+        for key, path in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            h = logging.FileHandler(path)
+            h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            self.handlers[key] = h
+
+    def emit(self, record: logging.LogRecord) -> None:
+        h = self.handlers.get(CURRENT_ENV.get() or "")
+        if h is not None:
+            h.emit(record)
+
+    def close(self) -> None:
+        for h in self.handlers.values():
+            h.close()
+        super().close()
+
+
+# ----------------------------------------------------------------------------- sampling
+@dataclass
+class EnvSlot:
+    name: str
+    entry: dict
+    env: Any
+    rows: list[dict]  # the env's formatted dataset (prompt, answer, example_id, info, task)
+    order: list[int] = field(default_factory=list)
+    cursor: int = 0
+    epoch: int = 0
+
+
+class EnvSampler:
+    """Picks an env by `ratio`, then the env's next task (a seeded shuffle per epoch).
+    Its state is plain JSON (checkpointed with the orchestrator)."""
+
+    def __init__(self, slots: list[EnvSlot], seed: int) -> None:
+        if not slots:
+            raise UserError("orchestrator.env is empty: list at least one environment")
+        self.slots = slots
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.weights = [float(s.entry.get("ratio", 1.0)) for s in slots]
+        for s in slots:
+            if not s.rows:
+                raise UserError(f"env {s.entry['id']!r} has an empty dataset")
+            self._shuffle(s)
+
+    def _shuffle(self, s: EnvSlot) -> None:
+        s.order = list(range(len(s.rows)))
+        random.Random(f"{self.seed}:{s.name}:{s.epoch}").shuffle(s.order)
+        s.cursor = 0
+
+    def next(self) -> tuple[EnvSlot, dict]:
+        s = self.rng.choices(self.slots, weights=self.weights, k=1)[0]
+        if s.cursor >= len(s.order):
+            s.epoch += 1
+            self._shuffle(s)
+        row = s.rows[s.order[s.cursor]]
+        s.cursor += 1
+        return s, row
+
+    def state(self) -> dict:
+        st = self.rng.getstate()
+        return {"rng": [st[0], list(st[1]), st[2]],
+                "envs": {s.name: {"epoch": s.epoch, "cursor": s.cursor} for s in self.slots}}
+
+    def load_state(self, state: dict) -> None:
+        v, internal, gauss = state["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))
+        for s in self.slots:
+            e = state["envs"].get(s.name)
+            if e:
+                s.epoch = int(e["epoch"])
+                self._shuffle(s)
+                s.cursor = int(e["cursor"])
+
+
+def dataset_rows(dataset: Any, limit: Optional[int] = None) -> list[dict]:
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    return [dict(dataset[i]) for i in range(n)]

@@ -1,0 +1,373 @@
+"""The orchestrator's async loop.
+
+For step n = start+1 .. max_steps:
+  - keep up to `max_concurrent / group_size` groups generating through the router
+    (each: pick an env by ratio, its next task, `group_size` rollouts, scored by the env);
+  - judge each finished group against step n (policy lag, spanning, errors, filtering)
+    and collect `batch_size / group_size` groups; groups finished beyond that carry over;
+  - write `rollouts/step_n/rank_<r>.pt` (one file per trainer rank) and its metrics.
+New groups start only while the served policy is recent enough for the step being filled
+(>= n - async_level); meanwhile a relay task loads every new `weights/step_m` into all
+servers (each server drains, swaps and stamps completions with m).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any, Optional
+
+from loguru import logger
+
+from prime_hpc import batch
+from prime_hpc.errors import UserError
+from prime_hpc.inference.client import Admin, api_key, discover
+from prime_hpc.orchestrator import envs as envs_mod
+from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
+from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
+from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable, read_json
+
+STATE_FILE = "state.json"
+
+
+def make_client(base_url: str, key: Optional[str]) -> Any:
+    """A verifiers client over AsyncOpenAI that keeps each response's `policy_step`."""
+    from openai import AsyncOpenAI
+    from verifiers.clients import OpenAIChatCompletionsClient
+
+    class PolicyStampedClient(OpenAIChatCompletionsClient):
+        async def from_native_response(self, response: Any) -> Any:
+            r = await super().from_native_response(response)
+            extra = getattr(response, "model_extra", None) or {}
+            if "policy_step" in extra:
+                r.policy_step = extra["policy_step"]
+            return r
+
+    return PolicyStampedClient(AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", max_retries=2, timeout=3600))
+
+
+def is_checkpoint_step(step: int, ckpt: dict, max_steps: Optional[int]) -> bool:
+    interval = ckpt.get("interval")
+    if interval and step % int(interval) == 0:
+        return True
+    return bool(ckpt.get("enabled") or interval) and max_steps is not None and step == max_steps
+
+
+class Orchestrator:
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.o = cfg["orchestrator"]
+        self.run = RunDir(cfg["output_dir"])
+        self.logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
+        self.max_steps = cfg.get("max_steps")
+        # sft mode: a teacher generates, the student's policy does not matter
+        self.k = 10**9 if self.o["training_mode"] == "sft" else int(cfg.get("async_level", 2))
+        self.group_size = int(self.o["group_size"])
+        self.groups_per_step = int(self.o["batch_size"]) // self.group_size
+        self.max_groups = max(1, int(self.o["max_concurrent"]) // self.group_size)
+        self.policy = 0
+        self.step = 0  # last step written
+        self.totals = {"tokens": 0, "samples": 0, "problems": 0}
+        self.slots: list[EnvSlot] = []
+        self.eval_slots: list[EnvSlot] = []
+        self.sampler: Optional[EnvSampler] = None
+        self.admin: Optional[Admin] = None
+        self.client: Any = None
+        self.teacher: Any = None
+        self.model = cfg["model"]["name"]
+        self.metrics: Any = None
+        self.log_router: Optional[envs_mod.EnvLogRouter] = None
+        self.update_log: list[dict] = []  # (for tests and metrics) every relay update
+        self._pending_eval: Optional[asyncio.Task] = None
+        self._relay_error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ setup
+    def load_envs(self) -> None:
+        seen = set()
+        for kind, entries, into in (("train", self.o["env"], self.slots), ("eval", self.o["eval"]["env"], self.eval_slots)):
+            for entry in entries:
+                name = env_name(entry)
+                if (kind, name) in seen:
+                    raise UserError(f"two {kind} envs are named {name!r}: give one a `name`")
+                seen.add((kind, name))
+                env = envs_mod.load_env(entry, kind)
+                ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(
+                    n=self.o["eval"].get("num_examples") or -1)
+                into.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))
+        if not self.slots:
+            raise UserError("orchestrator.env is empty: list at least one environment")
+        self.sampler = EnvSampler(self.slots, int(self.cfg.get("seed", 0)))
+        if self.logs is not None:
+            files = {f"{kind}/{s.name}": self.run.env_log_dir(self.logs, kind, s.name) / "env_worker_0.log"
+                     for kind, slots in (("train", self.slots), ("eval", self.eval_slots)) for s in slots}
+            self.log_router = envs_mod.EnvLogRouter(files)
+            import logging
+
+            logging.getLogger("verifiers").addHandler(self.log_router)
+            logging.getLogger("verifiers").setLevel(str(self.o["log"].get("vf_level", "info")).upper())
+
+    def sampling_args(self, teacher: bool = False) -> dict:
+        s = self.o["sampling"]
+        args: dict = {"temperature": s["temperature"], "top_p": s["top_p"], "logprobs": True,
+                      "extra_body": {"return_token_ids": True}}
+        if s.get("max_tokens"):
+            args["max_tokens"] = s["max_tokens"]
+        return args
+
+    def resume_step(self) -> Optional[int]:
+        want = (self.cfg.get("ckpt") or {}).get("step")
+        if want is None:
+            return None
+        steps = self.run.complete_checkpoint_steps()
+        if int(want) == -1:
+            if not steps:
+                raise UserError(f"ckpt.step=-1: no complete checkpoint in {self.run.checkpoints_dir}")
+            return steps[-1]
+        if int(want) not in steps:
+            raise UserError(f"ckpt.step={want}: no complete checkpoint there; complete steps: {steps or 'none'}")
+        return int(want)
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, step: int) -> None:
+        d = self.run.checkpoint_part(step, "orchestrator")
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(d / STATE_FILE, {"step": step, "policy": self.policy, "totals": self.totals,
+                                           "sampler": self.sampler.state(), "saved_at": time.time()})
+        mark_stable(d, {"step": step})
+
+    def load_checkpoint(self, step: int) -> None:
+        state = read_json(self.run.checkpoint_part(step, "orchestrator") / STATE_FILE)
+        self.step = int(state["step"])
+        self.totals = dict(state["totals"])
+        self.sampler.load_state(state["sampler"])
+
+    # ------------------------------------------------------------------ generation
+    async def generate_group(self, slot: EnvSlot, row: dict, client: Any, model: str, kind: str = "train",
+                             n: Optional[int] = None) -> list[Rollout]:
+        token = CURRENT_ENV.set(f"{kind}/{slot.name}")
+        try:
+            outs = await slot.env.run_group([dict(row) for _ in range(n or self.group_size)], client, model,
+                                            self.sampling_args(), state_columns=["trajectory", REWARD_ERROR])
+            return [from_output(o, slot.name, int(self.cfg["seq_len"])) for o in outs]
+        except Exception as e:  # a crashed group is counted, never fatal
+            logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
+            return [Rollout(env=slot.name, example_id=row.get("example_id"), reward=0.0, input_ids=[], loss_mask=[],
+                            logprobs=[], policy_steps=[], num_turns=0, is_truncated=False,
+                            error=f"{type(e).__name__}: {e}")
+                    for _ in range(n or self.group_size)]
+        finally:
+            CURRENT_ENV.reset(token)
+
+    async def add_teacher_logprobs(self, group: list[Rollout]) -> None:
+        """opd: the teacher's log-probability of every token of each rollout."""
+        import httpx
+
+        t = self.o["teacher"]["client"]
+        key = os.environ.get(t.get("api_key_var") or "") or None
+        async with httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {key}"} if key else {}) as c:
+            for r in group:
+                resp = await c.post(t["base_url"].rstrip("/") + "/completions", json={
+                    "model": t.get("model") or self.model, "prompt": r.input_ids, "max_tokens": 1,
+                    "prompt_logprobs": 0, "temperature": 1.0})
+                resp.raise_for_status()
+                plp = resp.json()["choices"][0].get("prompt_logprobs") or resp.json().get("prompt_logprobs")
+                lps = [0.0]
+                for tok, entry in zip(r.input_ids[1:], plp[1:]):
+                    lps.append(float(entry[str(tok)]["logprob"]))
+                r.teacher_logprobs = lps
+                r.token_advantages = opd_token_advantages(r)
+
+    # ------------------------------------------------------------------ weight relay
+    async def relay(self) -> None:
+        """Load every new `weights/step_m` into all servers, newest first."""
+        while True:
+            steps = self.run.weight_steps()
+            newest = steps[-1] if steps else None
+            if newest is not None and newest > self.policy:
+                t0 = time.monotonic()
+                try:
+                    await self.admin.update_weights(self.run.weights_step(newest), newest)
+                except Exception as e:
+                    self._relay_error = e
+                    raise
+                self.update_log.append({"step": newest, "seconds": time.monotonic() - t0, "at_step": self.step})
+                logger.info(f"inference now serves policy {newest} ({time.monotonic() - t0:.2f}s)")
+                self.policy = newest
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------ eval
+    async def evaluate(self, step: int) -> dict:
+        k = int(self.o["eval"].get("rollouts_per_example") or 1)
+        out: dict = {}
+        for slot in self.eval_slots:
+            sem = asyncio.Semaphore(self.max_groups)
+
+            async def one(row: dict, slot: EnvSlot = slot) -> list[Rollout]:
+                async with sem:
+                    return await self.generate_group(slot, row, self.client, self.model, "eval", n=k)
+
+            groups = await asyncio.gather(*(one(r) for r in slot.rows))
+            rewards = [[r.reward for r in g] for g in groups]
+            out[f"eval/{slot.name}/avg@{k}"] = mean(mean(x) for x in rewards) if rewards else 0.0
+            out[f"eval/{slot.name}/pass@{k}"] = mean(pass_at_k(x) for x in rewards) if rewards else 0.0
+        return out
+
+    async def _eval_and_log(self, step: int) -> None:
+        t0 = time.monotonic()
+        try:
+            metrics = await self.evaluate(step)
+        except Exception as e:
+            logger.warning(f"eval at step {step} failed: {type(e).__name__}: {e}")
+            return
+        metrics["time/eval"] = time.monotonic() - t0
+        self.metrics.log(step, metrics)
+        logger.info(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+
+    # ------------------------------------------------------------------ the loop
+    def step_metrics(self, step: int, finished: list[Rollout], kept: list[Rollout], counts: dict,
+                     t_step: float, t_wait: float) -> dict:
+        m: dict = {}
+        by_env: dict = defaultdict(list)
+        for r in finished:
+            by_env[r.env].append(r)
+        for scope, rs in (("all", finished), *sorted(by_env.items())):
+            if not rs:
+                continue
+            lens = [len(r.input_ids) for r in rs]
+            m[f"reward/{scope}/mean"] = mean(r.reward for r in rs)
+            m[f"seq_len/{scope}/mean"] = mean(lens)
+            m[f"seq_len/{scope}/max"] = max(lens)
+            m[f"is_truncated/{scope}/mean"] = mean(float(r.is_truncated) for r in rs)
+            m[f"num_turns/{scope}/mean"] = mean(r.num_turns for r in rs)
+            m[f"empty_rollouts/{scope}"] = mean(float(r.empty and not r.error) for r in rs)
+            m[f"errored_rollouts/{scope}"] = mean(float(bool(r.error)) for r in rs)
+        lags = [step - r.oldest_policy for r in kept]
+        m.update({
+            "off_policy/lag/mean": mean(lags) if lags else 0.0,
+            "off_policy/lag/max": max(lags) if lags else 0,
+            "off_policy/policy": self.policy,
+            "off_policy/stale_groups": counts["stale"],
+            "off_policy/spanning_rollouts": counts["spanning"],
+            "filter/zero_variance_groups": counts["no reward variance"],
+            "filter/invalid_groups": counts["too few valid rollouts"],
+            "progress/total_tokens": self.totals["tokens"],
+            "progress/total_samples": self.totals["samples"],
+            "progress/total_problems": self.totals["problems"],
+            "time/step": t_step,
+            "time/wait_for_ckpt": t_wait,
+        })
+        return m
+
+    async def loop(self, start: int) -> None:
+        inflight: set[asyncio.Task] = set()
+        carry: list[list[Rollout]] = []
+        relay = asyncio.create_task(self.relay())
+        step = start + 1
+        try:
+            while self.max_steps is None or step <= self.max_steps:
+                t0 = time.monotonic()
+                t_wait = 0.0
+                accepted: list[list[Rollout]] = []
+                finished: list[Rollout] = []
+                counts: dict = defaultdict(int)
+                pending = carry
+                carry = []
+                while len(accepted) < self.groups_per_step:
+                    if relay.done():
+                        relay.result()  # raises the relay's error
+                        raise RuntimeError("weight relay stopped")
+                    recent = self.policy >= step - self.k
+                    while recent and len(inflight) < self.max_groups:
+                        slot, row = self.sampler.next()
+                        self.totals["problems"] += 1
+                        inflight.add(asyncio.create_task(self.generate_group(slot, row, self.client, self.model)))
+                    if not pending:
+                        tw = time.monotonic()
+                        if inflight:
+                            done, inflight = await asyncio.wait(inflight, timeout=0.5,
+                                                                return_when=asyncio.FIRST_COMPLETED)
+                        else:
+                            done = set()
+                            await asyncio.sleep(0.05)
+                        if not recent:
+                            t_wait += time.monotonic() - tw
+                        pending = [d.result() for d in done]
+                    while pending:
+                        group = pending.pop(0)
+                        if len(accepted) >= self.groups_per_step:
+                            carry.append(group)
+                            continue
+                        finished += group
+                        v = judge_group(group, step, self.k, int(self.o["max_off_policy_steps"]),
+                                        bool(self.o["online_difficulty_filtering"]))
+                        counts["spanning"] += v.dropped_spanning
+                        if v.reason:
+                            counts[v.reason] += 1
+                            continue
+                        if self.o["training_mode"] == "opd":
+                            await self.add_teacher_logprobs(v.kept)
+                        accepted.append(v.kept)
+                    carry += pending
+                    pending = []
+                kept = [r for g in accepted for r in g]
+                samples = [r.to_sample() for r in kept]
+                per_rank = batch.shard(samples, int(self.cfg["trainer_ranks"]), int(self.cfg["micro_batch_size"]))
+                info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o["training_mode"]}
+                batch.write_step(self.run, step, per_rank, info)
+                self.step = step
+                self.totals["samples"] += len(samples)
+                self.totals["tokens"] += sum(len(s) for s in samples)
+                metrics = self.step_metrics(step, finished, kept, counts, time.monotonic() - t0, t_wait)
+                self.metrics.log(step, metrics)
+                self.run.beat("orchestrator", 0, step=step, policy=self.policy)
+                logger.info(f"step {step}: {len(samples)} samples, reward {metrics.get('reward/all/mean', 0):.3f}, "
+                            f"policy {self.policy}, waited {t_wait:.2f}s for weights")
+                if is_checkpoint_step(step, self.cfg.get("ckpt") or {}, self.max_steps):
+                    self.save_checkpoint(step)
+                interval = int(self.o["eval"].get("interval") or 0)
+                if self.eval_slots and interval and step % interval == 0:
+                    if self._pending_eval is not None:
+                        await self._pending_eval
+                    self._pending_eval = asyncio.create_task(self._eval_and_log(step))
+                step += 1
+            if self._pending_eval is not None:
+                await self._pending_eval
+        finally:
+            relay.cancel()
+            for t in inflight:
+                t.cancel()
+            await asyncio.gather(relay, *inflight, return_exceptions=True)
+
+    async def main(self) -> dict:
+        from prime_hpc.metrics import MetricsLogger
+
+        self.load_envs()
+        start = self.resume_step()
+        if start is not None:
+            self.load_checkpoint(start)
+        nodes = int(self.cfg.get("inference_nodes") or 1)
+        teacher = self.o["teacher"]["client"]
+        ep = discover(self.run, nodes, timeout_s=3600, logs=self.logs)
+        self.admin = Admin(ep.servers)
+        if self.o["training_mode"] == "sft":  # the teacher generates, the student trains on it
+            self.client = make_client(teacher["base_url"], os.environ.get(teacher.get("api_key_var") or "") or None)
+            self.model = teacher.get("model") or self.model
+        else:
+            self.client = make_client(ep.openai_base_url, api_key())
+        if start is not None and self.run.weights_step(start).exists():
+            await self.admin.update_weights(self.run.weights_step(start), start)
+            self.policy = start
+        self.metrics = MetricsLogger(self.run, "orchestrator", self.cfg.get("wandb"), run_name=self.cfg.get("name"),
+                                     config=self.cfg)
+        logger.info(f"orchestrator: {len(self.slots)} train env(s), {len(self.eval_slots)} eval env(s), "
+                    f"router {ep.router}, {len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
+        try:
+            await self.loop(start or 0)
+        finally:
+            self.metrics.close()
+            if self.log_router is not None:
+                self.log_router.close()
+        return {"last_step": self.step, "policy": self.policy, **self.totals}

@@ -1,0 +1,161 @@
+"""From verifiers rollout outputs to training samples: tokens, masks, inference logprobs,
+the policy steps that produced each turn, group-relative advantages, filtering and the
+policy-lag rules. Pure functions (no I/O), unit-tested with hand-computed values.
+
+Policy-lag rules (step n, `async_level` k, `max_off_policy_steps` m):
+- a rollout is *stale* for step n when the oldest policy that produced any of its turns
+  is older than n - k: its group is dropped;
+- a rollout *spans* max - min + 1 policies (the policies its turns came from and every
+  one in between); it is dropped when that exceeds m.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import mean
+from typing import Any, Optional
+
+from prime_hpc.batch import Sample
+from prime_hpc.orchestrator.envs import REWARD_ERROR
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+@dataclass
+class Rollout:
+    env: str
+    example_id: Any
+    reward: float
+    input_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    policy_steps: list[int]  # one per model turn
+    num_turns: int
+    is_truncated: bool
+    error: Optional[str] = None
+    empty: bool = False
+    advantage: float = 0.0
+    token_advantages: Optional[list[float]] = None  # per token (opd)
+    teacher_logprobs: Optional[list[float]] = None
+
+    @property
+    def oldest_policy(self) -> int:
+        return min(self.policy_steps) if self.policy_steps else 0
+
+    @property
+    def policies_spanned(self) -> int:
+        return (max(self.policy_steps) - min(self.policy_steps) + 1) if self.policy_steps else 1
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_sample(self) -> Sample:
+        return Sample(input_ids=self.input_ids, loss_mask=self.loss_mask, inference_logprobs=self.logprobs,
+                      advantage=self.advantage, policy_step=self.oldest_policy, env=self.env, reward=self.reward,
+                      teacher_logprobs=self.teacher_logprobs, token_advantages=self.token_advantages)
+
+
+def from_output(out: dict, env: str, seq_len: int) -> Rollout:
+    """One verifiers RolloutOutput (with the `trajectory` state column) → a Rollout.
+
+    Turns are concatenated: each turn's prompt must extend the tokens so far (the chat
+    template re-renders earlier turns identically); the new prompt tokens are context
+    (no loss), the completion tokens are trained. Longer than `seq_len` → cut and marked
+    truncated."""
+    error = out.get("error")
+    error_text = None
+    if error:
+        error_text = str(_get(error, "error_chain_repr") or _get(error, "message") or error)
+    if out.get(REWARD_ERROR):
+        error_text = error_text or str(out[REWARD_ERROR])
+    ids: list[int] = []
+    mask: list[bool] = []
+    lps: list[float] = []
+    steps: list[int] = []
+    turns = 0
+    truncated = bool(out.get("is_truncated"))
+    for t in out.get("trajectory") or []:
+        tokens = _get(t, "tokens")
+        if not tokens:
+            continue
+        prompt, completion = list(_get(tokens, "prompt_ids") or []), list(_get(tokens, "completion_ids") or [])
+        comp_lps = list(_get(tokens, "completion_logprobs") or [])
+        if ids and prompt[: len(ids)] != ids:
+            error_text = error_text or "turn tokens do not extend the previous turns (chat template rewrites history)"
+            break
+        new_prompt = prompt[len(ids):] if ids else prompt
+        ids += new_prompt
+        mask += [False] * len(new_prompt)
+        lps += [0.0] * len(new_prompt)
+        ids += completion
+        mask += [True] * len(completion)
+        lps += (comp_lps + [0.0] * len(completion))[: len(completion)]
+        response = _get(t, "response")
+        step = _get(response, "policy_step")
+        steps.append(int(step) if step is not None else 0)
+        turns += 1
+        truncated = truncated or bool(_get(tokens, "is_truncated"))
+    if len(ids) > seq_len:
+        ids, mask, lps = ids[:seq_len], mask[:seq_len], lps[:seq_len]
+        truncated = True
+    if not ids and not error_text:
+        error_text = "no token ids in the rollout (the server must return token ids and logprobs)"
+    empty = sum(mask) == 0
+    return Rollout(env=env, example_id=out.get("example_id"), reward=float(out.get("reward") or 0.0), input_ids=ids,
+                   loss_mask=mask, logprobs=lps, policy_steps=steps, num_turns=turns, is_truncated=truncated,
+                   error=error_text, empty=empty)
+
+
+@dataclass
+class GroupVerdict:
+    kept: list[Rollout] = field(default_factory=list)
+    reason: Optional[str] = None  # why the whole group was dropped
+    dropped_spanning: int = 0
+    errored: int = 0
+
+
+def judge_group(group: list[Rollout], step: int, async_level: int, max_off_policy_steps: int,
+                filter_zero_variance: bool) -> GroupVerdict:
+    """Which rollouts of a finished group train step `step`, with their advantages
+    (reward minus the mean reward of the group's valid rollouts)."""
+    v = GroupVerdict()
+    valid = []
+    for r in group:
+        if r.error or r.empty:
+            v.errored += bool(r.error)
+            continue
+        if r.policies_spanned > max_off_policy_steps:
+            v.dropped_spanning += 1
+            continue
+        valid.append(r)
+    if any(r.oldest_policy < step - async_level for r in valid):
+        v.reason = "stale"
+        return v
+    if len(valid) < 2:
+        v.reason = "too few valid rollouts"
+        return v
+    rewards = [r.reward for r in valid]
+    if filter_zero_variance and max(rewards) - min(rewards) == 0:
+        v.reason = "no reward variance"
+        return v
+    baseline = mean(rewards)
+    for r in valid:
+        r.advantage = r.reward - baseline
+    v.kept = valid
+    return v
+
+
+def opd_token_advantages(r: Rollout) -> list[float]:
+    """On-policy distillation: per completion token, log p_teacher - log p_student (the
+    student's sampling logprob); 0 on context tokens."""
+    assert r.teacher_logprobs is not None
+    return [(t - s) if m else 0.0 for t, s, m in zip(r.teacher_logprobs, r.logprobs, r.loss_mask)]
+
+
+def pass_at_k(rewards: list[float], threshold: float = 1.0) -> float:
+    """1 if any of the k rollouts of an example reaches `threshold`, else 0."""
+    return float(any(x >= threshold - 1e-9 for x in rewards))

@@ -1,0 +1,253 @@
+"""Orchestrator: environments, sampling by ratio, advantages and filtering, the policy-lag
+rules, and the real loop against the session's vLLM servers (tiny model)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prime_hpc import batch
+from prime_hpc.config.compose import component_config, compose
+from prime_hpc.errors import UserError
+from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
+from prime_hpc.orchestrator.loop import Orchestrator, is_checkpoint_step
+from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, pass_at_k
+from prime_hpc.rundir import RunDir, mark_stable
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "envs"))
+
+
+def _r(reward, policy=(0,), error=None, n=3, env="e"):
+    return Rollout(env=env, example_id=0, reward=reward, input_ids=[1] * n, loss_mask=[False] + [True] * (n - 1),
+                   logprobs=[0.0] * n, policy_steps=list(policy), num_turns=len(policy), is_truncated=False,
+                   error=error)
+
+
+# --------------------------------------------------------------------------- pure rules
+
+
+def test_advantages_are_reward_minus_group_mean():
+    g = [_r(1.0), _r(0.0), _r(0.5), _r(0.5)]
+    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=True)
+    assert v.reason is None
+    assert [r.advantage for r in v.kept] == [0.5, -0.5, 0.0, 0.0]
+
+
+def test_errored_rollouts_leave_the_group_and_the_baseline():
+    g = [_r(1.0), _r(0.0, error="boom"), _r(0.0), _r(0.5)]
+    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False)
+    assert v.errored == 1 and len(v.kept) == 3
+    assert [round(r.advantage, 6) for r in v.kept] == [0.5, -0.5, 0.0]  # mean of 1, 0, 0.5
+
+
+def test_zero_variance_groups_are_filtered_only_when_asked():
+    g = [_r(1.0) for _ in range(4)]
+    assert judge_group(g, 1, 2, 8, True).reason == "no reward variance"
+    v = judge_group(g, 1, 2, 8, False)
+    assert v.reason is None and all(r.advantage == 0.0 for r in v.kept)
+
+
+def test_policy_lag_bound_and_spanning_rollouts():
+    # step 5, async_level 2: policies 3.. are fine, 2 is stale
+    assert judge_group([_r(1, (3,)), _r(0, (4,))], 5, 2, 8, False).reason is None
+    assert judge_group([_r(1, (2,)), _r(0, (4,))], 5, 2, 8, False).reason == "stale"
+    # a rollout whose turns came from policies 3 and 6 spans 4 policies: dropped when m=3
+    v = judge_group([_r(1, (3, 6)), _r(0, (4,)), _r(0.5, (4,))], 6, 3, 3, False)
+    assert v.dropped_spanning == 1 and len(v.kept) == 2
+
+
+def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
+    out = {"example_id": 7, "reward": 0.75, "is_truncated": False, "trajectory": [
+        {"tokens": {"prompt_ids": [1, 2], "completion_ids": [3, 4], "completion_logprobs": [-0.1, -0.2]},
+         "response": {"policy_step": 4}},
+        {"tokens": {"prompt_ids": [1, 2, 3, 4, 5], "completion_ids": [6], "completion_logprobs": [-0.3]},
+         "response": {"policy_step": 5}},
+    ]}
+    r = from_output(out, "env", seq_len=100)
+    assert r.input_ids == [1, 2, 3, 4, 5, 6]
+    assert r.loss_mask == [False, False, True, True, False, True]
+    assert r.logprobs == [0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    assert r.policy_steps == [4, 5] and r.num_turns == 2 and r.error is None
+    cut = from_output(out, "env", seq_len=4)
+    assert cut.input_ids == [1, 2, 3, 4] and cut.is_truncated
+
+
+def test_reward_errors_and_missing_tokens_are_errors():
+    r = from_output({"reward": 0.0, "reward_error": "reward: ValueError: x", "trajectory": []}, "e", 10)
+    assert r.error.startswith("reward: ValueError")
+    r = from_output({"reward": 0.0, "trajectory": [{"tokens": None}]}, "e", 10)
+    assert "no token ids" in r.error
+
+
+def test_pass_at_k_and_checkpoint_steps():
+    assert pass_at_k([0.2, 1.0]) == 1.0 and pass_at_k([0.99, 0.5]) == 0.0
+    ck = {"enabled": True, "interval": 5}
+    assert [s for s in range(1, 13) if is_checkpoint_step(s, ck, 12)] == [5, 10, 12]
+    assert not any(is_checkpoint_step(s, {"enabled": False, "interval": None}, 12) for s in range(1, 13))
+
+
+# --------------------------------------------------------------------------- envs
+
+
+def test_unknown_env_fails_with_one_line_naming_it():
+    with pytest.raises(UserError) as e:
+        load_env({"id": "no_such_env_module", "args": {}})
+    msg = str(e.value)
+    assert "no_such_env_module" in msg and "\n" not in msg and "cannot be imported" in msg
+    with pytest.raises(UserError) as e:
+        load_env({"id": "flaky_reverse", "args": {"fail_load": True}})
+    assert str(e.value) == ("train env 'flaky_reverse': load_environment() failed: "
+                            "RuntimeError: cannot reach the task server")
+
+
+def test_several_envs_are_sampled_by_ratio_and_the_sampler_resumes():
+    slots = []
+    for name, ratio in (("a", 3.0), ("b", 1.0)):
+        env = load_env({"id": "reverse_text", "args": {"num_train_examples": 50, "num_eval_examples": 4}})
+        slots.append(EnvSlot(name=name, entry={"id": "reverse_text", "ratio": ratio}, env=env,
+                             rows=dataset_rows(env.get_dataset())))
+    s = EnvSampler(slots, seed=3)
+    picks = Counter(s.next()[0].name for _ in range(4000))
+    assert abs(picks["a"] / 4000 - 0.75) < 0.03, picks
+    state = json.loads(json.dumps(s.state()))  # JSON round trip, as in a checkpoint
+    expected = [(sl.name, row["example_id"]) for sl, row in (s.next() for _ in range(60))]
+    s2 = EnvSampler(slots, seed=3)
+    s2.load_state(state)
+    assert [(sl.name, row["example_id"]) for sl, row in (s2.next() for _ in range(60))] == expected
+    # every example of an env is used once per epoch
+    s3 = EnvSampler(slots[1:], seed=0)
+    assert sorted(row["example_id"] for _, row in (s3.next() for _ in range(50))) == list(range(50))
+
+
+# --------------------------------------------------------------------------- real loop
+
+
+def _orch_cfg(root: Path, inference, overrides: list[str]) -> dict:
+    cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "orchestrator.batch_size=16",
+                   "orchestrator.group_size=4", "orchestrator.max_concurrent=16", "orchestrator.eval.interval=0",
+                   "orchestrator.sampling.max_tokens=12", *overrides])
+    c = component_config(cfg, "orchestrator")
+    c["inference_nodes"] = len(inference.endpoints.servers)
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(inference.run.endpoints_dir, RunDir(root).endpoints_dir)  # the same servers
+    return c
+
+
+def _run(cfg) -> dict:
+    return asyncio.run(Orchestrator(cfg).main())
+
+
+@pytest.fixture
+def keyed(inference, monkeypatch):
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", inference.key)
+    return inference
+
+
+@pytest.mark.vllm
+def test_one_step_of_rollouts_is_read_back_by_the_trainer_reader(keyed, tmp_path):
+    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=1", "cluster.trainer.nodes=1",
+                                              "cluster.trainer.nproc_per_node=2", "trainer.micro_batch_size=3"])
+    summary = _run(cfg)
+    run = RunDir(cfg["output_dir"])
+    assert summary["last_step"] == 1 and summary["samples"] >= 14
+    shards = [batch.read_rank(run, 1, r, timeout_s=5) for r in (0, 1)]
+    assert len(shards[0].micro_batches) == len(shards[1].micro_batches)
+    total = 0
+    for b in shards:
+        for mb in b.micro_batches:
+            assert mb["input_ids"].shape == mb["loss_mask"].shape == mb["inference_logprobs"].shape
+            assert mb["input_ids"].shape[0] <= 3
+            real = mb["loss_mask"]
+            assert (mb["inference_logprobs"][real] <= 0).all()
+            assert (mb["policy_steps"] == 0).all()
+            total += int(mb["attention_mask"].any(dim=1).sum()) if real.any() else 0
+    assert total == summary["samples"]
+    rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    assert rows[0]["step"] == 1
+    for key in ("reward/all/mean", "reward/reverse_text/mean", "seq_len/all/mean", "is_truncated/all/mean",
+                "num_turns/all/mean", "empty_rollouts/all", "errored_rollouts/all", "time/wait_for_ckpt",
+                "off_policy/lag/mean"):
+        assert key in rows[0], key
+    assert rows[0]["num_turns/all/mean"] == 1.0
+
+
+@pytest.mark.vllm
+def test_a_raising_reward_is_counted_and_the_run_goes_on(keyed, tmp_path):
+    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=2", "orchestrator.eval.env=[]"])
+    cfg["orchestrator"]["env"] = [{"id": "flaky_reverse", "args": {"raise_every": 2, "num_train_examples": 40},
+                                   "ratio": 1.0, "name": None}]
+    summary = _run(cfg)
+    run = RunDir(cfg["output_dir"])
+    rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    assert summary["last_step"] == 2
+    assert sum(r["errored_rollouts/all"] for r in rows) > 0
+    assert all(r["errored_rollouts/flaky_reverse"] < 1.0 for r in rows)
+
+
+@pytest.mark.vllm
+def test_difficulty_filtering_drops_groups_without_reward_variance(keyed, tmp_path):
+    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=1", "orchestrator.online_difficulty_filtering=true",
+                                              "orchestrator.eval.env=[]"])
+    cfg["orchestrator"]["env"] = [{"id": "flaky_reverse", "args": {"constant_every": 2, "num_train_examples": 40},
+                                   "ratio": 1.0, "name": None}]
+    _run(cfg)
+    run = RunDir(cfg["output_dir"])
+    row = json.loads(run.metrics("orchestrator").read_text().splitlines()[0])
+    assert row["filter/zero_variance_groups"] > 0
+    assert batch.read_rank(run, 1, 0, timeout_s=5).num_loss_tokens > 0  # the step still filled up
+
+
+@pytest.mark.vllm
+def test_policy_lag_is_bounded_while_a_slow_trainer_publishes_weights(keyed, tmp_path):
+    """A stand-in trainer publishes weights/step_n only after rollouts/step_n appear (and
+    holds step 2 back a while). With async_level=1 the rollouts of step n must come from
+    policy >= n-1: assert on the recorded policy steps."""
+    from prime_hpc.model import resolve_model
+
+    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=4", "async_level=1", "orchestrator.eval.env=[]"])
+    run = RunDir(cfg["output_dir"])
+    base = Path(resolve_model("tiny"))
+    stop = threading.Event()
+
+    def trainer():
+        for n in range(1, 5):
+            while not (run.rollout_step(n) / "STABLE").exists():
+                if stop.is_set():
+                    return
+                time.sleep(0.05)
+            if n == 2:
+                time.sleep(3)  # a slow step: the orchestrator must wait, not run ahead
+            d = run.weights_step(n)
+            shutil.copytree(base, d)
+            mark_stable(d)
+
+    t = threading.Thread(target=trainer, daemon=True)
+    t.start()
+    try:
+        orch = Orchestrator(cfg)
+        asyncio.run(orch.main())
+    finally:
+        stop.set()
+        t.join(timeout=30)
+        asyncio.run(keyed.admin().reload_base())
+    for n in range(1, 5):
+        steps = set()
+        for r in range(int(cfg["trainer_ranks"])):
+            b = batch.read_rank(run, n, r, timeout_s=5)
+            for mb in b.micro_batches:
+                if mb["loss_mask"].any():
+                    steps |= set(mb["policy_steps"].tolist())
+        assert steps and min(steps) >= n - 1, (n, steps)
+    assert [u["step"] for u in orch.update_log] == sorted(u["step"] for u in orch.update_log)
+    assert orch.update_log and orch.update_log[-1]["step"] >= 3
+    rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    assert max(r["time/wait_for_ckpt"] for r in rows) > 0
