@@ -81,6 +81,12 @@ def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
     assert cut.input_ids == [1, 2, 3, 4] and cut.is_truncated
 
 
+def test_an_empty_answer_is_an_empty_rollout_not_an_error():
+    r = from_output({"reward": 0.0, "error": {"error_chain_repr": "EmptyModelResponseError('no content')"},
+                     "trajectory": []}, "e", 10)
+    assert r.empty and r.error is None
+
+
 def test_reward_errors_and_missing_tokens_are_errors():
     r = from_output({"reward": 0.0, "reward_error": "reward: ValueError: x", "trajectory": []}, "e", 10)
     assert r.error.startswith("reward: ValueError")
@@ -177,7 +183,9 @@ def test_one_step_of_rollouts_is_read_back_by_the_trainer_reader(keyed, tmp_path
                 "num_turns/all/mean", "empty_rollouts/all", "errored_rollouts/all", "time/wait_for_ckpt",
                 "off_policy/lag/mean"):
         assert key in rows[0], key
-    assert rows[0]["num_turns/all/mean"] == 1.0
+    # single-turn env: one turn per rollout, except empty answers (no turn recorded)
+    assert rows[0]["num_turns/all/mean"] == pytest.approx(1.0 - rows[0]["empty_rollouts/all"])
+    assert rows[0]["errored_rollouts/all"] == 0.0
 
 
 @pytest.mark.vllm

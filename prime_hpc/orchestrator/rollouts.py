@@ -99,10 +99,13 @@ def from_output(out: dict, env: str, seq_len: int) -> Rollout:
         steps.append(int(step) if step is not None else 0)
         turns += 1
         truncated = truncated or bool(_get(tokens, "is_truncated"))
+    empty_response = bool(error_text) and "EmptyModelResponseError" in error_text
+    if empty_response:  # the model answered nothing: an empty rollout, not an error
+        error_text = None
     if len(ids) > seq_len:
         ids, mask, lps = ids[:seq_len], mask[:seq_len], lps[:seq_len]
         truncated = True
-    if not ids and not error_text:
+    if not ids and not error_text and not empty_response:
         error_text = "no token ids in the rollout (the server must return token ids and logprobs)"
     empty = sum(mask) == 0
     return Rollout(env=env, example_id=out.get("example_id"), reward=float(out.get("reward") or 0.0), input_ids=ids,
