@@ -80,9 +80,11 @@ def load_hf(cfg: TrainerRunConfig) -> tuple[nn.Module, Any, str, Any]:
     """(model in float32 on CPU, tokenizer, source, source dtype). One-line UserError when
     the model or tokenizer cannot be found."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from prime_hpc.model import resolve_model
 
+    hf_logging.disable_progress_bar()  # one progress bar per rank only garbles the logs
     name = cfg.trainer.model.name
     source = resolve_model(name, seed=cfg.model.seed)
     trust = cfg.model.trust_remote_code

@@ -102,6 +102,8 @@ def train(cfg: TrainerRunConfig) -> None:
         if step > s.start_step and cfg.ckpt.enabled and step not in s.ckpt.saved:
             s.ckpt.save(step, s.engine, {"progress": progress})  # stopped early at rollouts/DONE
         s.ckpt.wait()
+        if env.is_main:  # a background save may have rotated a checkpoint away just now
+            runner.prune_weights(s.run, step, cfg.async_level)
         runner.beat(s, step, done=True)
         logger.info(f"done at step {step}")
 

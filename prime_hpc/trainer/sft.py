@@ -122,6 +122,8 @@ def train(cfg: TrainerRunConfig) -> None:
                         f"epoch {m['progress/epoch']:.2f} | {m['perf/throughput']:.0f} tok/s")
             runner.beat(s, step)
         s.ckpt.wait()
+        if env.is_main:  # a background save may have rotated a checkpoint away just now
+            runner.prune_weights(s.run, step, 0)
         runner.beat(s, step, done=True)
         logger.info(f"done at step {step}")
 

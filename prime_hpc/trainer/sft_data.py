@@ -47,6 +47,9 @@ _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".cs
 def load_dataset(name: str, split: str = "train", args: Optional[dict] = None) -> Any:
     """The dataset `name` (see the module docstring); one-line UserError when it cannot be
     loaded."""
+    import datasets
+
+    datasets.disable_progress_bars()  # bars would garble the per-rank logs and the one-line errors
     args = dict(args or {})
     path = Path(name).expanduser()
     try:
@@ -59,11 +62,7 @@ def load_dataset(name: str, split: str = "train", args: Optional[dict] = None) -
             if builder is None:
                 raise UserError(f"dataset {name!r}: unsupported file type {path.suffix!r}; use "
                                 f"{', '.join(sorted(_FILE_BUILDERS))} or a save_to_disk directory")
-            import datasets
-
             return datasets.load_dataset(builder, data_files=str(path), split="train")
-        import datasets
-
         return datasets.load_dataset(name, split=split, **args)
     except UserError:
         raise
