@@ -48,3 +48,79 @@ def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+# Dense bf16/fp16 tensor-core peak FLOP/s per GPU (vendor datasheets), by device-name key.
+_PEAK_FLOPS_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
+}
+
+
+def peak_flops(device: str, local_rank: int = 0) -> Optional[float]:
+    """Peak dense FLOP/s of one accelerator, or None when unknown (always on CPU): then
+    the trainer reports no MFU."""
+    if _check(device) != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(local_rank)
+    for key in sorted(_PEAK_FLOPS_BF16, key=len, reverse=True):
+        if key in name:
+            return _PEAK_FLOPS_BF16[key]
+    return None
+
+
+def reset_peak_memory(device: str) -> None:
+    if _check(device) == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gib(device: str) -> Optional[float]:
+    """Peak allocated accelerator memory since the last reset, GiB (None on CPU)."""
+    if _check(device) != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued kernels (so wall-clock timings mean something on GPU)."""
+    if _check(device) == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def rng_state(device: str) -> dict[str, Any]:
+    """Every RNG stream a training rank draws from (python, torch CPU, the accelerator)."""
+    import random
+
+    import torch
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if _check(device) == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(device: str, state: dict[str, Any]) -> None:
+    import random
+
+    import torch
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if _check(device) == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])

@@ -193,8 +193,9 @@ def publish_dir(staging: os.PathLike | str, final: os.PathLike | str, info: Opti
     """Move a fully written `staging` directory to `final` (replacing an older copy, e.g.
     after a resume) and write its `STABLE` marker last."""
     staging, final = Path(staging), Path(final)
-    os.chmod(staging, _dir_mode())  # mkdtemp makes 0700
+    os.chmod(staging, _dir_mode())  # mkdtemp makes 0700; some writers make 0600 files
     for p in staging.rglob("*"):
+        os.chmod(p, _dir_mode() if p.is_dir() else _file_mode())
         if p.is_dir():
             _fsync_dir(p)
     _fsync_dir(staging)

@@ -80,16 +80,17 @@ class LossMaskConfig:
 
 @dataclass
 class SFTDataConfig:
-    name: Optional[str] = None  # HF dataset name or local path (sft only)
+    name: Optional[str] = None  # sft: HF dataset name, local dir/file, or module:function returning a Dataset
     split: str = "train"
     seq_len: int = "${seq_len}"  # type: ignore[assignment]  # packed sample length, tokens
-    batch_size: int = 8192  # tokens per trainer step (packed)
+    batch_size: int = 8192  # tokens per trainer step (packed rows of seq_len)
+    args: Dict[str, Any] = field(default_factory=dict)  # kwargs of a module:function dataset (or load_dataset)
 
 
 @dataclass
 class ValConfig:
-    interval: Optional[int] = None  # validation loss every N steps; None = off
-    data: Optional[SFTDataConfig] = None
+    interval: Optional[int] = None  # sft: validation loss every N steps (and before the first); None = off
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)  # like trainer.data; data.name is required with interval
 
 
 @dataclass
@@ -106,6 +107,7 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 1  # packed sequences per forward pass
+    rollout_timeout_s: float = 86400.0  # rl: fail when a step's rollouts have not arrived after this long
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     loss_mask: LossMaskConfig = field(default_factory=LossMaskConfig)
     val: ValConfig = field(default_factory=ValConfig)

@@ -225,8 +225,39 @@ def check_training_mode(cfg: DictConfig) -> None:
 
 
 def check_sft(cfg: DictConfig) -> None:
-    if cfg.trainer.type == "sft" and not cfg.trainer.data.name:
-        raise ConfigError("trainer.data.name", "an SFT run needs a dataset; set it to a HF dataset name or local path")
+    t = cfg.trainer
+    if t.type != "sft":
+        return
+    if not t.data.name:
+        raise ConfigError("trainer.data.name", "an SFT run needs a dataset; set it to a HF dataset name, a local "
+                                               "path or module:function")
+    if t.data.batch_size < t.data.seq_len:
+        raise ConfigError("trainer.data.batch_size", f"{t.data.batch_size} tokens per step is less than one packed "
+                                                     f"row of trainer.data.seq_len={t.data.seq_len}; raise it to a "
+                                                     f"multiple of {t.data.seq_len}")
+    if t.val.interval is not None:
+        if t.val.interval < 1:
+            raise ConfigError("trainer.val.interval", f"must be >= 1 or null (got {t.val.interval})")
+        if not t.val.data.name:
+            raise ConfigError("trainer.val.data.name", "trainer.val.interval is set but there is no validation "
+                                                       "dataset; name one (same forms as trainer.data.name)")
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    m = cfg.trainer.model
+    if m.ac.freq is not None and m.ac.freq < 1:
+        raise ConfigError("trainer.model.ac.freq", f"must be >= 1 (every N-th layer) or null (got {m.ac.freq})")
+    if m.lora.enabled:
+        if m.lora.rank < 1:
+            raise ConfigError("trainer.model.lora.rank", f"must be >= 1 (got {m.lora.rank})")
+        if m.lora.alpha <= 0:
+            raise ConfigError("trainer.model.lora.alpha", f"must be > 0 (got {m.lora.alpha})")
+        if not 0 <= m.lora.dropout < 1:
+            raise ConfigError("trainer.model.lora.dropout", f"must be in [0, 1) (got {m.lora.dropout})")
+        if not m.lora.target_modules:
+            raise ConfigError("trainer.model.lora.target_modules", "name at least one linear layer, e.g. [q_proj, v_proj]")
+    if cfg.trainer.rollout_timeout_s <= 0:
+        raise ConfigError("trainer.rollout_timeout_s", f"must be > 0 (got {cfg.trainer.rollout_timeout_s})")
 
 
 def check_ckpt(cfg: DictConfig) -> None:
@@ -282,6 +313,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_models,
     check_training_mode,
     check_sft,
+    check_trainer,
     check_ckpt,
     check_envs,
     check_output_dir,

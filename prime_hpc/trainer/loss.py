@@ -69,8 +69,8 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """exp(d) - d - 1 with d = logprobs - ref_logprobs: per-token estimate of
     KL(ref || policy) on samples drawn from ref."""
-    d = (logprobs - ref_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(d) - d - 1
+    d = (logprobs - ref_logprobs).double().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return (torch.expm1(d) - d).to(logprobs.dtype)  # float64: no cancellation to 0 for tiny d
 
 
 def rl_loss(

@@ -1,0 +1,163 @@
+"""Trainer checkpoints and resume.
+
+    checkpoints/step_<n>/trainer/
+      .metadata, __<rank>_0.distcp    torch DCP: {"model": ..., "optim": ...}, sharded as trained
+      state.json                      rank 0: step, progress, LR scheduler, dataloader position
+      rng_rank_<r>.pt                 each rank's RNG streams
+      STABLE                          written last, once every rank's shards are on disk
+
+When: every `ckpt.interval` steps, and at the last step when `ckpt.enabled` (or an
+interval) is set. Rotation (`rotation()`): keep the newest `ckpt.keep_last` complete
+checkpoints plus every one whose step is a multiple of `ckpt.keep_interval`; only the
+trainer's part is removed (the step directory goes when the orchestrator's part is gone
+too). With `ckpt.save_async`, the shards are copied to host memory and written by a
+background thread on a dedicated gloo group; the marker is written when that write
+finishes, and the next save (or the end of training) waits for the previous one.
+
+Resume: `ckpt.step=N` loads step N, `-1` the newest step that is complete (for an RL run:
+the trainer's and the orchestrator's parts; SFT: the trainer's), `0`/null starts from the
+base model. Model, optimizer, schedule, RNG and dataloader position are restored exactly,
+so the resumed run continues bit for bit as the original would have.
+"""
+from __future__ import annotations
+
+import shutil
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from prime_hpc import device as devices
+from prime_hpc.errors import UserError
+from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, is_stable, mark_stable, read_json
+from prime_hpc.trainer.dist import DistEnv
+
+PART = "trainer"
+
+
+def rotation(steps: Sequence[int], keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
+    """Which checkpoint `steps` to delete: all but the newest `keep_last` and the multiples
+    of `keep_interval`. Without `keep_last` nothing is deleted."""
+    if not keep_last:
+        return []
+    ordered = sorted(set(steps))
+    keep = set(ordered[-keep_last:])
+    if keep_interval:
+        keep |= {s for s in ordered if s % keep_interval == 0}
+    return [s for s in ordered if s not in keep]
+
+
+def is_due(step: int, final: bool, cfg: Any) -> bool:
+    """Save a checkpoint after `step`? (`final`: it is the last step of this run)."""
+    if cfg.interval and step % cfg.interval == 0:
+        return True
+    return final and bool(cfg.enabled or cfg.interval)
+
+
+def resolve_resume_step(run: RunDir, requested: Optional[int], parts: Sequence[str]) -> Optional[int]:
+    """The checkpoint step to load (None: start from the base model)."""
+    if requested is None or requested == 0:
+        return None
+    complete = run.complete_checkpoint_steps(parts)
+    if requested == -1:
+        return complete[-1] if complete else None
+    if requested in complete:
+        return requested
+    partial = sorted(set(run.checkpoint_steps(PART)) - set(complete))
+    what = f"complete checkpoints: {complete or 'none'}" + (f", incomplete: {partial}" if partial else "")
+    need = " and ".join(f"{p}/STABLE" for p in parts)
+    raise UserError(f"ckpt.step={requested}: no complete checkpoint at step {requested} in {run.checkpoints_dir} "
+                    f"(needs {need}); {what}")
+
+
+class Checkpointer:
+    """Saves and loads this rank's share of a trainer checkpoint."""
+
+    def __init__(self, run: RunDir, cfg: Any, env: DistEnv) -> None:
+        self.run, self.cfg, self.env = run, cfg, env
+        self._pending: Optional[tuple[int, Any]] = None
+        self._group = dist.new_group(backend="gloo") if cfg.save_async else None
+        self.saved: list[int] = []
+
+    def save(self, step: int, engine: Any, state: dict) -> None:
+        """Write checkpoint `step` (`state`: progress and dataloader, JSON-able)."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        d = self.run.checkpoint_part(step, PART)
+        if self.env.is_main and d.exists():
+            shutil.rmtree(d)  # a leftover from an earlier attempt
+        dist.barrier()
+        d.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = engine.state_dicts()
+        buf = _torch_bytes(devices.rng_state(self.env.device_kind))
+        atomic_write_bytes(d / f"rng_rank_{self.env.rank}.pt", buf)
+        if self.env.is_main:
+            atomic_write_json(d / "state.json", {"step": step, "world_size": self.env.world_size,
+                                                 "scheduler": engine.scheduler.state_dict(), **state})
+        payload = {"model": model_sd, "optim": optim_sd}
+        if self._group is not None:
+            self._pending = (step, dcp.async_save(payload, checkpoint_id=str(d), process_group=self._group))
+        else:
+            dcp.save(payload, checkpoint_id=str(d))
+            self._finish(step)
+
+    def _finish(self, step: int) -> None:
+        if self.env.is_main:
+            mark_stable(self.run.checkpoint_part(step, PART), {"step": step})
+            self._rotate()
+        self.saved.append(step)
+
+    def poll(self) -> None:
+        """Finish a background save that is done (non-blocking)."""
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is on disk, then mark it."""
+        if self._pending is None:
+            return
+        step, fut = self._pending
+        self._pending = None
+        fut.result()
+        self._finish(step)
+
+    def _rotate(self) -> None:
+        steps = [s for s in self.run.checkpoint_steps(PART) if is_stable(self.run.checkpoint_part(s, PART))]
+        for s in rotation(steps, self.cfg.keep_last, self.cfg.keep_interval):
+            shutil.rmtree(self.run.checkpoint_part(s, PART), ignore_errors=True)
+            try:
+                self.run.checkpoint_step(s).rmdir()  # only once the orchestrator's part is gone too
+            except OSError:
+                pass
+
+    def load(self, step: int, engine: Any) -> dict:
+        """Restore model, optimizer, schedule and RNG of `step`; returns its state.json."""
+        import torch.distributed.checkpoint as dcp
+
+        d = self.run.checkpoint_part(step, PART)
+        model_sd, optim_sd = engine.state_dicts()
+        payload = {"model": model_sd, "optim": optim_sd}
+        dcp.load(payload, checkpoint_id=str(d))
+        engine.load_state_dicts(payload["model"], payload["optim"])
+        state = read_json(d / "state.json")
+        engine.scheduler.load_state_dict(state["scheduler"])
+        rng = d / f"rng_rank_{self.env.rank}.pt"
+        if rng.exists() and state.get("world_size") == self.env.world_size:
+            devices.set_rng_state(self.env.device_kind, torch.load(rng, weights_only=False))
+        return state
+
+    def close(self) -> None:
+        self.wait()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+

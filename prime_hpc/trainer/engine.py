@@ -1,0 +1,154 @@
+"""One optimizer step over a list of micro-batches, shared by the RL and SFT trainers.
+
+A micro-batch is a dict of [B, T] tensors: `input_ids`, `loss_mask`, and either
+`attention_mask` (right-padded rows, RL) or `position_ids` (packed rows whose positions
+restart at every sample, SFT: the model then masks attention across samples), plus
+whatever the loss function reads. Every rank must pass the same number of micro-batches
+(FSDP runs collectives in every forward and backward).
+
+Normalisation: the step's loss-token count is summed over all ranks first, and each
+micro-batch's loss is its token-loss sum divided by that count. FSDP averages gradients
+over ranks, so the loss is scaled by the world size to make the gradient exactly
+`sum over all tokens / all tokens`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from prime_hpc import device as devices
+from prime_hpc.trainer.dist import DistEnv, all_reduce_sum
+from prime_hpc.trainer.loss import LossOutput, token_logprobs
+from prime_hpc.trainer.model import Policy
+
+LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
+
+
+def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
+    """LR multiplier for the (i+1)-th optimizer step: linear warmup to 1, then constant."""
+    def f(i: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (i + 1) / warmup_steps)
+    return f
+
+
+@dataclass
+class StepResult:
+    sums: dict[str, float]  # summed over micro-batches and ranks
+    grad_norm: float
+    lr: float
+    time_forward_backward_s: float
+
+
+class Engine:
+    """Owns the policy, its optimizer and LR schedule on one rank."""
+
+    def __init__(self, policy: Policy, env: DistEnv, optim_cfg: Any) -> None:
+        self.policy, self.env, self.cfg = policy, env, optim_cfg
+        self.model = policy.model
+        self.params = policy.trainable
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                                           weight_decay=optim_cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(optim_cfg.warmup_steps))
+
+    def forward(self, mb: dict, temperature: float = 1.0, with_entropy: bool = True):
+        d = self.env.device
+        out = self.model(
+            input_ids=mb["input_ids"].to(d),
+            attention_mask=mb["attention_mask"].to(d).long() if "attention_mask" in mb else None,
+            position_ids=mb["position_ids"].to(d) if "position_ids" in mb else None,
+            use_cache=False,
+        )
+        return token_logprobs(out.logits, mb["input_ids"].to(d), temperature, with_entropy)
+
+    def _accumulate(self, micro_batches: list[dict], loss_fn: LossFn, temperature: float, train: bool) -> dict:
+        """Forward (and backward when `train`) every micro-batch; local sums of the stats."""
+        local_tokens = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
+        total_tokens = float(all_reduce_sum([local_tokens], self.env)[0])
+        normalizer = max(total_tokens, 1.0)
+        sums: dict[str, float] = {}
+        n = len(micro_batches)
+        for i, mb in enumerate(micro_batches):
+            mb = {k: v.to(self.env.device) if torch.is_tensor(v) else v for k, v in mb.items()}
+            if train:
+                self.model.set_requires_gradient_sync(i == n - 1)
+            lp, ent = self.forward(mb, temperature)
+            out = loss_fn(lp, mb, normalizer)
+            if train:
+                (out.loss * self.env.world_size).backward()
+            mask = mb["loss_mask"]
+            stats = dict(out.sums)
+            stats["entropy"] = (ent * mask).sum()
+            stats["num_tokens"] = mb["num_tokens"] if "num_tokens" in mb else mb["attention_mask"].sum()
+            stats["num_samples"] = mb["num_samples"] if "num_samples" in mb else mask.any(-1).sum()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return sums
+
+    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = sorted(sums)
+        total = all_reduce_sum([sums[k] for k in keys], self.env)
+        return {k: float(v) for k, v in zip(keys, total.tolist())}
+
+    def train_step(self, micro_batches: list[dict], loss_fn: LossFn, temperature: float = 1.0) -> StepResult:
+        """Forward/backward every micro-batch, clip, step the optimizer and the schedule."""
+        devices.synchronize(self.env.device_kind)
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self._accumulate(micro_batches, loss_fn, temperature, train=True)
+        grad_norm = self.clip_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        devices.synchronize(self.env.device_kind)
+        elapsed = time.perf_counter() - t0
+        return StepResult(sums=self._reduce(sums), grad_norm=grad_norm, lr=lr, time_forward_backward_s=elapsed)
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[dict], loss_fn: LossFn) -> dict[str, float]:
+        """Loss sums over `micro_batches` without touching gradients (e.g. validation)."""
+        self.model.eval()
+        try:
+            return self._reduce(self._accumulate(micro_batches, loss_fn, 1.0, train=False))
+        finally:
+            self.model.train()
+
+    def clip_grad_norm(self) -> float:
+        """Clip to `optim.max_norm`; returns the total norm before clipping (over all ranks)."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, total, foreach=True)
+        return float(total)
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """Sharded model and optimizer state dicts (for DCP)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.model, self.optimizer)
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def param_count(policy: Policy) -> int:
+    """Parameters of the whole (un-sharded) model (a DTensor reports its global size)."""
+    return sum(p.numel() for p in policy.model.parameters())
+
+
+def mfu(tokens_per_s_per_device: float, params: int, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation with the 6 * params * tokens approximation (None if the
+    peak is unknown)."""
+    if not peak:
+        return None
+    return 6.0 * params * tokens_per_s_per_device / peak

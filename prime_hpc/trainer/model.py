@@ -1,0 +1,229 @@
+"""The policy model: loading (HF id, local path or the built tiny model), LoRA, activation
+checkpointing, FSDP2 sharding, and export of step-tagged HF weights.
+
+Sharding: `fully_shard` on every decoder layer, then on the root (embeddings, final norm,
+lm_head), with `MixedPrecisionPolicy(param_dtype=optimization_dtype,
+reduce_dtype=reduce_dtype)`. Master weights and optimizer state stay float32. The same
+code runs on CPU (gloo) and GPU (NCCL); only `prime_hpc.device` knows the difference.
+
+Weights layout (`weights/step_<n>/`, `STABLE` last), loadable with
+`AutoModelForCausalLM.from_pretrained` and by vLLM:
+
+    model.safetensors, config.json, generation_config.json, tokenizer files
+    adapter/adapter_config.json, adapter/adapter_model.safetensors      (LoRA runs)
+
+A LoRA run writes the adapter every time; the merged full weights are written too unless
+`ckpt.weights.save_adapter_separately=true`, in which case the directory holds the adapter
+only (serve the base model and load it with `/v1/load_lora_adapter`). The `STABLE` marker
+says which: `{"step": n, "merged": bool, "adapter": "adapter" | null}`.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from prime_hpc.errors import UserError
+from prime_hpc.rundir import RunDir, publish_dir, staging_dir
+from prime_hpc.trainer import lora as lora_mod
+from prime_hpc.trainer.config import TrainerRunConfig
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+@dataclass
+class Policy:
+    model: nn.Module  # sharded (FSDP2) causal LM
+    tokenizer: Any
+    source: str  # what from_pretrained loaded (HF id or directory)
+    hf_config: Any  # the model's config, as it should be written next to the weights
+    generation_config: Any
+    save_dtype: torch.dtype  # dtype of the exported weights (the source checkpoint's)
+    lora_scaling: Optional[float] = None
+    lora_config: Optional[dict] = None
+    lora_modules: list[str] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(cfg: TrainerRunConfig) -> Any:
+    """The run's tokenizer (`trainer.tokenizer.name`); one-line UserError if not found."""
+    from transformers import AutoTokenizer
+
+    from prime_hpc.model import resolve_model
+
+    name = cfg.trainer.tokenizer.name
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(name, seed=cfg.model.seed),
+                                             trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"tokenizer {name!r} not found: {str(e).splitlines()[0]}") from None
+
+
+def load_hf(cfg: TrainerRunConfig) -> tuple[nn.Module, Any, str, Any]:
+    """(model in float32 on CPU, tokenizer, source, source dtype). One-line UserError when
+    the model or tokenizer cannot be found."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from prime_hpc.model import resolve_model
+
+    hf_logging.disable_progress_bar()  # one progress bar per rank only garbles the logs
+    name = cfg.trainer.model.name
+    source = resolve_model(name, seed=cfg.model.seed)
+    trust = cfg.model.trust_remote_code
+    try:
+        hf_config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model {name!r} not found: {str(e).splitlines()[0]} (model.name takes a HF id, a local "
+                        f"directory with config.json, or 'tiny'; no download happens when HF_HUB_OFFLINE=1)") from None
+    src_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(src_dtype, str):
+        src_dtype = getattr(torch, src_dtype)
+    tokenizer = load_tokenizer(cfg)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, trust_remote_code=trust,
+                                                 attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model, tokenizer, source, src_dtype
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks (`model.model.layers` for Llama/Qwen-style models)."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(mod, nn.ModuleList):
+            return mod
+    raise UserError(f"{type(model).__name__}: cannot find its decoder layers (tried model.layers and similar)")
+
+
+def apply_activation_checkpointing(layers: nn.ModuleList, freq: Optional[int]) -> list[int]:
+    """Wrap every `freq`-th layer (1-based: layers freq, 2*freq, ...) so its activations are
+    recomputed in the backward pass. Returns the wrapped layer indices."""
+    if not freq:
+        return []
+    if freq < 1:
+        raise UserError(f"trainer.model.ac.freq must be >= 1 or null (got {freq})")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = []
+    for i in range(len(layers)):
+        if (i + 1) % freq == 0:
+            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=True)
+            wrapped.append(i)
+    return wrapped
+
+
+def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
+    """Load, (optionally) add LoRA, checkpoint activations, shard. Every rank must call it
+    with the same seed: un-sharded initial values must agree across ranks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model, tokenizer, source, src_dtype = load_hf(cfg)
+    mcfg = cfg.trainer.model
+    pol = Policy(model=model, tokenizer=tokenizer, source=source, hf_config=model.config,
+                 generation_config=getattr(model, "generation_config", None), save_dtype=src_dtype)
+    if mcfg.lora.enabled:
+        lc = mcfg.lora
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            pol.lora_modules = lora_mod.apply_lora(model, lc.rank, lc.alpha, lc.dropout, lc.target_modules)
+        pol.lora_scaling = lc.alpha / lc.rank
+        hit = sorted({m.rsplit(".", 1)[-1] for m in pol.lora_modules})
+        pol.lora_config = lora_mod.adapter_config(cfg.trainer.model.name if cfg.trainer.model.name != "tiny" else source,
+                                                  lc.rank, lc.alpha, lc.dropout, hit)
+    layers = decoder_layers(model)
+    apply_activation_checkpointing(layers, mcfg.ac.freq)
+    mp = MixedPrecisionPolicy(param_dtype=_dtype(mcfg.optimization_dtype), reduce_dtype=_dtype(mcfg.reduce_dtype))
+    model.to(mesh.device_type)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.train()
+    return pol
+
+
+def clean_key(key: str) -> str:
+    for p in WRAPPER_PREFIXES:
+        key = key.replace(p, "")
+    return key
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The un-sharded state dict on CPU, on rank 0 (empty elsewhere). A collective: every
+    rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {clean_key(k): v for k, v in sd.items()}
+
+
+def _hf_weights(pol: Policy, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if pol.lora_scaling is not None:
+        sd = lora_mod.merge_lora(sd, pol.lora_scaling)
+    if getattr(pol.hf_config, "tie_word_embeddings", False):
+        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    return {k: v.detach().to(pol.save_dtype).contiguous() for k, v in sd.items()}
+
+
+def _write_tokenizer(pol: Policy, out: Path) -> None:
+    """The tokenizer files as the source has them (verbatim when it is a local dir)."""
+    src = Path(pol.source)
+    copied = False
+    if src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+                copied = True
+    if not copied:
+        pol.tokenizer.save_pretrained(out)
+
+
+def write_weights(run: RunDir, step: int, pol: Policy, sd: dict[str, torch.Tensor], merged: bool = True,
+                  info: Optional[dict] = None) -> Path:
+    """Rank 0: write `weights/step_<step>/` from a full state dict (see the module
+    docstring for the layout) in a staging dir, move it into place, `STABLE` last."""
+    from safetensors.torch import save_file
+
+    final = run.weights_step(step)
+    tmp = staging_dir(final)
+    try:
+        if pol.lora_config is not None:
+            lora_mod.write_adapter(tmp / run.weights_adapter(step).relative_to(final), sd, pol.lora_config)
+        if merged or pol.lora_config is None:
+            save_file(_hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            cfg = pol.hf_config
+            old_dtype, old_cache = getattr(cfg, "dtype", None), getattr(cfg, "use_cache", None)
+            cfg.dtype, cfg.use_cache = pol.save_dtype, True
+            try:
+                cfg.save_pretrained(tmp)
+            finally:
+                cfg.dtype, cfg.use_cache = old_dtype, old_cache
+            if pol.generation_config is not None:
+                pol.generation_config.save_pretrained(tmp)
+            _write_tokenizer(pol, tmp)
+        meta = {"step": step, "merged": bool(merged or pol.lora_config is None),
+                "adapter": "adapter" if pol.lora_config is not None else None, **(info or {})}
+        (tmp / "prime_hpc_weights.json").write_text(json.dumps(meta, indent=2) + "\n")
+        return publish_dir(tmp, final, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

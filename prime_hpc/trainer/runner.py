@@ -1,0 +1,188 @@
+"""What the RL and SFT entrypoints share: logging, the error contract, the session (process
+group, policy, optimizer, checkpointer, metrics; resume), weights export and retention,
+and the per-step metrics every trainer reports."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+
+from prime_hpc.errors import UserError
+from prime_hpc.rundir import RunDir, WaitTimeout
+
+if TYPE_CHECKING:  # the heavy modules are imported inside the functions
+    from prime_hpc.trainer.config import TrainerRunConfig
+
+
+def setup_logging(level: str, rank: int) -> None:
+    """loguru to stdout (torchrun tees each rank's output into its own log)."""
+    from loguru import logger
+
+    logger.remove()
+    fmt = "{time:YYYY-MM-DD HH:mm:ss} | {level: <7} | trainer[" + str(rank) + "] | {message}"
+    logger.add(sys.stdout, level=level.upper(), format=fmt, colorize=False)
+
+
+def main(run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: str,
+         argv: Optional[list[str]] = None) -> int:
+    """Parse `--config`, run, and turn a user's mistake or a missing peer into one line on
+    stderr (exit 2, resp. 1) instead of a traceback."""
+    from prime_hpc.trainer.config import load_config, parse_args
+
+    args = parse_args(prog, description, argv)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        cfg = load_config(args.config)
+        setup_logging(cfg.trainer.log.level, rank)
+        run_fn(cfg)
+    except UserError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return UserError.exit_code
+    except WaitTimeout as e:
+        print(f"{prog}: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+@dataclass
+class Session:
+    cfg: "TrainerRunConfig"
+    run: RunDir
+    env: Any  # DistEnv
+    policy: Any  # Policy
+    engine: Any  # Engine
+    ckpt: Any  # Checkpointer
+    metrics: Any  # MetricsLogger on rank 0, None elsewhere
+    start_step: int  # last completed step (0 = base model)
+    resumed: Optional[dict]  # state.json of the checkpoint resumed from
+    num_params: int
+
+
+@contextlib.contextmanager
+def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator[Session]:
+    """Everything a trainer needs, closed on every path. `component_parts`: the checkpoint
+    parts a resumable step must have (RL: trainer + orchestrator; SFT: trainer)."""
+    import torch
+    from loguru import logger
+
+    from prime_hpc.metrics import MetricsLogger
+    from prime_hpc.trainer.ckpt import Checkpointer, resolve_resume_step
+    from prime_hpc.trainer.dist import process_group
+    from prime_hpc.trainer.engine import Engine, param_count
+    from prime_hpc.trainer.model import build_policy
+
+    run = RunDir(cfg.output_dir)
+    resume = resolve_resume_step(run, cfg.ckpt.step, component_parts)  # fail before loading anything
+    if cfg.ckpt.step == -1 and resume is None:
+        logger.warning(f"ckpt.step=-1 but no complete checkpoint in {run.checkpoints_dir}: starting from the base model")
+    with process_group(cfg.device) as env:
+        torch.manual_seed(cfg.seed)
+        policy = build_policy(cfg, env.mesh)
+        engine = Engine(policy, env, cfg.trainer.optim)
+        ckpt = Checkpointer(run, cfg.ckpt, env)
+        metrics = None
+        try:
+            state = None
+            if resume is not None:
+                logger.info(f"resuming from {run.checkpoint_part(resume, 'trainer')}")
+                state = ckpt.load(resume, engine)
+            if env.is_main:
+                metrics = MetricsLogger(run, "trainer", cfg.wandb, run_name=cfg.name,
+                                        config={"trainer": _plain(cfg.trainer), "max_steps": cfg.max_steps})
+            n = param_count(policy)
+            logger.info(f"model {cfg.trainer.model.name} ({n / 1e6:.2f}M parameters, "
+                        f"{sum(p.numel() for p in policy.trainable) / 1e6:.3f}M trainable) on {env.world_size} "
+                        f"rank(s), device {cfg.device}")
+            yield Session(cfg, run, env, policy, engine, ckpt, metrics, resume or 0, state, n)
+        finally:
+            ckpt.close()
+            if metrics is not None:
+                metrics.close()
+
+
+def _plain(obj: Any) -> Any:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(obj) if is_dataclass(obj) else obj
+
+
+def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
+    """Gather the full state dict (collective) and write `weights/step_<step>` on rank 0.
+    Returns the seconds it took."""
+    from prime_hpc.trainer.model import full_state_dict, write_weights
+
+    t0 = time.perf_counter()
+    sd = full_state_dict(s.policy.model)
+    if s.env.is_main:
+        merged = not s.cfg.ckpt.weights.save_adapter_separately
+        write_weights(s.run, step, s.policy, sd, merged=merged, info=info)
+    return time.perf_counter() - t0
+
+
+def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
+    """Rank 0, after writing `weights/step_<step>`: remove `weights/step_k` for
+    k < step - async_level - 1 unless step k has a trainer checkpoint (the orchestrator
+    only ever loads recent policies; checkpointed ones stay for resume and serving)."""
+    keep = set(run.checkpoint_steps("trainer"))
+    removed = []
+    for k in run.weight_steps(stable_only=False):
+        if k < step - async_level - 1 and k not in keep:
+            shutil.rmtree(run.weights_step(k), ignore_errors=True)
+            removed.append(k)
+    return removed
+
+
+def checkpoint_if_due(s: Session, step: int, final: bool, state: dict) -> tuple[bool, float]:
+    """Save a checkpoint when `ckpt` says so: (saved?, seconds spent)."""
+    from prime_hpc.trainer.ckpt import is_due
+
+    s.ckpt.poll()
+    if not is_due(step, final, s.cfg.ckpt):
+        return False, 0.0
+    t0 = time.perf_counter()
+    s.ckpt.save(step, s.engine, state)
+    return True, time.perf_counter() - t0
+
+
+def step_metrics(s: Session, result: Any, t_step: float, t_wait: float) -> dict[str, Any]:
+    """Optimizer and performance metrics of one step (`result`: engine.StepResult)."""
+    from prime_hpc import device as devices
+    from prime_hpc.trainer.engine import mfu
+
+    sums = result.sums
+    tokens = sums.get("num_tokens", 0.0)
+    busy = max(t_step - t_wait, 1e-9)
+    out: dict[str, Any] = {
+        "loss/mean": sums["loss"] / max(sums["tokens"], 1.0),
+        "entropy/mean": sums["entropy"] / max(sums["tokens"], 1.0),
+        "optim/grad_norm": result.grad_norm,
+        "optim/lr": result.lr,
+        "perf/throughput": tokens / busy,
+        "perf/throughput_per_gpu": tokens / busy / s.env.world_size,
+        "time/step": t_step,
+        "time/wait_for_batch": t_wait,
+        "time/forward_backward": result.time_forward_backward_s,
+    }
+    util = mfu(tokens / busy / s.env.world_size, s.num_params, devices.peak_flops(s.cfg.device, s.env.local_rank))
+    if util is not None:
+        out["perf/mfu"] = util
+    mem = devices.peak_memory_gib(s.cfg.device)
+    if mem is not None:
+        out["perf/peak_memory"] = mem
+        devices.reset_peak_memory(s.cfg.device)
+    return out
+
+
+def beat(s: Session, step: int, **info: Any) -> None:
+    s.run.beat("trainer", s.env.rank, step=step, **info)
+
+
+def orchestrator_log() -> Optional[Path]:
+    """`$PRIME_HPC_LOGS/orchestrator.log` (this attempt's), if the launcher said where."""
+    logs = os.environ.get("PRIME_HPC_LOGS")
+    return RunDir.component_log(Path(logs), "orchestrator") if logs else None

@@ -1,0 +1,144 @@
+"""SFT trainer: `torchrun ... -m prime_hpc.trainer.sft --config <output_dir>/configs/trainer.yaml`.
+
+Trains on `trainer.data` (see `prime_hpc.trainer.sft_data` for the accepted datasets,
+loss masks and packing). A step takes `data.batch_size // data.seq_len` packed rows
+(rounded up to a multiple of the number of ranks), split round robin over the ranks and
+into micro-batches of `micro_batch_size` rows; the loss is the token-level NLL over the
+trained tokens of all ranks. Validation loss (`val/loss`) runs before the first step and
+every `val.interval` steps (and at the last one) on `val.data`.
+
+The run ends at `max_steps`, or after one epoch when `max_steps` is null. Weights
+(`weights/step_<n>`, the same layout as RL, so an RL run can start from them with
+`model.name=<output_dir>/weights/step_<n>`) are written at every checkpoint and at the
+last step; checkpoints additionally hold the dataloader position, so a resume continues
+with the same samples in the same order.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+from prime_hpc.trainer import runner
+from prime_hpc.trainer.config import TrainerRunConfig
+
+PROG = "python -m prime_hpc.trainer.sft"
+PARTS = ("trainer",)  # an SFT checkpoint step is complete without an orchestrator part
+
+
+def load_samples(data_cfg: Any, tokenizer: Any, loss_mask: Any) -> list:
+    from prime_hpc.errors import UserError
+    from prime_hpc.trainer import sft_data
+
+    if not data_cfg.name:
+        raise UserError("trainer.data.name: an SFT run needs a dataset (a HF name, a local path or module:function)")
+    ds = sft_data.load_dataset(data_cfg.name, data_cfg.split, data_cfg.args)
+    return sft_data.tokenize_dataset(ds, data_cfg.name, tokenizer, loss_mask, data_cfg.seq_len)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for tok_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tok_id is not None:
+            return int(tok_id)
+    return 0
+
+
+def validation_batches(samples: list, seq_len: int, env: Any, micro_batch_size: int, pad_id: int) -> list[dict]:
+    from prime_hpc.trainer import sft_data
+
+    rows = sft_data.pack(samples, seq_len)
+    per_rank = math.ceil(len(rows) / env.world_size)
+    mine = sft_data.split_rows(rows, env.rank, env.world_size, per_rank)
+    return sft_data.micro_batches(mine, micro_batch_size, pad_id)
+
+
+def _nll(lp, mb, normalizer):
+    from prime_hpc.trainer.loss import sft_loss
+
+    return sft_loss(lp, mb["loss_mask"], normalizer)
+
+
+def train(cfg: TrainerRunConfig) -> None:
+    from loguru import logger
+
+    from prime_hpc.errors import UserError
+    from prime_hpc.trainer import sft_data
+    from prime_hpc.trainer.model import load_tokenizer
+
+    t = cfg.trainer
+    tokenizer = load_tokenizer(cfg)
+    samples = load_samples(t.data, tokenizer, t.loss_mask)  # a bad dataset fails before any heavy setup
+    val_samples = None
+    if t.val.interval:
+        if not t.val.data.name:
+            raise UserError("trainer.val.interval is set but trainer.val.data.name is not; name a validation dataset")
+        val_samples = load_samples(t.val.data, tokenizer, t.loss_mask)
+    logger.info(f"{len(samples)} training samples from {t.data.name}"
+                + (f", {len(val_samples)} validation samples from {t.val.data.name}" if val_samples else ""))
+    with runner.session(cfg, PARTS) as s:
+        env, pad_id = s.env, _pad_id(tokenizer)
+        rows_per_rank = math.ceil(max(1, t.data.batch_size // t.data.seq_len) / env.world_size)
+        stream = sft_data.SFTStream(samples, t.data.seq_len, cfg.seed, epochs=None if cfg.max_steps else 1)
+        if s.resumed:
+            stream.load_state(s.resumed["dataloader"])
+        val = (validation_batches(val_samples, t.val.data.seq_len, env, t.micro_batch_size, pad_id)
+               if val_samples else None)
+        progress = dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0}))
+        step = s.start_step
+        if val is not None and step == 0:
+            _validate(s, 0, val)
+        runner.beat(s, step)
+        while (cfg.max_steps is None or step < cfg.max_steps) and not stream.exhausted():
+            t0 = time.perf_counter()
+            rows, used = stream.next_rows(rows_per_rank * env.world_size)
+            if not rows:
+                break
+            step += 1
+            mbs = sft_data.micro_batches(sft_data.split_rows(rows, env.rank, env.world_size, rows_per_rank),
+                                         t.micro_batch_size, pad_id)
+            t_data = time.perf_counter() - t0
+            result = s.engine.train_step(mbs, _nll)
+            progress["num_tokens"] += int(result.sums["num_tokens"])
+            progress["num_samples"] += used
+            final = step == cfg.max_steps or stream.exhausted()
+            state = {"progress": progress, "dataloader": stream.state()}
+            saved, t_ckpt = runner.checkpoint_if_due(s, step, final, state)
+            t_weights = 0.0
+            if saved or final:
+                t_weights = runner.save_weights(s, step)
+                if env.is_main:
+                    runner.prune_weights(s.run, step, 0)
+            m = runner.step_metrics(s, result, time.perf_counter() - t0, t_data)
+            m.update({"progress/epoch": stream.progress_epochs, "progress/num_samples": progress["num_samples"],
+                      "progress/num_tokens": progress["num_tokens"], "time/save_ckpt": t_ckpt,
+                      "time/save_weights": t_weights})
+            if val is not None and (step % t.val.interval == 0 or final):
+                m.update(_validate(s, step, val, log=False))
+            if s.metrics is not None:
+                s.metrics.log(step, m)
+            logger.info(f"step {step} | loss {m['loss/mean']:.4f}"
+                        + (f" | val/loss {m['val/loss']:.4f}" if "val/loss" in m else "")
+                        + f" | grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | "
+                        f"epoch {m['progress/epoch']:.2f} | {m['perf/throughput']:.0f} tok/s")
+            runner.beat(s, step)
+        s.ckpt.wait()
+        if env.is_main:  # a background save may have rotated a checkpoint away just now
+            runner.prune_weights(s.run, step, 0)
+        runner.beat(s, step, done=True)
+        logger.info(f"done at step {step}")
+
+
+def _validate(s: Any, step: int, val: list[dict], log: bool = True) -> dict[str, float]:
+    sums = s.engine.evaluate(val, _nll)
+    out = {"val/loss": sums["loss"] / max(sums["tokens"], 1.0)}
+    if log and s.metrics is not None:
+        s.metrics.log(step, out)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return runner.main(train, PROG, "SFT trainer: trains on trainer.data, writes weights/step_<n>.", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

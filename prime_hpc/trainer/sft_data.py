@@ -1,0 +1,296 @@
+"""SFT data: load a dataset, tokenize it with role-based loss masks, pack it into rows.
+
+`data.name` may be
+- a `module:function` (a callable returning a `datasets.Dataset`, called with `data.args`),
+  e.g. `reverse_text:make_sft_dataset`;
+- a local directory written by `Dataset.save_to_disk` (a `DatasetDict` is indexed by
+  `data.split`), or a local `.json`/`.jsonl`/`.parquet`/`.csv` file;
+- a Hugging Face hub name (`datasets.load_dataset(name, split=data.split, **data.args)`).
+
+Columns: `messages` (a list of chat messages), or `prompt` + `completion` (each a list of
+messages or a string: a string prompt is one user message, a string completion one
+assistant message). When both layouts are present, `messages` wins. Optional `tools`
+(a list, or a JSON string of one) is passed to the chat template.
+
+Loss masks come from incremental chat-template tokenization: the tokens that rendering
+message i adds to the rendering of messages[:i] belong to message i's role, and are
+trained when `loss_mask.<role>` is true. For an assistant message, the generation prompt
+(e.g. `<|im_start|>assistant\\n`) is never trained: the model is only asked to continue
+after it. In the prompt/completion layout the prompt is never trained. The template must
+be prefix-stable (rendering fewer messages gives a prefix of the tokens of more); if not,
+the dataset is rejected with the index of the offending sample.
+
+Packing: samples (truncated to `seq_len`) are placed in order into rows of at most
+`seq_len` tokens; positions restart at 0 for every sample, so the model's packed-sequence
+masking keeps samples from attending to each other, and the first token of every sample
+is never trained (it would be predicted from the previous sample). One step takes
+`rows_per_step` rows; the order is a fresh permutation of the dataset per epoch.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from prime_hpc.errors import UserError
+
+ROLES = ("system", "user", "assistant", "tool")
+_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+# ----------------------------------------------------------------------------- loading
+def load_dataset(name: str, split: str = "train", args: Optional[dict] = None) -> Any:
+    """The dataset `name` (see the module docstring); one-line UserError when it cannot be
+    loaded."""
+    import datasets
+
+    datasets.disable_progress_bars()  # bars would garble the per-rank logs and the one-line errors
+    args = dict(args or {})
+    path = Path(name).expanduser()
+    try:
+        if _CALLABLE.match(name) and not path.exists():
+            return _from_callable(name, args)
+        if path.is_dir():
+            return _from_disk(name, path, split)
+        if path.is_file():
+            builder = _FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise UserError(f"dataset {name!r}: unsupported file type {path.suffix!r}; use "
+                                f"{', '.join(sorted(_FILE_BUILDERS))} or a save_to_disk directory")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(name, split=split, **args)
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for "cannot load"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"dataset {name!r} (split {split!r}) cannot be loaded: {first}") from None
+
+
+def _from_callable(name: str, args: dict) -> Any:
+    module, _, fn = name.partition(":")
+    try:
+        func = getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"dataset {name!r}: cannot import {fn} from {module} ({e})") from None
+    ds = func(**args)
+    if not hasattr(ds, "column_names"):
+        raise UserError(f"dataset {name!r}: {name}(...) returned {type(ds).__name__}, not a datasets.Dataset")
+    return ds
+
+
+def _from_disk(name: str, path: Path, split: str) -> Any:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise UserError(f"dataset {name!r} has no split {split!r}; splits: {', '.join(ds.keys())}")
+        ds = ds[split]
+    return ds
+
+
+def layout(ds: Any, name: str) -> str:
+    """'messages' or 'prompt_completion'; one-line UserError naming the columns found."""
+    cols = list(ds.column_names)
+    if len(ds) == 0:
+        raise UserError(f"dataset {name!r} is empty (columns found: {', '.join(cols) or 'none'})")
+    if "messages" in cols:
+        return "messages"
+    if "prompt" in cols and "completion" in cols:
+        return "prompt_completion"
+    raise UserError(f"dataset {name!r} needs a 'messages' column or 'prompt' and 'completion' columns; "
+                    f"columns found: {', '.join(cols) or 'none'}")
+
+
+# ----------------------------------------------------------------------------- tokenizing
+def _as_messages(value: Any, default_role: str, where: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": default_role, "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+        return [dict(m) for m in value]
+    raise UserError(f"{where}: expected a string or a list of {{role, content}} messages, got {type(value).__name__}")
+
+
+def _render(tokenizer: Any, messages: list[dict], tools: Any, generation_prompt: bool = False) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False,
+                                        add_generation_prompt=generation_prompt)
+    return list(ids)
+
+
+def tokenize_messages(tokenizer: Any, messages: list[dict], trainable: dict[str, bool], first_trainable: int = 0,
+                      tools: Any = None, where: str = "sample") -> tuple[list[int], list[bool]]:
+    """Token ids of the whole conversation and a per-token loss mask: message i's tokens
+    are trained when `trainable[role]` and i >= `first_trainable`."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, msg in enumerate(messages):
+        role = msg.get("role")
+        if role not in ROLES:
+            raise UserError(f"{where}: message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+        train = trainable[role] and i >= first_trainable
+        if role == "assistant" and i > 0:
+            head = _render(tokenizer, messages[:i], tools, generation_prompt=True)
+            _check_prefix(ids, head, where)
+            mask += [False] * (len(head) - len(ids))
+            ids = head
+        full = _render(tokenizer, messages[: i + 1], tools)
+        _check_prefix(ids, full, where)
+        mask += [train] * (len(full) - len(ids))
+        ids = full
+    return ids, mask
+
+
+def _check_prefix(prefix: list[int], full: list[int], where: str) -> None:
+    if full[: len(prefix)] != prefix:
+        raise UserError(f"{where}: the chat template is not prefix-stable (rendering fewer messages is not a prefix "
+                        "of rendering more), so role-based loss masks cannot be built; use a template that keeps "
+                        "earlier turns unchanged")
+
+
+def tokenize_dataset(ds: Any, name: str, tokenizer: Any, loss_mask: Any, seq_len: int) -> list[tuple[list[int], list[bool]]]:
+    """Every sample as (ids, mask), truncated to `seq_len`; samples without any trained
+    token are dropped. UserError when nothing is left."""
+    kind = layout(ds, name)
+    trainable = {r: bool(getattr(loss_mask, r)) for r in ROLES}
+    out = []
+    for i, row in enumerate(ds):
+        where = f"dataset {name!r} sample {i}"
+        tools = row.get("tools")
+        if isinstance(tools, str):
+            tools = json.loads(tools) if tools.strip() else None
+        if kind == "messages":
+            msgs = _as_messages(row["messages"], "user", where)
+            first = 0
+        else:
+            prompt = _as_messages(row["prompt"], "user", where)
+            msgs = prompt + _as_messages(row["completion"], "assistant", where)
+            first = len(prompt)
+        ids, mask = tokenize_messages(tokenizer, msgs, trainable, first, tools, where)
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if mask:
+            mask[0] = False  # nothing precedes the first token of a sample
+        if any(mask):
+            out.append((ids, mask))
+    if not out:
+        on = [r for r in ROLES if trainable[r]]
+        raise UserError(f"dataset {name!r}: no sample has a trained token (loss_mask trains roles {on or 'none'}); "
+                        f"check trainer.loss_mask and the dataset's roles")
+    return out
+
+
+# ----------------------------------------------------------------------------- packing
+@dataclass
+class Row:
+    samples: list[tuple[list[int], list[bool]]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.samples)
+
+
+def collate_rows(rows: list[Row], pad_id: int) -> dict:
+    """One micro-batch of packed rows: input_ids, position_ids (restarting per sample and
+    in the padding), loss_mask, plus num_tokens / num_samples for metrics."""
+    import torch
+
+    t = max(1, max((r.num_tokens for r in rows), default=1))
+    b = len(rows)
+    ids = torch.full((b, t), pad_id, dtype=torch.long)
+    pos = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        at = 0
+        for s_ids, s_mask in row.samples:
+            n = len(s_ids)
+            ids[i, at: at + n] = torch.tensor(s_ids)
+            pos[i, at: at + n] = torch.arange(n)
+            mask[i, at: at + n] = torch.tensor(s_mask)
+            at += n
+        pos[i, at:] = torch.arange(t - at)
+    return {"input_ids": ids, "position_ids": pos, "loss_mask": mask,
+            "num_tokens": torch.tensor(sum(r.num_tokens for r in rows)),
+            "num_samples": torch.tensor(sum(len(r.samples) for r in rows))}
+
+
+def pack(samples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> list[Row]:
+    """All of `samples` into rows, in order (a row is closed when the next sample does not fit)."""
+    rows: list[Row] = []
+    cur = Row([])
+    for s in samples:
+        if cur.samples and cur.num_tokens + len(s[0]) > seq_len:
+            rows.append(cur)
+            cur = Row([])
+        cur.samples.append(s)
+    if cur.samples:
+        rows.append(cur)
+    return rows
+
+
+class SFTStream:
+    """The training stream: per-epoch shuffled samples packed into rows, a step at a time.
+    Its position (`state()`) is what a checkpoint stores."""
+
+    def __init__(self, samples: list[tuple[list[int], list[bool]]], seq_len: int, seed: int,
+                 epochs: Optional[int] = None) -> None:
+        self.samples, self.seq_len, self.seed, self.epochs = samples, seq_len, seed, epochs
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.samples)))
+        random.Random(f"sft/{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+    @property
+    def progress_epochs(self) -> float:
+        return self.epoch + self.position / len(self.samples)
+
+    def exhausted(self) -> bool:
+        return self.epochs is not None and self.epoch >= self.epochs
+
+    def next_rows(self, n: int) -> tuple[list[Row], int]:
+        """Up to `n` rows (fewer only when the last epoch ends); returns (rows, samples used).
+        A row is closed when the next sample does not fit, so the last row of a step is
+        as full as the data allows and no sample is split or skipped."""
+        rows: list[Row] = []
+        cur = Row([])
+        used = 0
+        while len(rows) < n and not self.exhausted():
+            s = self.samples[self._order[self.position]]
+            if cur.samples and cur.num_tokens + len(s[0]) > self.seq_len:
+                rows.append(cur)
+                cur = Row([])
+                continue
+            cur.samples.append(s)
+            used += 1
+            self.position += 1
+            if self.position == len(self.samples):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+                if self.exhausted() and cur.samples:
+                    rows.append(cur)
+                    cur = Row([])
+        return rows, used
+
+
+def split_rows(rows: list[Row], rank: int, world: int, rows_per_rank: int) -> list[Row]:
+    """This rank's rows of a step (round robin), padded with empty rows so every rank gets
+    `rows_per_rank` (FSDP needs the same number of forward passes everywhere)."""
+    mine = rows[rank::world][:rows_per_rank]
+    return mine + [Row([]) for _ in range(rows_per_rank - len(mine))]
+
+
+def micro_batches(rows: list[Row], micro_batch_size: int, pad_id: int) -> list[dict]:
+    return [collate_rows(rows[i: i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]
