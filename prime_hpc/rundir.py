@@ -343,11 +343,8 @@ class RunDir:
         return self.weights_step(step) / "adapter"
 
     def weight_steps(self, stable_only: bool = True) -> list[int]:
+        """Steps with weights (by default only complete, `STABLE` ones), ascending."""
         return _steps_in(self.weights_dir, require_stable=stable_only)
-
-    def weight_steps(self) -> list[int]:
-        """Steps with complete (`STABLE`) weights, ascending."""
-        return _steps_in(self.weights_dir, require_stable=True)
 
     @property
     def checkpoints_dir(self) -> Path:
