@@ -78,8 +78,6 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
 
     run = RunDir(cfg.output_dir)
     resume = resolve_resume_step(run, cfg.ckpt.step, component_parts)  # fail before loading anything
-    if cfg.ckpt.step == -1 and resume is None:
-        logger.warning(f"ckpt.step=-1 but no complete checkpoint in {run.checkpoints_dir}: starting from the base model")
     with process_group(cfg.device) as env:
         torch.manual_seed(cfg.seed)
         policy = build_policy(cfg, env.mesh)
