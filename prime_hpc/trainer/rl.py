@@ -21,7 +21,7 @@ the heartbeat of every rank says `{"step": n, "done": true}`.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, is_stable, read_json, wait_for
 from prime_hpc.trainer import runner
@@ -38,12 +38,18 @@ def rollouts_done_before(run: RunDir, step: int) -> bool:
         return False
 
 
-def wait_for_rollouts(run: RunDir, step: int, timeout_s: float, producer_log: Any) -> bool:
+def wait_for_rollouts(run: RunDir, step: int, timeout_s: float, producer_log: Any,
+                      on_wait: Optional[Callable[[], None]] = None, beat_every_s: float = 30.0) -> bool:
     """Block until step `step`'s rollouts are complete (True) or the orchestrator is done
-    before it (False)."""
+    before it (False). `on_wait` is called every `beat_every_s` while waiting (heartbeat)."""
+    last = [time.monotonic()]
+
     def ready() -> Optional[str]:
         if is_stable(run.rollout_step(step)):
             return "ready"
+        if on_wait is not None and time.monotonic() - last[0] >= beat_every_s:
+            on_wait()
+            last[0] = time.monotonic()
         return "done" if rollouts_done_before(run, step) else None
 
     found = wait_for(ready, what=f"rollouts of step {step} ({run.rollout_step(step)}/STABLE)", timeout_s=timeout_s,
@@ -85,7 +91,8 @@ def train(cfg: TrainerRunConfig) -> None:
         runner.beat(s, step)
         while cfg.max_steps is None or step < cfg.max_steps:
             t0 = time.perf_counter()
-            got = wait_for_rollouts(run, step + 1, cfg.trainer.rollout_timeout_s, producer_log)
+            got = wait_for_rollouts(run, step + 1, cfg.trainer.rollout_timeout_s, producer_log,
+                                    on_wait=lambda: runner.beat(s, step, waiting_for=step + 1))
             if not all_reduce_min(int(got), env):
                 logger.info(f"the orchestrator wrote its last rollouts before step {step + 1} ({run.rollouts_done})")
                 break
