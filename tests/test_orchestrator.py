@@ -259,3 +259,43 @@ def test_policy_lag_is_bounded_while_a_slow_trainer_publishes_weights(keyed, tmp
     assert orch.update_log and orch.update_log[-1]["step"] >= 3
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     assert max(r["time/wait_for_ckpt"] for r in rows) > 0
+
+
+def _run_with_weights(root: Path, steps: dict[int, int]) -> RunDir:
+    from omegaconf import OmegaConf
+
+    from prime_hpc.model import build_tiny_model
+
+    cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "orchestrator.eval.num_examples=4",
+                   "inference.dtype=float32"])
+    root.mkdir(parents=True)
+    OmegaConf.save(cfg, root / "config.yaml", resolve=True)
+    run = RunDir(root)
+    for step, seed in steps.items():
+        build_tiny_model(run.weights_step(step), seed=seed)
+        mark_stable(run.weights_step(step))
+    return run
+
+
+def test_eval_of_missing_steps_is_a_one_line_error(tmp_path):
+    from tests.conftest import cli
+
+    run = _run_with_weights(tmp_path / "run", {1: 5})
+    r = cli("eval", str(run.root), "steps=1,7")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "no complete weights for step(s) [7]" in r.stderr and "available: [1]" in r.stderr
+
+
+@pytest.mark.vllm
+def test_eval_scores_saved_weights_of_a_run(tmp_path):
+    from tests.conftest import cli
+
+    run = _run_with_weights(tmp_path / "run", {1: 5, 2: 6})
+    r = cli("eval", str(run.root), "steps=1,2", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for step in (1, 2):
+        row = json.loads(run.eval_result(step).read_text())
+        assert row["step"] == step
+        assert 0.0 <= row["eval/reverse_text/avg@1"] <= 1.0 and row["eval/reverse_text/pass@1"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+        assert f"step     {step}" in r.stdout
+    assert not (run.eval_dir / "endpoints" / "inference_0.json").exists()  # its server is gone
