@@ -12,7 +12,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 
 from prime_hpc import batch
 from prime_hpc.config.compose import component_config, compose
