@@ -59,7 +59,8 @@ def test_resume_step_resolution(tmp_path):
     run = RunDir(tmp_path)
     rl, sft = ("trainer", "orchestrator"), ("trainer",)
     assert resolve_resume_step(run, None, rl) is None and resolve_resume_step(run, 0, rl) is None
-    assert resolve_resume_step(run, -1, rl) is None  # nothing yet: start from the base model
+    with pytest.raises(UserError, match=r"ckpt.step=-1: no complete checkpoint in .*complete checkpoints: none"):
+        resolve_resume_step(run, -1, rl)
     _ckpt(run, 2)
     _ckpt(run, 4, parts=("trainer",))  # the orchestrator's part is missing
     _ckpt(run, 6, stable=False)
@@ -73,6 +74,22 @@ def test_resume_step_resolution(tmp_path):
     assert "incomplete: [4, 6]" in msg and "orchestrator/STABLE" in msg
     with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7"):
         resolve_resume_step(run, 7, sft)
+
+
+def test_teacher_completions_train_with_nll():
+    from types import SimpleNamespace as NS
+
+    from prime_hpc.trainer.loss import sft_loss
+    from prime_hpc.trainer.rl import make_loss_fn
+
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.8]]))
+    mb = {"inference_logprobs": torch.zeros(1, 3), "advantages": torch.tensor([[0.0, 1.0, 1.0]]),
+          "loss_mask": torch.tensor([[False, True, True]]), "policy_steps": torch.tensor([0])}
+    cfg = NS(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    out = make_loss_fn(cfg, 1, "sft")(lp, mb, 2.0)
+    assert out.loss.item() == pytest.approx(sft_loss(lp, mb["loss_mask"], 2.0).loss.item())
+    assert out.loss.item() == pytest.approx(-(math.log(0.25) + math.log(0.8)) / 2)
+    assert "mismatch_kl" in make_loss_fn(cfg, 1, "opd")(lp, mb, 2.0).sums
 
 
 def test_complete_checkpoint_steps_by_parts(tmp_path):

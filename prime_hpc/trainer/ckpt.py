@@ -16,7 +16,8 @@ finishes, and the next save (or the end of training) waits for the previous one.
 
 Resume: `ckpt.step=N` loads step N, `-1` the newest step that is complete (for an RL run:
 the trainer's and the orchestrator's parts; SFT: the trainer's), `0`/null starts from the
-base model. Model, optimizer, schedule, RNG and dataloader position are restored exactly,
+base model. Asking for a step that is not complete (or `-1` when none is) fails with one
+line listing the complete and incomplete steps. Model, optimizer, schedule, RNG and dataloader position are restored exactly,
 so the resumed run continues bit for bit as the original would have.
 """
 from __future__ import annotations
@@ -59,15 +60,15 @@ def resolve_resume_step(run: RunDir, requested: Optional[int], parts: Sequence[s
     if requested is None or requested == 0:
         return None
     complete = run.complete_checkpoint_steps(parts)
-    if requested == -1:
-        return complete[-1] if complete else None
     if requested in complete:
         return requested
+    if requested == -1 and complete:
+        return complete[-1]
     partial = sorted(set(run.checkpoint_steps(PART)) - set(complete))
     what = f"complete checkpoints: {complete or 'none'}" + (f", incomplete: {partial}" if partial else "")
     need = " and ".join(f"{p}/STABLE" for p in parts)
-    raise UserError(f"ckpt.step={requested}: no complete checkpoint at step {requested} in {run.checkpoints_dir} "
-                    f"(needs {need}); {what}")
+    where = "no complete checkpoint" if requested == -1 else f"no complete checkpoint at step {requested}"
+    raise UserError(f"ckpt.step={requested}: {where} in {run.checkpoints_dir} (needs {need}); {what}")
 
 
 class Checkpointer:

@@ -78,11 +78,10 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
 
     run = RunDir(cfg.output_dir)
     resume = resolve_resume_step(run, cfg.ckpt.step, component_parts)  # fail before loading anything
-    if cfg.ckpt.step == -1 and resume is None:
-        logger.warning(f"ckpt.step=-1 but no complete checkpoint in {run.checkpoints_dir}: starting from the base model")
     with process_group(cfg.device) as env:
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # the same initial values (e.g. LoRA A) on every rank
         policy = build_policy(cfg, env.mesh)
+        torch.manual_seed(cfg.seed + env.rank)  # independent dropout per data-parallel rank
         engine = Engine(policy, env, cfg.trainer.optim)
         ckpt = Checkpointer(run, cfg.ckpt, env)
         metrics = None
