@@ -14,7 +14,8 @@ directory (`run_id(run)`), so the trainer and the orchestrator can log into ONE 
   (`<component>/step`), so two writers never fight over W&B's global step.
 - offline (`wandb.offline=true`, no network): shared mode needs the server, so each
   component writes its own offline run, id `<run id>-<component>`, under
-  `<output_dir>/wandb/`; `wandb sync <output_dir>/wandb/offline-run-*` uploads them later.
+  `<output_dir>/wandb/wandb/`; `wandb sync <output_dir>/wandb/wandb/offline-run-*` uploads
+  them later.
 
 W&B's caches and settings are redirected into `<output_dir>/wandb/` too (unless the
 environment already says where they go), so nothing lands in the home directory.
@@ -96,7 +97,9 @@ class MetricsLogger:
             return wandb.init(id=f"{run_id(self.run)}-{self.component}", name=f"{name}-{self.component}",
                               mode="offline", **common)
         is_primary = self.component == "trainer" if primary is None else primary
-        settings = wandb.Settings(mode="shared", x_primary=is_primary, x_label=self.component)
+        # only the primary may mark the shared run finished
+        settings = wandb.Settings(mode="shared", x_primary=is_primary, x_label=self.component,
+                                  x_update_finish_state=is_primary)
         return wandb.init(id=run_id(self.run), name=name, settings=settings, **common)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:

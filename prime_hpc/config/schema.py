@@ -67,7 +67,7 @@ class LossConfig:
     mask_high: float = 0.2  # dppo: mask a token when p_trainer - p_inference > mask_high
     clip_low: float = 0.2  # cispo: lower clip of the importance ratio (1 - clip_low)
     clip_high: float = 0.28  # cispo: upper clip of the importance ratio (1 + clip_high)
-    kl_coef: float = 0.0  # weight of the optional KL(trainer || inference) term
+    kl_coef: float = 0.0  # weight of the optional KL(inference || trainer) term (k3 estimator)
 
 
 @dataclass

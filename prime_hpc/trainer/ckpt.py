@@ -78,13 +78,15 @@ class Checkpointer:
         self.run, self.cfg, self.env = run, cfg, env
         self._pending: Optional[tuple[int, Any]] = None
         self._group = dist.new_group(backend="gloo") if cfg.save_async else None
-        self.saved: list[int] = []
+        self.saved: list[int] = []  # steps whose checkpoint is on disk and marked
+        self.requested: list[int] = []  # steps a save was started for (async: maybe still writing)
 
     def save(self, step: int, engine: Any, state: dict) -> None:
         """Write checkpoint `step` (`state`: progress and dataloader, JSON-able)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()
+        self.requested.append(step)
         d = self.run.checkpoint_part(step, PART)
         if self.env.is_main and d.exists():
             shutil.rmtree(d)  # a leftover from an earlier attempt

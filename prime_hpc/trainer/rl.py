@@ -115,7 +115,7 @@ def train(cfg: TrainerRunConfig) -> None:
                 runner.prune_weights(run, step, cfg.async_level)
             _log_step(s, step, result, time.perf_counter() - t0, t_wait, t_weights, t_ckpt, progress)
             runner.beat(s, step)
-        if step > s.start_step and cfg.ckpt.enabled and step not in s.ckpt.saved:
+        if step > s.start_step and cfg.ckpt.enabled and step not in s.ckpt.requested:
             s.ckpt.save(step, s.engine, {"progress": progress})  # stopped early at rollouts/DONE
         s.ckpt.wait()
         if env.is_main:  # a background save may have rotated a checkpoint away just now
