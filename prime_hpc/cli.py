@@ -15,6 +15,7 @@ USAGE_EXAMPLES = """examples:
   prime-hpc submit +experiment=reverse_text --dry-run       write config + sbatch script, submit nothing
   prime-hpc submit -m +experiment=reverse_text trainer.optim.lr=1e-6,3e-6   a sweep: one job per point
   prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the het layout on the cluster
+  prime-hpc eval JOB steps=10,20                            score saved weights on the run's eval envs
   prime-hpc status [JOB]      prime-hpc list      prime-hpc cancel JOB      prime-hpc tail JOB
 JOB is a SLURM job id, a run name or an output dir."""
 
@@ -234,6 +235,12 @@ def cmd_tail(a: argparse.Namespace) -> int:
     return follow(ref.run, components=a.component, once=a.no_follow, lines=a.lines)
 
 
+def cmd_eval(a: argparse.Namespace) -> int:
+    from prime_hpc.orchestrator.evaluate import run_eval
+
+    return run_eval(a.target, a.args)
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prime-hpc", description="SLURM-native asynchronous RL and SFT for LLMs.",
@@ -265,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-follow", action="store_true", help="print the last lines and exit")
     t.add_argument("-n", "--lines", type=int, default=10)
     t.set_defaults(fn=cmd_tail)
+    e = sub.add_parser("eval", help="score saved weights/step_N on the run's eval envs (starts an inference server)")
+    e.add_argument("target", help="job id, run name, output dir, or <run>/weights/step_N")
+    e.add_argument("args", nargs="*", help="steps=N,M (default: every saved step) and overrides of the run config")
+    e.set_defaults(fn=cmd_eval)
     return p
 
 

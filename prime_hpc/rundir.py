@@ -347,6 +347,14 @@ class RunDir:
         return _steps_in(self.weights_dir, require_stable=stable_only)
 
     @property
+    def eval_dir(self) -> Path:
+        """`prime-hpc eval`'s own server files and its results, `eval/step_<n>.json`."""
+        return self.root / "eval"
+
+    def eval_result(self, step: int) -> Path:
+        return self.eval_dir / f"step_{int(step)}.json"
+
+    @property
     def checkpoints_dir(self) -> Path:
         return self.root / "checkpoints"
 

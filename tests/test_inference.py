@@ -440,3 +440,51 @@ def test_a_server_that_cannot_start_fails_with_one_line_naming_its_log(tmp_path)
     assert len(ours) == 1 and ours[0].startswith("prime-hpc inference: node 0 failed:")
     assert ours[0].endswith(f"see {logs / 'inference' / 'node_0.log'}")
     assert not (tmp_path / "endpoints" / "inference_0.json").exists()
+
+
+@pytest.mark.vllm
+def test_lora_adapter_loads_in_place_and_serves_the_adapted_policy(tmp_path):
+    """A LoRA run's server (--enable-lora): the trainer's adapter layout loads through
+    /load_lora_adapter and generation with it matches transformers with the merged weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prime_hpc.model import resolve_model
+    from prime_hpc.trainer.lora import adapter_config, apply_lora, merge_lora, write_adapter
+    from tests.inference_util import start_inference
+
+    base_dir = Path(resolve_model("tiny"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, local_files_only=True)
+    targets = ["q_proj", "v_proj"]
+    apply_lora(model, 4, 8.0, 0.0, targets)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)  # a trained-looking adapter that changes the outputs
+    sd = model.state_dict()
+    adapter = tmp_path / "run" / "weights" / "step_1" / "adapter"
+    write_adapter(adapter, sd, adapter_config(str(base_dir), 4, 8.0, 0.0, targets))
+    merged_dir = tmp_path / "merged"
+    plain = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, local_files_only=True)
+    plain.load_state_dict(merge_lora(sd, 8.0 / 4))
+    plain.save_pretrained(merged_dir)
+
+    inf = start_inference(tmp_path / "run", nodes=1, key=None,
+                          overrides=["trainer.model.lora.enabled=true", "trainer.model.lora.rank=8"])
+    try:
+        base = inf.endpoints.servers[0]
+        results = asyncio.run(inf.admin().load_lora("policy", adapter, 1))
+        assert results[0]["policy_step"] == 1
+        body = {"model": "policy", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 6,
+                "min_tokens": 6, "temperature": 0, "logprobs": True, "return_token_ids": True}
+        out = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
+        assert out["policy_step"] == 1, out
+        ids = out["choices"][0]["token_ids"]
+        served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
+        merged = _transformers_logprobs(merged_dir, out["prompt_token_ids"], ids)
+        untouched = _transformers_logprobs(base_dir, out["prompt_token_ids"], ids)
+        assert max(abs(a - b) for a, b in zip(served, merged)) < 5 * TOLERANCE
+        assert max(abs(a - b) for a, b in zip(served, untouched)) > 100 * TOLERANCE
+    finally:
+        inf.stop_all()

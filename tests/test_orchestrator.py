@@ -12,7 +12,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 
 from prime_hpc import batch
 from prime_hpc.config.compose import component_config, compose
@@ -259,3 +258,104 @@ def test_policy_lag_is_bounded_while_a_slow_trainer_publishes_weights(keyed, tmp
     assert orch.update_log and orch.update_log[-1]["step"] >= 3
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     assert max(r["time/wait_for_ckpt"] for r in rows) > 0
+
+
+def _run_with_weights(root: Path, steps: dict[int, int]) -> RunDir:
+    from omegaconf import OmegaConf
+
+    from prime_hpc.model import build_tiny_model
+
+    cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "orchestrator.eval.num_examples=4",
+                   "inference.dtype=float32"])
+    root.mkdir(parents=True)
+    OmegaConf.save(cfg, root / "config.yaml", resolve=True)
+    run = RunDir(root)
+    for step, seed in steps.items():
+        build_tiny_model(run.weights_step(step), seed=seed)
+        mark_stable(run.weights_step(step))
+    return run
+
+
+def test_eval_of_missing_steps_is_a_one_line_error(tmp_path):
+    from tests.conftest import cli
+
+    run = _run_with_weights(tmp_path / "run", {1: 5})
+    r = cli("eval", str(run.root), "steps=1,7")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "no complete weights for step(s) [7]" in r.stderr and "available: [1]" in r.stderr
+
+
+@pytest.mark.vllm
+def test_eval_scores_saved_weights_of_a_run(tmp_path):
+    from tests.conftest import cli
+
+    run = _run_with_weights(tmp_path / "run", {1: 5, 2: 6})
+    r = cli("eval", str(run.root), "steps=1,2", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for step in (1, 2):
+        row = json.loads(run.eval_result(step).read_text())
+        assert row["step"] == step
+        assert 0.0 <= row["eval/reverse_text/avg@1"] <= 1.0 and row["eval/reverse_text/pass@1"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+        assert f"step     {step}" in r.stdout
+    assert not (run.eval_dir / "endpoints" / "inference_0.json").exists()  # its server is gone
+
+
+@pytest.mark.vllm
+def test_opd_takes_teacher_logprobs_and_sft_trains_on_teacher_completions(keyed, tmp_path):
+    """The session's servers double as the teacher (same tiny model): in opd the per-token
+    advantages are log p_teacher - log p_student, ~0 here; in sft the teacher generates."""
+    teacher = keyed.endpoints.servers[1] + "/v1"
+    common = ["max_steps=1", "orchestrator.eval.env=[]", f"orchestrator.teacher.client.base_url={teacher}",
+              "orchestrator.teacher.client.model=tiny"]
+    cfg = _orch_cfg(tmp_path / "opd", keyed, [*common, "orchestrator.training_mode=opd"])
+    _run(cfg)
+    b = batch.read_rank(RunDir(cfg["output_dir"]), 1, 0, timeout_s=5)
+    assert b.info["mode"] == "opd"
+    for mb in b.micro_batches:
+        adv, mask = mb["advantages"], mb["loss_mask"]
+        if mask.any():
+            assert (adv[~mask] == 0).all()
+            assert adv[mask].abs().max() < 0.01  # same weights: teacher and student agree per token
+    cfg = _orch_cfg(tmp_path / "sft", keyed, [*common, "orchestrator.training_mode=sft"])
+    summary = _run(cfg)
+    b = batch.read_rank(RunDir(cfg["output_dir"]), 1, 0, timeout_s=5)
+    assert b.info["mode"] == "sft" and summary["samples"] >= 14 and b.num_loss_tokens > 0
+
+
+@pytest.mark.vllm
+def test_resume_continues_from_the_checkpoint_step_with_the_sampler_state(keyed, tmp_path):
+    """Steps 1-2 with checkpoints; a resume from ckpt.step=-1 writes step 3 only, starting
+    from the saved totals and sampler position (the same tasks as an uninterrupted run)."""
+    from prime_hpc.model import resolve_model
+
+    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=2", "ckpt.interval=1", "orchestrator.eval.env=[]"])
+    run = RunDir(cfg["output_dir"])
+    first = _run(cfg)
+    assert first["last_step"] == 2
+    for step in (1, 2):  # the trainer's parts of the checkpoints and its weights
+        assert (run.checkpoint_part(step, "orchestrator") / "STABLE").exists()
+        run.checkpoint_part(step, "trainer").mkdir(parents=True)
+        mark_stable(run.checkpoint_part(step, "trainer"))
+    shutil.copytree(resolve_model("tiny"), run.weights_step(2))
+    mark_stable(run.weights_step(2))
+    saved = json.loads((run.checkpoint_part(2, "orchestrator") / "state.json").read_text())
+    shutil.rmtree(run.rollout_step(1))
+    shutil.rmtree(run.rollout_step(2))
+    cfg2 = dict(cfg, max_steps=3, ckpt={**cfg["ckpt"], "step": -1})
+    orch = Orchestrator(cfg2)
+    try:
+        summary = asyncio.run(orch.main())
+    finally:
+        asyncio.run(keyed.admin().reload_base())
+    assert summary["last_step"] == 3 and summary["problems"] > saved["totals"]["problems"]
+    assert [s for s in range(1, 4) if run.rollout_step(s).exists()] == [3]
+    rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    step3 = sum(int(mb["loss_mask"].any(-1).sum()) for r in range(int(cfg["trainer_ranks"]))
+                for mb in batch.read_rank(run, 3, r, timeout_s=5).micro_batches)
+    # the totals continue from the checkpoint (not from 0)
+    assert rows[2]["progress/total_samples"] == summary["samples"] == saved["totals"]["samples"] + step3
+    assert orch.policy >= 2  # the servers were given the checkpoint's weights
+    bad = dict(cfg, ckpt={**cfg["ckpt"], "step": 7})
+    with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint there; complete steps: \[1, 2\]"):
+        asyncio.run(Orchestrator(bad).main())

@@ -315,7 +315,8 @@ class Orchestrator:
                 kept = [r for g in accepted for r in g]
                 samples = [r.to_sample() for r in kept]
                 per_rank = batch.shard(samples, int(self.cfg["trainer_ranks"]), int(self.cfg["micro_batch_size"]))
-                info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o["training_mode"]}
+                info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o["training_mode"],
+                        "temperature": float(self.o["sampling"]["temperature"])}
                 batch.write_step(self.run, step, per_rank, info)
                 self.step = step
                 self.totals["samples"] += len(samples)

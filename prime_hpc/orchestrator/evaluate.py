@@ -1,0 +1,125 @@
+"""`prime-hpc eval <job | run dir | weights dir> [steps=N,M,...] [overrides]`: score saved
+`weights/step_N` on the run's eval environments.
+
+It starts one inference server for the run's model on this machine (its files under
+`<run>/eval/`: configs, endpoints, logs), loads each requested step into it with
+`/update_weights`, runs every eval env (`orchestrator.eval.*`: `num_examples`,
+`rollouts_per_example`) and writes `<run>/eval/step_<N>.json` with
+`eval/<env>/avg@k` and `eval/<env>/pass@k`. Overrides (`orchestrator.eval.num_examples=20`,
+`inference.dtype=float32`, ...) apply on top of the run's `config.yaml`.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from prime_hpc.errors import UserError
+from prime_hpc.rundir import RunDir, atomic_write_json, read_json, wait_for
+
+
+def target_run(target: str) -> tuple[RunDir, Optional[int]]:
+    """The run a target names, and the step when it names one weights dir."""
+    path = Path(target).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        if path.parent.name != "weights" or not path.name.startswith("step_"):
+            raise UserError(f"{path}: a weights dir must be <run>/weights/step_<n> (the run's config names the eval envs)")
+        return RunDir(path.parent.parent), int(path.name[5:])
+    if path.is_dir() and RunDir(path).config_yaml.exists():  # a run directory (submitted or not)
+        return RunDir(path), None
+    from prime_hpc import jobs
+
+    return jobs.resolve(target).run, None
+
+
+def parse_steps(value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.strip("[]").split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"steps={value}: expected comma-separated step numbers, e.g. steps=10,20") from None
+
+
+def run_eval(target: str, args: list[str]) -> int:
+    import yaml
+    from omegaconf import OmegaConf
+
+    from prime_hpc.config.compose import component_config
+    from prime_hpc.inference.client import Admin, api_key
+    from prime_hpc.orchestrator.loop import Orchestrator, make_client
+
+    run, one_step = target_run(target)
+    steps_arg = [a for a in args if a.startswith("steps=")]
+    overrides = [a for a in args if not a.startswith("steps=")]
+    if not run.config_yaml.exists():
+        raise UserError(f"{run.config_yaml} is missing: not a prime-hpc run directory")
+    available = run.weight_steps()
+    steps = parse_steps(steps_arg[-1][6:]) if steps_arg else ([one_step] if one_step is not None else available)
+    missing = [s for s in steps if s not in available]
+    if missing or not steps:
+        raise UserError(f"no complete weights for step(s) {missing or steps} in {run.weights_dir}; "
+                        f"available: {available or 'none'}")
+    cfg = OmegaConf.load(run.config_yaml)
+    try:
+        cfg.merge_with(OmegaConf.from_dotlist(overrides))
+    except Exception as e:
+        raise UserError(f"bad override: {e}") from None
+    if not cfg.orchestrator.eval.env:
+        raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
+    edir = RunDir(run.eval_dir)
+    cfg.output_dir = str(edir.root)
+    cfg.cluster.inference.nodes = 1
+    edir.component_config("inference").parent.mkdir(parents=True, exist_ok=True)
+    edir.component_config("inference").write_text(yaml.safe_dump(component_config(cfg, "inference"), sort_keys=False))
+    log = edir.root / "logs" / "inference" / "node_0.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.unlink(edir.inference_endpoint(0))
+    except OSError:
+        pass
+    with open(log, "ab") as f:
+        server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
+                                   str(edir.component_config("inference"))], stdout=f, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"),
+                                       "PRIME_HPC_NODE_RANK": "0"}, start_new_session=True)
+    try:
+        print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
+        wait_for(lambda: edir.inference_endpoint(0).exists(), what="the eval inference server",
+                 timeout_s=float(cfg.inference.startup_timeout_s), producer="inference server", producer_log=log,
+                 alive=lambda: server.poll() is None)
+        url = read_json(edir.inference_endpoint(0))["url"]
+        ocfg = component_config(cfg, "orchestrator")
+        orch = Orchestrator(ocfg)
+        orch.o["env"] = ocfg["orchestrator"]["eval"]["env"]  # only the eval envs are needed
+        orch.load_envs()
+        orch.client = make_client(url + "/v1", api_key())
+        admin = Admin([url])
+
+        async def all_steps() -> list[dict]:
+            rows = []
+            for step in steps:
+                await admin.update_weights(run.weights_step(step), step)
+                t0 = time.monotonic()
+                metrics = await orch.evaluate(step)
+                row = {"step": step, **metrics, "time/eval": time.monotonic() - t0}
+                atomic_write_json(run.eval_result(step), row)
+                print("  ".join([f"step {step:>5}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
+                rows.append(row)
+            return rows
+
+        asyncio.run(all_steps())
+        print(f"prime-hpc eval: wrote {edir.root}/step_<n>.json for steps {steps}")
+        return 0
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        try:
+            os.killpg(server.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
