@@ -49,6 +49,7 @@ def test_vllm_args_pass_the_reference_knobs_through():
     assert _opt(argv, "--tool-call-parser") == "hermes"
     assert _opt(argv, "--reasoning-parser") == "qwen3"
     assert _opt(argv, "--seed") == "7"
+    assert _opt(argv, "--logprobs-mode") == "processed_logprobs"
     assert argv[-3:] == ["--enforce-eager", "--max-num-seqs", "64"]
     assert "--enable-lora" not in argv
 
@@ -292,14 +293,15 @@ def test_requests_without_the_key_get_401_at_servers_and_router(inference):
         assert httpx.get(base + "/health", timeout=60).status_code == 200
 
 
-def _transformers_logprobs(model_dir: Path, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+def _transformers_logprobs(model_dir: Path, prompt_ids: list[int], completion_ids: list[int],
+                           temperature: float = 1.0) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, local_files_only=True)
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0]
+        logp = torch.log_softmax(model(ids).logits.float() / temperature, dim=-1)[0]
     n = len(prompt_ids)
     return [logp[n - 1 + i, t].item() for i, t in enumerate(completion_ids)]
 
@@ -322,8 +324,9 @@ def test_update_weights_serves_the_new_policy_exactly(inference, tmp_path):
         assert all(json.loads(p.read_text())["policy_step"] == 1
                    for p in sorted(inference.run.endpoints_dir.glob("inference_*.json")))
         for server in inference.endpoints.servers:  # each server, directly
-            out = _chat(server, _auth(inference), temperature=0, logprobs=True, return_token_ids=True,
-                        min_tokens=6, max_tokens=6)
+            # (no min_tokens: masking EOS changes the processed distribution)
+            out = _chat(server, _auth(inference), temperature=1.0, logprobs=True, return_token_ids=True,
+                        max_tokens=6)
             assert out["policy_step"] == 1
             ids = out["choices"][0]["token_ids"]
             served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
@@ -334,9 +337,10 @@ def test_update_weights_serves_the_new_policy_exactly(inference, tmp_path):
     finally:
         results = asyncio.run(admin.reload_base())
     assert [r["policy_step"] for r in results] == [0, 0]
-    out = _chat(inference.endpoints.servers[0], _auth(inference), temperature=0, logprobs=True,
-                return_token_ids=True, min_tokens=4, max_tokens=4)
-    base = _transformers_logprobs(base_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"])
+    # served logprobs are those of the distribution sampled from (temperature applied)
+    out = _chat(inference.endpoints.servers[0], _auth(inference), temperature=0.5, logprobs=True,
+                return_token_ids=True, max_tokens=4)
+    base = _transformers_logprobs(base_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"], 0.5)
     served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
     assert out["policy_step"] == 0 and max(abs(a - b) for a, b in zip(served, base)) < TOLERANCE
 
@@ -477,7 +481,7 @@ def test_lora_adapter_loads_in_place_and_serves_the_adapted_policy(tmp_path):
         results = asyncio.run(inf.admin().load_lora("policy", adapter, 1))
         assert results[0]["policy_step"] == 1
         body = {"model": "policy", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 6,
-                "min_tokens": 6, "temperature": 0, "logprobs": True, "return_token_ids": True}
+                "temperature": 1.0, "logprobs": True, "return_token_ids": True}
         out = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
         assert out["policy_step"] == 1, out
         ids = out["choices"][0]["token_ids"]
@@ -485,6 +489,6 @@ def test_lora_adapter_loads_in_place_and_serves_the_adapted_policy(tmp_path):
         merged = _transformers_logprobs(merged_dir, out["prompt_token_ids"], ids)
         untouched = _transformers_logprobs(base_dir, out["prompt_token_ids"], ids)
         assert max(abs(a - b) for a, b in zip(served, merged)) < 5 * TOLERANCE
-        assert max(abs(a - b) for a, b in zip(served, untouched)) > 100 * TOLERANCE
+        assert max(abs(a - b) for a, b in zip(served, untouched)) > 10 * TOLERANCE  # the adapter acts
     finally:
         inf.stop_all()

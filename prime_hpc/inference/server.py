@@ -79,6 +79,9 @@ def vllm_args(cfg: dict, model_path: str, host: str) -> list[str]:
         "--gpu-memory-utilization", str(inf["gpu_memory_utilization"]),
         "--tensor-parallel-size", str(inf.get("tensor_parallel_size") or 1),
         "--seed", str(cfg.get("seed", 0)),
+        # logprobs after temperature/top-k/top-p, i.e. of the distribution actually sampled
+        # from: what the trainer's importance ratio compares against
+        "--logprobs-mode", "processed_logprobs",
     ]
     if inf.get("max_model_len"):
         argv += ["--max-model-len", str(inf["max_model_len"])]

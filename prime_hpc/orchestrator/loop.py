@@ -31,6 +31,7 @@ from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, o
 from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable, read_json
 
 STATE_FILE = "state.json"
+LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
 
 
 def make_client(base_url: str, key: Optional[str]) -> Any:
@@ -188,8 +189,14 @@ class Orchestrator:
             newest = steps[-1] if steps else None
             if newest is not None and newest > self.policy:
                 t0 = time.monotonic()
+                d = self.run.weights_step(newest)
                 try:
-                    await self.admin.update_weights(self.run.weights_step(newest), newest)
+                    if not any(d.glob("*.safetensors")) and self.run.weights_adapter(newest).is_dir():
+                        # LoRA with save_adapter_separately: only the adapter was written
+                        await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(newest), newest)
+                        self.model = LORA_NAME
+                    else:
+                        await self.admin.update_weights(d, newest)
                 except Exception as e:
                     self._relay_error = e
                     raise
