@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import yaml
 
-from prime_hpc.config.compose import compose, component_config
+from prime_hpc.config.compose import compose, write_component_config
 from prime_hpc.inference.client import Admin, Endpoints, discover
 from prime_hpc.rundir import RunDir, tail
 
@@ -29,10 +28,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def write_inference_config(root: Path, overrides: list[str] = ()) -> Path:
     cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "inference.dtype=float32", *overrides])
-    path = RunDir(root).component_config("inference")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(component_config(cfg, "inference"), sort_keys=False))
-    return path
+    return write_component_config(cfg, "inference")
 
 
 @dataclass

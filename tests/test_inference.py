@@ -114,6 +114,13 @@ class FakeModel:
         await send({"type": "http.response.body", "body": out})
 
 
+def _gated(step=0, api_key=None):
+    """A fake model behind the gate: (model, gate, app)."""
+    model = FakeModel()
+    gate = PolicyGate(step=step)
+    return model, gate, GateMiddleware(model, gate, api_key=api_key)
+
+
 async def _call(app, path, body=None, headers=(), method="POST"):
     raw = json.dumps(body or {}).encode()
     sent = []
@@ -140,8 +147,7 @@ async def _call(app, path, body=None, headers=(), method="POST"):
 
 def test_api_key_guards_every_route_but_health():
     async def main():
-        model = FakeModel()
-        app = GateMiddleware(model, PolicyGate(), api_key="s3cret")
+        model, _, app = _gated(api_key="s3cret")
         for e in ("a", "b"):
             model.release.setdefault(e, asyncio.Event()).set()
         assert (await _call(app, "/v1/chat/completions", {"name": "a"}))[0] == 401
@@ -160,9 +166,7 @@ def test_api_key_guards_every_route_but_health():
 
 def test_completions_carry_the_policy_step_that_produced_them():
     async def main():
-        model = FakeModel()
-        gate = PolicyGate(step=4)
-        app = GateMiddleware(model, gate)
+        model, gate, app = _gated(step=4)
         model.release.setdefault("x", asyncio.Event()).set()
         status, hdrs, body = await _call(app, "/v1/completions", {"name": "x"})
         assert status == 200 and hdrs["x-policy-step"] == "4"
@@ -176,9 +180,7 @@ def test_completions_carry_the_policy_step_that_produced_them():
 
 def test_an_update_waits_for_in_flight_generations_and_holds_back_new_ones():
     async def main():
-        model = FakeModel()
-        gate = PolicyGate(step=0)
-        app = GateMiddleware(model, gate)
+        model, gate, app = _gated(step=0)
         for n in ("old1", "old2", "new"):
             model.release[n] = asyncio.Event()
         old1 = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "old1"}))
@@ -212,9 +214,7 @@ def test_an_update_waits_for_in_flight_generations_and_holds_back_new_ones():
 
 def test_an_update_that_cannot_drain_gives_up_and_changes_nothing():
     async def main():
-        model = FakeModel()
-        gate = PolicyGate(step=2)
-        app = GateMiddleware(model, gate)
+        model, gate, app = _gated(step=2)
         model.release["stuck"] = asyncio.Event()
         stuck = asyncio.create_task(_call(app, "/v1/completions", {"name": "stuck"}))
         await asyncio.sleep(0.05)

@@ -17,7 +17,8 @@ from prime_hpc import batch
 from prime_hpc.config.compose import component_config, compose
 from prime_hpc.errors import UserError
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
-from prime_hpc.orchestrator.loop import Orchestrator, is_checkpoint_step
+from prime_hpc.checkpoints import is_due
+from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, pass_at_k
 from prime_hpc.rundir import RunDir, mark_stable
 
@@ -96,8 +97,8 @@ def test_reward_errors_and_missing_tokens_are_errors():
 def test_pass_at_k_and_checkpoint_steps():
     assert pass_at_k([0.2, 1.0]) == 1.0 and pass_at_k([0.99, 0.5]) == 0.0
     ck = {"enabled": True, "interval": 5}
-    assert [s for s in range(1, 13) if is_checkpoint_step(s, ck, 12)] == [5, 10, 12]
-    assert not any(is_checkpoint_step(s, {"enabled": False, "interval": None}, 12) for s in range(1, 13))
+    assert [s for s in range(1, 13) if is_due(s, s == 12, ck)] == [5, 10, 12]
+    assert not any(is_due(s, s == 12, {"enabled": False, "interval": None}) for s in range(1, 13))
 
 
 # --------------------------------------------------------------------------- envs
@@ -357,5 +358,5 @@ def test_resume_continues_from_the_checkpoint_step_with_the_sampler_state(keyed,
     assert rows[2]["progress/total_samples"] == summary["samples"] == saved["totals"]["samples"] + step3
     assert orch.policy >= 2  # the servers were given the checkpoint's weights
     bad = dict(cfg, ckpt={**cfg["ckpt"], "step": 7})
-    with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint there; complete steps: \[1, 2\]"):
+    with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .* complete checkpoints: \[1, 2\]"):
         asyncio.run(Orchestrator(bad).main())

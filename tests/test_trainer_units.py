@@ -28,7 +28,7 @@ from tests.trainer_support import trainer_yaml
     ],
 )
 def test_rotation_keeps_exactly_the_expected_steps(steps, keep_last, keep_interval, deleted):
-    from prime_hpc.trainer.ckpt import rotation
+    from prime_hpc.checkpoints import rotation
 
     assert rotation(steps, keep_last, keep_interval) == deleted
 
@@ -36,7 +36,7 @@ def test_rotation_keeps_exactly_the_expected_steps(steps, keep_last, keep_interv
 def test_checkpoint_schedule():
     from types import SimpleNamespace as NS
 
-    from prime_hpc.trainer.ckpt import is_due
+    from prime_hpc.checkpoints import is_due
 
     off = NS(enabled=False, interval=None)
     assert not any(is_due(s, s == 5, off) for s in range(1, 6))
@@ -54,7 +54,7 @@ def _ckpt(run: RunDir, step: int, parts=("trainer", "orchestrator"), stable=True
 
 
 def test_resume_step_resolution(tmp_path):
-    from prime_hpc.trainer.ckpt import resolve_resume_step
+    from prime_hpc.checkpoints import resolve_resume_step
 
     run = RunDir(tmp_path)
     rl, sft = ("trainer", "orchestrator"), ("trainer",)

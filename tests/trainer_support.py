@@ -10,10 +10,9 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-import yaml
 
 from prime_hpc import batch
-from prime_hpc.config.compose import component_config, compose
+from prime_hpc.config.compose import compose, write_component_config
 from prime_hpc.rundir import RunDir, wait_stable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,11 +22,7 @@ EXAMPLES = REPO / "examples" / "reverse_text"
 def trainer_yaml(output_dir: Path, overrides: Sequence[str]) -> Path:
     """Compose the run and write `<output_dir>/configs/trainer.yaml` as submit does."""
     cfg = compose([f"output_dir={output_dir}", *overrides])
-    run = RunDir(cfg.output_dir)
-    path = run.component_config("trainer")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(component_config(cfg, "trainer"), sort_keys=False))
-    return path
+    return write_component_config(cfg, "trainer")
 
 
 def child_env(extra: Optional[dict] = None) -> dict:

@@ -180,6 +180,16 @@ def to_yaml(cfg: DictConfig | dict) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True, sort_keys=False)
 
 
+def write_component_config(cfg: DictConfig, component: str) -> Path:
+    """`<output_dir>/configs/<component>.yaml`, what the component is started with."""
+    from prime_hpc.rundir import RunDir, atomic_write_text
+
+    path = RunDir(cfg.output_dir).component_config(component)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, to_yaml(OmegaConf.create(component_config(cfg, component))))
+    return path
+
+
 def component_config(cfg: DictConfig, component: str) -> dict:
     """What `component` is started with: its own sub-tree plus the run-level values it
     needs, copied in explicitly (a component never reads another component's config)."""

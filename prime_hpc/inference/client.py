@@ -42,23 +42,26 @@ class Endpoints:
         return self.router + "/v1"
 
 
-def discover(run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[Path] = None,
-             alive: Any = None) -> Endpoints:
-    """Wait until every server and the router have published their endpoints."""
-    def log_of(node: Optional[int]) -> Optional[Path]:
-        if logs is None:
-            return None
-        return RunDir.router_log(logs, 0) if node is None else RunDir.node_log(logs, "inference", node)
-
+def wait_for_servers(run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None,
+                     alive: Any = None) -> list[dict]:
+    """Every server's endpoint record, in node order, once all have published one."""
     records = []
     for node in range(nodes):
         path = run.inference_endpoint(node)
         wait_for(lambda p=path: p.exists(), what=str(path), timeout_s=timeout_s,
-                 producer=f"inference server on node {node}", producer_log=log_of(node), alive=alive)
+                 producer=f"inference server on node {node}",
+                 producer_log=RunDir.node_log(logs, "inference", node) if logs else None, alive=alive)
         records.append(read_json(path))
+    return records
+
+
+def discover(run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[Path] = None,
+             alive: Any = None) -> Endpoints:
+    """Wait until every server and the router have published their endpoints."""
+    records = wait_for_servers(run, nodes, timeout_s, logs, alive)
     path = run.router_endpoint
     wait_for(lambda: path.exists(), what=str(path), timeout_s=timeout_s, producer="vllm-router",
-             producer_log=log_of(None), alive=alive)
+             producer_log=RunDir.router_log(logs, 0) if logs else None, alive=alive)
     router = read_json(path)
     return Endpoints(router=router["url"], servers=[r["url"] for r in records], server_records=records)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Optional
 
 from prime_hpc.net import free_port, node_address, url
-from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_for
+from prime_hpc.inference.client import wait_for_servers
+from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
 
 POLICY = "round_robin"
 
@@ -32,18 +33,6 @@ def router_binary() -> str:
     if not path:
         raise FileNotFoundError("vllm-router not found next to the interpreter nor on PATH (pip install vllm-router)")
     return path
-
-
-def wait_for_servers(run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None) -> list[dict]:
-    """Every server's endpoint record, in node order, once all have published one."""
-    out: list[dict] = []
-    for node in range(nodes):
-        path = run.inference_endpoint(node)
-        log = RunDir.node_log(logs, "inference", node) if logs else None
-        wait_for(lambda p=path: p.exists(), what=str(path), timeout_s=timeout_s,
-                 producer=f"inference server on node {node}", producer_log=log)
-        out.append(read_json(path))
-    return out
 
 
 def router_argv(binary: str, host: str, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:

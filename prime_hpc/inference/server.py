@@ -36,11 +36,11 @@ import yaml
 from fastapi import Request
 
 from prime_hpc import device as devices
+from prime_hpc.inference.client import API_KEY_VAR
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.net import node_address, url
 from prime_hpc.rundir import RunDir, atomic_write_json
 
-API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
 HEARTBEAT_S = 10.0
 
@@ -301,10 +301,10 @@ async def serve(cfg: dict, log: str) -> None:
     host = node_address()
     server = Server(cfg, model_path, host)
     server.unpublish()
-    args = make_arg_parser(FlexibleArgumentParser(prog="prime_hpc.inference")).parse_args(
-        vllm_args(cfg, model_path, host))
+    argv = vllm_args(cfg, model_path, host)
+    args = make_arg_parser(FlexibleArgumentParser(prog="prime_hpc.inference")).parse_args(argv)
     validate_parsed_serve_args(args)
-    print("prime-hpc inference: vllm " + " ".join(vllm_args(cfg, model_path, host)), flush=True)
+    print("prime-hpc inference: vllm " + " ".join(argv), flush=True)
     _, sock = setup_server(args, reuse_port=False)
     server.port = args.port = sock.getsockname()[1]
     try:

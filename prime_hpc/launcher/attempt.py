@@ -70,11 +70,9 @@ def component_log(logs, component: str):
 
 def rendezvous() -> str:
     """This node's address and a port that is free here right now."""
-    host = socket.gethostname()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"{host}:{port}"
+    from prime_hpc.net import free_port
+
+    return f"{socket.gethostname()}:{free_port('')}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from prime_hpc import jobs
-from prime_hpc.config.compose import component_config, to_yaml
+from prime_hpc.config.compose import to_yaml, write_component_config
 from prime_hpc.config.validate import validate
 from prime_hpc.errors import ConfigError, LaunchError
 from prime_hpc.launcher.head import HeadTask
@@ -72,7 +72,7 @@ def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
     """config.yaml, configs/<component>.yaml and submit/rl.sbatch."""
     atomic_write_text(run.config_yaml, to_yaml(cfg))
     for component in GROUP_NAMES:
-        atomic_write_text(run.component_config(component), to_yaml(OmegaConf.create(component_config(cfg, component))))
+        write_component_config(cfg, component)
     atomic_write_text(run.sbatch_script, render_sbatch(plan))
 
 

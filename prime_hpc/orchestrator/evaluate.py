@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from prime_hpc.errors import UserError
-from prime_hpc.rundir import RunDir, atomic_write_json, read_json, wait_for
+from prime_hpc.rundir import RunDir, atomic_write_json
 
 
 def target_run(target: str) -> tuple[RunDir, Optional[int]]:
@@ -44,11 +44,10 @@ def parse_steps(value: str) -> list[int]:
 
 
 def run_eval(target: str, args: list[str]) -> int:
-    import yaml
     from omegaconf import OmegaConf
 
-    from prime_hpc.config.compose import component_config
-    from prime_hpc.inference.client import Admin, api_key
+    from prime_hpc.config.compose import component_config, write_component_config
+    from prime_hpc.inference.client import Admin, api_key, wait_for_servers
     from prime_hpc.orchestrator.loop import Orchestrator, make_client
 
     run, one_step = target_run(target)
@@ -72,8 +71,7 @@ def run_eval(target: str, args: list[str]) -> int:
     edir = RunDir(run.eval_dir)
     cfg.output_dir = str(edir.root)
     cfg.cluster.inference.nodes = 1
-    edir.component_config("inference").parent.mkdir(parents=True, exist_ok=True)
-    edir.component_config("inference").write_text(yaml.safe_dump(component_config(cfg, "inference"), sort_keys=False))
+    inference_yaml = write_component_config(cfg, "inference")
     log = edir.root / "logs" / "inference" / "node_0.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -82,19 +80,15 @@ def run_eval(target: str, args: list[str]) -> int:
         pass
     with open(log, "ab") as f:
         server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
-                                   str(edir.component_config("inference"))], stdout=f, stderr=subprocess.STDOUT,
+                                   str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"),
                                        "PRIME_HPC_NODE_RANK": "0"}, start_new_session=True)
     try:
         print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
-        wait_for(lambda: edir.inference_endpoint(0).exists(), what="the eval inference server",
-                 timeout_s=float(cfg.inference.startup_timeout_s), producer="inference server", producer_log=log,
-                 alive=lambda: server.poll() is None)
-        url = read_json(edir.inference_endpoint(0))["url"]
-        ocfg = component_config(cfg, "orchestrator")
-        orch = Orchestrator(ocfg)
-        orch.o["env"] = ocfg["orchestrator"]["eval"]["env"]  # only the eval envs are needed
-        orch.load_envs()
+        url = wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.root / "logs",
+                               alive=lambda: server.poll() is None)[0]["url"]
+        orch = Orchestrator(component_config(cfg, "orchestrator"))
+        orch.load_envs(train=False)
         orch.client = make_client(url + "/v1", api_key())
         admin = Admin([url])
 

@@ -24,11 +24,12 @@ from loguru import logger
 
 from prime_hpc import batch
 from prime_hpc.errors import UserError
-from prime_hpc.inference.client import Admin, api_key, discover
+from prime_hpc.inference.client import Admin, api_key, discover, headers
 from prime_hpc.orchestrator import envs as envs_mod
 from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
-from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable, read_json
+from prime_hpc.checkpoints import is_due, resolve_resume_step, rotate
+from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, mark_stable, read_json
 
 STATE_FILE = "state.json"
 LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
@@ -48,13 +49,6 @@ def make_client(base_url: str, key: Optional[str]) -> Any:
             return r
 
     return PolicyStampedClient(AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", max_retries=2, timeout=3600))
-
-
-def is_checkpoint_step(step: int, ckpt: dict, max_steps: Optional[int]) -> bool:
-    interval = ckpt.get("interval")
-    if interval and step % int(interval) == 0:
-        return True
-    return bool(ckpt.get("enabled") or interval) and max_steps is not None and step == max_steps
 
 
 class Orchestrator:
@@ -77,18 +71,18 @@ class Orchestrator:
         self.sampler: Optional[EnvSampler] = None
         self.admin: Optional[Admin] = None
         self.client: Any = None
-        self.teacher: Any = None
         self.model = cfg["model"]["name"]
         self.metrics: Any = None
         self.log_router: Optional[envs_mod.EnvLogRouter] = None
         self.update_log: list[dict] = []  # (for tests and metrics) every relay update
         self._pending_eval: Optional[asyncio.Task] = None
-        self._relay_error: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ setup
-    def load_envs(self) -> None:
+    def load_envs(self, train: bool = True) -> None:
+        """The eval envs, and (unless `train=False`) the train envs and their sampler."""
         seen = set()
-        for kind, entries, into in (("train", self.o["env"], self.slots), ("eval", self.o["eval"]["env"], self.eval_slots)):
+        kinds = [("train", self.o["env"], self.slots)] if train else []
+        for kind, entries, into in (*kinds, ("eval", self.o["eval"]["env"], self.eval_slots)):
             for entry in entries:
                 name = env_name(entry)
                 if (kind, name) in seen:
@@ -98,9 +92,8 @@ class Orchestrator:
                 ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(
                     n=self.o["eval"].get("num_examples") or -1)
                 into.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))
-        if not self.slots:
-            raise UserError("orchestrator.env is empty: list at least one environment")
-        self.sampler = EnvSampler(self.slots, int(self.cfg.get("seed", 0)))
+        if train:
+            self.sampler = EnvSampler(self.slots, int(self.cfg.get("seed", 0)))  # refuses an empty list
         if self.logs is not None:
             files = {f"{kind}/{s.name}": self.run.env_log_dir(self.logs, kind, s.name) / "env_worker_0.log"
                      for kind, slots in (("train", self.slots), ("eval", self.eval_slots)) for s in slots}
@@ -110,26 +103,13 @@ class Orchestrator:
             logging.getLogger("verifiers").addHandler(self.log_router)
             logging.getLogger("verifiers").setLevel(str(self.o["log"].get("vf_level", "info")).upper())
 
-    def sampling_args(self, teacher: bool = False) -> dict:
+    def sampling_args(self) -> dict:
         s = self.o["sampling"]
         args: dict = {"temperature": s["temperature"], "top_p": s["top_p"], "logprobs": True,
                       "extra_body": {"return_token_ids": True}}
         if s.get("max_tokens"):
             args["max_tokens"] = s["max_tokens"]
         return args
-
-    def resume_step(self) -> Optional[int]:
-        want = (self.cfg.get("ckpt") or {}).get("step")
-        if want is None:
-            return None
-        steps = self.run.complete_checkpoint_steps()
-        if int(want) == -1:
-            if not steps:
-                raise UserError(f"ckpt.step=-1: no complete checkpoint in {self.run.checkpoints_dir}")
-            return steps[-1]
-        if int(want) not in steps:
-            raise UserError(f"ckpt.step={want}: no complete checkpoint there; complete steps: {steps or 'none'}")
-        return int(want)
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self, step: int) -> None:
@@ -138,6 +118,8 @@ class Orchestrator:
         atomic_write_json(d / STATE_FILE, {"step": step, "policy": self.policy, "totals": self.totals,
                                            "sampler": self.sampler.state(), "saved_at": time.time()})
         mark_stable(d, {"step": step})
+        ckpt = self.cfg.get("ckpt") or {}
+        rotate(self.run, "orchestrator", ckpt.get("keep_last"), ckpt.get("keep_interval"))
 
     def load_checkpoint(self, step: int) -> None:
         state = read_json(self.run.checkpoint_part(step, "orchestrator") / STATE_FILE)
@@ -167,8 +149,7 @@ class Orchestrator:
         import httpx
 
         t = self.o["teacher"]["client"]
-        key = os.environ.get(t.get("api_key_var") or "") or None
-        async with httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {key}"} if key else {}) as c:
+        async with httpx.AsyncClient(timeout=600, headers=headers(api_key(t.get("api_key_var") or "") or "")) as c:
             for r in group:
                 resp = await c.post(t["base_url"].rstrip("/") + "/completions", json={
                     "model": t.get("model") or self.model, "prompt": r.input_ids, "max_tokens": 1,
@@ -190,16 +171,12 @@ class Orchestrator:
             if newest is not None and newest > self.policy:
                 t0 = time.monotonic()
                 d = self.run.weights_step(newest)
-                try:
-                    if not any(d.glob("*.safetensors")) and self.run.weights_adapter(newest).is_dir():
-                        # LoRA with save_adapter_separately: only the adapter was written
-                        await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(newest), newest)
-                        self.model = LORA_NAME
-                    else:
-                        await self.admin.update_weights(d, newest)
-                except Exception as e:
-                    self._relay_error = e
-                    raise
+                if not any(d.glob("*.safetensors")) and self.run.weights_adapter(newest).is_dir():
+                    # LoRA with save_adapter_separately: only the adapter was written
+                    await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(newest), newest)
+                    self.model = LORA_NAME
+                else:
+                    await self.admin.update_weights(d, newest)
                 self.update_log.append({"step": newest, "seconds": time.monotonic() - t0, "at_step": self.step})
                 logger.info(f"inference now serves policy {newest} ({time.monotonic() - t0:.2f}s)")
                 self.policy = newest
@@ -333,7 +310,7 @@ class Orchestrator:
                 self.run.beat("orchestrator", 0, step=step, policy=self.policy)
                 logger.info(f"step {step}: {len(samples)} samples, reward {metrics.get('reward/all/mean', 0):.3f}, "
                             f"policy {self.policy}, waited {t_wait:.2f}s for weights")
-                if is_checkpoint_step(step, self.cfg.get("ckpt") or {}, self.max_steps):
+                if is_due(step, step == self.max_steps, self.cfg.get("ckpt") or {}):
                     self.save_checkpoint(step)
                 interval = int(self.o["eval"].get("interval") or 0)
                 if self.eval_slots and interval and step % interval == 0:
@@ -353,7 +330,8 @@ class Orchestrator:
         from prime_hpc.metrics import MetricsLogger
 
         self.load_envs()
-        start = self.resume_step()
+        want = (self.cfg.get("ckpt") or {}).get("step")
+        start = resolve_resume_step(self.run, None if want is None else int(want), CHECKPOINT_PARTS)
         if start is not None:
             self.load_checkpoint(start)
         nodes = int(self.cfg.get("inference_nodes") or 1)
@@ -361,7 +339,7 @@ class Orchestrator:
         ep = discover(self.run, nodes, timeout_s=3600, logs=self.logs)
         self.admin = Admin(ep.servers)
         if self.o["training_mode"] == "sft":  # the teacher generates, the student trains on it
-            self.client = make_client(teacher["base_url"], os.environ.get(teacher.get("api_key_var") or "") or None)
+            self.client = make_client(teacher["base_url"], api_key(teacher.get("api_key_var") or ""))
             self.model = teacher.get("model") or self.model
         else:
             self.client = make_client(ep.openai_base_url, api_key())

@@ -8,9 +8,8 @@
 
 When: every `ckpt.interval` steps, and at the last step when `ckpt.enabled` (or an
 interval) is set. Rotation (`rotation()`): keep the newest `ckpt.keep_last` complete
-checkpoints plus every one whose step is a multiple of `ckpt.keep_interval`; only the
-trainer's part is removed (the step directory goes when the orchestrator's part is gone
-too). With `ckpt.save_async`, the shards are copied to host memory and written by a
+checkpoints plus every one whose step is a multiple of `ckpt.keep_interval`; each component
+removes its own part (the step directory goes with the last one). With `ckpt.save_async`, the shards are copied to host memory and written by a
 background thread on a dedicated gloo group; the marker is written when that write
 finishes, and the next save (or the end of training) waits for the previous one.
 
@@ -23,52 +22,17 @@ so the resumed run continues bit for bit as the original would have.
 from __future__ import annotations
 
 import shutil
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from prime_hpc import device as devices
-from prime_hpc.errors import UserError
-from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, is_stable, mark_stable, read_json
+from prime_hpc.checkpoints import rotate
+from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
 from prime_hpc.trainer.dist import DistEnv
 
 PART = "trainer"
-
-
-def rotation(steps: Sequence[int], keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
-    """Which checkpoint `steps` to delete: all but the newest `keep_last` and the multiples
-    of `keep_interval`. Without `keep_last` nothing is deleted."""
-    if not keep_last:
-        return []
-    ordered = sorted(set(steps))
-    keep = set(ordered[-keep_last:])
-    if keep_interval:
-        keep |= {s for s in ordered if s % keep_interval == 0}
-    return [s for s in ordered if s not in keep]
-
-
-def is_due(step: int, final: bool, cfg: Any) -> bool:
-    """Save a checkpoint after `step`? (`final`: it is the last step of this run)."""
-    if cfg.interval and step % cfg.interval == 0:
-        return True
-    return final and bool(cfg.enabled or cfg.interval)
-
-
-def resolve_resume_step(run: RunDir, requested: Optional[int], parts: Sequence[str]) -> Optional[int]:
-    """The checkpoint step to load (None: start from the base model)."""
-    if requested is None or requested == 0:
-        return None
-    complete = run.complete_checkpoint_steps(parts)
-    if requested in complete:
-        return requested
-    if requested == -1 and complete:
-        return complete[-1]
-    partial = sorted(set(run.checkpoint_steps(PART)) - set(complete))
-    what = f"complete checkpoints: {complete or 'none'}" + (f", incomplete: {partial}" if partial else "")
-    need = " and ".join(f"{p}/STABLE" for p in parts)
-    where = "no complete checkpoint" if requested == -1 else f"no complete checkpoint at step {requested}"
-    raise UserError(f"ckpt.step={requested}: {where} in {run.checkpoints_dir} (needs {need}); {what}")
 
 
 class Checkpointer:
@@ -126,13 +90,7 @@ class Checkpointer:
         self._finish(step)
 
     def _rotate(self) -> None:
-        steps = [s for s in self.run.checkpoint_steps(PART) if is_stable(self.run.checkpoint_part(s, PART))]
-        for s in rotation(steps, self.cfg.keep_last, self.cfg.keep_interval):
-            shutil.rmtree(self.run.checkpoint_part(s, PART), ignore_errors=True)
-            try:
-                self.run.checkpoint_step(s).rmdir()  # only once the orchestrator's part is gone too
-            except OSError:
-                pass
+        rotate(self.run, PART, self.cfg.keep_last, self.cfg.keep_interval)
 
     def load(self, step: int, engine: Any) -> dict:
         """Restore model, optimizer, schedule and RNG of `step`; returns its state.json."""

@@ -71,7 +71,8 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
     from loguru import logger
 
     from prime_hpc.metrics import MetricsLogger
-    from prime_hpc.trainer.ckpt import Checkpointer, resolve_resume_step
+    from prime_hpc.checkpoints import resolve_resume_step
+    from prime_hpc.trainer.ckpt import Checkpointer
     from prime_hpc.trainer.dist import process_group
     from prime_hpc.trainer.engine import Engine, param_count
     from prime_hpc.trainer.model import build_policy
@@ -138,7 +139,7 @@ def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
 
 def checkpoint_if_due(s: Session, step: int, final: bool, state: dict) -> tuple[bool, float]:
     """Save a checkpoint when `ckpt` says so: (saved?, seconds spent)."""
-    from prime_hpc.trainer.ckpt import is_due
+    from prime_hpc.checkpoints import is_due
 
     s.ckpt.poll()
     if not is_due(step, final, s.cfg.ckpt):

@@ -1,0 +1,68 @@
+"""Checkpoint rules every component applies the same way (pure, no torch): when a step is
+checkpointed, which steps rotation deletes, and which step a resume loads."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from prime_hpc.errors import UserError
+from prime_hpc.rundir import RunDir
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key)
+
+
+def is_due(step: int, final: bool, cfg: Any) -> bool:
+    """Save a checkpoint after `step`? (`final`: the last step of this run; `cfg`: the
+    run's `ckpt` section, as a mapping or an object)."""
+    interval = _get(cfg, "interval")
+    if interval and step % interval == 0:
+        return True
+    return final and bool(_get(cfg, "enabled") or interval)
+
+
+def rotation(steps: Sequence[int], keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
+    """Which checkpoint `steps` to delete: all but the newest `keep_last` and the multiples
+    of `keep_interval`. Without `keep_last` nothing is deleted."""
+    if not keep_last:
+        return []
+    ordered = sorted(set(steps))
+    keep = set(ordered[-keep_last:])
+    if keep_interval:
+        keep |= {s for s in ordered if s % keep_interval == 0}
+    return [s for s in ordered if s not in keep]
+
+
+def resolve_resume_step(run: RunDir, requested: Optional[int], parts: Sequence[str]) -> Optional[int]:
+    """The checkpoint step to load (None: start from the base model); `parts` are the
+    components whose markers make a step complete."""
+    if requested is None or requested == 0:
+        return None
+    complete = run.complete_checkpoint_steps(parts)
+    if requested in complete:
+        return requested
+    if requested == -1 and complete:
+        return complete[-1]
+    partial = sorted(set(run.checkpoint_steps(parts[0])) - set(complete))
+    what = f"complete checkpoints: {complete or 'none'}" + (f", incomplete: {partial}" if partial else "")
+    need = " and ".join(f"{p}/STABLE" for p in parts)
+    where = "no complete checkpoint" if requested == -1 else f"no complete checkpoint at step {requested}"
+    raise UserError(f"ckpt.step={requested}: {where} in {run.checkpoints_dir} (needs {need}); {what}")
+
+
+def rotate(run: RunDir, component: str, keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
+    """Apply `rotation` to `component`'s complete parts; a step directory goes once every
+    component has removed its part. Returns the steps whose part was removed."""
+    import shutil
+
+    from prime_hpc.rundir import is_stable
+
+    steps = [s for s in run.checkpoint_steps(component) if is_stable(run.checkpoint_part(s, component))]
+    gone = rotation(steps, keep_last, keep_interval)
+    for s in gone:
+        shutil.rmtree(run.checkpoint_part(s, component), ignore_errors=True)
+        try:
+            run.checkpoint_step(s).rmdir()
+        except OSError:
+            pass
+    return gone
