@@ -62,9 +62,9 @@ def cmd_submit(a: argparse.Namespace) -> int:
         launch.check_fresh(cfg, dry_run=a.dry_run)
     if a.dry_run:
         for _, cfg in composed:
-            run, _plan = launch.prepare(cfg, "rl", dry_run=True)
+            run, plan = launch.prepare(cfg, "run", dry_run=True)
             print(f"dry run: nothing submitted; wrote {run.config_yaml}, {run.configs_dir}/"
-                  f"{{orchestrator,trainer,inference}}.yaml, {run.sbatch_script}")
+                  f"{{{','.join(plan.group_names)}}}.yaml, {run.sbatch_script(plan.kind)}")
         return 0
     for point, cfg in composed:
         sub = launch.submit(cfg, point)

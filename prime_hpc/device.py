@@ -10,6 +10,7 @@ import os
 from typing import Any, Optional
 
 DEVICES = ("cpu", "cuda")
+CPUS_VAR = "PRIME_HPC_CPUS"  # the cores the launcher pinned a component to (when it did)
 
 
 def _check(device: str) -> str:
@@ -38,13 +39,28 @@ def torch_device(device: str, local_rank: int = 0) -> Any:
     return torch.device("cpu")
 
 
-def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads: Optional[int] = None) -> dict[str, str]:
-    """Environment variables the vLLM engine needs on this device (none on GPU)."""
+def core_count(cpu_ids: str) -> int:
+    """Number of cores in a list such as "0-3,8" (taskset/cpuset syntax)."""
+    n = 0
+    for part in cpu_ids.split(","):
+        lo, _, hi = part.strip().partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads: Optional[int] = None,
+                  cpu_ids: Optional[str] = None) -> dict[str, str]:
+    """Environment variables the vLLM engine needs on this device (none on GPU). On CPU,
+    `cpu_ids` (the cores the server is pinned to) become the engine's OpenMP binding, so
+    its compute threads stay on them instead of vLLM's own NUMA-based choice."""
     if _check(device) == "cuda":
         return {}
     env = {"VLLM_TARGET_DEVICE": "cpu"}
     if kvcache_space_gb is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kvcache_space_gb)
+    if cpu_ids:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_ids
+        threads = threads or core_count(cpu_ids)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env

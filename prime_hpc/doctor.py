@@ -196,7 +196,8 @@ class _HeadServer:
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("0.0.0.0", 0))
+        self.address = node_address()
+        self.sock.bind((self.address, 0))
         self.sock.listen(64)
         self.sock.settimeout(0.5)
         self.port = self.sock.getsockname()[1]
@@ -230,7 +231,7 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
     server = _HeadServer()
     run.beat("orchestrator", 0, phase="preflight")
     try:
-        atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": node_address(),
+        atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": server.address,
                                                "port": server.port})
         device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
         write_report(run, "orchestrator", 0, node_checks(run, "orchestrator", 0, device))

@@ -20,6 +20,7 @@ from prime_hpc.rundir import RunDir, atomic_write_json, read_json
 
 # job.json "state" values (SLURM's vocabulary where it has one)
 PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
+REQUEUED = "REQUEUED"  # an attempt ended (time limit, preemption, requeue); the next one is queued
 FINAL_STATES = {COMPLETED, FAILED, CANCELLED, "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
                 "DEADLINE"}
 
@@ -88,6 +89,11 @@ def git_sha(path: Path) -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def job_groups(job: dict[str, Any]) -> list[str]:
+    """The groups a recorded job runs (in het-group order)."""
+    return list(job.get("groups") or ("orchestrator", "inference", "trainer"))
+
+
 # ----------------------------------------------------------------------------- index
 @dataclass
 class JobRef:
@@ -96,7 +102,8 @@ class JobRef:
     output_dir: str
     backend: str
     submitted_at: float
-    mode: str = "rl"
+    mode: str = "run"  # run | doctor
+    kind: str = "rl"  # rl | sft
 
     @property
     def run(self) -> RunDir:
@@ -134,7 +141,7 @@ def resolve(name: str) -> JobRef:
         ids = job.get("job_ids") or ["?"]
         return JobRef(job_id=str(ids[-1]), name=job.get("name", path.name), output_dir=str(RunDir(path).root),
                       backend=job.get("backend", "?"), submitted_at=job.get("submitted_at", 0),
-                      mode=job.get("mode", "rl"))
+                      mode=job.get("mode", "run"), kind=job.get("kind", "rl"))
     refs = recent()
     for ref in refs:
         if ref.job_id == name or ref.job_id.split("_")[0] == name:

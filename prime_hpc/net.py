@@ -1,11 +1,17 @@
-"""Addresses and ports of this node. Servers bind to the node's own address on a port the
+"""Addresses and ports of this node. Servers bind to the node's address on a port the
 kernel picks (several "nodes" may share one host), and publish address:port in the run
-directory; nothing assumes localhost or a fixed free port."""
+directory; nothing assumes a fixed free port.
+
+Which address: `cluster.address` when the run sets one (`127.0.0.1` for `cluster=local`
+and `cluster=dev`, where every "node" is this machine: then every socket of the run binds
+to and talks over loopback), else the node's own routable address (real clusters). The
+launcher exports the run's choice to every component (`one_host_env`)."""
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
+from typing import Optional
 
 ADDRESS_VAR = "PRIME_HPC_NODE_ADDRESS"  # override when the heuristics pick the wrong interface
 
@@ -17,13 +23,21 @@ def _routable(addr: str) -> bool:
         return False
 
 
-def node_address() -> str:
-    """An IPv4 address of this node that other nodes can reach.
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
 
-    `$PRIME_HPC_NODE_ADDRESS` if set; else what the hostname resolves to unless that is a
+
+def node_address(configured: Optional[str] = None) -> str:
+    """The IPv4 address this node's servers bind to and publish.
+
+    `configured` (the run's `cluster.address`) if given; else `$PRIME_HPC_NODE_ADDRESS`
+    if set; else what the hostname resolves to unless that is a
     loopback address (Debian maps the hostname to 127.0.1.1); else the address of the
     interface that routes outwards (a UDP connect sends no packet); else 127.0.0.1."""
-    forced = os.environ.get(ADDRESS_VAR)
+    forced = configured or os.environ.get(ADDRESS_VAR)
     if forced:
         return forced
     try:
@@ -42,6 +56,18 @@ def node_address() -> str:
         except OSError:
             continue
     return "127.0.0.1"
+
+
+def address_env(address: Optional[str]) -> dict[str, str]:
+    """Environment that makes every component of a run use `address` (nothing when the
+    run uses each node's own address). On loopback the collective libraries are kept on
+    the loopback interface too (they otherwise pick the interface the hostname maps to)."""
+    if not address:
+        return {}
+    env = {ADDRESS_VAR: address}
+    if is_loopback(address):
+        env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+    return env
 
 
 def bound_socket(host: str) -> socket.socket:

@@ -111,10 +111,10 @@ def mark_stable(directory: os.PathLike | str, info: Optional[dict] = None) -> Pa
 
 def is_stable(directory: os.PathLike | str) -> bool:
     directory = Path(directory)
-    return _exists_fresh(directory / STABLE)
+    return exists_fresh(directory / STABLE)
 
 
-def _exists_fresh(path: Path) -> bool:
+def exists_fresh(path: Path) -> bool:
     """Existence check that does not trust a cached negative lookup on NFS: list the
     parent directory (forces a readdir round-trip) rather than stat the name."""
     try:
@@ -181,6 +181,26 @@ def wait_for(
         delay = min(poll_max_s, delay * 1.5)
 
 
+def truncate_jsonl(path: os.PathLike | str, keep: Callable[[dict], bool]) -> bool:
+    """Rewrite a JSON-lines file (atomically) with only the rows `keep` accepts; torn or
+    foreign lines go too. True if anything was dropped."""
+    path = Path(path)
+    kept, dropped = [], False
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            ok = isinstance(row, dict) and keep(row)
+        except (ValueError, TypeError):
+            ok = False
+        if ok:
+            kept.append(line)
+        else:
+            dropped = True
+    if dropped:
+        atomic_write_text(path, "".join(f"{ln}\n" for ln in kept))
+    return dropped
+
+
 def staging_dir(final: os.PathLike | str) -> Path:
     """A fresh temp directory next to `final` (same filesystem) to build it in, named so
     readers ignore it; hand it to `publish_dir` when everything is written."""
@@ -218,7 +238,7 @@ def wait_file(path: os.PathLike | str, **kwargs: Any) -> Path:
     """Wait until the (atomically written) file `path` exists; see `wait_for`."""
     path = Path(path)
     kwargs.setdefault("what", str(path))
-    return wait_for(lambda: path if _exists_fresh(path) else None, **kwargs)
+    return wait_for(lambda: path if exists_fresh(path) else None, **kwargs)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -268,13 +288,12 @@ class RunDir:
     def submit_dir(self) -> Path:
         return self.root / "submit"
 
-    @property
-    def sbatch_script(self) -> Path:
-        return self.submit_dir / "rl.sbatch"
+    def sbatch_script(self, kind: str = "rl") -> Path:
+        """`submit/<kind>.sbatch` (kind: rl | sft), the rendered SLURM script."""
+        return self.submit_dir / f"{kind}.sbatch"
 
-    @property
-    def local_script(self) -> Path:
-        return self.submit_dir / "rl.local.sh"
+    def local_script(self, kind: str = "rl") -> Path:
+        return self.submit_dir / f"{kind}.local.sh"
 
     @property
     def submitit_dir(self) -> Path:
@@ -298,6 +317,24 @@ class RunDir:
     @property
     def router_endpoint(self) -> Path:
         return self.endpoints_dir / "router.json"
+
+    @property
+    def control_dir(self) -> Path:
+        """Requests from the job's supervisor to the components of the current attempt."""
+        return self.root / "control"
+
+    @property
+    def checkpoint_request(self) -> Path:
+        """`control/checkpoint.json` {"reason", "requested_at"}: the supervisor asks the
+        trainer and the orchestrator to checkpoint the step they are at and exit (time
+        limit, preemption, requeue)."""
+        return self.control_dir / "checkpoint.json"
+
+    @property
+    def checkpoint_answer(self) -> Path:
+        """`control/checkpointed.json` {"step"}: the trainer's answer, the step it saved
+        (the orchestrator then saves its own part of that step)."""
+        return self.control_dir / "checkpointed.json"
 
     @property
     def heartbeats_dir(self) -> Path:
@@ -481,24 +518,30 @@ class RunDir:
     def is_fresh(self) -> bool:
         """True when no run ever started here: the directory is missing, empty, or holds
         only what `--dry-run` and `doctor` write (never a job.json)."""
-        launch_only = {"config.yaml", "configs", "submit", "doctor", ".job.json.lock"}
+        launch_only = {"config.yaml", "configs", "submit", "doctor", "warmup", ".job.json.lock"}
         try:
             return all(e.name in launch_only for e in os.scandir(self.root))
         except FileNotFoundError:
             return True
 
     def clear_after(self, step: int) -> list[Path]:
-        """Remove rollouts/weights/checkpoints of steps > `step` (before a resume), so a
-        restarted run never consumes stale state. Returns what was removed."""
+        """Before a resume from `step` (0: from scratch): remove rollouts, weights and
+        checkpoints of later steps, `rollouts/DONE` and the control requests, and drop the
+        metrics rows of later steps, so a restarted run never consumes stale state and its
+        metrics hold each step once. Returns what was removed or rewritten."""
         removed = []
-        if self.rollouts_done.exists():
-            self.rollouts_done.unlink()
-            removed.append(self.rollouts_done)
+        for marker in (self.rollouts_done, self.checkpoint_request, self.checkpoint_answer):
+            if marker.exists():
+                marker.unlink()
+                removed.append(marker)
         for parent in (self.rollouts_dir, self.weights_dir, self.checkpoints_dir):
             for s in _steps_in(parent, require_stable=False):
                 if s > step:
                     shutil.rmtree(_step_dir(parent, s), ignore_errors=True)
                     removed.append(_step_dir(parent, s))
+        for path in sorted(self.metrics_dir.glob("*.jsonl")) if self.metrics_dir.is_dir() else []:
+            if truncate_jsonl(path, lambda row: int(row.get("step", 0)) <= step):
+                removed.append(path)
         return removed
 
     def wipe(self) -> None:

@@ -211,6 +211,7 @@ def component_config(cfg: DictConfig, component: str) -> dict:
             run_level.pop(k)
         lora = cfg.trainer.model.lora
         run_level["nodes"] = int(cfg.cluster.inference.nodes)  # servers the router waits for
+        run_level["address"] = cfg.cluster.address  # bind/publish address (None: the node's own)
         run_level["gpus_per_node"] = int(cfg.cluster.inference.gpus_per_node)
         run_level["lora"] = {"enabled": bool(lora.enabled), "rank": int(lora.rank)}
     if component == "orchestrator":

@@ -133,6 +133,7 @@ class SamplingConfig:
 @dataclass
 class EvalConfig:
     interval: int = 100  # eval every N steps (0 = off)
+    at_start: bool = False  # also eval the base policy before the first step (logged as step 0)
     env: List[EnvEntry] = field(default_factory=list)
     num_examples: Optional[int] = None  # None = the whole eval set
     rollouts_per_example: int = 1
@@ -227,6 +228,8 @@ class GroupResources:
     cpus_per_task: int = 1
     mem_gb: Optional[float] = None  # None = the partition default
     nproc_per_node: Optional[int] = None  # trainer only: ranks per node (default gpus_per_node or 1)
+    cpu_ids: Optional[str] = None  # cores the group's tasks are pinned to, e.g. "0-3"; None = what the
+    # allocation binds (SLURM); "auto" = this group's share of this machine (one host: local, dev)
 
 
 @dataclass
@@ -242,6 +245,8 @@ class ClusterConfig:
     sbatch_extra: List[str] = field(default_factory=list)  # extra lines, each becomes "#SBATCH <line>"
     env_setup: List[str] = field(default_factory=list)  # shell lines run before any component
     python: Optional[str] = None  # interpreter on the nodes; None = the submitting one
+    address: Optional[str] = None  # what servers bind to and publish; None = each node's own address
+    # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
     signal_delay_s: int = 120  # SIGUSR2 this long before the time limit (requeue/checkpoint)
     orchestrator: GroupResources = field(default_factory=GroupResources)
     inference: GroupResources = field(default_factory=GroupResources)

@@ -71,7 +71,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except WaitTimeout as e:
         print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         return 1
-    host = node_address()
+    host = node_address(cfg.get("address"))
     port, metrics_port = free_port(host), free_port(host)
     argv_ = router_argv(router_binary(), host, port, metrics_port, [s["url"] for s in servers])
     print("prime-hpc router: " + " ".join(argv_), flush=True)

@@ -106,9 +106,10 @@ def engine_env(cfg: dict) -> dict[str, str]:
     """What the engine needs in its environment on this device (CPU: KV cache space and
     threads from the config, or from the CPUs SLURM gave this task)."""
     inf = cfg["inference"]
-    threads = inf.get("cpu_threads") or (int(os.environ["SLURM_CPUS_PER_TASK"])
+    cpu_ids = os.environ.get(devices.CPUS_VAR) or None  # the cores the launcher pinned this server to
+    threads = inf.get("cpu_threads") or (None if cpu_ids else int(os.environ["SLURM_CPUS_PER_TASK"])
                                          if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit() else None)
-    env = devices.inference_env(cfg.get("device", "cpu"), inf.get("cpu_kvcache_space_gb"), threads)
+    env = devices.inference_env(cfg.get("device", "cpu"), inf.get("cpu_kvcache_space_gb"), threads, cpu_ids)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
 
@@ -298,7 +299,7 @@ async def serve(cfg: dict, log: str) -> None:
     from prime_hpc.model import resolve_model
 
     model_path = resolve_model(cfg["model"]["name"], int(cfg["model"].get("seed", 0)))
-    host = node_address()
+    host = node_address(cfg.get("address"))
     server = Server(cfg, model_path, host)
     server.unpublish()
     argv = vllm_args(cfg, model_path, host)

@@ -1,11 +1,17 @@
-"""Runtime helpers the job script calls (light imports: runs once per attempt).
+"""Runtime helpers the job script calls (light imports: a few calls per attempt).
 
-  python -m prime_hpc.launcher.attempt start <output_dir> --job-id ID
-      new log tree logs/attempt_<k>/ (+ logs/latest), job.json state RUNNING; prints the path
-  python -m prime_hpc.launcher.attempt end <output_dir> --job-id ID --rc N [--component C] [--reason R]
-      job.json final state, and which component failed with the log to read
-  python -m prime_hpc.launcher.attempt rendezvous
-      prints <address>:<port> of this node with a port free here (torchrun c10d endpoint)
+  python -m prime_hpc.launcher.attempt <command> <output_dir> --job-id ID [options]
+
+  start       new log tree logs/attempt_<k>/ (+ logs/latest); on a restart (requeue) or a
+              resume, pick the checkpoint to continue from and clear what came after it;
+              job.json RUNNING; prints the log tree's path
+  end         --rc N [--component C] [--reason R] [--state S]: how the attempt ended
+  checkpoint  --reason R: ask the trainer and the orchestrator to checkpoint and exit
+  requeue     --reason R: record the attempt as ended by R and put the job back in the queue
+              (SLURM), unless cluster.max_requeues is reached
+  cause       print why the job is being stopped: CANCELLED, TIMEOUT, PREEMPTED or REQUEUED
+  wait-for    DIR: (local pipelines) wait until the run in DIR completed; fail otherwise
+  rendezvous  print <address>:<port> of this node with a port free there (torchrun c10d)
 """
 from __future__ import annotations
 
@@ -13,32 +19,98 @@ import argparse
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any, Optional
 
-from prime_hpc.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, editing_job
-from prime_hpc.rundir import RunDir
+from prime_hpc.errors import UserError
+from prime_hpc.jobs import (CANCELLED, COMPLETED, FAILED, FINAL_STATES, REQUEUED, RUNNING, editing_job, read_job)
+from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text
+
+STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
 
 
+# ----------------------------------------------------------------------------- start
 def start(run: RunDir, job_id: str) -> str:
+    job = read_job(run)
+    restarted = any(str(a.get("job_id")) == str(job_id) for a in job.get("attempts", []))
     k, logs = run.new_attempt()
-    # endpoints are per attempt: nobody may find a previous attempt's servers
-    shutil.rmtree(run.endpoints_dir, ignore_errors=True)
-    run.endpoints_dir.mkdir(parents=True, exist_ok=True)
+    # endpoints and requests are per attempt: nobody may find a previous attempt's servers
+    for d in (run.endpoints_dir, run.control_dir):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True, exist_ok=True)
+    groups = job.get("groups") or ["orchestrator", "inference", "trainer"]
     for sub in ("inference", "trainer", "envs"):
-        (logs / sub).mkdir(exist_ok=True)
+        if sub != "inference" or "inference" in groups:
+            (logs / sub).mkdir(exist_ok=True)
     # top-level names of the reference layout, pointing at node 0's stream
     for comp in ("trainer", "inference"):
-        os.symlink(os.path.join(comp, "node_0.log"), run.component_log(logs, comp))
+        if comp in groups:
+            os.symlink(os.path.join(comp, "node_0.log"), run.component_log(logs, comp))
+    try:
+        resumed_from = resume_point(run, restarted)
+    except UserError as e:
+        with editing_job(run) as job:
+            job.update(state=FAILED, ended_at=time.time(),
+                       failure={"component": None, "rc": 1, "reason": str(e), "log": str(logs)})
+        raise
     with editing_job(run) as job:
         job.update(state=RUNNING, attempt=k, failure=None, ended_at=None)
         job.setdefault("attempts", []).append(
             {"attempt": k, "job_id": job_id, "host": socket.gethostname(), "started_at": time.time(),
-             "logs": str(logs)})
+             "logs": str(logs), "resumed_from": resumed_from})
     return str(logs)
 
 
-def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = "") -> str:
+def _component_yaml(run: RunDir, component: str) -> Optional[dict]:
+    import yaml
+
+    path = run.component_config(component)
+    return yaml.safe_load(path.read_text()) if path.exists() else None
+
+
+def _set_resume_step(run: RunDir, step: Optional[int]) -> None:
+    """Write the step every component resumes from into its config (`ckpt.step`)."""
+    import yaml
+
+    for component in ("trainer", "orchestrator"):
+        cfg = _component_yaml(run, component)
+        if cfg is None:
+            continue
+        cfg.setdefault("ckpt", {})["step"] = step
+        atomic_write_text(run.component_config(component), yaml.safe_dump(cfg, sort_keys=False))
+
+
+def resume_point(run: RunDir, restarted: bool) -> Optional[int]:
+    """The step this attempt continues from (None: from the start). A restart of the same
+    job (requeue) continues from the latest complete checkpoint, or from scratch when there
+    is none; otherwise the configured `ckpt.step` (a resume) is honoured. Everything after
+    that step (rollouts, weights, checkpoints, metrics rows) is cleared first, and the
+    resolved step is written into the components' configs, so they agree on it."""
+    from prime_hpc.checkpoints import resolve_resume_step
+
+    trainer = _component_yaml(run, "trainer") or {}
+    parts = ("trainer",) if (trainer.get("trainer") or {}).get("type") == "sft" else CHECKPOINT_PARTS
+    requested = -1 if restarted else (trainer.get("ckpt") or {}).get("step")
+    if requested is None or requested == 0:
+        if restarted:
+            run.clear_after(0)
+        return None
+    if requested == -1 and restarted and not run.complete_checkpoint_steps(parts):
+        run.clear_after(0)  # requeued before the first checkpoint: start over
+        _set_resume_step(run, None)
+        return None
+    step = resolve_resume_step(run, int(requested), parts)
+    assert step is not None
+    run.clear_after(step)
+    _set_resume_step(run, step)
+    return step
+
+
+# ----------------------------------------------------------------------------- end
+def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = "", state: str = "") -> str:
     """Record how this attempt ended. A job that no longer owns the run directory (it was
     cancelled and the directory reused) records nothing; a cancel stays a cancel."""
     logs = run.latest_logs.resolve()
@@ -46,17 +118,26 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
         ids = [str(i) for i in job.get("job_ids", [])]
         if ids and ids[-1] != str(job_id):
             return f"prime-hpc: job {job_id} no longer owns {run.root}; nothing recorded"
-        job["ended_at"] = time.time()
-        if job.get("state") == CANCELLED:
+        now = time.time()
+        job["ended_at"] = now
+        if job.get("state") == CANCELLED or state == CANCELLED:
+            job["state"] = CANCELLED
+            _end_attempt(job, CANCELLED, reason or "cancelled")
             return f"prime-hpc: run cancelled; logs in {logs}"
-        job["state"] = COMPLETED if rc == 0 else FAILED
+        job["state"] = state or (COMPLETED if rc == 0 else FAILED)
         job["failure"] = None
         if rc != 0:
             log = component_log(logs, component) if component else logs
             job["failure"] = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
+        _end_attempt(job, job["state"], reason)
     if rc != 0:
         return f"prime-hpc: run failed: {(component + ' ') if component else ''}{reason}; see {job['failure']['log']}"
     return f"prime-hpc: run completed; logs in {logs}"
+
+
+def _end_attempt(job: dict, how: str, reason: str = "") -> None:
+    if job.get("attempts"):
+        job["attempts"][-1].update(ended_at=time.time(), end=how, reason=reason or None)
 
 
 def component_log(logs, component: str):
@@ -68,33 +149,159 @@ def component_log(logs, component: str):
     return RunDir.component_log(logs, component)
 
 
-def rendezvous() -> str:
-    """This node's address and a port that is free here right now."""
-    from prime_hpc.net import free_port
+# ----------------------------------------------------------------------------- stop and requeue
+def request_checkpoint(run: RunDir, reason: str) -> None:
+    atomic_write_json(run.checkpoint_request, {"reason": reason, "requested_at": time.time()})
+    with editing_job(run) as job:
+        if job.get("attempts"):
+            job["attempts"][-1]["stopping"] = reason
 
-    return f"{socket.gethostname()}:{free_port('')}"
+
+def max_requeues(run: RunDir) -> int:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(run.config_yaml.read_text()) or {}
+        return int((cfg.get("cluster") or {}).get("max_requeues", 0))
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
+def requeue(run: RunDir, job_id: str, reason: str) -> str:
+    """Record that this attempt ended because of `reason` and put the job back in the queue.
+    REQUEUED means SLURM already did (scontrol requeue, preemption in requeue mode); for a
+    time limit or a preemption that cancels, prime-hpc requeues the job itself, at most
+    `cluster.max_requeues` times over the run."""
+    limit = max_requeues(run)
+    with editing_job(run) as job:
+        _end_attempt(job, reason)
+        job["ended_at"] = time.time()
+        done = int(job.get("requeues", 0))
+        if reason == REQUEUED:
+            job["state"] = REQUEUED
+            return "prime-hpc: the job was requeued by SLURM; its next attempt continues from the latest checkpoint"
+        if done >= limit or str(job_id).startswith("local-"):
+            job["state"] = reason
+            why = f"cluster.max_requeues={limit} reached" if done >= limit else "local runs are not requeued"
+            job["failure"] = {"component": None, "rc": 0, "reason": f"{reason}: not requeued ({why}); continue "
+                              f"with: prime-hpc resume {run.root}", "log": str(run.latest_logs.resolve())}
+            return f"prime-hpc: {reason}; not requeued ({why})"
+        job["state"] = REQUEUED
+        job["requeues"] = done + 1
+    err = _scontrol_requeue(job_id)
+    if err:
+        with editing_job(run) as job:
+            job["state"] = reason
+            job["failure"] = {"component": None, "rc": 0, "reason": f"{reason}: requeue failed: {err}",
+                              "log": str(run.batch_log(job_id))}
+        return f"prime-hpc: {reason}; requeue failed: {err}"
+    return f"prime-hpc: {reason}; requeued (requeue {done + 1} of at most {limit})"
+
+
+def _scontrol_requeue(job_id: str) -> str:
+    """`scontrol requeue`, then release the job at once (SLURM holds a requeued job back
+    for a while by default). Returns an error message, or '' on success."""
+    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return (out.stderr or out.stdout).strip() or f"scontrol exited with code {out.returncode}"
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, text=True,
+                   timeout=60)
+    return ""
+
+
+def cause(run: RunDir, job_id: str) -> str:
+    """Why the job is being stopped, asked of SLURM: REQUEUED (its restart count went up:
+    `scontrol requeue` or a preemption that requeues), TIMEOUT, PREEMPTED, else CANCELLED."""
+    if str(job_id).startswith("local-") or read_job(run).get("state") == CANCELLED:
+        return CANCELLED
+    info = slurm_job_fields(job_id)
+    restarts = int(info.get("Restarts", "0") or 0)
+    if restarts > int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0):
+        return REQUEUED
+    state, why = info.get("JobState", ""), info.get("Reason", "")
+    if state == "TIMEOUT" or "TimeLimit" in why:
+        return "TIMEOUT"
+    if state == "PREEMPTED" or "Preempt" in why:
+        return "PREEMPTED"
+    return CANCELLED
+
+
+def slurm_job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol show job -o <id>` of the job (its first record: the het leader)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    first = out.splitlines()[0] if out.strip() else ""
+    return dict(f.split("=", 1) for f in first.split() if "=" in f)
+
+
+# ----------------------------------------------------------------------------- pipelines (local)
+def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0) -> int:
+    """Block until the run in `before` ended; 0 if it completed. Otherwise this job fails
+    without starting anything, naming the earlier job and its failure."""
+    from prime_hpc.launcher import local
+
+    while True:
+        state = local.state(before)
+        if state in FINAL_STATES:
+            break
+        time.sleep(poll_s)
+    if state == COMPLETED:
+        return 0
+    prior = read_job(before)
+    failure = prior.get("failure") or {}
+    where = failure.get("log") or before.latest_logs
+    with editing_job(run) as job:
+        job.update(state=FAILED, ended_at=time.time(), failure={
+            "component": None, "rc": 1, "log": str(where),
+            "reason": f"not started: {prior.get('name', before.root)} (job {(prior.get('job_ids') or ['?'])[-1]}), "
+                      f"which this run starts from, ended {state}"})
+    print(f"prime-hpc: not started: the run it continues from ended {state}; see {where}", file=sys.stderr)
+    return 1
+
+
+# ----------------------------------------------------------------------------- rendezvous
+def rendezvous() -> str:
+    """This node's address (the run's) and a port that is free there right now."""
+    from prime_hpc.net import free_port, node_address
+
+    host = node_address()
+    return f"{host}:{free_port(host)}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.attempt")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("start")
-    s.add_argument("output_dir")
-    s.add_argument("--job-id", default="")
-    e = sub.add_parser("end")
-    e.add_argument("output_dir")
-    e.add_argument("--job-id", required=True)
-    e.add_argument("--rc", type=int, required=True)
-    e.add_argument("--component", default="")
-    e.add_argument("--reason", default="")
-    sub.add_parser("rendezvous")
-    a = p.parse_args(argv)
-    if a.cmd == "start":
-        print(start(RunDir(a.output_dir), a.job_id))
-    elif a.cmd == "end":
-        print(end(RunDir(a.output_dir), a.job_id, a.rc, a.component, a.reason), file=sys.stderr)
-    else:
+    p.add_argument("cmd", choices=("start", "end", "checkpoint", "requeue", "cause", "wait-for", "rendezvous"))
+    p.add_argument("output_dir", nargs="?")
+    p.add_argument("--job-id", default="")
+    p.add_argument("--rc", type=int, default=0)
+    p.add_argument("--component", default="")
+    p.add_argument("--reason", default="")
+    p.add_argument("--state", default="")
+    p.add_argument("before", nargs="?", help="wait-for: the run directory this job starts after")
+    a = p.parse_intermixed_args(argv)
+    if a.cmd == "rendezvous":
         print(rendezvous())
+        return 0
+    run = RunDir(a.output_dir)
+    try:
+        if a.cmd == "start":
+            print(start(run, a.job_id))
+        elif a.cmd == "end":
+            print(end(run, a.job_id, a.rc, a.component, a.reason, a.state), file=sys.stderr)
+        elif a.cmd == "checkpoint":
+            request_checkpoint(run, a.reason)
+        elif a.cmd == "requeue":
+            print(requeue(run, a.job_id, a.reason), file=sys.stderr)
+        elif a.cmd == "cause":
+            print(cause(run, a.job_id))
+        elif a.cmd == "wait-for":
+            return wait_for(run, a.job_id, RunDir(a.before))
+    except UserError as e:
+        print(f"prime-hpc: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,7 +17,7 @@ def _exit_on_term(signum: int, frame: object) -> None:
 
 @dataclass
 class HeadTask:
-    mode: str  # rl | doctor
+    mode: str  # run | doctor
     output_dir: str
     expected: dict[str, int] = field(default_factory=dict)  # doctor: reports to wait for, per group
 
@@ -47,7 +47,7 @@ class HeadTask:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.head")
-    p.add_argument("mode", choices=("rl", "doctor"))
+    p.add_argument("mode", choices=("run", "doctor"))
     p.add_argument("output_dir")
     p.add_argument("--expect", action="append", default=[], help="group=N reports to wait for (doctor)")
     a = p.parse_args(argv)

@@ -14,7 +14,7 @@ from prime_hpc.config.compose import to_yaml, write_component_config
 from prime_hpc.config.validate import validate
 from prime_hpc.errors import ConfigError, LaunchError
 from prime_hpc.launcher.head import HeadTask
-from prime_hpc.launcher.plan import GROUP_NAMES, Plan, make_plan
+from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
 from prime_hpc.rundir import RunDir, atomic_write_text
 
@@ -69,20 +69,23 @@ def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) ->
 
 
 def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
-    """config.yaml, configs/<component>.yaml and submit/rl.sbatch."""
+    """config.yaml, configs/<component>.yaml (the components the job runs) and
+    submit/<kind>.sbatch."""
     atomic_write_text(run.config_yaml, to_yaml(cfg))
-    for component in GROUP_NAMES:
-        write_component_config(cfg, component)
-    atomic_write_text(run.sbatch_script, render_sbatch(plan))
+    for component in plan.group_names:
+        if component != "orchestrator" or plan.kind == "rl":
+            write_component_config(cfg, component)
+    atomic_write_text(run.sbatch_script(plan.kind), render_sbatch(plan))
 
 
-def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False,
-            extra_env: Optional[dict[str, str]] = None, dry_run: bool = False) -> tuple[RunDir, Plan]:
+def prepare(cfg: DictConfig, mode: str = "run", resume: bool = False,
+            extra_env: Optional[dict[str, str]] = None, dry_run: bool = False,
+            after: Optional[After] = None) -> tuple[RunDir, Plan]:
     """Validate and write everything a launch needs; returns the run dir used by the job
     (the run's own, or `<output_dir>/doctor/` for a preflight)."""
     validate(cfg)
     run = RunDir(cfg.output_dir)
-    if mode == "rl":
+    if mode == "run":
         check_fresh(cfg, resume, dry_run)
         if cfg.clean_output_dir and not resume and not dry_run:
             run.wipe()
@@ -92,19 +95,29 @@ def prepare(cfg: DictConfig, mode: str = "rl", resume: bool = False,
         cfg = cfg.copy()
         cfg.output_dir = str(run.root)
     plan = make_plan(cfg, mode)
+    plan.after = after
     plan.env.update(extra_env or {})
     write_launch_files(cfg, run, plan)
     return run, plan
 
 
 def expected_reports(plan: Plan) -> dict[str, int]:
+    """The preflight reports the head waits for, per group."""
+    out: dict[str, int] = {}
     inf, tr = plan.group("inference"), plan.group("trainer")
-    return {"inference": inf.nodes, "router": 1, "trainer": tr.nodes * plan.trainer.nproc_per_node}
+    if inf is not None:
+        out.update(inference=inf.nodes, router=1)
+    if tr is not None:
+        out["trainer"] = tr.nodes * plan.trainer.nproc_per_node
+    return out
 
 
-def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: bool = False,
-           extra_env: Optional[dict[str, str]] = None) -> Submitted:
-    run, plan = prepare(cfg, mode, resume, extra_env)
+def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume: bool = False,
+           extra_env: Optional[dict[str, str]] = None, after: Optional[After] = None,
+           pipeline: Optional[dict] = None) -> Submitted:
+    """Submit one job. `after`: a job it starts after, only if that one completed (the
+    warm-up of a pipeline); `pipeline`: recorded in job.json to tie the jobs together."""
+    run, plan = prepare(cfg, mode, resume, extra_env, after=after)
     task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
     prior = jobs.read_job(run) if resume else {}
     now = time.time()
@@ -113,6 +126,9 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
         run,
         name=plan.name,
         mode=mode,
+        kind=plan.kind,
+        groups=plan.group_names,
+        pipeline=pipeline if pipeline is not None else prior.get("pipeline"),
         backend=plan.backend,
         output_dir=str(run.root),
         overrides=[*prior.get("overrides", []), list(overrides)],
@@ -142,7 +158,7 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "rl", resume: 
         raise
     jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **proc)
     ref = jobs.JobRef(job_id=job_id, name=plan.name, output_dir=str(run.root), backend=plan.backend,
-                      submitted_at=now, mode=mode)
+                      submitted_at=now, mode=mode, kind=plan.kind)
     jobs.record(ref)
     return Submitted(ref=ref, plan=plan, job=job_obj)
 
@@ -160,15 +176,16 @@ def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 2.0) -> str:
 
 
 def group_states(ref: jobs.JobRef) -> dict[str, str]:
-    """State of each het group (SLURM), or of the local run as a whole."""
+    """State of each group of the job (SLURM), or of the local run as a whole."""
+    groups = jobs.job_groups(jobs.read_job(ref.run))
     if ref.backend == "slurm":
         from prime_hpc.launcher import slurm
 
-        return slurm.job(ref.job_id, str(ref.run.submitit_dir)).group_states(mode="force")
+        return slurm.job(ref.job_id, str(ref.run.submitit_dir), groups).group_states(mode="force")
     from prime_hpc.launcher import local
 
     st = local.state(ref.run)
-    return {g: st for g in GROUP_NAMES}
+    return {g: st for g in groups}
 
 
 def job_state(ref: jobs.JobRef) -> str:
@@ -186,13 +203,19 @@ def cancel(ref: jobs.JobRef) -> bool:
     had already ended."""
     if job_state(ref) in jobs.FINAL_STATES:
         return False
-    if ref.backend == "slurm":
-        from prime_hpc.launcher import slurm
-
-        slurm.cancel(ref.job_id)
-    else:
-        from prime_hpc.launcher import local
-
-        local.cancel(ref.run)
+    # recorded first: the job's supervisor reads it to tell a cancel from a requeue
+    prior = jobs.read_job(ref.run).get("state")
     jobs.update_job(ref.run, state=jobs.CANCELLED, cancelled_at=time.time())
+    try:
+        if ref.backend == "slurm":
+            from prime_hpc.launcher import slurm
+
+            slurm.cancel(ref.job_id)
+        else:
+            from prime_hpc.launcher import local
+
+            local.cancel(ref.run)
+    except BaseException:
+        jobs.update_job(ref.run, state=prior)
+        raise
     return True

@@ -20,10 +20,11 @@ def submit(plan: Plan, task: Any) -> tuple[str, dict]:
     run = plan.run
     job_id = f"local-{secrets.token_hex(4)}"
     plan.head_argv = task.argv(plan.python)
-    atomic_write_text(run.local_script, render_local(plan, job_id))
+    script = run.local_script(plan.kind)
+    atomic_write_text(script, render_local(plan, job_id))
     with open(run.submit_dir / "local.out", "ab") as out:
         proc = subprocess.Popen(
-            ["bash", str(run.local_script)],
+            ["bash", str(script)],
             cwd=run.root,
             stdin=subprocess.DEVNULL,
             stdout=out,

@@ -13,9 +13,11 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from prime_hpc.device import CPUS_VAR, core_count
+from prime_hpc.net import address_env
 from prime_hpc.rundir import COMPONENTS, RunDir
 
-MODES = ("rl", "doctor")
+MODES = ("run", "doctor")
 GROUP_NAMES = COMPONENTS  # het group k runs GROUP_NAMES[k]
 
 
@@ -29,6 +31,14 @@ class GroupPlan:
     mem_gb: Optional[float]
     argv: list[str]  # what each node runs (trainer: the module argv torchrun starts per rank)
     service: bool = False  # runs until told to stop (inference); the others must finish
+    cpu_ids: Optional[str] = None  # cores its tasks are pinned to (taskset); None = the allocation's
+    env: dict[str, str] = field(default_factory=dict)  # this group's own environment (threads, cores)
+
+    @property
+    def prefix(self) -> list[str]:
+        """What goes before the group's command: its environment and core pinning."""
+        out = ["env", *(f"{k}={v}" for k, v in self.env.items())] if self.env else []
+        return out + (["taskset", "-c", self.cpu_ids] if self.cpu_ids else [])
 
 
 @dataclass
@@ -39,8 +49,16 @@ class TrainerLaunch:
 
 
 @dataclass
+class After:
+    """A job this one starts after, and only if it completed (SLURM afterok)."""
+    job_id: str
+    output_dir: str
+
+
+@dataclass
 class Plan:
-    mode: str  # rl | doctor
+    mode: str  # run | doctor
+    kind: str  # rl | sft (trainer.type): what the job trains
     name: str  # the run's name (a preflight: "<name>-doctor"); job_name is its SLURM-safe form
     job_name: str
     output_dir: str
@@ -59,6 +77,8 @@ class Plan:
     exclude: Optional[str] = None
     sbatch_extra: list[str] = field(default_factory=list)
     signal_delay_s: int = 120
+    after: Optional[After] = None  # start only once this job completed (a pipeline's warm-up)
+    address: Optional[str] = None  # cluster.address: every node's bind/publish address (None: its own)
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server
 
@@ -66,8 +86,18 @@ class Plan:
     def run(self) -> RunDir:
         return RunDir(self.output_dir)
 
-    def group(self, name: str) -> GroupPlan:
-        return next(g for g in self.groups if g.name == name)
+    def group(self, name: str) -> Optional[GroupPlan]:
+        """The plan of group `name`, None when the job does not run it (SFT: no inference)."""
+        return next((g for g in self.groups if g.name == name), None)
+
+    @property
+    def group_names(self) -> list[str]:
+        return [g.name for g in self.groups]
+
+    @property
+    def het(self) -> bool:
+        """A heterogeneous job (several groups); one group is a plain job."""
+        return len(self.groups) > 1
 
 
 def slurm_job_name(name: str) -> str:
@@ -86,20 +116,74 @@ def trainer_ranks(cfg: DictConfig) -> int:
     return int(cfg.cluster.trainer.nodes) * trainer_nproc_per_node(cfg)
 
 
+def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:
+    """The components a job runs, in het-group order: an RL run all three; an SFT run only
+    the trainer (a plain job, not a het job); a preflight the run's groups plus the head
+    that collects the reports."""
+    if cfg.trainer.type == "sft":
+        return ["orchestrator", "trainer"] if mode == "doctor" else ["trainer"]
+    return list(COMPONENTS)
+
+
+def machine_cores() -> list[int]:
+    """The cores this process may run on (what `cpu_ids: auto` splits)."""
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
+def one_host_cores(cores: list[int], groups: list[str]) -> dict[str, list[int]]:
+    """Each group's share of one machine's `cores` when every component runs on it. With
+    inference: the trainer gets the upper half (at least one core), inference the rest,
+    and the orchestrator (and the router), which mostly wait on I/O, share the inference
+    cores. Without inference (SFT) the trainer gets every core. With a single core
+    everything shares it (then async_level=0 lets training and generation alternate)."""
+    if len(cores) < 2 or "inference" not in groups:
+        return {name: list(cores) for name in groups}
+    split = len(cores) - len(cores) // 2
+    share = {"orchestrator": cores[:split], "inference": cores[:split], "trainer": cores[split:]}
+    return {name: share[name] for name in groups}
+
+
+def _id_list(cores: list[int]) -> str:
+    return ",".join(str(c) for c in cores)
+
+
+def group_cpus(cfg: DictConfig, groups: list[str], cores: Optional[list[int]] = None) -> dict[str, Optional[str]]:
+    """The core list each group is pinned to ("auto" resolved against `cores`, default
+    this machine's), or None where the allocation decides."""
+    wanted = {name: cfg.cluster[name].cpu_ids for name in groups}
+    auto = one_host_cores(cores if cores is not None else machine_cores(), groups) if "auto" in wanted.values() else {}
+    return {name: (_id_list(auto[name]) if v == "auto" else v) for name, v in wanted.items()}
+
+
+def group_env(name: str, cpu_ids: Optional[str], cpus_per_task: int, nproc_per_node: int) -> dict[str, str]:
+    """Threads per process from the cores the group has: its pinned cores, else the CPUs
+    SLURM gives each task; the trainer's are divided among its ranks on the node. The
+    orchestrator computes little and gets one thread."""
+    cores = core_count(cpu_ids) if cpu_ids else cpus_per_task
+    threads = 1 if name == "orchestrator" else max(1, cores // (nproc_per_node if name == "trainer" else 1))
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if cpu_ids:
+        env[CPUS_VAR] = cpu_ids
+    return env
+
+
 def _argv(python: str, module: str, *args: str) -> list[str]:
     return [python, "-u", "-m", module, *args]
 
 
-def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -> Plan:
-    """The placement of one run (`mode=rl`) or of its preflight (`mode=doctor`)."""
+def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
+              cores: Optional[list[int]] = None) -> Plan:
+    """The placement of one run (`mode=run`) or of its preflight (`mode=doctor`);
+    `cores`: this machine's cores for `cpu_ids: auto` (default: what this process may use)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")
     c = cfg.cluster
     run = RunDir(cfg.output_dir)
     py = python or c.python or sys.executable
-    res = {"orchestrator": c.orchestrator, "inference": c.inference, "trainer": c.trainer}
     out = str(run.root)
-    if mode == "rl":
+    if mode == "run":
         argv = {
             "orchestrator": [],  # the head task: set by the backend (submitit or local)
             "inference": _argv(py, "prime_hpc.inference", "--config", str(run.component_config("inference"))),
@@ -117,9 +201,12 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
         router = _argv(py, "prime_hpc.doctor", "node", "--group", "router", "--output-dir", out)
         trainer_module = "prime_hpc.doctor"
         trainer_args = ["node", "--group", "trainer", "--output-dir", out]
+    nproc = trainer_nproc_per_node(cfg)
+    names = job_groups(cfg, mode)
+    cpus = group_cpus(cfg, names, cores)
     groups = []
-    for i, name in enumerate(GROUP_NAMES):
-        r = res[name]
+    for i, name in enumerate(names):
+        r = c[name]
         groups.append(
             GroupPlan(
                 index=i,
@@ -129,22 +216,23 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
                 cpus_per_task=int(r.cpus_per_task),
                 mem_gb=r.mem_gb,
                 argv=argv[name],
-                service=(mode == "rl" and name == "inference"),
+                service=(mode == "run" and name == "inference"),
+                cpu_ids=cpus[name],
+                env=group_env(name, cpus[name], int(r.cpus_per_task), nproc),
             )
         )
-    nproc = trainer_nproc_per_node(cfg)
     env = {
         "PRIME_HPC_OUTPUT_DIR": out,
         "PRIME_HPC_DEVICE": c.device,
         "PYTHONUNBUFFERED": "1",
     }
-    if c.device == "cpu":
-        env["VLLM_TARGET_DEVICE"] = "cpu"
+    env.update(address_env(c.address))
     if c.backend == "slurm":
         env["SUBMITIT_EXECUTOR"] = "slurm"  # the head task runs under submitit's job environment
-    name = cfg.name if mode == "rl" else f"{cfg.name}-doctor"
+    name = cfg.name if mode == "run" else f"{cfg.name}-doctor"
     return Plan(
         mode=mode,
+        kind=str(cfg.trainer.type),
         name=name,
         job_name=slurm_job_name(name),
         output_dir=out,
@@ -163,6 +251,7 @@ def make_plan(cfg: DictConfig, mode: str = "rl", python: Optional[str] = None) -
         exclude=c.exclude,
         sbatch_extra=list(c.sbatch_extra),
         signal_delay_s=int(c.signal_delay_s),
+        address=c.address,
         router_argv=router,
         # submitit runs the pickled head task from its folder (the SLURM path)
         head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),

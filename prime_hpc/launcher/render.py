@@ -45,12 +45,23 @@ def _env():
     return env
 
 
+def checkpoint_budget_s(signal_delay_s: int) -> int:
+    """Of the warning SLURM gives before the time limit, how long the components get to
+    checkpoint and exit; the rest is left for stopping the services and requeueing."""
+    return max(10, int(signal_delay_s) - STOP_GRACE_S - 10)
+
+
+def _render(template: str, plan: Plan, **extra: object) -> str:
+    return _env().get_template(template).render(plan=plan, grace_s=STOP_GRACE_S,
+                                                checkpoint_budget_s=checkpoint_budget_s(plan.signal_delay_s), **extra)
+
+
 def render_sbatch(plan: Plan) -> str:
-    """The het-job batch script for `plan` (cluster=slurm)."""
+    """The batch script for `plan` (cluster=slurm): a het job, or a plain job for one group."""
     slurm_output = f"{plan.run.submitit_dir}/%j_batch.out"  # output_dir never holds '%' (validated)
-    return _env().get_template("rl.sbatch.j2").render(plan=plan, slurm_output=slurm_output, grace_s=STOP_GRACE_S)
+    return _render("run.sbatch.j2", plan, slurm_output=slurm_output)
 
 
 def render_local(plan: Plan, job_id: str) -> str:
-    """The same three components as local processes (cluster=local)."""
-    return _env().get_template("local.sh.j2").render(plan=plan, job_id=job_id, grace_s=STOP_GRACE_S)
+    """The same components as local processes (cluster=local)."""
+    return _render("run.local.sh.j2", plan, job_id=job_id)

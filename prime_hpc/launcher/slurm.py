@@ -59,23 +59,30 @@ def aggregate(states: list[str]) -> str:
 
 
 class HetSlurmJob(SlurmJob):
-    """A het job: state is the aggregate of its components `<id>+<k>`."""
+    """A job of a run: a het job, whose state is the aggregate of its components
+    `<id>+<k>`, or a plain job (one group, e.g. SFT) known as `<id>`."""
 
     watcher = SlurmInfoWatcher(delay_s=60)
-    num_groups = len(GROUP_NAMES)
+    groups: list[str] = list(GROUP_NAMES)  # the job's groups, in het-group order
+
+    def component_ids(self) -> list[str]:
+        if len(self.groups) == 1:
+            return [str(self.job_id)]
+        return [f"{self.job_id}+{k}" for k in range(len(self.groups))]
 
     def group_states(self, mode: str = "standard") -> dict[str, str]:
-        ids = [f"{self.job_id}+{k}" for k in range(self.num_groups)]
+        ids = self.component_ids()
         for i in ids:
             if i not in self.watcher._registered:
                 self.watcher.register_job(i)
         self.watcher.update_if_long_enough(mode)  # one sacct call for every component
         out = {}
-        for i, name in zip(ids, GROUP_NAMES):
+        for i, name in zip(ids, self.groups):
             info = self.watcher.get_info(i, mode="cache")
             out[name] = info.get("State") or "UNKNOWN"
         if all(s == "UNKNOWN" for s in out.values()):
-            out = {**out, **_squeue_states(self.job_id)}
+            comps = squeue_components([str(self.job_id)]).get(str(self.job_id), {})
+            out.update({self.groups[k]: st for k, st in comps.items() if k < len(self.groups)})
         return out
 
     @property
@@ -88,7 +95,8 @@ class HetSlurmJob(SlurmJob):
 
 
 def _components(cmd: list[str]) -> dict[str, dict[int, str]]:
-    """{leader id: {het group index: state}} from squeue/sacct lines "<id>+<k>|<state>"."""
+    """{leader id: {het group index: state}} from squeue/sacct lines "<id>+<k>|<state>"
+    (a plain job's line "<id>|<state>" is its group 0)."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
@@ -99,6 +107,8 @@ def _components(cmd: list[str]) -> dict[str, dict[int, str]]:
         leader, plus, k = jid.partition("+")
         if plus and k.isdigit():
             found.setdefault(leader, {})[int(k)] = state
+        elif not plus and leader.isdigit():
+            found.setdefault(leader, {})[0] = state
     return found
 
 
@@ -109,20 +119,16 @@ def squeue_components(job_ids: list[str], finished_too: bool = False) -> dict[st
     return _components(cmd)
 
 
-def live_states(job_ids: list[str]) -> dict[str, str]:
-    """{job id: aggregated state}: squeue for what the controller still knows, sacct for
-    the rest, and only once it lists every het component (early on it shows one row)."""
+def live_states(groups: dict[str, int]) -> dict[str, str]:
+    """{job id: aggregated state} for {job id: number of groups}: squeue for what the
+    controller still knows, sacct for the rest, and only once it lists every component
+    (early on it shows one row)."""
+    job_ids = list(groups)
     found = squeue_components(job_ids, finished_too=True)
     rest = [j for j in job_ids if j not in found]
     if rest:
         found.update(_components(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)]))
-    return {j: aggregate(list(s.values())) for j, s in found.items() if len(s) >= len(GROUP_NAMES)}
-
-
-def _squeue_states(job_id: str) -> dict[str, str]:
-    """Component states from squeue (a job sacct does not know yet)."""
-    comps = squeue_components([job_id]).get(job_id, {})
-    return {GROUP_NAMES[k]: st for k, st in comps.items() if k < len(GROUP_NAMES)}
+    return {j: aggregate(list(s.values())) for j, s in found.items() if j in groups and len(s) >= groups[j]}
 
 
 class HetSlurmExecutor(submitit.SlurmExecutor):
@@ -154,11 +160,14 @@ def submit(plan: Plan, task: Any) -> HetSlurmJob:
     except (submitit.core.utils.FailedSubmissionError, submitit.core.utils.FailedJobError) as e:
         detail = " ".join(str(e).split())
         raise LaunchError(f"sbatch refused the job: {detail[-400:]}") from None
+    job.groups = plan.group_names  # type: ignore[attr-defined]
     return job  # type: ignore[return-value]
 
 
-def job(job_id: str, plan_folder: str) -> HetSlurmJob:
-    return HetSlurmJob(folder=plan_folder, job_id=job_id, tasks=[0])
+def job(job_id: str, plan_folder: str, groups: Optional[list[str]] = None) -> HetSlurmJob:
+    j = HetSlurmJob(folder=plan_folder, job_id=job_id, tasks=[0])
+    j.groups = list(groups or GROUP_NAMES)
+    return j
 
 
 def cancel(job_id: str) -> None:

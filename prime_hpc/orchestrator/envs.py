@@ -147,13 +147,16 @@ class EnvSlot:
 
 class EnvSampler:
     """Picks an env by `ratio`, then the env's next task (a seeded shuffle per epoch).
-    Its state is plain JSON (checkpointed with the orchestrator)."""
+    With `epochs`, an env stops being picked once it has served every task that many
+    times, and `next()` returns None when all have. Its state is plain JSON
+    (checkpointed with the orchestrator)."""
 
-    def __init__(self, slots: list[EnvSlot], seed: int) -> None:
+    def __init__(self, slots: list[EnvSlot], seed: int, epochs: Optional[int] = None) -> None:
         if not slots:
             raise UserError("orchestrator.env is empty: list at least one environment")
         self.slots = slots
         self.seed = seed
+        self.epochs = epochs
         self.rng = random.Random(seed)
         self.weights = [float(s.entry.get("ratio", 1.0)) for s in slots]
         for s in slots:
@@ -166,8 +169,17 @@ class EnvSampler:
         random.Random(f"{self.seed}:{s.name}:{s.epoch}").shuffle(s.order)
         s.cursor = 0
 
-    def next(self) -> tuple[EnvSlot, dict]:
-        s = self.rng.choices(self.slots, weights=self.weights, k=1)[0]
+    def _used_up(self, s: EnvSlot) -> bool:
+        return self.epochs is not None and s.epoch + 1 >= self.epochs and s.cursor >= len(s.order)
+
+    def exhausted(self) -> bool:
+        return all(self._used_up(s) for s in self.slots)
+
+    def next(self) -> Optional[tuple[EnvSlot, dict]]:
+        live = [(s, w) for s, w in zip(self.slots, self.weights) if not self._used_up(s)]
+        if not live:
+            return None
+        s = self.rng.choices([x for x, _ in live], weights=[w for _, w in live], k=1)[0]
         if s.cursor >= len(s.order):
             s.epoch += 1
             self._shuffle(s)

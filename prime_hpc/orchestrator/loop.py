@@ -16,6 +16,7 @@ import asyncio
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import Any, Optional
@@ -32,6 +33,18 @@ from prime_hpc.checkpoints import is_due, resolve_resume_step, rotate
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, mark_stable, read_json
 
 STATE_FILE = "state.json"
+SNAPSHOTS_KEPT = 32  # recent steps whose state is kept (the trainer is at most async_level behind)
+CHECKPOINT_WAIT_S = 120.0  # asked to checkpoint: how long to wait for the trainer's step
+
+
+@dataclass
+class StepFill:
+    """What filling one step collected."""
+    t0: float
+    t_wait: float = 0.0  # waiting for recent-enough weights
+    accepted: list = field(default_factory=list)  # groups (lists of rollouts) for the step
+    finished: list = field(default_factory=list)  # every judged rollout (for metrics)
+    counts: dict = field(default_factory=lambda: defaultdict(int))  # judged groups, and why dropped
 LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
 
 
@@ -76,6 +89,12 @@ class Orchestrator:
         self.log_router: Optional[envs_mod.EnvLogRouter] = None
         self.update_log: list[dict] = []  # (for tests and metrics) every relay update
         self._pending_eval: Optional[asyncio.Task] = None
+        self.inflight: set[asyncio.Task] = set()  # groups generating
+        self.carry: list[list[Rollout]] = []  # finished groups beyond the step being filled
+        self.snapshots: dict[int, dict] = {}  # step -> state right after writing it (for checkpoints)
+        self.relay_task: Any = None
+        self.stop: Any = None  # prime_hpc.stopping.Stop, installed by main()
+        self.stop_code: Optional[int] = None
 
     # ------------------------------------------------------------------ setup
     def load_envs(self, train: bool = True) -> None:
@@ -92,8 +111,9 @@ class Orchestrator:
                 ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(
                     n=self.o["eval"].get("num_examples") or -1)
                 into.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))
-        if train:
-            self.sampler = EnvSampler(self.slots, int(self.cfg.get("seed", 0)))  # refuses an empty list
+        if train:  # max_steps: null = until the train data is used once
+            epochs = 1 if self.max_steps is None else None
+            self.sampler = EnvSampler(self.slots, int(self.cfg.get("seed", 0)), epochs)  # refuses an empty list
         if self.logs is not None:
             files = {f"{kind}/{s.name}": self.run.env_log_dir(self.logs, kind, s.name) / "env_worker_0.log"
                      for kind, slots in (("train", self.slots), ("eval", self.eval_slots)) for s in slots}
@@ -112,11 +132,15 @@ class Orchestrator:
         return args
 
     # ------------------------------------------------------------------ checkpoint
+    def state(self, step: int) -> dict:
+        """What this component's checkpoint of `step` holds (taken right after writing it)."""
+        return {"step": step, "policy": self.policy, "totals": dict(self.totals), "sampler": self.sampler.state()}
+
     def save_checkpoint(self, step: int) -> None:
+        """`checkpoints/step_<n>/orchestrator/` from the snapshot taken when step n was written."""
         d = self.run.checkpoint_part(step, "orchestrator")
         d.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(d / STATE_FILE, {"step": step, "policy": self.policy, "totals": self.totals,
-                                           "sampler": self.sampler.state(), "saved_at": time.time()})
+        atomic_write_json(d / STATE_FILE, {**self.snapshots[step], "saved_at": time.time()})
         mark_stable(d, {"step": step})
         ckpt = self.cfg.get("ckpt") or {}
         rotate(self.run, "orchestrator", ckpt.get("keep_last"), ckpt.get("keep_interval"))
@@ -126,6 +150,7 @@ class Orchestrator:
         self.step = int(state["step"])
         self.totals = dict(state["totals"])
         self.sampler.load_state(state["sampler"])
+        self.snapshots[self.step] = self.state(self.step)
 
     # ------------------------------------------------------------------ generation
     async def generate_group(self, slot: EnvSlot, row: dict, client: Any, model: str, kind: str = "train",
@@ -211,6 +236,18 @@ class Orchestrator:
         logger.info(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
 
     # ------------------------------------------------------------------ the loop
+    def admission_limit(self, step: int, accepted: int, waiting: int) -> int:
+        """How many groups may be generating while step `step` is being filled: a group
+        started now (under policy p) can train steps up to p + async_level, so only as many
+        as those steps (not past `max_steps`) still need, minus the groups already accepted
+        or waiting to be judged; at most `max_concurrent / group_size`. Generating more
+        would only produce groups that turn stale before a step can use them."""
+        last = self.policy + self.k
+        if self.max_steps is not None:
+            last = min(last, int(self.max_steps))
+        need = (last - step + 1) * self.groups_per_step - accepted - waiting
+        return max(0, min(self.max_groups, need))
+
     def step_metrics(self, step: int, finished: list[Rollout], kept: list[Rollout], counts: dict,
                      t_step: float, t_wait: float) -> dict:
         m: dict = {}
@@ -234,6 +271,7 @@ class Orchestrator:
             "off_policy/lag/max": max(lags) if lags else 0,
             "off_policy/policy": self.policy,
             "off_policy/stale_groups": counts["stale"],
+            "off_policy/stale_share": counts["stale"] / max(counts["judged"], 1),
             "off_policy/spanning_rollouts": counts["spanning"],
             "filter/zero_variance_groups": counts["no reward variance"],
             "filter/invalid_groups": counts["too few valid rollouts"],
@@ -246,88 +284,169 @@ class Orchestrator:
         return m
 
     async def loop(self, start: int) -> None:
-        inflight: set[asyncio.Task] = set()
-        carry: list[list[Rollout]] = []
-        relay = asyncio.create_task(self.relay())
+        """Fill and write steps start+1 .. max_steps (or until the train data is used once
+        when max_steps is null), then write `rollouts/DONE`. Stops early, without DONE,
+        when asked to (`prime_hpc.stopping`): after checkpointing the trainer's step if
+        the supervisor wants a checkpoint."""
+        self.relay_task = asyncio.create_task(self.relay())
         step = start + 1
         try:
             while self.max_steps is None or step <= self.max_steps:
-                t0 = time.monotonic()
-                t_wait = 0.0
-                accepted: list[list[Rollout]] = []
-                finished: list[Rollout] = []
-                counts: dict = defaultdict(int)
-                pending = carry
-                carry = []
-                while len(accepted) < self.groups_per_step:
-                    if relay.done():
-                        relay.result()  # raises the relay's error
-                        raise RuntimeError("weight relay stopped")
-                    recent = self.policy >= step - self.k
-                    while recent and len(inflight) < self.max_groups:
-                        slot, row = self.sampler.next()
-                        self.totals["problems"] += 1
-                        inflight.add(asyncio.create_task(self.generate_group(slot, row, self.client, self.model)))
-                    if not pending:
-                        tw = time.monotonic()
-                        if inflight:
-                            done, inflight = await asyncio.wait(inflight, timeout=0.5,
-                                                                return_when=asyncio.FIRST_COMPLETED)
-                        else:
-                            done = set()
-                            await asyncio.sleep(0.05)
-                        if not recent:
-                            t_wait += time.monotonic() - tw
-                        pending = [d.result() for d in done]
-                    while pending:
-                        group = pending.pop(0)
-                        if len(accepted) >= self.groups_per_step:
-                            carry.append(group)
-                            continue
-                        finished += group
-                        v = judge_group(group, step, self.k, int(self.o["max_off_policy_steps"]),
-                                        bool(self.o["online_difficulty_filtering"]))
-                        counts["spanning"] += v.dropped_spanning
-                        if v.reason:
-                            counts[v.reason] += 1
-                            continue
-                        if self.o["training_mode"] == "opd":
-                            await self.add_teacher_logprobs(v.kept)
-                        accepted.append(v.kept)
-                    carry += pending
-                    pending = []
-                kept = [r for g in accepted for r in g]
-                samples = [r.to_sample() for r in kept]
-                per_rank = batch.shard(samples, int(self.cfg["trainer_ranks"]), int(self.cfg["micro_batch_size"]))
-                info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o["training_mode"],
-                        "temperature": float(self.o["sampling"]["temperature"])}
-                batch.write_step(self.run, step, per_rank, info)
-                self.step = step
-                self.totals["samples"] += len(samples)
-                self.totals["tokens"] += sum(len(s) for s in samples)
-                metrics = self.step_metrics(step, finished, kept, counts, time.monotonic() - t0, t_wait)
-                self.metrics.log(step, metrics)
-                self.run.beat("orchestrator", 0, step=step, policy=self.policy)
-                logger.info(f"step {step}: {len(samples)} samples, reward {metrics.get('reward/all/mean', 0):.3f}, "
-                            f"policy {self.policy}, waited {t_wait:.2f}s for weights")
-                if is_due(step, step == self.max_steps, self.cfg.get("ckpt") or {}):
-                    self.save_checkpoint(step)
-                interval = int(self.o["eval"].get("interval") or 0)
-                if self.eval_slots and interval and step % interval == 0:
-                    if self._pending_eval is not None:
-                        await self._pending_eval
-                    self._pending_eval = asyncio.create_task(self._eval_and_log(step))
+                filled = await self.fill_step(step)
+                if filled is None:
+                    break
+                self.write_step(step, filled)
+                await self.after_step(step)
                 step += 1
+            if self.stop_code is not None:
+                await self.stop_now()
+                return
             if self._pending_eval is not None:
                 await self._pending_eval
+            atomic_write_json(self.run.rollouts_done, {"last_step": self.step})
+            logger.info(f"last step written: {self.step} ({self.run.rollouts_done})")
         finally:
-            relay.cancel()
-            for t in inflight:
+            self.relay_task.cancel()
+            for t in self.inflight:
                 t.cancel()
-            await asyncio.gather(relay, *inflight, return_exceptions=True)
+            await asyncio.gather(self.relay_task, *self.inflight, return_exceptions=True)
+
+    async def fill_step(self, step: int) -> Optional["StepFill"]:
+        """Collect `batch_size / group_size` accepted groups for `step`: keep generation
+        admitted up to `admission_limit`, judge finished groups in order (carrying over
+        those beyond this step). None when the data is used up or a stop is decided."""
+        fill = StepFill(t0=time.monotonic())
+        pending, self.carry = self.carry, []
+        while len(fill.accepted) < self.groups_per_step:
+            self.check_relay()
+            if await self.stop_decided():
+                return None
+            recent = self.policy >= step - self.k
+            self.admit(step, len(fill.accepted), len(pending) + len(self.carry))
+            if not pending:
+                if not self.inflight and self.sampler.exhausted():
+                    logger.info(f"the train data is used up; step {step} cannot be filled")
+                    return None
+                tw = time.monotonic()
+                pending = await self.next_finished()
+                if not recent:
+                    fill.t_wait += time.monotonic() - tw
+            while pending:
+                group = pending.pop(0)
+                if len(fill.accepted) >= self.groups_per_step:
+                    self.carry.append(group)
+                else:
+                    await self.judge(step, group, fill)
+            self.carry += pending
+            pending = []
+        return fill
+
+    def admit(self, step: int, accepted: int, waiting: int) -> None:
+        """Start new groups while the admission limit allows and there is data."""
+        while len(self.inflight) < self.admission_limit(step, accepted, waiting):
+            picked = self.sampler.next()
+            if picked is None:
+                return
+            slot, row = picked
+            self.totals["problems"] += 1
+            self.inflight.add(asyncio.create_task(self.generate_group(slot, row, self.client, self.model)))
+
+    async def next_finished(self) -> list[list[Rollout]]:
+        """The groups that finish next (waits at most 0.5 s)."""
+        if not self.inflight:
+            await asyncio.sleep(0.05)
+            return []
+        done, self.inflight = await asyncio.wait(self.inflight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        return [d.result() for d in done]
+
+    async def judge(self, step: int, group: list[Rollout], fill: "StepFill") -> None:
+        """Accept a finished group for `step`, or count why it is dropped."""
+        fill.finished += group
+        fill.counts["judged"] += 1
+        v = judge_group(group, step, self.k, int(self.o["max_off_policy_steps"]),
+                        bool(self.o["online_difficulty_filtering"]))
+        fill.counts["spanning"] += v.dropped_spanning
+        if v.reason:
+            fill.counts[v.reason] += 1
+            return
+        if self.o["training_mode"] == "opd":
+            await self.add_teacher_logprobs(v.kept)
+        fill.accepted.append(v.kept)
+
+    def write_step(self, step: int, fill: "StepFill") -> None:
+        """`rollouts/step_<n>/` (one file per trainer rank), totals, metrics, heartbeat,
+        and the snapshot of this step's state (what a checkpoint of the step holds)."""
+        kept = [r for g in fill.accepted for r in g]
+        samples = [r.to_sample() for r in kept]
+        per_rank = batch.shard(samples, int(self.cfg["trainer_ranks"]), int(self.cfg["micro_batch_size"]))
+        info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o["training_mode"],
+                "temperature": float(self.o["sampling"]["temperature"])}
+        batch.write_step(self.run, step, per_rank, info)
+        self.step = step
+        self.totals["samples"] += len(samples)
+        self.totals["tokens"] += sum(len(s) for s in samples)
+        self.snapshots[step] = self.state(step)
+        for old in [k for k in self.snapshots if k <= step - SNAPSHOTS_KEPT]:
+            del self.snapshots[old]
+        metrics = self.step_metrics(step, fill.finished, kept, fill.counts, time.monotonic() - fill.t0, fill.t_wait)
+        self.metrics.log(step, metrics)
+        self.run.beat("orchestrator", 0, step=step, policy=self.policy)
+        logger.info(f"step {step}: {len(samples)} samples, reward {metrics.get('reward/all/mean', 0):.3f}, "
+                    f"policy {self.policy}, waited {fill.t_wait:.2f}s for weights")
+
+    async def after_step(self, step: int) -> None:
+        """Checkpoint when due; start the eval when due (in the background)."""
+        if is_due(step, step == self.max_steps, self.cfg.get("ckpt") or {}):
+            self.save_checkpoint(step)
+        interval = int(self.o["eval"].get("interval") or 0)
+        if self.eval_slots and interval and step % interval == 0:
+            if self._pending_eval is not None:
+                await self._pending_eval
+            self._pending_eval = asyncio.create_task(self._eval_and_log(step))
+
+    def check_relay(self) -> None:
+        if self.relay_task.done():
+            self.relay_task.result()  # raises the relay's error
+            raise RuntimeError("weight relay stopped")
+
+    async def stop_decided(self) -> bool:
+        """Whether to stop now (`self.stop_code` says how); waits briefly after a SIGTERM
+        for the supervisor's decision."""
+        from prime_hpc.stopping import CONTINUE
+
+        if self.stop is None or not self.stop.pending():
+            return False
+        code = await asyncio.to_thread(self.stop.decision)
+        if code == CONTINUE:
+            return False
+        self.stop_code = code
+        return True
+
+    async def stop_now(self) -> None:
+        """Asked to stop: on CHECKPOINT wait for the step the trainer saves and save this
+        component's part of it (from that step's snapshot)."""
+        from prime_hpc.stopping import CHECKPOINT, checkpointed_step
+
+        if self.stop_code != CHECKPOINT:
+            logger.info(f"stopping at step {self.step} (SIGTERM)")
+            return
+        deadline = time.monotonic() + CHECKPOINT_WAIT_S
+        saved = checkpointed_step(self.run)
+        while saved is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            saved = checkpointed_step(self.run)
+        if saved is None:
+            logger.warning(f"the trainer did not say which step it saved within {CHECKPOINT_WAIT_S:g}s; "
+                           f"the next attempt continues from the last complete checkpoint")
+        elif saved in self.snapshots:
+            self.save_checkpoint(saved)
+            logger.info(f"checkpointed step {saved} as asked ({self.stop.reason()}); stopping")
+        elif saved > 0:
+            logger.warning(f"no state kept for step {saved} (kept: {sorted(self.snapshots)}); not checkpointed")
 
     async def main(self) -> dict:
         from prime_hpc.metrics import MetricsLogger
+        from prime_hpc.stopping import Stop
 
         self.load_envs()
         want = (self.cfg.get("ckpt") or {}).get("step")
@@ -350,7 +469,10 @@ class Orchestrator:
                                      config=self.cfg)
         logger.info(f"orchestrator: {len(self.slots)} train env(s), {len(self.eval_slots)} eval env(s), "
                     f"router {ep.router}, {len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
+        self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
         try:
+            if start is None and self.eval_slots and self.o["eval"].get("at_start"):
+                await self._eval_and_log(0)  # the base policy, before any update
             await self.loop(start or 0)
         finally:
             self.metrics.close()

@@ -61,10 +61,10 @@ def all_reduce_sum(values: list[float] | torch.Tensor, env: DistEnv) -> torch.Te
     return t.cpu()
 
 
-def all_reduce_min(value: int, env: DistEnv) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=env.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+def all_reduce_max(values: list[int], env: DistEnv) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
 
 
 def barrier() -> None:

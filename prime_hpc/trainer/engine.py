@@ -55,12 +55,14 @@ class Engine:
 
     def forward(self, mb: dict, temperature: float = 1.0, with_entropy: bool = True):
         d = self.env.device
-        out = self.model(
-            input_ids=mb["input_ids"].to(d),
-            attention_mask=mb["attention_mask"].to(d).long() if "attention_mask" in mb else None,
-            position_ids=mb["position_ids"].to(d) if "position_ids" in mb else None,
-            use_cache=False,
-        )
+        dtype = self.policy.autocast_dtype
+        with torch.autocast(device_type=d.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            out = self.model(
+                input_ids=mb["input_ids"].to(d),
+                attention_mask=mb["attention_mask"].to(d).long() if "attention_mask" in mb else None,
+                position_ids=mb["position_ids"].to(d) if "position_ids" in mb else None,
+                use_cache=False,
+            )
         return token_logprobs(out.logits, mb["input_ids"].to(d), temperature, with_entropy)
 
     def _accumulate(self, micro_batches: list[dict], loss_fn: LossFn, temperature: float, train: bool) -> dict:
@@ -72,7 +74,7 @@ class Engine:
         n = len(micro_batches)
         for i, mb in enumerate(micro_batches):
             mb = {k: v.to(self.env.device) if torch.is_tensor(v) else v for k, v in mb.items()}
-            if train:
+            if train and self.policy.sharded:
                 self.model.set_requires_gradient_sync(i == n - 1)
             lp, ent = self.forward(mb, temperature)
             out = loss_fn(lp, mb, normalizer)

@@ -3,7 +3,9 @@ checkpointing, FSDP2 sharding, and export of step-tagged HF weights.
 
 Sharding: `fully_shard` on every decoder layer, then on the root (embeddings, final norm,
 lm_head), with `MixedPrecisionPolicy(param_dtype=optimization_dtype,
-reduce_dtype=reduce_dtype)`. Master weights and optimizer state stay float32. The same
+reduce_dtype=reduce_dtype)`. With a single rank there is nothing to shard: the model stays
+a plain module (FSDP's bookkeeping would only cost time) and `optimization_dtype` is
+applied with autocast instead. Master weights and optimizer state stay float32. The same
 code runs on CPU (gloo) and GPU (NCCL); only `prime_hpc.device` knows the difference.
 
 Weights layout (`weights/step_<n>/`, `STABLE` last), loadable with
@@ -49,13 +51,12 @@ class Policy:
     lora_scaling: Optional[float] = None
     lora_config: Optional[dict] = None
     lora_modules: list[str] = field(default_factory=list)
+    sharded: bool = True  # FSDP2 (several ranks); a single rank trains the plain module
+    autocast_dtype: Optional[torch.dtype] = None  # unsharded: the forward/backward dtype when not float32
 
     @property
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -152,11 +153,16 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
                                                   lc.rank, lc.alpha, lc.dropout, hit)
     layers = decoder_layers(model)
     apply_activation_checkpointing(layers, mcfg.ac.freq)
-    mp = MixedPrecisionPolicy(param_dtype=_dtype(mcfg.optimization_dtype), reduce_dtype=_dtype(mcfg.reduce_dtype))
     model.to(mesh.device_type)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if mesh.size() == 1:
+        pol.sharded = False
+        dtype = _dtype(mcfg.optimization_dtype)
+        pol.autocast_dtype = None if dtype == torch.float32 else dtype
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=_dtype(mcfg.optimization_dtype), reduce_dtype=_dtype(mcfg.reduce_dtype))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
     model.train()
     return pol
 

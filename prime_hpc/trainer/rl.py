@@ -39,22 +39,25 @@ def rollouts_done_before(run: RunDir, step: int) -> bool:
 
 
 def wait_for_rollouts(run: RunDir, step: int, timeout_s: float, producer_log: Any,
-                      on_wait: Optional[Callable[[], None]] = None, beat_every_s: float = 30.0) -> bool:
-    """Block until step `step`'s rollouts are complete (True) or the orchestrator is done
-    before it (False). `on_wait` is called every `beat_every_s` while waiting (heartbeat)."""
+                      on_wait: Optional[Callable[[], None]] = None, beat_every_s: float = 30.0,
+                      stop: Any = None) -> str:
+    """Block until step `step`'s rollouts are complete ("ready"), the orchestrator is done
+    before it ("done"), or something asks this trainer to stop ("stop"). `on_wait` is
+    called every `beat_every_s` while waiting (heartbeat)."""
     last = [time.monotonic()]
 
     def ready() -> Optional[str]:
         if is_stable(run.rollout_step(step)):
             return "ready"
+        if stop is not None and stop.pending():
+            return "stop"
         if on_wait is not None and time.monotonic() - last[0] >= beat_every_s:
             on_wait()
             last[0] = time.monotonic()
         return "done" if rollouts_done_before(run, step) else None
 
-    found = wait_for(ready, what=f"rollouts of step {step} ({run.rollout_step(step)}/STABLE)", timeout_s=timeout_s,
-                     producer="orchestrator", producer_log=producer_log)
-    return found == "ready"
+    return wait_for(ready, what=f"rollouts of step {step} ({run.rollout_step(step)}/STABLE)", timeout_s=timeout_s,
+                    producer="orchestrator", producer_log=producer_log)
 
 
 def make_loss_fn(loss_cfg: Any, step: int, mode: str = "rl"):
@@ -81,10 +84,12 @@ def train(cfg: TrainerRunConfig) -> None:
     from loguru import logger
 
     from prime_hpc import batch as rollout_batch
-    from prime_hpc.trainer.dist import all_reduce_min, barrier
+    from prime_hpc.stopping import CONTINUE, Stop
+    from prime_hpc.trainer.dist import barrier
 
     with runner.session(cfg, CHECKPOINT_PARTS) as s:
         run, env = s.run, s.env
+        stop = Stop(run)
         step = s.start_step
         progress = dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0}))
         producer_log = runner.orchestrator_log()
@@ -92,8 +97,12 @@ def train(cfg: TrainerRunConfig) -> None:
         while cfg.max_steps is None or step < cfg.max_steps:
             t0 = time.perf_counter()
             got = wait_for_rollouts(run, step + 1, cfg.trainer.rollout_timeout_s, producer_log,
-                                    on_wait=lambda: runner.beat(s, step, waiting_for=step + 1))
-            if not all_reduce_min(int(got), env):
+                                    on_wait=lambda: runner.beat(s, step, waiting_for=step + 1), stop=stop)
+            code, finished = runner.agreed_stop(s, stop, not_ready=got != "ready")
+            if code != CONTINUE:
+                runner.stop_here(s, step, code, {"progress": progress})
+                return
+            if finished:
                 logger.info(f"the orchestrator wrote its last rollouts before step {step + 1} ({run.rollouts_done})")
                 break
             step += 1

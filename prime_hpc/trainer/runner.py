@@ -178,6 +178,38 @@ def step_metrics(s: Session, result: Any, t_step: float, t_wait: float) -> dict[
     return out
 
 
+def agreed_stop(s: Session, stop: Any, not_ready: bool = False) -> tuple[int, bool]:
+    """What every rank does next, agreed over the process group (one small all-reduce):
+    the strongest stop decision of any rank (`prime_hpc.stopping`: CONTINUE, EXIT,
+    CHECKPOINT), and whether any rank found no more data (`not_ready`)."""
+    from prime_hpc import stopping
+    from prime_hpc.trainer.dist import all_reduce_max
+
+    code = stop.decision() if stop.pending() else stopping.CONTINUE
+    agreed = all_reduce_max([code, int(not_ready)], s.env)
+    return agreed[0], bool(agreed[1])
+
+
+def stop_here(s: Session, step: int, code: int, state: dict) -> None:
+    """Stop at `step` as agreed: on CHECKPOINT save it (unless it is saved already), then
+    tell the orchestrator which step that is (`control/checkpointed.json`)."""
+    from loguru import logger
+
+    from prime_hpc import stopping
+    from prime_hpc.rundir import atomic_write_json
+
+    if code == stopping.CHECKPOINT:
+        if step > s.start_step and step not in s.ckpt.requested:
+            s.ckpt.save(step, s.engine, state)
+        s.ckpt.wait()
+        if s.env.is_main:
+            atomic_write_json(s.run.checkpoint_answer, {"step": step})
+        logger.info(f"checkpointed step {step} as asked ({s.run.checkpoint_part(step, 'trainer')}); stopping")
+    else:
+        logger.info(f"stopping at step {step} (SIGTERM)")
+    beat(s, step, stopped=True)
+
+
 def beat(s: Session, step: int, **info: Any) -> None:
     s.run.beat("trainer", s.env.rank, step=step, **info)
 

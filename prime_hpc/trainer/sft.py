@@ -62,6 +62,7 @@ def train(cfg: TrainerRunConfig) -> None:
     from loguru import logger
 
     from prime_hpc.errors import UserError
+    from prime_hpc.stopping import CONTINUE, Stop
     from prime_hpc.trainer import sft_data
     from prime_hpc.trainer.model import load_tokenizer
 
@@ -88,7 +89,12 @@ def train(cfg: TrainerRunConfig) -> None:
         if val is not None and step == 0:
             _validate(s, 0, val)
         runner.beat(s, step)
+        stop = Stop(s.run)
         while (cfg.max_steps is None or step < cfg.max_steps) and not stream.exhausted():
+            code, _ = runner.agreed_stop(s, stop)
+            if code != CONTINUE:
+                runner.stop_here(s, step, code, {"progress": progress, "dataloader": stream.state()})
+                return
             t0 = time.perf_counter()
             rows, used = stream.next_rows(rows_per_rank * env.world_size)
             if not rows:

@@ -35,7 +35,7 @@ __all__ = [
     "make_sft_dataset",
 ]
 
-DEFAULT_SYSTEM_PROMPT = "Reverse the text character by character. Reply with the reversed text only."
+DEFAULT_SYSTEM_PROMPT = "Reverse the text."  # short: the prompt is most of every sample
 ALPHABET = string.ascii_lowercase
 
 

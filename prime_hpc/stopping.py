@@ -1,0 +1,75 @@
+"""How a component learns that it must stop, and whether to checkpoint first.
+
+Two sources:
+- SIGTERM: a cancel, or SLURM ending the job for a time limit, a preemption or a requeue
+  (every process of the job gets it at the same moment);
+- the supervisor's request `control/checkpoint.json` (run directory): written when SLURM
+  warns that the time limit is near, and right after a SIGTERM whose cause is a time
+  limit, a preemption or a requeue (the supervisor asks SLURM why).
+
+A component asks at its safe points (between steps, while waiting) and gets CONTINUE,
+CHECKPOINT (save the step you are at, then exit: the next attempt continues from there) or
+EXIT (stop now: a cancel). After a SIGTERM without a request, the answer waits up to
+`DECIDE_S` for one, the time the supervisor needs to ask SLURM. The codes are ordered so
+that data-parallel ranks agree by taking the maximum.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+from prime_hpc.rundir import RunDir, exists_fresh, read_json
+
+CONTINUE, EXIT, CHECKPOINT = 0, 1, 2
+DECIDE_S = 5.0  # after SIGTERM: how long to wait for the supervisor's checkpoint request
+
+
+class Stop:
+    def __init__(self, run: RunDir, handle_sigterm: bool = True) -> None:
+        self.run = run
+        self.terminated_at: Optional[float] = None
+        if handle_sigterm:
+            signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum: int, frame: object) -> None:
+        if self.terminated_at is None:
+            self.terminated_at = time.monotonic()
+
+    def requested(self) -> bool:
+        """Did the supervisor ask for a checkpoint?"""
+        return exists_fresh(self.run.checkpoint_request)
+
+    def pending(self) -> bool:
+        """Something asks this component to stop (decided or not yet)."""
+        return self.terminated_at is not None or self.requested()
+
+    def poll(self) -> int:
+        """The decision if there is one now (CONTINUE while a SIGTERM is undecided)."""
+        if self.requested():
+            return CHECKPOINT
+        if self.terminated_at is not None and time.monotonic() - self.terminated_at >= DECIDE_S:
+            return EXIT
+        return CONTINUE
+
+    def decision(self) -> int:
+        """CONTINUE, EXIT or CHECKPOINT; blocks at most `DECIDE_S` after a SIGTERM."""
+        while True:
+            got = self.poll()
+            if got != CONTINUE or self.terminated_at is None:
+                return got
+            time.sleep(0.1)
+
+    def reason(self) -> str:
+        try:
+            return str(read_json(self.run.checkpoint_request).get("reason", "stop"))
+        except (OSError, ValueError):
+            return "SIGTERM"
+
+
+def checkpointed_step(run: RunDir) -> Optional[int]:
+    """The step the trainer saved on request (`control/checkpointed.json`), if it did."""
+    try:
+        return int(read_json(run.checkpoint_answer)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
