@@ -25,32 +25,37 @@ def _print_err(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- submit
-def _compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], object]]:
+def _compose_all(overrides: list[str], multirun: bool) -> list[list]:
     """Compose and validate every point (of a sweep) before submitting any: nothing is
-    submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`."""
+    submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`.
+    Each point is a list of runs: [run], or [warm-up, run] when the run has a warm-up."""
     from prime_hpc.config import compose, expand_sweep
+    from prime_hpc.config.compose import override
+    from prime_hpc.config.pipeline import compose_stages
     from prime_hpc.config.validate import validate
+    from prime_hpc.errors import UserError
 
     points = expand_sweep(overrides) if multirun else [overrides]
     # each point gets <output_dir>/<i>, unless the sweep varies output_dir itself
     sweeps_dir = len(points) > 1 and len({o for p in points for o in p if o.lstrip("+~").startswith("output_dir=")}) <= 1
     composed = []
-    from prime_hpc.errors import UserError
-
     for i, point in enumerate(points):
         try:
-            cfg = compose(point)
+            extra = []
             if len(points) > 1:
-                cfg.name = f"{cfg.name}_{i}"
-            if sweeps_dir:
-                cfg.output_dir = f"{cfg.output_dir}/{i}"
-            validate(cfg)
+                base = compose(point)
+                extra.append(override("name", f"{base.name}_{i}"))
+                if sweeps_dir:
+                    extra.append(override("output_dir", f"{base.output_dir}/{i}"))
+            stages = compose_stages([*point, *extra])
+            for cfg in stages:
+                validate(cfg)
         except UserError as e:
             if len(points) > 1:
                 swept = " ".join(o for o in point if o not in overrides)
                 raise UserError(f"sweep point {i} ({swept}): {e}") from None
             raise
-        composed.append((point, cfg))
+        composed.append((point, stages))
     return composed
 
 
@@ -58,21 +63,39 @@ def cmd_submit(a: argparse.Namespace) -> int:
     from prime_hpc.launcher import launch
 
     composed = _compose_all(a.overrides, a.multirun)
-    for _, cfg in composed:  # refuse before writing or submitting anything
-        launch.check_fresh(cfg, dry_run=a.dry_run)
+    for _, stages in composed:  # refuse before writing or submitting anything
+        launch.check_fresh(stages[-1], dry_run=a.dry_run)
     if a.dry_run:
-        for _, cfg in composed:
-            run, plan = launch.prepare(cfg, "run", dry_run=True)
-            print(f"dry run: nothing submitted; wrote {run.config_yaml}, {run.configs_dir}/"
-                  f"{{{','.join(plan.group_names)}}}.yaml, {run.sbatch_script(plan.kind)}")
+        for _, stages in composed:
+            for cfg in stages:
+                run, plan = launch.prepare(cfg, "run", dry_run=True)
+                print(f"dry run: nothing submitted; wrote {run.config_yaml}, "
+                      + ", ".join(str(run.component_config(g)) for g in plan.group_names
+                                  if g != "orchestrator" or plan.kind == "rl")
+                      + f", {run.sbatch_script(plan.kind)}")
         return 0
-    for point, cfg in composed:
-        sub = launch.submit(cfg, point)
-        ref = sub.ref
-        print(f"submitted job {ref.job_id} ({ref.name}, {ref.backend})")
-        print(f"  output dir: {ref.output_dir}")
-        print(f"  logs:       {ref.run.latest_logs}")
+    for point, stages in composed:
+        subs = launch.submit_stages(stages, point)
+        for sub in subs:
+            ref = sub.ref
+            what = "warm-up" if len(subs) > 1 and sub is subs[0] else "run"
+            print(f"submitted {what} job {ref.job_id} ({ref.name}, {ref.kind}, {ref.backend})"
+                  + (f", starts after job {subs[0].ref.job_id} completes" if what == "run" and len(subs) > 1 else ""))
+            print(f"  output dir: {ref.output_dir}")
+        ref = subs[-1].ref
         print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}")
+    return 0
+
+
+def cmd_resume(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+
+    ref = jobs.resolve(a.job)
+    sub = launch.resume(ref, a.overrides)
+    print(f"resumed {ref.name} as job {sub.ref.job_id} ({sub.ref.backend}) from checkpoint step "
+          f"{sub.resume_step}; output dir {ref.output_dir}")
+    print(f"  follow:     prime-hpc tail {sub.ref.job_id}    state: prime-hpc status {sub.ref.job_id}")
     return 0
 
 
@@ -146,10 +169,36 @@ def _heartbeat(run, component: str) -> str:
     return f"{_ago(best.get('time'))}{step}"
 
 
+def _status_lines(ref) -> list[str]:
+    """The state of one job: overall, per group (with heartbeats), attempts, failure."""
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+    from prime_hpc.launcher.slurm import aggregate
+
+    job = jobs.read_job(ref.run)
+    groups = launch.group_states(ref)
+    overall = aggregate(list(groups.values())) if ref.backend == "slurm" else next(iter(groups.values()))
+    attempts = job.get("attempts", [])
+    requeues = f", {job['requeues']} requeue(s)" if job.get("requeues") else ""
+    out = [f"job {ref.job_id}  {ref.name}  {overall}  ({ref.backend}, {job.get('kind', ref.kind)}"
+           f"{', preflight' if ref.mode == 'doctor' else ''}, attempt {len(attempts) or '-'}{requeues})",
+           f"output dir: {ref.output_dir}"]
+    rows = [("GROUP", "STATE", "HEARTBEAT")] + [(g, st, _heartbeat(ref.run, g)) for g, st in groups.items()]
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    out += ["  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
+    for a in attempts[:-1] if len(attempts) > 1 else []:
+        out.append(f"  attempt {a['attempt']} (job {a['job_id']}) ended {a.get('end', '?')}"
+                   + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else ""))
+    failure = job.get("failure")
+    if failure:
+        who = failure.get("component") or "job"
+        out.append(f"failed: {who} {failure.get('reason', '')}; see {failure.get('log')}")
+    return out
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     from prime_hpc import jobs
     from prime_hpc.launcher import launch
-    from prime_hpc.launcher.plan import GROUP_NAMES
 
     if a.job:
         ref = jobs.resolve(a.job)
@@ -159,24 +208,13 @@ def cmd_status(a: argparse.Namespace) -> int:
             print("no jobs submitted yet (prime-hpc submit ...)")
             return 0
         ref = refs[0]
-    job = jobs.read_job(ref.run)
-    groups = launch.group_states(ref)
-    from prime_hpc.launcher.slurm import aggregate
-
-    overall = aggregate(list(groups.values())) if ref.backend == "slurm" else groups["orchestrator"]
-    attempts = job.get("attempts", [])
-    print(f"job {ref.job_id}  {ref.name}  {overall}  ({ref.backend}, {ref.mode}, attempt {len(attempts) or '-'})")
-    print(f"output dir: {ref.output_dir}")
-    rows = [("GROUP", "STATE", "HEARTBEAT")]
-    for g in GROUP_NAMES:
-        rows.append((g, groups.get(g, "?"), _heartbeat(ref.run, g)))
-    w = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
-        print("  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip())
-    failure = job.get("failure")
-    if failure:
-        who = failure.get("component") or "job"
-        print(f"failed: {who} {failure.get('reason', '')}; see {failure.get('log')}")
+    refs = launch.pipeline_refs(ref)
+    if len(refs) > 1:
+        print(f"pipeline: {refs[0].name} (warm-up, job {refs[0].job_id}) -> {refs[1].name} (job {refs[1].job_id})")
+    for i, r in enumerate(refs):
+        if i:
+            print()
+        print("\n".join(_status_lines(r)))
     return 0
 
 
@@ -187,21 +225,41 @@ def cmd_list(a: argparse.Namespace) -> int:
     if not refs:
         print("no jobs submitted yet (prime-hpc submit ...)")
         return 0
-    rows = [("JOB", "NAME", "STATE", "BACKEND", "SUBMITTED", "OUTPUT DIR")]
+    rows = [("JOB", "NAME", "STATE", "KIND", "SUBMITTED", "OUTPUT DIR")]
     live = _live_states([r for r in refs if r.backend == "slurm"])
+    records = {r.output_dir: jobs.read_job(r.run) for r in refs}
+    shown = set()
     for r in refs:
-        state = live.get(r.job_id) or jobs.read_job(r.run).get("state", "?")
-        if r.backend == "local" and state not in jobs.FINAL_STATES:
-            from prime_hpc.launcher import local
-
-            state = local.state(r.run)
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted_at))
-        rows.append((r.job_id, r.name, state, r.backend + ("/doctor" if r.mode == "doctor" else ""), when,
-                     r.output_dir))
+        if r.output_dir in shown:
+            continue
+        pipe = records[r.output_dir].get("pipeline") or {}
+        if "run" in pipe and any(x.output_dir == pipe["run"] for x in refs):
+            continue  # a warm-up: listed under its run
+        rows.append(_list_row(r, records[r.output_dir], live))
+        shown.add(r.output_dir)
+        warm = (pipe.get("warmup") or {}).get("output_dir")
+        for w in refs:
+            if w.output_dir == warm and w.output_dir not in shown:
+                row = _list_row(w, records[w.output_dir], live)
+                rows.append((" └ " + row[0], *row[1:]))
+                shown.add(w.output_dir)
     w = [max(len(r[i]) for r in rows) for i in range(5)]
     for row in rows:
         print("  ".join(c.ljust(x) for c, x in zip(row[:5], w)) + "  " + row[5])
     return 0
+
+
+def _list_row(r, job: dict, live: dict) -> tuple:
+    from prime_hpc import jobs
+
+    state = live.get(r.job_id) or job.get("state", "?")
+    if r.backend == "local" and state not in jobs.FINAL_STATES:
+        from prime_hpc.launcher import local
+
+        state = local.state(r.run)
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted_at))
+    kind = f"{job.get('kind', r.kind)}/{r.backend}" + ("/doctor" if r.mode == "doctor" else "")
+    return (r.job_id, r.name, state, kind, when, r.output_dir)
 
 
 def _live_states(refs) -> dict[str, str]:
@@ -209,9 +267,10 @@ def _live_states(refs) -> dict[str, str]:
 
     if not refs or not shutil.which("squeue"):
         return {}
+    from prime_hpc import jobs
     from prime_hpc.launcher.slurm import live_states
 
-    return live_states([r.job_id for r in refs])
+    return live_states({r.job_id: len(jobs.job_groups(jobs.read_job(r.run))) for r in refs})
 
 
 # ----------------------------------------------------------------------------- cancel / tail
@@ -219,11 +278,11 @@ def cmd_cancel(a: argparse.Namespace) -> int:
     from prime_hpc import jobs
     from prime_hpc.launcher import launch
 
-    ref = jobs.resolve(a.job)
-    if launch.cancel(ref):
-        print(f"cancelled job {ref.job_id} ({ref.name})")
-    else:
-        print(f"job {ref.job_id} ({ref.name}) already ended: {launch.job_state(ref)}")
+    for ref in launch.pipeline_refs(jobs.resolve(a.job))[::-1]:
+        if launch.cancel(ref):
+            print(f"cancelled job {ref.job_id} ({ref.name})")
+        else:
+            print(f"job {ref.job_id} ({ref.name}) already ended: {launch.job_state(ref)}")
     return 0
 
 
@@ -272,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-follow", action="store_true", help="print the last lines and exit")
     t.add_argument("-n", "--lines", type=int, default=10)
     t.set_defaults(fn=cmd_tail)
+    r = sub.add_parser("resume", help="continue a run from a checkpoint, in its directory, as a new attempt")
+    r.add_argument("job", help="job id, run name or output dir")
+    r.add_argument("overrides", nargs="*", help="ckpt.step=-1 (default: the latest complete checkpoint) or N, and "
+                                                "key=value changes of the recorded config, e.g. max_steps=40")
+    r.set_defaults(fn=cmd_resume)
     e = sub.add_parser("eval", help="score saved weights/step_N on the run's eval envs (starts an inference server)")
     e.add_argument("target", help="job id, run name, output dir, or <run>/weights/step_N")
     e.add_argument("args", nargs="*", help="steps=N,M (default: every saved step) and overrides of the run config")
@@ -288,7 +352,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.print_help()
         return 0
     if unknown:
-        if args.command in ("submit", "doctor"):  # e.g. "~key" or options after overrides
+        if args.command in ("submit", "doctor", "resume"):  # e.g. "~key" or options after overrides
             bad = [u for u in unknown if u.startswith("-") and not u.startswith("~")]
             if bad:
                 _print_err(f"unknown option {bad[0]!r} (see prime-hpc {args.command} --help)")

@@ -155,6 +155,45 @@ def _check_schema(cfg: DictConfig) -> None:
     walk(cfg, "")
 
 
+def override(key: str, value: object) -> str:
+    """`key=value` as a Hydra override, the value quoted so any characters survive (in a
+    quoted value only the backslashes before a quote or at the end are escapes)."""
+    text = re.sub(r"(\\+)('|$)", lambda m: m.group(1) * 2 + m.group(2), str(value))
+    return f"{key}='" + text.replace("'", "\\'") + "'"
+
+
+def recorded_config(path: Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """A run's recorded `config.yaml` on the typed schema, with `key=value` overrides
+    applied (typed: a wrong type or unknown key fails like at submit). Config groups cannot
+    be switched on a resolved config, and a run keeps its output_dir."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    _register_schema()
+    from prime_hpc.config.schema import RunConfig
+
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as e:
+        raise UserError(_one_line(e)) from None
+    for o in parsed:
+        key = o.key_or_group
+        if key == "output_dir":
+            raise ConfigError("output_dir", "a run keeps its directory; to start a new run use prime-hpc submit")
+        node = OmegaConf.select(cfg, key, default="__missing__")
+        if isinstance(node, str) and node == "__missing__":
+            raise ConfigError(key, f"unknown key; {_valid_siblings(key)}")
+        if isinstance(node, DictConfig) and not isinstance(o.value(), dict):
+            raise ConfigError(key, f"is a config section: config groups cannot be switched on a recorded run; "
+                                   f"change its keys instead (e.g. {key}.<key>=...)")
+        try:
+            OmegaConf.update(cfg, key, o.value(), merge=True)
+        except Exception as e:
+            raise _explain(e) from None
+    _check_schema(cfg)
+    return cfg
+
+
 def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
     """Expand Hydra sweep syntax (`a=1,2 b=x,y`, `range(...)`, `choice(...)`) into the
     cartesian product of plain override lists, in Hydra's order."""

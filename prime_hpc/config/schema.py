@@ -165,6 +165,7 @@ class OrchestratorConfig:
     max_concurrent: int = 256  # in-flight generation requests
     training_mode: str = "rl"  # rl | opd | sft
     online_difficulty_filtering: bool = False  # drop groups whose rewards have no variance
+    advantage: str = "mean"  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -247,10 +248,18 @@ class ClusterConfig:
     python: Optional[str] = None  # interpreter on the nodes; None = the submitting one
     address: Optional[str] = None  # what servers bind to and publish; None = each node's own address
     # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
-    signal_delay_s: int = 120  # SIGUSR2 this long before the time limit (requeue/checkpoint)
+    signal_delay_s: int = 120  # warning this long before the time limit: checkpoint, then requeue
+    max_requeues: int = 10  # time limits/preemptions a run is requeued through before it stops
     orchestrator: GroupResources = field(default_factory=GroupResources)
     inference: GroupResources = field(default_factory=GroupResources)
     trainer: GroupResources = field(default_factory=GroupResources)
+
+
+@dataclass
+class WarmupConfig:
+    experiment: Optional[str] = None  # an SFT experiment run first, as its own job; this run starts
+    # from its final weights (SLURM afterok; locally one after the other). null = no warm-up
+    overrides: List[str] = field(default_factory=list)  # for the warm-up, e.g. ["max_steps=600"]
 
 
 @dataclass
@@ -270,3 +279,4 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)

@@ -22,6 +22,7 @@ CHOICES = {
     "trainer.model.optimization_dtype": ("bfloat16", "float32"),
     "trainer.model.reduce_dtype": ("bfloat16", "float32"),
     "orchestrator.training_mode": ("rl", "opd", "sft"),
+    "orchestrator.advantage": ("mean", "std", "loo"),
     "inference.dtype": ("auto", "float16", "bfloat16", "float32"),
     "log.level": ("debug", "info", "warning", "error"),
     "trainer.log.level": ("debug", "info", "warning", "error"),

@@ -16,7 +16,7 @@ from prime_hpc.errors import ConfigError, LaunchError
 from prime_hpc.launcher.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
-from prime_hpc.rundir import RunDir, atomic_write_text
+from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Submitted:
     ref: jobs.JobRef
     plan: Plan
     job: object = None  # HetSlurmJob on SLURM
+    resume_step: Optional[int] = None  # resume: the checkpoint step it continues from
 
 
 def active_job(run: RunDir) -> Optional[str]:
@@ -161,6 +162,61 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume:
                       submitted_at=now, mode=mode, kind=plan.kind)
     jobs.record(ref)
     return Submitted(ref=ref, plan=plan, job=job_obj)
+
+
+def submit_stages(stages: Sequence[DictConfig], overrides: Sequence[str]) -> list[Submitted]:
+    """Submit a run, or a pipeline [warm-up, run]: the run starts only once the warm-up
+    completed (SLURM afterok; locally it waits), and both job.json record the pipeline."""
+    if len(stages) == 1:
+        return [submit(stages[0], overrides)]
+    warm_cfg, cfg = stages
+    warm = submit(warm_cfg, [*warm_cfg.warmup.overrides], pipeline={"run": str(RunDir(cfg.output_dir).root)})
+    try:
+        after = After(job_id=warm.ref.job_id, output_dir=warm.ref.output_dir)
+        run = submit(cfg, overrides, after=after, pipeline={"warmup": {
+            "job_id": warm.ref.job_id, "name": warm.ref.name, "output_dir": warm.ref.output_dir}})
+    except BaseException:
+        cancel(warm.ref)
+        raise
+    jobs.update_job(warm.ref.run, pipeline={"run": run.ref.output_dir, "run_job_id": run.ref.job_id})
+    return [warm, run]
+
+
+def pipeline_refs(ref: jobs.JobRef) -> list[jobs.JobRef]:
+    """The jobs of `ref`'s pipeline, warm-up first ([ref] when it is not in one)."""
+    p = jobs.read_job(ref.run).get("pipeline") or {}
+    if "warmup" in p:
+        warm = jobs.resolve(p["warmup"]["output_dir"])
+        return [warm, ref]
+    if p.get("run") and (RunDir(p["run"]).job_json).exists():
+        return [ref, jobs.resolve(p["run"])]
+    return [ref]
+
+
+def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
+    """Submit the run of `ref` again, into its own directory, as a new attempt: its
+    recorded config plus `overrides` (`ckpt.step` defaults to -1, the latest complete
+    checkpoint). Refuses while a job of the run is alive or when the step is not a
+    complete checkpoint (naming the complete ones)."""
+    from prime_hpc.checkpoints import resolve_resume_step
+    from prime_hpc.config.compose import recorded_config
+
+    run = ref.run
+    live = active_job(run)
+    if live:
+        raise ConfigError("resume", f"job {live} of {run.root} is still alive; let it end or cancel it first "
+                                    f"(prime-hpc cancel {live})")
+    cfg = recorded_config(run.config_yaml, overrides)
+    if cfg.ckpt.step is None or not any(o.split("=", 1)[0].lstrip("+") == "ckpt.step" for o in overrides):
+        cfg.ckpt.step = -1
+    parts = ("trainer",) if cfg.trainer.type == "sft" else CHECKPOINT_PARTS
+    step = resolve_resume_step(run, int(cfg.ckpt.step), parts)
+    if step is not None and cfg.max_steps is not None and step >= cfg.max_steps:
+        raise ConfigError("max_steps", f"the run already reached step {step} (max_steps={cfg.max_steps}); "
+                                       f"raise it to continue, e.g. max_steps={step + (cfg.max_steps or 10)}")
+    sub = submit(cfg, overrides, resume=True)
+    sub.resume_step = step
+    return sub
 
 
 def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 2.0) -> str:

@@ -364,7 +364,7 @@ class Orchestrator:
         fill.finished += group
         fill.counts["judged"] += 1
         v = judge_group(group, step, self.k, int(self.o["max_off_policy_steps"]),
-                        bool(self.o["online_difficulty_filtering"]))
+                        bool(self.o["online_difficulty_filtering"]), str(self.o.get("advantage", "mean")))
         fill.counts["spanning"] += v.dropped_spanning
         if v.reason:
             fill.counts[v.reason] += 1

@@ -121,10 +121,31 @@ class GroupVerdict:
     errored: int = 0
 
 
+ADVANTAGES = ("mean", "std", "loo")
+
+
+def advantages(rewards: list[float], kind: str = "mean") -> list[float]:
+    """Group-relative advantages of one group's rewards:
+    `mean`: r - mean(group); `std`: (r - mean) / (population std + 1e-6), so every group
+    weighs the same whatever its reward spread; `loo`: r - mean(the others), the
+    leave-one-out baseline (= n/(n-1) * (r - mean))."""
+    n = len(rewards)
+    base = mean(rewards)
+    if kind == "mean":
+        return [r - base for r in rewards]
+    if kind == "std":
+        std = (sum((r - base) ** 2 for r in rewards) / n) ** 0.5
+        return [(r - base) / (std + 1e-6) for r in rewards]
+    if kind == "loo":
+        total = sum(rewards)
+        return [r - (total - r) / (n - 1) for r in rewards]
+    raise ValueError(f"unknown advantage {kind!r}; choose from {', '.join(ADVANTAGES)}")
+
+
 def judge_group(group: list[Rollout], step: int, async_level: int, max_off_policy_steps: int,
-                filter_zero_variance: bool) -> GroupVerdict:
+                filter_zero_variance: bool, advantage: str = "mean") -> GroupVerdict:
     """Which rollouts of a finished group train step `step`, with their advantages
-    (reward minus the mean reward of the group's valid rollouts)."""
+    (`advantages` over the group's valid rollouts)."""
     v = GroupVerdict()
     valid = []
     for r in group:
@@ -145,9 +166,8 @@ def judge_group(group: list[Rollout], step: int, async_level: int, max_off_polic
     if filter_zero_variance and max(rewards) - min(rewards) == 0:
         v.reason = "no reward variance"
         return v
-    baseline = mean(rewards)
-    for r in valid:
-        r.advantage = r.reward - baseline
+    for r, a in zip(valid, advantages(rewards, advantage)):
+        r.advantage = a
     v.kept = valid
     return v
 

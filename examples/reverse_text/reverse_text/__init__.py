@@ -177,6 +177,7 @@ def make_sft_dataset(
     max_len: int = 12,
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
     messages: bool = False,
+    holdout_eval: int = 100,
 ):
     """Chat-format SFT data in the environment's prompt format.
 
@@ -184,11 +185,15 @@ def make_sft_dataset(
     ``completion`` (one assistant message with the reversal); with
     ``messages=True`` a single ``messages`` column (prompt + completion) instead.
     The strings are the environment's train strings for the same ``seed`` and
-    lengths (example i here is train example i there).
+    lengths (example i here is train example i there, until a string is skipped),
+    minus the environment's first ``holdout_eval`` eval strings (with its default
+    ``num_train_examples``), so an eval after SFT scores strings it never saw.
     """
     from datasets import Dataset
 
-    texts = generate_texts(num_examples, min_len, max_len, seed, "train")
+    held_out = set(_split_texts(1000, holdout_eval, min_len, max_len, seed)[1]) if holdout_eval else set()
+    texts = [t for t in generate_texts(num_examples + len(held_out), min_len, max_len, seed, "train")
+             if t not in held_out][:num_examples]
     prompts = [build_prompt(t, system_prompt) for t in texts]
     completions = [[{"role": "assistant", "content": t[::-1]}] for t in texts]
     if messages:

@@ -1,0 +1,208 @@
+"""Pure rules of a run's lifecycle, without a cluster or vLLM: advantages, admission of new
+groups, placement on cores and addresses, end of data, resume points and metrics
+clean-up, recorded configs with overrides, and the stop decision of a component."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import yaml
+
+from prime_hpc.config.compose import compose, override, recorded_config
+from prime_hpc.errors import UserError
+from prime_hpc.launcher import attempt
+from prime_hpc.launcher.plan import group_cpus, group_env, job_groups, make_plan, one_host_cores
+from prime_hpc.net import address_env, node_address
+from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot
+from prime_hpc.orchestrator.loop import Orchestrator
+from prime_hpc.orchestrator.rollouts import advantages
+from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable, truncate_jsonl
+from prime_hpc import stopping
+
+
+# --------------------------------------------------------------------------- advantages
+def test_advantage_variants_by_hand():
+    rewards = [1.0, 0.0, 0.5, 0.5]  # mean 0.5, population std sqrt(0.125) = 0.353553
+    assert advantages(rewards, "mean") == [0.5, -0.5, 0.0, 0.0]
+    std = [round(a, 4) for a in advantages(rewards, "std")]
+    assert std == [1.4142, -1.4142, 0.0, 0.0]
+    # leave one out: 1 - mean(0, .5, .5) = 2/3; 0 - mean(1, .5, .5) = -2/3; .5 - mean(1, 0, .5) = 0
+    assert [round(a, 4) for a in advantages(rewards, "loo")] == [0.6667, -0.6667, 0.0, 0.0]
+    assert advantages([0.3, 0.3], "std") == [0.0, 0.0]  # no spread: no signal, no division by zero
+    with pytest.raises(ValueError):
+        advantages(rewards, "median")
+
+
+# --------------------------------------------------------------------------- admission window
+class _Window:
+    """The attributes `Orchestrator.admission_limit` reads."""
+
+    def __init__(self, policy, k=2, groups_per_step=8, max_groups=32, max_steps=None):
+        self.policy, self.k, self.groups_per_step, self.max_groups, self.max_steps = (
+            policy, k, groups_per_step, max_groups, max_steps)
+
+
+def test_groups_are_admitted_only_as_far_as_the_async_window_can_use_them():
+    limit = Orchestrator.admission_limit
+    # policy 3, async_level 2: a group started now can train steps 4 and 5 -> 16 groups
+    assert limit(_Window(policy=3), step=4, accepted=0, waiting=0) == 16
+    assert limit(_Window(policy=3), step=4, accepted=5, waiting=3) == 8
+    # the step being filled is already beyond what policy 3 may feed: nothing is started
+    assert limit(_Window(policy=3), step=6, accepted=0, waiting=0) == 0
+    # never past max_steps, never more than max_concurrent allows
+    assert limit(_Window(policy=9, max_steps=10), step=10, accepted=0, waiting=0) == 8
+    assert limit(_Window(policy=50, k=8), step=51, accepted=0, waiting=0) == 32
+    # fully on-policy: only the current step
+    assert limit(_Window(policy=4, k=1), step=5, accepted=2, waiting=1) == 5
+
+
+# --------------------------------------------------------------------------- placement
+def test_one_host_cores_give_trainer_and_inference_their_own_cores():
+    three = ["orchestrator", "inference", "trainer"]
+    assert one_host_cores([0, 1], three) == {"orchestrator": [0], "inference": [0], "trainer": [1]}
+    assert one_host_cores([0, 1, 2, 3, 4], three)["trainer"] == [3, 4]
+    assert one_host_cores([0, 1, 2, 3], ["trainer"]) == {"trainer": [0, 1, 2, 3]}  # SFT: all of them
+    assert one_host_cores([0], three) == {name: [0] for name in three}
+
+
+def test_groups_threads_and_pinning_follow_the_config(tmp_path):
+    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null"])
+    assert job_groups(cfg) == ["orchestrator", "inference", "trainer"]
+    assert group_cpus(cfg, job_groups(cfg), cores=[0, 1]) == {"orchestrator": "0", "inference": "0", "trainer": "1"}
+    sft = compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}"])
+    assert job_groups(sft) == ["trainer"] and job_groups(sft, "doctor") == ["orchestrator", "trainer"]
+    assert group_env("trainer", "0-3", 1, 2) == {"OMP_NUM_THREADS": "2", "PRIME_HPC_CPUS": "0-3"}
+    assert group_env("inference", None, 16, 1) == {"OMP_NUM_THREADS": "16"}  # SLURM's cpus_per_task
+    assert group_env("orchestrator", "0", 1, 1)["OMP_NUM_THREADS"] == "1"
+    plan = make_plan(sft, cores=[0, 1])
+    assert plan.group_names == ["trainer"] and not plan.het and plan.kind == "sft"
+    assert plan.group("trainer").prefix == ["env", "OMP_NUM_THREADS=2", "PRIME_HPC_CPUS=0,1", "taskset", "-c", "0,1"]
+    slurm = compose(["+experiment=reverse_text", "cluster=slurm", f"output_dir={tmp_path}", "warmup.experiment=null"])
+    assert all(g.cpu_ids is None for g in make_plan(slurm).groups)  # a real cluster: SLURM binds
+
+
+def test_one_host_runs_use_loopback_and_real_clusters_the_nodes_address(tmp_path, monkeypatch):
+    monkeypatch.delenv("PRIME_HPC_NODE_ADDRESS", raising=False)
+    for cluster in ("local", "dev"):
+        cfg = compose(["+experiment=reverse_text", f"cluster={cluster}", f"output_dir={tmp_path}"])
+        env = make_plan(cfg, cores=[0, 1]).env
+        assert env["PRIME_HPC_NODE_ADDRESS"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    slurm = compose(["+experiment=reverse_text", "cluster=slurm", f"output_dir={tmp_path}"])
+    assert "PRIME_HPC_NODE_ADDRESS" not in make_plan(slurm).env
+    assert address_env(None) == {} and address_env("10.0.0.5") == {"PRIME_HPC_NODE_ADDRESS": "10.0.0.5"}
+    assert node_address("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setenv("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
+    assert node_address() == "127.0.0.1"
+
+
+# --------------------------------------------------------------------------- end of data
+def _slots(sizes):
+    return [EnvSlot(name=f"e{i}", entry={"id": f"e{i}", "ratio": 1.0}, env=None,
+                    rows=[{"example_id": j} for j in range(n)]) for i, n in enumerate(sizes)]
+
+
+def test_one_epoch_sampler_serves_every_task_once_then_stops():
+    s = EnvSampler(_slots([3, 5]), seed=0, epochs=1)
+    seen = []
+    while (picked := s.next()) is not None:
+        seen.append((picked[0].name, picked[1]["example_id"]))
+    assert sorted(seen) == sorted([("e0", i) for i in range(3)] + [("e1", i) for i in range(5)])
+    assert s.exhausted()
+    endless = EnvSampler(_slots([2]), seed=0)
+    assert all(endless.next() is not None for _ in range(10)) and not endless.exhausted()
+
+
+# --------------------------------------------------------------------------- resume points
+def _complete_checkpoint(run: RunDir, step: int, parts=("trainer", "orchestrator")):
+    for part in parts:
+        d = run.checkpoint_part(step, part)
+        d.mkdir(parents=True, exist_ok=True)
+        mark_stable(d)
+
+
+def _write_configs(run: RunDir, kind: str = "rl", step=None):
+    for comp in ("trainer", "orchestrator") if kind == "rl" else ("trainer",):
+        atomic_write_json(run.component_config(comp), {"ckpt": {"step": step}, "trainer": {"type": kind}})
+
+
+def test_resume_point_clears_later_state_and_tells_every_component(tmp_path):
+    run = RunDir(tmp_path)
+    _write_configs(run, step=-1)
+    for s in (5, 10):
+        _complete_checkpoint(run, s)
+    _complete_checkpoint(run, 12, parts=("trainer",))  # torn: no orchestrator part
+    for s in range(1, 13):
+        mark_stable(run.weights_step(s))
+    mark_stable(run.rollout_step(13))
+    atomic_write_json(run.rollouts_done, {"last_step": 12})
+    run.metrics_dir.mkdir()
+    run.metrics("trainer").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 13)) + "torn{")
+    assert attempt.resume_point(run, restarted=False) == 10
+    assert run.weight_steps() == list(range(1, 11)) and run.rollout_steps() == []
+    assert not run.rollouts_done.exists() and not run.checkpoint_step(12).exists()
+    assert [json.loads(x)["step"] for x in run.metrics("trainer").read_text().splitlines()] == list(range(1, 11))
+    for comp in ("trainer", "orchestrator"):
+        assert yaml.safe_load(run.component_config(comp).read_text())["ckpt"]["step"] == 10
+
+
+def test_a_requeue_before_any_checkpoint_starts_over_and_a_bad_step_is_refused(tmp_path):
+    run = RunDir(tmp_path)
+    _write_configs(run, kind="sft", step=None)
+    mark_stable(run.weights_step(3))
+    assert attempt.resume_point(run, restarted=True) is None
+    assert run.weight_steps() == []
+    _write_configs(run, kind="sft", step=7)
+    _complete_checkpoint(run, 4, parts=("trainer",))
+    with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .*complete checkpoints: \[4\]"):
+        attempt.resume_point(run, restarted=False)
+
+
+def test_truncate_jsonl_keeps_only_accepted_rows(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n')
+    assert not truncate_jsonl(p, lambda r: r["step"] <= 2)
+    assert truncate_jsonl(p, lambda r: r["step"] <= 1) and p.read_text() == '{"step": 1}\n'
+
+
+# --------------------------------------------------------------------------- recorded configs
+def test_recorded_config_takes_typed_overrides_and_refuses_the_rest(tmp_path):
+    from prime_hpc.config.compose import to_yaml
+
+    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}/run"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    got = recorded_config(path, ["max_steps=40", "ckpt.step=-1", "trainer.optim.lr=5e-4"])
+    assert (got.max_steps, got.ckpt.step, got.trainer.optim.lr) == (40, -1, 5e-4)
+    assert got.output_dir == cfg.output_dir
+    for bad, needle in ((["max_steps=many"], "max_steps"), (["trainer.optim.rate=1"], "unknown key"),
+                        (["cluster=dev"], "cannot be switched"), ([f"output_dir={tmp_path}/x"], "keeps its directory")):
+        with pytest.raises(UserError, match=needle):
+            recorded_config(path, bad)
+
+
+def test_override_quotes_any_value():
+    for value in ("/tmp/we ird 'q\" ; $(x)", "back\\", "a\\'b", "é ü"):
+        assert compose([override("name", value)]).name == value
+
+
+# --------------------------------------------------------------------------- stopping
+def test_stop_decision_after_sigterm_waits_for_the_supervisor(tmp_path, monkeypatch):
+    monkeypatch.setattr(stopping, "DECIDE_S", 0.3)
+    run = RunDir(tmp_path)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        stop = stopping.Stop(run)
+        assert not stop.pending() and stop.decision() == stopping.CONTINUE
+        os.kill(os.getpid(), signal.SIGTERM)  # a cancel: nobody asks for a checkpoint
+        assert stop.pending() and stop.poll() == stopping.CONTINUE  # undecided yet
+        t0 = time.monotonic()
+        assert stop.decision() == stopping.EXIT and time.monotonic() - t0 >= 0.2
+        atomic_write_json(run.checkpoint_request, {"reason": "TIMEOUT"})  # a time limit
+        assert stopping.Stop(run, handle_sigterm=False).decision() == stopping.CHECKPOINT
+        assert stop.reason() == "TIMEOUT"
+        assert stopping.CHECKPOINT > stopping.EXIT > stopping.CONTINUE  # ranks agree on the max
+    finally:
+        signal.signal(signal.SIGTERM, old)
