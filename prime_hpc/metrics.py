@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import asdict, is_dataclass
 from typing import Any, Mapping, Optional
 
@@ -104,11 +105,11 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record `metrics` of `step` (one JSONL line, and a W&B row when enabled)."""
-        row = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+        row = {"step": int(step), "time": round(time.time(), 3), **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row, sort_keys=False) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            data = {k: v for k, v in row.items() if k != "step" and v is not None}
+            data = {k: v for k, v in row.items() if k not in ("step", "time") and v is not None}
             for key in data.keys() - self._defined:
                 self._wandb.define_metric(key, step_metric=self.step_key)
                 self._defined.add(key)

@@ -12,6 +12,11 @@ REPO = Path(__file__).resolve().parents[1]
 # Things tests must never reach for at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# One shared cache for the whole session (built tiny models, vLLM's compile cache), as runs
+# on a cluster share theirs: a server's later starts reuse what the first one compiled.
+os.environ.setdefault("PRIME_HPC_CACHE", str(Path.home() / ".cache" / "prime-hpc"))
+# Every "node" is this machine: everything stays on loopback.
+os.environ.setdefault("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
 
 # Shell-hostile path fragments (spaces, quotes, command separators, substitutions).
 HOSTILE = "we ird 'q\" ; echo PWNED $(touch PWNED) `x` & y"

@@ -54,16 +54,22 @@ def test_dry_run_writes_launch_files_and_submits_nothing(tmp_path):
     r = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--dry-run")
     assert r.returncode == 0, r.stderr
     for rel in ("config.yaml", "configs/orchestrator.yaml", "configs/trainer.yaml", "configs/inference.yaml",
-                "submit/rl.sbatch"):
+                "submit/rl.sbatch",  # the RL run, and its SFT warm-up: a plain job of the trainer alone
+                "warmup/config.yaml", "warmup/configs/trainer.yaml", "warmup/submit/sft.sbatch"):
         assert (out / rel).is_file(), rel
-    assert str(out / "submit" / "rl.sbatch") in r.stdout
+    assert not (out / "warmup/configs/inference.yaml").exists()
+    assert str(out / "submit" / "rl.sbatch") in r.stdout and str(out / "warmup/submit/sft.sbatch") in r.stdout
     assert not (out / "job.json").exists() and jobs.recent() == []
     # each component's config holds its own sub-tree and no other component's
     import yaml
 
     trainer = yaml.safe_load((out / "configs/trainer.yaml").read_text())
     assert "trainer" in trainer and "orchestrator" not in trainer and "inference" not in trainer
-    assert trainer["output_dir"] == str(out) and trainer["model"]["name"] == "tiny"
+    warm = yaml.safe_load((out / "warmup/config.yaml").read_text())
+    # the RL run starts from the warm-up's final weights
+    assert trainer["output_dir"] == str(out)
+    assert trainer["model"]["name"] == str(out / "warmup" / "weights" / f"step_{warm['max_steps']}")
+    assert warm["trainer"]["type"] == "sft" and warm["model"]["name"] == "tiny"
     # a dry run does not make the directory "used": a real submit may follow
     assert RunDir(out).is_fresh()
 
@@ -92,12 +98,13 @@ def test_local_preflight_with_hostile_paths(tmp_path):
 def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
     out = tmp_path / "run"
     # a run whose script holds before its components start, so it stays RUNNING
-    r = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "cluster.env_setup=[\"sleep 300\"]")
+    r = cli("submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
+            "cluster.env_setup=[\"sleep 300\"]")
     assert r.returncode == 0, r.stderr
     job = jobs.read_job(RunDir(out))
     job_id = job["job_ids"][-1]
     pid = job["pid"]
-    assert job_id.startswith("local-") and f"submitted job {job_id}" in r.stdout
+    assert job_id.startswith("local-") and f"submitted run job {job_id}" in r.stdout
     try:
         st = cli("status", job_id)
         assert st.returncode == 0 and "RUNNING" in st.stdout and str(out) in st.stdout
@@ -121,7 +128,8 @@ def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
         assert not group_alive(pid)
         # clean_output_dir=true wipes the finished run and starts a fresh one
         (out / "marker").write_text("old")
-        fresh = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "clean_output_dir=true",
+        fresh = cli("submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
+                    "clean_output_dir=true",
                     "cluster.env_setup=[\"sleep 300\"]")
         assert fresh.returncode == 0, fresh.stderr
         new = jobs.read_job(RunDir(out))

@@ -75,6 +75,14 @@ def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch):
     gpu = _cfg()
     gpu["device"] = "cuda"
     assert "VLLM_CPU_KVCACHE_SPACE" not in srv.engine_env(gpu)
+    # pinned by the launcher: the engine's threads bind to exactly those cores
+    monkeypatch.setenv("PRIME_HPC_CPUS", "1,3")
+    env = srv.engine_env(_cfg())
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,3" and env["OMP_NUM_THREADS"] == "2"
+    # the compile cache lives in the run's shared cache, where a second start finds it
+    monkeypatch.setenv("PRIME_HPC_CACHE", "/shared/cache")
+    assert srv.engine_env(_cfg())["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
+    assert srv.engine_env(gpu)["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
 
 
 def test_step_is_read_from_the_weights_dir():

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from prime_hpc.config import compose
-from prime_hpc.launcher.plan import make_plan, slurm_job_name
+from prime_hpc.launcher.plan import After, make_plan, slurm_job_name
 from prime_hpc.launcher.render import render_local, render_sbatch, sbatch_quote
 from tests.conftest import HOSTILE, REPO, hydra_quote
 
@@ -29,20 +29,42 @@ GOLDEN_OVERRIDES = [
     "cluster.trainer.mem_gb=8",
     "cluster.sbatch_extra=[\"--mail-type=END\"]",
     "cluster.env_setup=[\"module load cuda\"]",
+    "cluster.cache_dir=/shared/cache",
 ]
 
 
+GOLDEN_SFT = REPO / "tests" / "golden" / "sft.sbatch"
+
+
 def golden_plan():
-    plan = make_plan(compose(GOLDEN_OVERRIDES), python="/opt/venv/bin/python")
+    """The RL run of a pipeline: it starts after its warm-up job (afterok)."""
+    plan = make_plan(compose(GOLDEN_OVERRIDES), python="/opt/venv/bin/python", cores=[0, 1])
     plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(plan.run.submitit_dir)]
+    plan.after = After(job_id="41", output_dir="/shared/runs/reverse_text/warmup")
     return plan
 
 
-def test_sbatch_matches_golden_file():
-    text = render_sbatch(golden_plan())
+def golden_sft_plan():
+    cfg = compose(["+experiment=reverse_text_sft", "cluster=dev", "output_dir=/shared/runs/sft", "cluster.cache_dir=null",
+                   "cluster.trainer.nodes=2", "cluster.trainer.nproc_per_node=2"])
+    return make_plan(cfg, python="/opt/venv/bin/python", cores=[0, 1])
+
+
+@pytest.mark.parametrize("plan_fn, golden", [(golden_plan, GOLDEN), (golden_sft_plan, GOLDEN_SFT)])
+def test_sbatch_matches_golden_file(plan_fn, golden):
+    text = render_sbatch(plan_fn())
     if os.environ.get("PRIME_HPC_UPDATE_GOLDEN"):
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text(), "rendering changed; review and rerun with PRIME_HPC_UPDATE_GOLDEN=1"
+        golden.write_text(text)
+    assert text == golden.read_text(), "rendering changed; review and rerun with PRIME_HPC_UPDATE_GOLDEN=1"
+
+
+def test_golden_sft_script_is_a_plain_job_of_the_trainer_only():
+    text = GOLDEN_SFT.read_text()
+    assert "hetjob" not in text and "--het-group" not in text
+    assert "prime_hpc.inference" not in text and "submitit.core._submit" not in text
+    assert "-m prime_hpc.trainer.sft" in text and "--nnodes=2 --nproc-per-node=2" in text
+    assert "taskset -c 0,1" in text and "OMP_NUM_THREADS=1" in text  # 2 cores, 2 ranks per node
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
 def test_golden_script_is_a_three_group_het_job():
@@ -55,6 +77,11 @@ def test_golden_script_is_a_three_group_het_job():
     assert '--log-dir="$LOGS/trainer/torchrun"' in text
     assert "#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n#SBATCH --mem=8192M" in text
     assert text.count("#SBATCH --mem=") == 3  # one per group: SLURM would copy one group's to the next
+    assert "#SBATCH --dependency=afterok:41\n#SBATCH --kill-on-invalid-dep=yes" in text
+    assert "--local-addr=127.0.0.1" in text and "export PRIME_HPC_NODE_ADDRESS=127.0.0.1" in text
+    # inference and the head share core 0, the trainer has core 1
+    assert "PRIME_HPC_CPUS=0 taskset -c 0 /opt/venv/bin/python -u -m prime_hpc.inference" in text
+    assert "PRIME_HPC_CPUS=1 taskset -c 1 /opt/venv/bin/python -u -m torch.distributed.run" in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 

@@ -4,8 +4,10 @@ after the other).
 
 `warmup.experiment` names an SFT experiment of `conf/experiment/`. It is composed with
 `warmup.overrides`, the run's `cluster` section, `output_dir=<output_dir>/warmup` and
-`name=<name>_warmup`; the run itself is composed again with
-`model.name=<output_dir>/warmup/weights/step_<warm-up max_steps>`.
+`name=<name>_warmup`; the run itself is composed again with `model.name=<output_dir>/warmup`,
+a run directory, which stands for its latest weights (`prime_hpc.model.resolve_model`): the
+warm-up's final weights, whenever it stopped (at max_steps, or early at
+`trainer.val.stop_below`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from prime_hpc.config.compose import compose
+from prime_hpc.config.compose import compose, override
 from prime_hpc.errors import ConfigError
 
 WARMUP_DIR = "warmup"
@@ -34,16 +36,8 @@ def warmup_config(cfg: DictConfig) -> Optional[DictConfig]:
     if wcfg.trainer.type != "sft":
         raise ConfigError("warmup.experiment", f"{w.experiment!r} is an {wcfg.trainer.type} run; a warm-up must be an "
                                                "SFT experiment (trainer.type=sft)")
-    if wcfg.max_steps is None:
-        raise ConfigError("warmup.overrides", f"the warm-up {w.experiment!r} has no max_steps: its final weights "
-                                              "must be known when the run is submitted; add max_steps=N")
-    wcfg.cluster = OmegaConf.create(OmegaConf.to_container(cfg.cluster))  # the run's cluster, verbatim
+    wcfg.merge_with({"cluster": OmegaConf.to_container(cfg.cluster)})  # the run's cluster, verbatim
     return wcfg
-
-
-def warmup_weights(wcfg: DictConfig) -> str:
-    """Where the warm-up's final weights will be."""
-    return str(Path(wcfg.output_dir) / "weights" / f"step_{int(wcfg.max_steps)}")
 
 
 def compose_stages(overrides: Sequence[str]) -> list[DictConfig]:
@@ -52,4 +46,4 @@ def compose_stages(overrides: Sequence[str]) -> list[DictConfig]:
     wcfg = warmup_config(cfg)
     if wcfg is None:
         return [cfg]
-    return [wcfg, compose([*overrides, f"model.name={warmup_weights(wcfg)}"])]
+    return [wcfg, compose([*overrides, override("model.name", wcfg.output_dir)])]

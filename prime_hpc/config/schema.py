@@ -90,6 +90,7 @@ class SFTDataConfig:
 @dataclass
 class ValConfig:
     interval: Optional[int] = None  # sft: validation loss every N steps (and before the first); None = off
+    stop_below: Optional[float] = None  # sft: end the run (final weights, checkpoint) once val/loss is below
     data: SFTDataConfig = field(default_factory=SFTDataConfig)  # like trainer.data; data.name is required with interval
 
 
@@ -246,6 +247,8 @@ class ClusterConfig:
     sbatch_extra: List[str] = field(default_factory=list)  # extra lines, each becomes "#SBATCH <line>"
     env_setup: List[str] = field(default_factory=list)  # shell lines run before any component
     python: Optional[str] = None  # interpreter on the nodes; None = the submitting one
+    cache_dir: Optional[str] = "${oc.env:PRIME_HPC_CACHE,null}"  # shared caches (built models, the inference
+    # compile cache) on a filesystem every node sees; null = <output_dir>/../.prime-hpc-cache
     address: Optional[str] = None  # what servers bind to and publish; None = each node's own address
     # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
     signal_delay_s: int = 120  # warning this long before the time limit: checkpoint, then requeue

@@ -242,6 +242,9 @@ def check_sft(cfg: DictConfig) -> None:
         if not t.val.data.name:
             raise ConfigError("trainer.val.data.name", "trainer.val.interval is set but there is no validation "
                                                        "dataset; name one (same forms as trainer.data.name)")
+    if t.val.stop_below is not None and not t.val.interval:
+        raise ConfigError("trainer.val.stop_below", "needs validation: set trainer.val.interval (and "
+                                                    "trainer.val.data.name)")
 
 
 def check_trainer(cfg: DictConfig) -> None:

@@ -56,7 +56,7 @@ def state(run: RunDir) -> str:
     if recorded in FINAL_STATES:
         return recorded
     if supervisor_alive(job):
-        return "RUNNING"
+        return "PENDING" if recorded == "PENDING" else "RUNNING"  # PENDING: waiting for the job it starts after
     return "FAILED" if recorded in ("RUNNING", "PENDING") else recorded
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from prime_hpc.device import CPUS_VAR, core_count
+from prime_hpc.device import CACHE_VAR, CPUS_VAR, core_count
 from prime_hpc.net import address_env
 from prime_hpc.rundir import COMPONENTS, RunDir
 
@@ -116,6 +116,13 @@ def trainer_ranks(cfg: DictConfig) -> int:
     return int(cfg.cluster.trainer.nodes) * trainer_nproc_per_node(cfg)
 
 
+def cache_root(cfg: DictConfig) -> str:
+    """The shared cache of a run (`cluster.cache_dir`, default next to the run)."""
+    from pathlib import Path
+
+    return str(Path(cfg.cluster.cache_dir or Path(cfg.output_dir).parent / ".prime-hpc-cache").expanduser().absolute())
+
+
 def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:
     """The components a job runs, in het-group order: an RL run all three; an SFT run only
     the trainer (a plain job, not a het job); a preflight the run's groups plus the head
@@ -133,11 +140,13 @@ def machine_cores() -> list[int]:
 
 
 def one_host_cores(cores: list[int], groups: list[str]) -> dict[str, list[int]]:
-    """Each group's share of one machine's `cores` when every component runs on it. With
-    inference: the trainer gets the upper half (at least one core), inference the rest,
-    and the orchestrator (and the router), which mostly wait on I/O, share the inference
-    cores. Without inference (SFT) the trainer gets every core. With a single core
-    everything shares it (then async_level=0 lets training and generation alternate)."""
+    """Each group's share of one machine's `cores` when every component runs on it: the
+    trainer gets the upper half (at least one core), inference the rest, and the
+    orchestrator (and the router), which mostly wait on I/O, share the inference cores.
+    Even when training and generation take turns (async_level <= 1) this split beats
+    sharing every core (measured: the engine's threads slow the trainer's down 2x; see
+    docs/benchmarks.md). Without inference (SFT) the trainer gets every core; with a single
+    core everything shares it."""
     if len(cores) < 2 or "inference" not in groups:
         return {name: list(cores) for name in groups}
     split = len(cores) - len(cores) // 2
@@ -227,6 +236,7 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
         "PYTHONUNBUFFERED": "1",
     }
     env.update(address_env(c.address))
+    env[CACHE_VAR] = cache_root(cfg)
     if c.backend == "slurm":
         env["SUBMITIT_EXECUTOR"] = "slurm"  # the head task runs under submitit's job environment
     name = cfg.name if mode == "run" else f"{cfg.name}-doctor"

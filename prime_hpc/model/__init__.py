@@ -19,11 +19,24 @@ if TYPE_CHECKING:
 
 def resolve_model(name: str, seed: int = 0) -> str:
     """What to hand to `from_pretrained` / vLLM for the run's `model.name`: the built tiny
-    model's directory for "tiny", otherwise the HF id or local path unchanged."""
+    model's directory for "tiny"; for a prime-hpc run directory, its latest complete
+    `weights/step_<n>` (e.g. a warm-up's final weights); otherwise the HF id or local path
+    unchanged."""
     if name == TINY:
         from prime_hpc.model.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model(seed=seed))
+    from pathlib import Path
+
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (path / "weights").is_dir():
+        from prime_hpc.errors import UserError
+        from prime_hpc.rundir import RunDir
+
+        steps = RunDir(path).weight_steps()
+        if not steps:
+            raise UserError(f"model.name={name}: a run directory without complete weights (weights/step_<n>/STABLE)")
+        return str(RunDir(path).weights_step(steps[-1]))
     return name
 
 

@@ -47,7 +47,10 @@ def run_eval(target: str, args: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from prime_hpc.config.compose import component_config, write_component_config
+    from prime_hpc.device import CACHE_VAR
     from prime_hpc.inference.client import Admin, api_key, wait_for_servers
+    from prime_hpc.launcher.plan import cache_root
+    from prime_hpc.net import address_env
     from prime_hpc.orchestrator.loop import Orchestrator, make_client
 
     run, one_step = target_run(target)
@@ -81,8 +84,9 @@ def run_eval(target: str, args: list[str]) -> int:
     with open(log, "ab") as f:
         server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
                                    str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"),
-                                       "PRIME_HPC_NODE_RANK": "0"}, start_new_session=True)
+                                  env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"), "PRIME_HPC_NODE_RANK": "0",
+                                       CACHE_VAR: cache_root(cfg), **address_env(cfg.cluster.address)},
+                                  start_new_session=True)
     try:
         print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
         url = wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.root / "logs",

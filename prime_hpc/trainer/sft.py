@@ -106,7 +106,10 @@ def train(cfg: TrainerRunConfig) -> None:
             result = s.engine.train_step(mbs, _nll)
             progress["num_tokens"] += int(result.sums["num_tokens"])
             progress["num_samples"] += used
-            final = step == cfg.max_steps or stream.exhausted()
+            last = step == cfg.max_steps or stream.exhausted()
+            val_m = _validate(s, step, val, log=False) if val is not None and (step % t.val.interval == 0 or last) else {}
+            early = bool(val_m) and t.val.stop_below is not None and val_m["val/loss"] < t.val.stop_below
+            final = last or early
             state = {"progress": progress, "dataloader": stream.state()}
             saved, t_ckpt = runner.checkpoint_if_due(s, step, final, state)
             t_weights = 0.0
@@ -118,8 +121,7 @@ def train(cfg: TrainerRunConfig) -> None:
             m.update({"progress/epoch": stream.progress_epochs, "progress/num_samples": progress["num_samples"],
                       "progress/num_tokens": progress["num_tokens"], "time/save_ckpt": t_ckpt,
                       "time/save_weights": t_weights})
-            if val is not None and (step % t.val.interval == 0 or final):
-                m.update(_validate(s, step, val, log=False))
+            m.update(val_m)
             if s.metrics is not None:
                 s.metrics.log(step, m)
             logger.info(f"step {step} | loss {m['loss/mean']:.4f}"
@@ -127,6 +129,10 @@ def train(cfg: TrainerRunConfig) -> None:
                         + f" | grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | "
                         f"epoch {m['progress/epoch']:.2f} | {m['perf/throughput']:.0f} tok/s")
             runner.beat(s, step)
+            if early:
+                logger.info(f"val/loss {val_m['val/loss']:.4f} < trainer.val.stop_below={t.val.stop_below}: "
+                            f"stopping at step {step}")
+                break
         s.ckpt.wait()
         if env.is_main:  # a background save may have rotated a checkpoint away just now
             runner.prune_weights(s.run, step, 0)

@@ -1,0 +1,83 @@
+"""Which TCP sockets the processes of a run hold, read from /proc (no tools needed):
+every process whose environment names the run's output dir (the launcher exports it to
+every component; their children inherit it)."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import struct
+from pathlib import Path
+
+LISTEN, ESTABLISHED = "0A", "01"
+
+
+def _addr(hex_addr: str) -> str:
+    ip_hex, _port = hex_addr.split(":")
+    raw = bytes.fromhex(ip_hex)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(ip_hex, 16)))
+    words = struct.unpack("<4I", raw)
+    return socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
+
+
+def _loopback(addr: str) -> bool:
+    ip = ipaddress.ip_address(addr)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def run_pids(output_dir: Path) -> dict[int, str]:
+    """{pid: command line} of the processes of the run in `output_dir`."""
+    needle = f"PRIME_HPC_OUTPUT_DIR={output_dir}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            if needle in env:
+                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return found
+
+
+def run_sockets(output_dir: Path) -> dict:
+    """The run's published endpoint hosts, its listening sockets, those listening beyond
+    loopback (`exposed`) and its connections to peers beyond loopback (`remote_peers`)."""
+    pids = run_pids(output_dir)
+    owner = {}
+    for pid, cmd in pids.items():
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = cmd
+        except OSError:
+            continue
+    listening, exposed, remote = [], [], []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            local, peer, state, inode = _addr(f[1]), _addr(f[2]), f[3], f[9]
+            cmd = owner.get(inode)
+            if cmd is None:
+                continue
+            if state == LISTEN:
+                listening.append((local, cmd))
+                if not _loopback(local):
+                    exposed.append((local, cmd))
+            elif state == ESTABLISHED and not _loopback(peer):
+                remote.append((local, peer, cmd))
+    endpoints = []
+    ep_dir = Path(output_dir) / "endpoints"
+    for name in sorted(os.listdir(ep_dir)) if ep_dir.is_dir() else []:
+        try:
+            endpoints.append(json.loads((ep_dir / name).read_text())["host"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return {"pids": len(pids), "endpoints": endpoints, "listening": listening, "exposed": exposed,
+            "remote_peers": remote}

@@ -1,0 +1,85 @@
+"""The flagship run on the dev cluster, in a shorter version: `prime-hpc submit
++experiment=reverse_text` submits an SFT warm-up (a plain job of the trainer alone) and the
+RL run, which SLURM starts only once the warm-up completed (afterok). The warm-up stops
+early on its validation loss; RL starts from its final weights and raises the reward while
+the trainer/inference mismatch stays at numerical noise. Every address the run publishes,
+and every socket of its servers, is on loopback."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from prime_hpc import jobs
+from prime_hpc.rundir import RunDir
+from tests.conftest import cli
+from tests.netcheck import run_sockets
+
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
+
+RL_STEPS = 40
+
+
+def _rows(run: RunDir, component: str) -> list[dict]:
+    path = run.metrics(component)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
+    out = tmp_path / "run"
+    r = cli("submit", "+experiment=reverse_text", "cluster=dev", f"output_dir={out}", f"max_steps={RL_STEPS}",
+            "orchestrator.eval.interval=20")
+    assert r.returncode == 0, r.stderr
+    rl, warm = RunDir(out), RunDir(out / "warmup")
+    rl_id, warm_id = jobs.read_job(rl)["job_ids"][-1], jobs.read_job(warm)["job_ids"][-1]
+    sockets: dict = {}
+    try:
+        # the RL job waits in the queue for its warm-up
+        reason = subprocess.run(["squeue", "-h", "-j", rl_id, "-o", "%r"], capture_output=True, text=True).stdout
+        assert "Dependency" in reason, reason
+        st = cli("status", rl_id)
+        assert st.returncode == 0 and f"pipeline: reverse_text_warmup (warm-up, job {warm_id})" in st.stdout
+        ls = cli("list")
+        assert f" └ {warm_id}" in ls.stdout and ls.stdout.index(rl_id) < ls.stdout.index(warm_id)
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline and jobs.read_job(rl).get("state") not in jobs.FINAL_STATES:
+            if not sockets and len(_rows(rl, "orchestrator")) >= 3:
+                sockets = run_sockets(rl.root)  # while every component runs
+            time.sleep(2)
+        job = jobs.read_job(rl)
+        assert job.get("state") == "COMPLETED", (job, jobs.read_job(warm))
+    finally:
+        subprocess.run(["scancel", rl_id, warm_id], capture_output=True, timeout=60)
+
+    # the warm-up: a plain job of the trainer alone, stopped early on its validation loss
+    sacct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", warm_id], capture_output=True,
+                           text=True).stdout.split()
+    assert sacct == [f"{warm_id}|COMPLETED"], sacct
+    wrows = _rows(warm, "trainer")
+    stop_below = 1.5
+    assert wrows[-1]["val/loss"] < stop_below and wrows[-1]["step"] < 1000
+    assert all(r["val/loss"] >= stop_below for r in wrows[:-1] if "val/loss" in r)
+    assert warm.weight_steps()[-1] == wrows[-1]["step"]
+    assert yaml.safe_load(rl.component_config("trainer").read_text())["model"]["name"] == str(warm.root)
+    # RL from those weights: the reward rises, the mismatch stays at numerical noise
+    orch = [r for r in _rows(rl, "orchestrator") if "reward/all/mean" in r]
+    trainer = _rows(rl, "trainer")
+    assert [r["step"] for r in orch] == list(range(1, RL_STEPS + 1)) == [r["step"] for r in trainer]
+    first = statistics.mean(r["reward/all/mean"] for r in orch[:5])
+    last = statistics.mean(r["reward/all/mean"] for r in orch[-5:])
+    assert last >= first + 0.05, (first, last)
+    assert max(r["mismatch_kl/mean"] for r in trainer) < 0.01
+    evals = {r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r}
+    assert set(evals) == {0, 20, 40} and evals[40] > evals[0], evals
+    # one host: published addresses and the servers' sockets are loopback only
+    for name in ("inference_0.json", "router.json"):
+        assert not (rl.endpoints_dir / name).exists()  # unpublished when the servers stopped
+    assert sockets["endpoints"] and all(h == "127.0.0.1" for h in sockets["endpoints"]), sockets
+    # torch's rendezvous store (TCPStore) binds every interface whatever it is asked; only
+    # loopback peers ever connect to it (remote_peers below)
+    assert sockets["listening"] and all("torch.distributed.run" in cmd for _, cmd in sockets["exposed"]), sockets
+    assert not sockets["remote_peers"], sockets
