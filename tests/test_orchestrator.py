@@ -189,6 +189,30 @@ def test_one_step_of_rollouts_is_read_back_by_the_trainer_reader(keyed, tmp_path
 
 
 @pytest.mark.vllm
+def test_a_groups_identical_requests_reach_the_server_as_one(keyed):
+    """8 rollouts asking the same prompt at once: one request with n=8 to the servers, and
+    each rollout gets a completion of its own with its tokens, logprobs and policy step."""
+    from prime_hpc.orchestrator.client import make_client
+
+    client = make_client(keyed.endpoints.openai_base_url, keyed.key)
+    prompt = [{"role": "user", "content": "abcdef"}]
+    args = {"temperature": 1.0, "max_tokens": 8, "logprobs": True, "extra_body": {"return_token_ids": True}}
+
+    async def group():
+        return await asyncio.gather(*(client.get_response(prompt, "tiny", args, state={"i": i}) for i in range(8)))
+
+    before = sum(p["served"] for p in asyncio.run(keyed.admin().policies()))
+    responses = asyncio.run(group())
+    after = sum(p["served"] for p in asyncio.run(keyed.admin().policies()))
+    assert after - before == 1
+    tokens = [tuple(r.message.tokens.completion_ids) for r in responses]
+    assert all(tokens) and len(set(tokens)) > 1  # sampled separately, not one answer copied
+    for r in responses:
+        assert len(r.message.tokens.completion_logprobs) == len(r.message.tokens.completion_ids)
+        assert r.policy_step == 0
+
+
+@pytest.mark.vllm
 def test_a_raising_reward_is_counted_and_the_run_goes_on(keyed, tmp_path):
     cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=2", "orchestrator.eval.env=[]"])
     cfg["orchestrator"]["env"] = [{"id": "flaky_reverse", "args": {"raise_every": 2, "num_train_examples": 40},

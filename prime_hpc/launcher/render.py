@@ -13,8 +13,9 @@ from prime_hpc.errors import UserError
 from prime_hpc.launcher.plan import Plan
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch_templates"
-# How long components get to exit (e.g. finish a checkpoint) before SIGKILL; below SLURM's
-# default KillWait (30 s) so the script still records the outcome after a scancel.
+# How long components get to exit (e.g. finish a checkpoint) before SIGKILL, and how long a
+# requeue or preemption waits for their checkpoint; below SLURM's default KillWait (30 s) so
+# the script still records the outcome before SLURM kills it.
 STOP_GRACE_S = 20
 
 

@@ -51,7 +51,8 @@ def run_eval(target: str, args: list[str]) -> int:
     from prime_hpc.inference.client import Admin, api_key, wait_for_servers
     from prime_hpc.launcher.plan import cache_root
     from prime_hpc.net import address_env
-    from prime_hpc.orchestrator.loop import Orchestrator, make_client
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.loop import Orchestrator
 
     run, one_step = target_run(target)
     steps_arg = [a for a in args if a.startswith("steps=")]

@@ -27,12 +27,14 @@ from prime_hpc import batch
 from prime_hpc.errors import UserError
 from prime_hpc.inference.client import Admin, api_key, discover, headers
 from prime_hpc.orchestrator import envs as envs_mod
+from prime_hpc.orchestrator.client import make_client
 from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
 from prime_hpc.checkpoints import is_due, resolve_resume_step, rotate
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, mark_stable, read_json
 
 STATE_FILE = "state.json"
+LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
 SNAPSHOTS_KEPT = 32  # recent steps whose state is kept (the trainer is at most async_level behind)
 CHECKPOINT_WAIT_S = 120.0  # asked to checkpoint: how long to wait for the trainer's step
 
@@ -45,23 +47,8 @@ class StepFill:
     accepted: list = field(default_factory=list)  # groups (lists of rollouts) for the step
     finished: list = field(default_factory=list)  # every judged rollout (for metrics)
     counts: dict = field(default_factory=lambda: defaultdict(int))  # judged groups, and why dropped
-LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
 
 
-def make_client(base_url: str, key: Optional[str]) -> Any:
-    """A verifiers client over AsyncOpenAI that keeps each response's `policy_step`."""
-    from openai import AsyncOpenAI
-    from verifiers.clients import OpenAIChatCompletionsClient
-
-    class PolicyStampedClient(OpenAIChatCompletionsClient):
-        async def from_native_response(self, response: Any) -> Any:
-            r = await super().from_native_response(response)
-            extra = getattr(response, "model_extra", None) or {}
-            if "policy_step" in extra:
-                r.policy_step = extra["policy_step"]
-            return r
-
-    return PolicyStampedClient(AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", max_retries=2, timeout=3600))
 
 
 class Orchestrator:
