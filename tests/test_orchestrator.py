@@ -140,7 +140,8 @@ def test_several_envs_are_sampled_by_ratio_and_the_sampler_resumes():
 def _orch_cfg(root: Path, inference, overrides: list[str]) -> dict:
     cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "orchestrator.batch_size=16",
                    "orchestrator.group_size=4", "orchestrator.max_concurrent=16", "orchestrator.eval.interval=0",
-                   "orchestrator.sampling.max_tokens=12", *overrides])
+                   "orchestrator.eval.at_start=false", "async_level=2", "orchestrator.sampling.max_tokens=12",
+                   *overrides])
     c = component_config(cfg, "orchestrator")
     c["inference_nodes"] = len(inference.endpoints.servers)
     root.mkdir(parents=True, exist_ok=True)
@@ -210,6 +211,22 @@ def test_a_groups_identical_requests_reach_the_server_as_one(keyed):
     for r in responses:
         assert len(r.message.tokens.completion_logprobs) == len(r.message.tokens.completion_ids)
         assert r.policy_step == 0
+
+
+@pytest.mark.vllm
+def test_without_max_steps_the_data_is_used_once_and_the_end_is_written(keyed, tmp_path):
+    """max_steps=null: every train task is used once, the last full step is written, then
+    rollouts/DONE names it (the trainer stops there)."""
+    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=null", "orchestrator.eval.env=[]"])
+    cfg["orchestrator"]["env"] = [{"id": "reverse_text", "args": {"num_train_examples": 10}, "ratio": 1.0,
+                                   "name": None}]
+    summary = _run(cfg)
+    run = RunDir(cfg["output_dir"])
+    rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    done = json.loads(run.rollouts_done.read_text())
+    # 10 tasks, 4 groups a step: at most 2 full steps, the rest cannot fill a third
+    assert summary["problems"] == 10 and done["last_step"] == summary["last_step"] == len(rows) <= 2
+    assert rows and run.rollout_steps() == list(range(1, len(rows) + 1))
 
 
 @pytest.mark.vllm

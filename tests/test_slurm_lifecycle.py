@@ -111,10 +111,10 @@ def test_rl_run_survives_a_requeue_is_cancelled_and_resumed(tmp_path):
 
 
 def test_sft_run_outlives_a_time_limit_shorter_than_the_run(tmp_path):
-    """cluster.time=2 (minutes) for a run of ~4 minutes: at the warning before each time
+    """cluster.time=2 (minutes) for a run of ~3 minutes: at the warning before each time
     limit the trainer checkpoints, the job goes back to the queue, and the next attempt
     continues; no step is lost or trained twice."""
-    steps = 900
+    steps = 600
     cfg = compose(["+experiment=reverse_text_sft", "cluster=dev", f"output_dir={tmp_path}/run", f"max_steps={steps}",
                    "cluster.time=2", "cluster.signal_delay_s=45", "trainer.data.args.num_examples=4000",
                    "trainer.val.interval=null", "ckpt.interval=1000"])
