@@ -109,10 +109,14 @@ def test_one_epoch_sampler_serves_every_task_once_then_stops():
     seen = []
     while (picked := s.next()) is not None:
         seen.append((picked[0].name, picked[1]["example_id"]))
+        assert s.remaining() == 8 - len(seen)
     assert sorted(seen) == sorted([("e0", i) for i in range(3)] + [("e1", i) for i in range(5)])
     assert s.exhausted()
     endless = EnvSampler(_slots([2]), seed=0)
     assert all(endless.next() is not None for _ in range(10)) and not endless.exhausted()
+    assert endless.remaining() is None
+    two = EnvSampler(_slots([2]), seed=0, epochs=2)
+    assert two.remaining() == 4 and two.next() and two.next() and two.next() and two.remaining() == 1
 
 
 # --------------------------------------------------------------------------- resume points

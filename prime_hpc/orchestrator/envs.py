@@ -175,6 +175,12 @@ class EnvSampler:
     def exhausted(self) -> bool:
         return all(self._used_up(s) for s in self.slots)
 
+    def remaining(self) -> Optional[int]:
+        """Tasks still to serve (None: no end, `epochs` unset)."""
+        if self.epochs is None:
+            return None
+        return sum((self.epochs - s.epoch - 1) * len(s.order) + len(s.order) - s.cursor for s in self.slots)
+
     def next(self) -> Optional[tuple[EnvSlot, dict]]:
         live = [(s, w) for s, w in zip(self.slots, self.weights) if not self._used_up(s)]
         if not live:

@@ -310,10 +310,12 @@ class Orchestrator:
                 return None
             recent = self.policy >= step - self.k
             self.admit(step, len(fill.accepted), len(pending) + len(self.carry))
+            left = self.sampler.remaining()
+            if left is not None and len(fill.accepted) + len(pending) + len(self.carry) + len(self.inflight) + left \
+                    < self.groups_per_step:
+                logger.info(f"the train data is used up; step {step} cannot be filled")
+                return None
             if not pending:
-                if not self.inflight and self.sampler.exhausted():
-                    logger.info(f"the train data is used up; step {step} cannot be filled")
-                    return None
                 tw = time.monotonic()
                 pending = await self.next_finished()
                 if not recent:
