@@ -1,4 +1,4 @@
-"""`prime-hpc`: submit, doctor, status, list, cancel, tail.
+"""`prime-hpc`: submit, resume, doctor, status, list, cancel, tail, eval.
 
 Heavy modules are imported inside the commands that need them; `--help`, `status`,
 `list`, `tail` and `submit --dry-run` never import torch or vllm.
@@ -11,10 +11,11 @@ import time
 from typing import Optional
 
 USAGE_EXAMPLES = """examples:
-  prime-hpc submit +experiment=reverse_text                 compose with Hydra, submit one het job
-  prime-hpc submit +experiment=reverse_text --dry-run       write config + sbatch script, submit nothing
-  prime-hpc submit -m +experiment=reverse_text trainer.optim.lr=1e-6,3e-6   a sweep: one job per point
-  prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the het layout on the cluster
+  prime-hpc submit +experiment=reverse_text                 compose with Hydra, submit (here: SFT warm-up, then RL)
+  prime-hpc submit +experiment=reverse_text --dry-run       write configs and job scripts, submit nothing
+  prime-hpc submit -m +experiment=reverse_text trainer.optim.lr=1e-6,3e-6   a sweep: one run per point
+  prime-hpc resume JOB ckpt.step=-1 max_steps=200           continue a run from its latest checkpoint
+  prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster
   prime-hpc eval JOB steps=10,20                            score saved weights on the run's eval envs
   prime-hpc status [JOB]      prime-hpc list      prime-hpc cancel JOB      prime-hpc tail JOB
 JOB is a SLURM job id, a run name or an output dir."""
@@ -49,7 +50,12 @@ def _compose_all(overrides: list[str], multirun: bool) -> list[list]:
                     extra.append(override("output_dir", f"{base.output_dir}/{i}"))
             stages = compose_stages([*point, *extra])
             for cfg in stages:
-                validate(cfg)
+                try:
+                    validate(cfg)
+                except UserError as e:
+                    if cfg is not stages[-1]:
+                        raise UserError(f"warm-up {cfg.output_dir}: {e}") from None
+                    raise
         except UserError as e:
             if len(points) > 1:
                 swept = " ".join(o for o in point if o not in overrides)
@@ -186,8 +192,8 @@ def _status_lines(ref) -> list[str]:
     rows = [("GROUP", "STATE", "HEARTBEAT")] + [(g, st, _heartbeat(ref.run, g)) for g, st in groups.items()]
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     out += ["  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
-    for a in attempts[:-1] if len(attempts) > 1 else []:
-        out.append(f"  attempt {a['attempt']} (job {a['job_id']}) ended {a.get('end', '?')}"
+    for i, a in enumerate(attempts[:-1] if len(attempts) > 1 else []):
+        out.append(f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"
                    + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else ""))
     failure = job.get("failure")
     if failure:
@@ -305,9 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prime-hpc", description="SLURM-native asynchronous RL and SFT for LLMs.",
                                 epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    s = sub.add_parser("submit", help="compose a run from Hydra overrides and submit it")
+    s = sub.add_parser("submit", help="compose a run from Hydra overrides and submit it (with its warm-up, if any)")
     s.add_argument("-m", "--multirun", action="store_true", help="sweep: one job per combination of a=x,y values")
-    s.add_argument("--dry-run", action="store_true", help="write config.yaml, configs/ and submit/rl.sbatch only")
+    s.add_argument("--dry-run", action="store_true",
+                   help="write config.yaml, configs/ and submit/<rl|sft>.sbatch only (for a warm-up too)")
     s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=reverse_text max_steps=50")
     s.set_defaults(fn=cmd_submit)
     d = sub.add_parser("doctor", help="preflight the run's het layout on the cluster and print a pass/fail table")

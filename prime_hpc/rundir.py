@@ -540,7 +540,8 @@ class RunDir:
                     shutil.rmtree(_step_dir(parent, s), ignore_errors=True)
                     removed.append(_step_dir(parent, s))
         for path in sorted(self.metrics_dir.glob("*.jsonl")) if self.metrics_dir.is_dir() else []:
-            if truncate_jsonl(path, lambda row: int(row.get("step", 0)) <= step):
+            # from scratch, step 0's rows (the eval or validation before the first step) go too
+            if truncate_jsonl(path, lambda row: step > 0 and int(row.get("step", 0)) <= step):
                 removed.append(path)
         return removed
 

@@ -68,7 +68,7 @@ def test_dry_run_writes_launch_files_and_submits_nothing(tmp_path):
     warm = yaml.safe_load((out / "warmup/config.yaml").read_text())
     # the RL run starts from the warm-up's final weights
     assert trainer["output_dir"] == str(out)
-    assert trainer["model"]["name"] == str(out / "warmup" / "weights" / f"step_{warm['max_steps']}")
+    assert trainer["model"]["name"] == str(out / "warmup")  # a run dir: its final weights
     assert warm["trainer"]["type"] == "sft" and warm["model"]["name"] == "tiny"
     # a dry run does not make the directory "used": a real submit may follow
     assert RunDir(out).is_fresh()

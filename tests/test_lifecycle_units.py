@@ -143,11 +143,11 @@ def test_resume_point_clears_later_state_and_tells_every_component(tmp_path):
     mark_stable(run.rollout_step(13))
     atomic_write_json(run.rollouts_done, {"last_step": 12})
     run.metrics_dir.mkdir()
-    run.metrics("trainer").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 13)) + "torn{")
+    run.metrics("trainer").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(0, 13)) + "torn{")
     assert attempt.resume_point(run, restarted=False) == 10
     assert run.weight_steps() == list(range(1, 11)) and run.rollout_steps() == []
     assert not run.rollouts_done.exists() and not run.checkpoint_step(12).exists()
-    assert [json.loads(x)["step"] for x in run.metrics("trainer").read_text().splitlines()] == list(range(1, 11))
+    assert [json.loads(x)["step"] for x in run.metrics("trainer").read_text().splitlines()] == list(range(0, 11))
     for comp in ("trainer", "orchestrator"):
         assert yaml.safe_load(run.component_config(comp).read_text())["ckpt"]["step"] == 10
 
@@ -156,8 +156,10 @@ def test_a_requeue_before_any_checkpoint_starts_over_and_a_bad_step_is_refused(t
     run = RunDir(tmp_path)
     _write_configs(run, kind="sft", step=None)
     mark_stable(run.weights_step(3))
+    run.metrics_dir.mkdir()
+    run.metrics("trainer").write_text('{"step": 0, "val/loss": 4.6}\n{"step": 1}\n')
     assert attempt.resume_point(run, restarted=True) is None
-    assert run.weight_steps() == []
+    assert run.weight_steps() == [] and run.metrics("trainer").read_text() == ""  # step 0 is redone too
     _write_configs(run, kind="sft", step=7)
     _complete_checkpoint(run, 4, parts=("trainer",))
     with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .*complete checkpoints: \[4\]"):

@@ -215,6 +215,11 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*axes)]
 
 
+def cache_root(cfg: DictConfig) -> str:
+    """The shared cache of a run (`cluster.cache_dir`, default next to the run)."""
+    return str(Path(cfg.cluster.cache_dir or Path(cfg.output_dir).parent / ".prime-hpc-cache").expanduser().absolute())
+
+
 def to_yaml(cfg: DictConfig | dict) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True, sort_keys=False)
 

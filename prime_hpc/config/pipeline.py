@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from prime_hpc.config.compose import compose, override
+from prime_hpc.config.compose import cache_root, compose, override
 from prime_hpc.errors import ConfigError
 
 WARMUP_DIR = "warmup"
@@ -29,15 +29,21 @@ def warmup_config(cfg: DictConfig) -> Optional[DictConfig]:
         return None
     out = Path(cfg.output_dir) / WARMUP_DIR
     try:
-        wcfg = compose([f"+experiment={w.experiment}", *w.overrides, f"output_dir={out}",
-                        f"name={cfg.name}_{WARMUP_DIR}", "warmup.experiment=null"])
+        wcfg = compose([*warmup_overrides(cfg), override("output_dir", out), override("name", f"{cfg.name}_{WARMUP_DIR}"),
+                        "warmup.experiment=null"])
     except ConfigError as e:
         raise ConfigError(f"warmup ({e.key})", str(e).split(": ", 1)[-1]) from None
     if wcfg.trainer.type != "sft":
         raise ConfigError("warmup.experiment", f"{w.experiment!r} is an {wcfg.trainer.type} run; a warm-up must be an "
                                                "SFT experiment (trainer.type=sft)")
     wcfg.merge_with({"cluster": OmegaConf.to_container(cfg.cluster)})  # the run's cluster, verbatim
+    wcfg.cluster.cache_dir = cache_root(cfg)  # and its cache (not one inside the run's directory)
     return wcfg
+
+
+def warmup_overrides(cfg: DictConfig) -> list[str]:
+    """What the warm-up is composed from (recorded in its job.json)."""
+    return [f"+experiment={cfg.warmup.experiment}", *cfg.warmup.overrides]
 
 
 def compose_stages(overrides: Sequence[str]) -> list[DictConfig]:

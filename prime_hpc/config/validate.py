@@ -6,6 +6,7 @@ Type and unknown-key errors are caught earlier, by the typed schema during compo
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -52,8 +53,15 @@ def check_positive(cfg: DictConfig) -> None:
                 "inference.tensor_parallel_size", "inference.data_parallel_size"):
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(key, f"must be >= 1 (got {_get(cfg, key)})")
-    if cfg.async_level < 0:
-        raise ConfigError("async_level", f"must be >= 0 (got {cfg.async_level}); 0 is fully on-policy")
+    if cfg.async_level < 1:
+        raise ConfigError("async_level", f"must be >= 1 (got {cfg.async_level}); 1 is fully on-policy (step n "
+                                         "trains on rollouts of policy n-1)")
+    if cfg.cluster.max_requeues < 0:
+        raise ConfigError("cluster.max_requeues", f"must be >= 0 (got {cfg.cluster.max_requeues})")
+    for g in ("orchestrator", "inference", "trainer"):
+        ids = cfg.cluster[g].cpu_ids
+        if ids is not None and ids != "auto" and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(ids)):
+            raise ConfigError(f"cluster.{g}.cpu_ids", f"{ids!r} is not a core list; use e.g. 0-3,8, auto or null")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise ConfigError("max_steps", f"must be >= 1 or null (got {cfg.max_steps})")
     if cfg.cluster.orchestrator.nodes != 1:

@@ -94,9 +94,10 @@ def resume_point(run: RunDir, restarted: bool) -> Optional[int]:
     trainer = _component_yaml(run, "trainer") or {}
     parts = ("trainer",) if (trainer.get("trainer") or {}).get("type") == "sft" else CHECKPOINT_PARTS
     requested = -1 if restarted else (trainer.get("ckpt") or {}).get("step")
-    if requested is None or requested == 0:
-        if restarted:
-            run.clear_after(0)
+    if requested is None:  # a fresh run: nothing to clear
+        return None
+    if requested == 0:  # start over in this directory
+        run.clear_after(0)
         return None
     if requested == -1 and restarted and not run.complete_checkpoint_steps(parts):
         run.clear_after(0)  # requeued before the first checkpoint: start over

@@ -1,6 +1,9 @@
 """The head task: what het group 0 runs. On SLURM it is the callable submitit pickles and
-runs (`python -m submitit.core._submit`), so submitit tracks its result and handles its
-checkpoint/requeue signal; locally it runs as `python -m prime_hpc.launcher.head`."""
+runs (`python -m submitit.core._submit`), so submitit tracks it and keeps its result;
+locally it runs as `python -m prime_hpc.launcher.head`. Checkpoint and requeue at a time
+limit are the job script's (sbatch_templates/_functions.sh.j2): submitit's own protocol
+handles one process that checkpoints itself, not a job of several groups, nor an SFT job
+without a head."""
 from __future__ import annotations
 
 import argparse

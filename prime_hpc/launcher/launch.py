@@ -10,9 +10,10 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig
 
 from prime_hpc import jobs
-from prime_hpc.config.compose import to_yaml, write_component_config
+from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
 from prime_hpc.config.validate import validate
 from prime_hpc.errors import ConfigError, LaunchError
+from prime_hpc.config.pipeline import warmup_overrides
 from prime_hpc.launcher.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
@@ -94,6 +95,7 @@ def prepare(cfg: DictConfig, mode: str = "run", resume: bool = False,
         run = run.doctor_run
         run.wipe()
         cfg = cfg.copy()
+        cfg.cluster.cache_dir = cache_root(cfg)  # the run's, not one next to doctor/
         cfg.output_dir = str(run.root)
     plan = make_plan(cfg, mode)
     plan.after = after
@@ -170,7 +172,12 @@ def submit_stages(stages: Sequence[DictConfig], overrides: Sequence[str]) -> lis
     if len(stages) == 1:
         return [submit(stages[0], overrides)]
     warm_cfg, cfg = stages
-    warm = submit(warm_cfg, [*warm_cfg.warmup.overrides], pipeline={"run": str(RunDir(cfg.output_dir).root)})
+    run = RunDir(cfg.output_dir)
+    if cfg.clean_output_dir:  # wiped before anything of the pipeline is written (check_fresh allowed it)
+        run.wipe()
+        cfg = cfg.copy()
+        cfg.clean_output_dir = False
+    warm = submit(warm_cfg, warmup_overrides(cfg), pipeline={"run": str(run.root)})
     try:
         after = After(job_id=warm.ref.job_id, output_dir=warm.ref.output_dir)
         run = submit(cfg, overrides, after=after, pipeline={"warmup": {

@@ -55,8 +55,8 @@ def state(run: RunDir) -> str:
     recorded = job.get("state", "UNKNOWN")
     if recorded in FINAL_STATES:
         return recorded
-    if supervisor_alive(job):
-        return "PENDING" if recorded == "PENDING" else "RUNNING"  # PENDING: waiting for the job it starts after
+    if supervisor_alive(job):  # pending only while it waits for the job it starts after (a warm-up)
+        return "PENDING" if recorded == "PENDING" and (job.get("pipeline") or {}).get("warmup") else "RUNNING"
     return "FAILED" if recorded in ("RUNNING", "PENDING") else recorded
 
 

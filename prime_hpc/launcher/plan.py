@@ -13,6 +13,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from prime_hpc.config.compose import cache_root
 from prime_hpc.device import CACHE_VAR, CPUS_VAR, core_count
 from prime_hpc.net import address_env
 from prime_hpc.rundir import COMPONENTS, RunDir
@@ -114,13 +115,6 @@ def trainer_nproc_per_node(cfg: DictConfig) -> int:
 def trainer_ranks(cfg: DictConfig) -> int:
     """The trainer's data-parallel world size (one rollout file per rank)."""
     return int(cfg.cluster.trainer.nodes) * trainer_nproc_per_node(cfg)
-
-
-def cache_root(cfg: DictConfig) -> str:
-    """The shared cache of a run (`cluster.cache_dir`, default next to the run)."""
-    from pathlib import Path
-
-    return str(Path(cfg.cluster.cache_dir or Path(cfg.output_dir).parent / ".prime-hpc-cache").expanduser().absolute())
 
 
 def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:

@@ -46,10 +46,9 @@ def parse_steps(value: str) -> list[int]:
 def run_eval(target: str, args: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from prime_hpc.config.compose import component_config, write_component_config
+    from prime_hpc.config.compose import cache_root, component_config, write_component_config
     from prime_hpc.device import CACHE_VAR
     from prime_hpc.inference.client import Admin, api_key, wait_for_servers
-    from prime_hpc.launcher.plan import cache_root
     from prime_hpc.net import address_env
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.loop import Orchestrator
@@ -73,6 +72,7 @@ def run_eval(target: str, args: list[str]) -> int:
     if not cfg.orchestrator.eval.env:
         raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
     edir = RunDir(run.eval_dir)
+    cache = cache_root(cfg)  # the run's: its compile cache is reused
     cfg.output_dir = str(edir.root)
     cfg.cluster.inference.nodes = 1
     inference_yaml = write_component_config(cfg, "inference")
@@ -86,7 +86,7 @@ def run_eval(target: str, args: list[str]) -> int:
         server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
                                    str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"), "PRIME_HPC_NODE_RANK": "0",
-                                       CACHE_VAR: cache_root(cfg), **address_env(cfg.cluster.address)},
+                                       CACHE_VAR: cache, **address_env(cfg.cluster.address)},
                                   start_new_session=True)
     try:
         print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)

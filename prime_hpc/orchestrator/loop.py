@@ -290,6 +290,10 @@ class Orchestrator:
                 return
             if self._pending_eval is not None:
                 await self._pending_eval
+            ckpt = self.cfg.get("ckpt") or {}
+            if self.step > start and self.step != self.max_steps and is_due(self.step, True, ckpt) \
+                    and not is_due(self.step, False, ckpt):
+                self.save_checkpoint(self.step)  # the data ran out: the last step is the final one
             atomic_write_json(self.run.rollouts_done, {"last_step": self.step})
             logger.info(f"last step written: {self.step} ({self.run.rollouts_done})")
         finally:
