@@ -104,6 +104,7 @@ class JobRef:
     submitted_at: float
     mode: str = "run"  # run | doctor
     kind: str = "rl"  # rl | sft
+    sweep: Optional[str] = None  # the sweep id (`submit -m`) of a sweep point
 
     @property
     def run(self) -> RunDir:
@@ -133,6 +134,15 @@ def recent(limit: Optional[int] = None) -> list[JobRef]:
     return refs[:limit] if limit else refs
 
 
+def resolve_many(name: str) -> list[JobRef]:
+    """A sweep id names every point of the sweep (in order); anything else one job."""
+    points = [r for r in recent() if r.sweep == name]
+    if points:
+        by_dir = {r.output_dir: r for r in points}  # newest record of each point
+        return sorted(by_dir.values(), key=lambda r: (read_job(r.run).get("sweep") or {}).get("point", 0))
+    return [resolve(name)]
+
+
 def resolve(name: str) -> JobRef:
     """A job named by SLURM id, run name or output dir (newest match wins)."""
     path = Path(name).expanduser()
@@ -141,7 +151,8 @@ def resolve(name: str) -> JobRef:
         ids = job.get("job_ids") or ["?"]
         return JobRef(job_id=str(ids[-1]), name=job.get("name", path.name), output_dir=str(RunDir(path).root),
                       backend=job.get("backend", "?"), submitted_at=job.get("submitted_at", 0),
-                      mode=job.get("mode", "run"), kind=job.get("kind", "rl"))
+                      mode=job.get("mode", "run"), kind=job.get("kind", "rl"),
+                      sweep=(job.get("sweep") or {}).get("id"))
     refs = recent()
     for ref in refs:
         if ref.job_id == name or ref.job_id.split("_")[0] == name:

@@ -212,3 +212,16 @@ def test_stop_decision_after_sigterm_waits_for_the_supervisor(tmp_path, monkeypa
         assert stopping.CHECKPOINT > stopping.EXIT > stopping.CONTINUE  # ranks agree on the max
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+# --------------------------------------------------------------------------- lr schedules
+def test_lr_schedules_by_hand():
+    from prime_hpc.trainer.engine import lr_factor
+
+    warm = lr_factor(4)
+    assert [warm(i) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    lin = lr_factor(2, "linear", total_steps=6, min_ratio=0.2)  # decays over steps 3..6
+    assert [round(lin(i), 4) for i in range(6)] == [0.5, 1.0, 0.8, 0.6, 0.4, 0.2]
+    cos = lr_factor(0, "cosine", total_steps=4)
+    assert [round(cos(i), 4) for i in range(4)] == [0.8536, 0.5, 0.1464, 0.0]
+    assert lr_factor(0, "cosine", total_steps=None)(10) == 1.0  # no max_steps: no decay

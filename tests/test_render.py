@@ -40,7 +40,7 @@ def golden_plan():
     """The RL run of a pipeline: it starts after its warm-up job (afterok)."""
     plan = make_plan(compose(GOLDEN_OVERRIDES), python="/opt/venv/bin/python", cores=[0, 1])
     plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(plan.run.submitit_dir)]
-    plan.after = After(job_id="41", output_dir="/shared/runs/reverse_text/warmup")
+    plan.after = [After(job_id="41", output_dir="/shared/runs/reverse_text/warmup")]
     return plan
 
 

@@ -58,6 +58,8 @@ class OptimConfig:
     max_norm: float = 1.0  # gradient clipping norm
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
+    schedule: str = "constant"  # after warm-up: constant | linear | cosine (decay to min_lr_ratio * lr at max_steps)
+    min_lr_ratio: float = 0.0  # linear/cosine: the last step's lr as a fraction of lr
 
 
 @dataclass

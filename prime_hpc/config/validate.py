@@ -24,6 +24,7 @@ CHOICES = {
     "trainer.model.reduce_dtype": ("bfloat16", "float32"),
     "orchestrator.training_mode": ("rl", "opd", "sft"),
     "orchestrator.advantage": ("mean", "std", "loo"),
+    "trainer.optim.schedule": ("constant", "linear", "cosine"),
     "inference.dtype": ("auto", "float16", "bfloat16", "float32"),
     "log.level": ("debug", "info", "warning", "error"),
     "trainer.log.level": ("debug", "info", "warning", "error"),
@@ -69,6 +70,8 @@ def check_positive(cfg: DictConfig) -> None:
     for key in ("trainer.optim.lr", "trainer.optim.max_norm"):
         if _get(cfg, key) <= 0:
             raise ConfigError(key, f"must be > 0 (got {_get(cfg, key)})")
+    if not 0 <= cfg.trainer.optim.min_lr_ratio <= 1:
+        raise ConfigError("trainer.optim.min_lr_ratio", f"must be in [0, 1] (got {cfg.trainer.optim.min_lr_ratio})")
     if not 0 < cfg.inference.gpu_memory_utilization <= 1:
         raise ConfigError("inference.gpu_memory_utilization", "must be in (0, 1]")
 

@@ -239,9 +239,10 @@ def slurm_job_fields(job_id: str) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- pipelines (local)
-def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0) -> int:
-    """Block until the run in `before` ended; 0 if it completed. Otherwise this job fails
-    without starting anything, naming the earlier job and its failure."""
+def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0, any_end: bool = False) -> int:
+    """Block until the run in `before` ended; 0 if it completed (or, with `any_end`,
+    however it ended). Otherwise this job fails without starting anything, naming the
+    earlier job and its failure."""
     from prime_hpc.launcher import local
 
     while True:
@@ -249,7 +250,7 @@ def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0) -> i
         if state in FINAL_STATES:
             break
         time.sleep(poll_s)
-    if state == COMPLETED:
+    if state == COMPLETED or any_end:
         return 0
     prior = read_job(before)
     failure = prior.get("failure") or {}
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reason", default="")
     p.add_argument("--state", default="")
     p.add_argument("before", nargs="?", help="wait-for: the run directory this job starts after")
+    p.add_argument("--any", action="store_true", help="wait-for: start however that run ended")
     a = p.parse_intermixed_args(argv)
     if a.cmd == "rendezvous":
         print(rendezvous())
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "cause":
             print(cause(run, a.job_id))
         elif a.cmd == "wait-for":
-            return wait_for(run, a.job_id, RunDir(a.before))
+            return wait_for(run, a.job_id, RunDir(a.before), any_end=a.any)
     except UserError as e:
         print(f"prime-hpc: {e}", file=sys.stderr)
         return 1

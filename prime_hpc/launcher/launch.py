@@ -82,7 +82,7 @@ def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
 
 def prepare(cfg: DictConfig, mode: str = "run", resume: bool = False,
             extra_env: Optional[dict[str, str]] = None, dry_run: bool = False,
-            after: Optional[After] = None) -> tuple[RunDir, Plan]:
+            after: Sequence[After] = ()) -> tuple[RunDir, Plan]:
     """Validate and write everything a launch needs; returns the run dir used by the job
     (the run's own, or `<output_dir>/doctor/` for a preflight)."""
     validate(cfg)
@@ -98,7 +98,7 @@ def prepare(cfg: DictConfig, mode: str = "run", resume: bool = False,
         cfg.cluster.cache_dir = cache_root(cfg)  # the run's, not one next to doctor/
         cfg.output_dir = str(run.root)
     plan = make_plan(cfg, mode)
-    plan.after = after
+    plan.after = list(after)
     plan.env.update(extra_env or {})
     write_launch_files(cfg, run, plan)
     return run, plan
@@ -116,10 +116,10 @@ def expected_reports(plan: Plan) -> dict[str, int]:
 
 
 def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume: bool = False,
-           extra_env: Optional[dict[str, str]] = None, after: Optional[After] = None,
-           pipeline: Optional[dict] = None) -> Submitted:
-    """Submit one job. `after`: a job it starts after, only if that one completed (the
-    warm-up of a pipeline); `pipeline`: recorded in job.json to tie the jobs together."""
+           extra_env: Optional[dict[str, str]] = None, after: Sequence[After] = (),
+           pipeline: Optional[dict] = None, sweep: Optional[dict] = None) -> Submitted:
+    """Submit one job. `after`: jobs it starts after (a pipeline's warm-up, an earlier
+    point of a sweep); `pipeline`, `sweep`: recorded in job.json to tie the jobs together."""
     run, plan = prepare(cfg, mode, resume, extra_env, after=after)
     task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
     prior = jobs.read_job(run) if resume else {}
@@ -132,6 +132,7 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume:
         kind=plan.kind,
         groups=plan.group_names,
         pipeline=pipeline if pipeline is not None else prior.get("pipeline"),
+        sweep=sweep if sweep is not None else prior.get("sweep"),
         backend=plan.backend,
         output_dir=str(run.root),
         overrides=[*prior.get("overrides", []), list(overrides)],
@@ -161,27 +162,30 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume:
         raise
     jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **proc)
     ref = jobs.JobRef(job_id=job_id, name=plan.name, output_dir=str(run.root), backend=plan.backend,
-                      submitted_at=now, mode=mode, kind=plan.kind)
+                      submitted_at=now, mode=mode, kind=plan.kind,
+                      sweep=(sweep or prior.get("sweep") or {}).get("id"))
     jobs.record(ref)
     return Submitted(ref=ref, plan=plan, job=job_obj)
 
 
-def submit_stages(stages: Sequence[DictConfig], overrides: Sequence[str]) -> list[Submitted]:
+def submit_stages(stages: Sequence[DictConfig], overrides: Sequence[str], after: Sequence[After] = (),
+                  sweep: Optional[dict] = None) -> list[Submitted]:
     """Submit a run, or a pipeline [warm-up, run]: the run starts only once the warm-up
-    completed (SLURM afterok; locally it waits), and both job.json record the pipeline."""
+    completed (SLURM afterok; locally it waits), and both job.json record the pipeline.
+    `after`: what the first job waits for; `sweep`: the sweep this point belongs to."""
     if len(stages) == 1:
-        return [submit(stages[0], overrides)]
+        return [submit(stages[0], overrides, after=after, sweep=sweep)]
     warm_cfg, cfg = stages
     run = RunDir(cfg.output_dir)
     if cfg.clean_output_dir:  # wiped before anything of the pipeline is written (check_fresh allowed it)
         run.wipe()
         cfg = cfg.copy()
         cfg.clean_output_dir = False
-    warm = submit(warm_cfg, warmup_overrides(cfg), pipeline={"run": str(run.root)})
+    warm = submit(warm_cfg, warmup_overrides(cfg), after=after, pipeline={"run": str(run.root)})
     try:
-        after = After(job_id=warm.ref.job_id, output_dir=warm.ref.output_dir)
-        run = submit(cfg, overrides, after=after, pipeline={"warmup": {
-            "job_id": warm.ref.job_id, "name": warm.ref.name, "output_dir": warm.ref.output_dir}})
+        run = submit(cfg, overrides, after=[After(job_id=warm.ref.job_id, output_dir=warm.ref.output_dir)],
+                     sweep=sweep, pipeline={"warmup": {
+                         "job_id": warm.ref.job_id, "name": warm.ref.name, "output_dir": warm.ref.output_dir}})
     except BaseException:
         cancel(warm.ref)
         raise
@@ -238,27 +242,35 @@ def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 2.0) -> str:
                       f"see {sub.ref.run.latest_logs}")
 
 
-def group_states(ref: jobs.JobRef) -> dict[str, str]:
-    """State of each group of the job (SLURM), or of the local run as a whole."""
-    groups = jobs.job_groups(jobs.read_job(ref.run))
+def group_states(ref: jobs.JobRef) -> tuple[dict[str, str], Optional[str]]:
+    """State of each group of the job, and a note when SLURM could not be asked (then the
+    states are what job.json recorded). Local runs: the run's state for every group."""
+    job = jobs.read_job(ref.run)
+    groups = jobs.job_groups(job)
     if ref.backend == "slurm":
         from prime_hpc.launcher import slurm
 
-        return slurm.job(ref.job_id, str(ref.run.submitit_dir), groups).group_states(mode="force")
+        try:
+            states = slurm.component_states(ref.job_id, groups)
+        except slurm.SlurmUnreachable as e:
+            recorded = job.get("state", "UNKNOWN")
+            return {g: recorded for g in groups}, f"SLURM could not be asked ({e}); state as recorded in job.json"
+        if len(states) < len(groups):  # not (or no longer) known to SLURM: what the job recorded
+            return {g: states.get(g) or job.get("state", "UNKNOWN") for g in groups}, None
+        return states, None
     from prime_hpc.launcher import local
 
     st = local.state(ref.run)
-    return {g: st for g in groups}
+    return {g: st for g in groups}, None
 
 
 def job_state(ref: jobs.JobRef) -> str:
+    states, _ = group_states(ref)
     if ref.backend == "slurm":
         from prime_hpc.launcher.slurm import aggregate
 
-        return aggregate(list(group_states(ref).values()))
-    from prime_hpc.launcher import local
-
-    return local.state(ref.run)
+        return aggregate(list(states.values()))
+    return next(iter(states.values()))
 
 
 def cancel(ref: jobs.JobRef) -> bool:

@@ -51,9 +51,15 @@ class TrainerLaunch:
 
 @dataclass
 class After:
-    """A job this one starts after, and only if it completed (SLURM afterok)."""
+    """A job this one starts after: only if it completed (`ok`, SLURM afterok: a pipeline's
+    warm-up), or whatever its end (SLURM afterany: a sweep's --max-parallel chain)."""
     job_id: str
     output_dir: str
+    ok: bool = True
+
+    @property
+    def spec(self) -> str:
+        return f"{'afterok' if self.ok else 'afterany'}:{self.job_id}"
 
 
 @dataclass
@@ -78,7 +84,7 @@ class Plan:
     exclude: Optional[str] = None
     sbatch_extra: list[str] = field(default_factory=list)
     signal_delay_s: int = 120
-    after: Optional[After] = None  # start only once this job completed (a pipeline's warm-up)
+    after: list[After] = field(default_factory=list)  # jobs this one starts after
     address: Optional[str] = None  # cluster.address: every node's bind/publish address (None: its own)
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server

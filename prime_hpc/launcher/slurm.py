@@ -94,12 +94,32 @@ class HetSlurmJob(SlurmJob):
         return state not in ACTIVE and state != "UNKNOWN"
 
 
-def _components(cmd: list[str]) -> dict[str, dict[int, str]]:
-    """{leader id: {het group index: state}} from squeue/sacct lines "<id>+<k>|<state>"
-    (a plain job's line "<id>|<state>" is its group 0)."""
+class SlurmUnreachable(RuntimeError):
+    """squeue/sacct could not answer (controller or accounting down); says which."""
+
+
+def _ask(cmd: list[str]) -> str:
+    """stdout of a SLURM query; `SlurmUnreachable` when it could not be answered (an
+    unknown job id is an answer: no lines)."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SlurmUnreachable(f"{cmd[0]}: {e}") from None
+    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+        err = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
+        raise SlurmUnreachable(f"{cmd[0]}: {err[:200]}")
+    return out.stdout
+
+
+def _components(cmd: list[str], strict: bool = False) -> dict[str, dict[int, str]]:
+    """{leader id: {het group index: state}} from squeue/sacct lines "<id>+<k>|<state>"
+    (a plain job's line "<id>|<state>" is its group 0). With `strict`, an unanswered
+    query raises `SlurmUnreachable`; otherwise it counts as no lines."""
+    try:
+        out = _ask(cmd)
+    except SlurmUnreachable:
+        if strict:
+            raise
         return {}
     found: dict[str, dict[int, str]] = {}
     for line in out.splitlines():
@@ -119,16 +139,34 @@ def squeue_components(job_ids: list[str], finished_too: bool = False) -> dict[st
     return _components(cmd)
 
 
-def live_states(groups: dict[str, int]) -> dict[str, str]:
-    """{job id: aggregated state} for {job id: number of groups}: squeue for what the
-    controller still knows, sacct for the rest, and only once it lists every component
-    (early on it shows one row)."""
+def component_states(job_id: str, groups: list[str]) -> dict[str, str]:
+    """{group name: state} of one job: squeue while the controller knows it, else sacct.
+    Raises `SlurmUnreachable` when neither can answer."""
+    found = _components(["squeue", "-h", "-o", "%i|%T", "-t", "all", "-j", job_id], strict=True).get(job_id)
+    if not found:
+        found = _components(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id], strict=True).get(job_id)
+    return {groups[k]: st for k, st in (found or {}).items() if k < len(groups)}
+
+
+def live_states(groups: dict[str, int]) -> tuple[dict[str, str], Optional[str]]:
+    """({job id: aggregated state}, note) for {job id: number of groups}: squeue for what
+    the controller still knows, sacct for the rest, and only once it lists every component
+    (early on it shows one row). The note says what could not be asked (those jobs are
+    left out)."""
     job_ids = list(groups)
-    found = squeue_components(job_ids, finished_too=True)
+    note = None
+    try:
+        found = _components(["squeue", "-h", "-o", "%i|%T", "-t", "all", "-j", ",".join(job_ids)], strict=True)
+    except SlurmUnreachable as e:
+        found, note = {}, str(e)
     rest = [j for j in job_ids if j not in found]
     if rest:
-        found.update(_components(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)]))
-    return {j: aggregate(list(s.values())) for j, s in found.items() if j in groups and len(s) >= groups[j]}
+        try:
+            found.update(_components(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)],
+                                     strict=True))
+        except SlurmUnreachable as e:
+            note = "; ".join(filter(None, [note, str(e)]))
+    return {j: aggregate(list(s.values())) for j, s in found.items() if j in groups and len(s) >= groups[j]}, note
 
 
 class HetSlurmExecutor(submitit.SlurmExecutor):

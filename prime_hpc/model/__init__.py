@@ -29,6 +29,10 @@ def resolve_model(name: str, seed: int = 0) -> str:
     from pathlib import Path
 
     path = Path(name).expanduser()
+    if name.startswith(("/", "./", "../", "~")) and not path.exists():  # a path, not a hub id: never fetched
+        from prime_hpc.errors import UserError
+
+        raise UserError(f"model.name={name}: no such directory")
     if path.is_dir() and not (path / "config.json").exists() and (path / "weights").is_dir():
         from prime_hpc.errors import UserError
         from prime_hpc.rundir import RunDir

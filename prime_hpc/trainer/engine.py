@@ -27,10 +27,22 @@ from prime_hpc.trainer.model import Policy
 LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
 
 
-def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
-    """LR multiplier for the (i+1)-th optimizer step: linear warmup to 1, then constant."""
+def lr_factor(warmup_steps: int, schedule: str = "constant", total_steps: Optional[int] = None,
+              min_ratio: float = 0.0) -> Callable[[int], float]:
+    """LR multiplier for the (i+1)-th optimizer step: linear warm-up to 1 over
+    `warmup_steps`, then `constant`, or a `linear` / `cosine` decay reaching `min_ratio` at
+    step `total_steps` (needs max_steps; constant without it)."""
+    import math
+
     def f(i: int) -> float:
-        return 1.0 if warmup_steps <= 0 else min(1.0, (i + 1) / warmup_steps)
+        step = i + 1
+        if warmup_steps > 0 and step <= warmup_steps:
+            return step / warmup_steps
+        if schedule == "constant" or not total_steps or total_steps <= warmup_steps:
+            return 1.0
+        frac = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        shape = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return min_ratio + (1.0 - min_ratio) * shape
     return f
 
 
@@ -45,13 +57,14 @@ class StepResult:
 class Engine:
     """Owns the policy, its optimizer and LR schedule on one rank."""
 
-    def __init__(self, policy: Policy, env: DistEnv, optim_cfg: Any) -> None:
+    def __init__(self, policy: Policy, env: DistEnv, optim_cfg: Any, total_steps: Optional[int] = None) -> None:
         self.policy, self.env, self.cfg = policy, env, optim_cfg
         self.model = policy.model
         self.params = policy.trainable
         self.optimizer = torch.optim.AdamW(self.params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
                                            weight_decay=optim_cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(optim_cfg.warmup_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(
+            optim_cfg.warmup_steps, optim_cfg.schedule, total_steps, optim_cfg.min_lr_ratio))
 
     def forward(self, mb: dict, temperature: float = 1.0, with_entropy: bool = True):
         d = self.env.device

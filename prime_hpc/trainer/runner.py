@@ -83,7 +83,7 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
         torch.manual_seed(cfg.seed)  # the same initial values (e.g. LoRA A) on every rank
         policy = build_policy(cfg, env.mesh)
         torch.manual_seed(cfg.seed + env.rank)  # independent dropout per data-parallel rank
-        engine = Engine(policy, env, cfg.trainer.optim)
+        engine = Engine(policy, env, cfg.trainer.optim, total_steps=cfg.max_steps)
         ckpt = Checkpointer(run, cfg.ckpt, env)
         metrics = None
         try:

@@ -1,0 +1,78 @@
+"""`prime-hpc`: one module per command (`prime_hpc/cli/<command>.py`), each a thin layer over
+the library: it adds its arguments to the parser (`add_parser`) and runs (`run`).
+
+Heavy modules are imported inside the commands that need them; `--help`, `status`,
+`list`, `tail` and `submit --dry-run` never import torch or vllm.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional
+
+COMMANDS = ("submit", "resume", "status", "list", "tail", "cancel", "plot", "eval", "doctor")
+TAKES_OVERRIDES = ("submit", "doctor", "resume")  # extra words are Hydra overrides
+
+USAGE_EXAMPLES = """examples:
+  prime-hpc submit +experiment=reverse_text                 compose with Hydra, submit (here: SFT warm-up, then RL)
+  prime-hpc submit +experiment=reverse_text -f              ... and follow it until it ends
+  prime-hpc submit +experiment=reverse_text --dry-run       write configs and job scripts, submit nothing
+  prime-hpc submit -m +experiment=reverse_text trainer.optim.lr=1e-6,3e-6   a sweep: one run per point
+  prime-hpc resume JOB ckpt.step=-1 max_steps=200           continue a run from its latest checkpoint
+  prime-hpc status JOB --watch        prime-hpc plot JOB... -o curves.png       prime-hpc tail JOB
+  prime-hpc list      prime-hpc cancel JOB      prime-hpc eval JOB steps=10,20
+  prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster
+JOB is a SLURM job id, a run name, an output dir, or a sweep id."""
+
+
+def print_err(msg: str) -> None:
+    print(f"prime-hpc: error: {msg}", file=sys.stderr)
+
+
+def command(name: str):
+    """The module of command `name` (imported on demand)."""
+    return importlib.import_module(f"prime_hpc.cli.{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prime-hpc", description="SLURM-native asynchronous RL and SFT for LLMs.",
+                                epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        mod = command(name)
+        sp = mod.add_parser(sub)
+        sp.set_defaults(fn=mod.run)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from prime_hpc.errors import LaunchError, UserError
+
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if unknown:
+        if args.command in TAKES_OVERRIDES:  # e.g. "~key" or options after overrides
+            bad = [u for u in unknown if u.startswith("-") and not u.startswith("~")]
+            if bad:
+                print_err(f"unknown option {bad[0]!r} (see prime-hpc {args.command} --help)")
+                return 2
+            args.overrides += unknown
+        else:
+            print_err(f"unexpected argument {unknown[0]!r} (see prime-hpc {args.command} --help)")
+            return 2
+    try:
+        return args.fn(args)
+    except (UserError, LaunchError) as e:
+        print_err(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `prime-hpc list | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

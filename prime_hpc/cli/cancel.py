@@ -1,0 +1,24 @@
+"""`prime-hpc cancel JOB`: a job, both jobs of a pipeline, or every point of a sweep."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    c = sub.add_parser("cancel", help="cancel a job (a pipeline's jobs together, a sweep's points)")
+    c.add_argument("job", help="job id, run name, output dir or sweep id")
+    return c
+
+
+def run(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+
+    for point in jobs.resolve_many(a.job):
+        for ref in launch.pipeline_refs(point)[::-1]:  # the run first: its warm-up cannot start it any more
+            if launch.cancel(ref):
+                print(f"cancelled job {ref.job_id} ({ref.name})")
+            else:
+                print(f"job {ref.job_id} ({ref.name}) already ended: {launch.job_state(ref)}")
+    return 0

@@ -1,0 +1,74 @@
+"""`prime-hpc list [-n N]`: the newest jobs, a pipeline's warm-up under its run and a
+sweep's points under the sweep."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from typing import Any
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    ls = sub.add_parser("list", help="recently submitted jobs (pipelines and sweeps grouped)")
+    ls.add_argument("-n", type=int, default=20, help="how many jobs")
+    return ls
+
+
+def run(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+
+    refs = jobs.recent(a.n)
+    if not refs:
+        print("no jobs submitted yet (prime-hpc submit ...)")
+        return 0
+    records = {r.output_dir: jobs.read_job(r.run) for r in refs}
+    live, note = live_states([r for r in refs if r.backend == "slurm"], records)
+    rows = [("JOB", "NAME", "STATE", "KIND", "SUBMITTED", "OUTPUT DIR")]
+    shown: set = set()
+    sweeps_shown: set = set()
+    for r in refs:
+        rec = records[r.output_dir]
+        if r.output_dir in shown or ((rec.get("pipeline") or {}).get("run") in records):
+            continue  # listed already, or a warm-up listed under its run
+        if r.sweep and r.sweep not in sweeps_shown:
+            sweeps_shown.add(r.sweep)
+            points = [x for x in refs if x.sweep == r.sweep]
+            rows.append((r.sweep, f"{len(points)} points", "", "sweep", "", ""))
+        indent = "  " if r.sweep else ""
+        rows.append(_row(r, rec, live, indent, (rec.get("sweep") or {}).get("swept", "")))
+        shown.add(r.output_dir)
+        warm = ((rec.get("pipeline") or {}).get("warmup") or {}).get("output_dir")
+        for w in refs:
+            if w.output_dir == warm and w.output_dir not in shown:
+                rows.append(_row(w, records[w.output_dir], live, indent + " └ ", ""))
+                shown.add(w.output_dir)
+    w = [max(len(r[i]) for r in rows) for i in range(5)]
+    if note:
+        print(note)
+    for row in rows:
+        print(("  ".join(c.ljust(x) for c, x in zip(row[:5], w)) + "  " + row[5]).rstrip())
+    return 0
+
+
+def _row(r: Any, job: dict, live: dict, indent: str, swept: str) -> tuple:
+    from prime_hpc import jobs
+
+    state = live.get(r.job_id) or job.get("state", "?")
+    if r.backend == "local" and state not in jobs.FINAL_STATES:
+        from prime_hpc.launcher import local
+
+        state = local.state(r.run)
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted_at))
+    kind = f"{job.get('kind', r.kind)}/{r.backend}" + ("/doctor" if r.mode == "doctor" else "")
+    return (indent + r.job_id, r.name, state, kind, when, r.output_dir + (f"  [{swept}]" if swept else ""))
+
+
+def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:
+    """SLURM's states of these jobs, and a note when SLURM could not be asked."""
+    if not refs or not shutil.which("squeue"):
+        return {}, ""
+    from prime_hpc import jobs
+    from prime_hpc.launcher.slurm import live_states as ask
+
+    states, note = ask({r.job_id: len(jobs.job_groups(records[r.output_dir])) for r in refs})
+    return states, (f"SLURM could not be asked ({note}); other states as recorded in each job.json" if note else "")

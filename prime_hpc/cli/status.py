@@ -1,0 +1,164 @@
+"""`prime-hpc status [JOB] [--json] [--watch [S]]`: the state of each group, the attempts,
+and the run's vital signs (steps, reward and its trend, eval, loss, mismatch KL, s/step,
+throughput, ETA). A pipeline shows both jobs; a sweep one line per point. When SLURM
+cannot be asked, the answer comes from the run directory, saying so in one line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    st = sub.add_parser("status", help="state, attempts and vital signs of a job (or of a pipeline or a sweep)")
+    st.add_argument("job", nargs="?", help="job id, run name, output dir or sweep id (default: the newest job)")
+    st.add_argument("--json", action="store_true", help="print one JSON object instead (for scripts)")
+    st.add_argument("--watch", nargs="?", const=5.0, type=float, default=None, metavar="S",
+                    help="refresh every S seconds (default 5) until Ctrl-C")
+    return st
+
+
+def ago(t: Optional[float]) -> str:
+    if not t:
+        return "-"
+    d = max(0.0, time.time() - t)
+    return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.1f}h ago"
+
+
+def heartbeat(run: Any, component: str) -> Optional[dict]:
+    """The newest heartbeat of any rank/node of `component`."""
+    best = None
+    try:
+        names = [n for n in os.listdir(run.heartbeats_dir) if n.startswith(component + "_")]
+    except FileNotFoundError:
+        names = []
+    for n in names:
+        try:
+            info = json.loads((run.heartbeats_dir / n).read_text())
+        except (OSError, ValueError):
+            continue
+        if best is None or info.get("time", 0) > best.get("time", 0):
+            best = info
+    return best
+
+
+def job_status(ref: Any) -> dict[str, Any]:
+    """Everything `status` shows of one job, as plain data."""
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+    from prime_hpc.launcher.slurm import aggregate
+    from prime_hpc.vitals import vitals
+
+    job = jobs.read_job(ref.run)
+    groups, note = launch.group_states(ref)
+    overall = aggregate(list(groups.values())) if ref.backend == "slurm" else next(iter(groups.values()))
+    if note:
+        overall = job.get("state", "UNKNOWN")
+    beats = {g: heartbeat(ref.run, g) for g in groups}
+    return {
+        "job_id": ref.job_id, "name": ref.name, "state": overall, "backend": ref.backend,
+        "kind": job.get("kind", ref.kind), "mode": ref.mode, "output_dir": ref.output_dir, "slurm_note": note,
+        "groups": {g: {"state": st, "heartbeat": beats[g]} for g, st in groups.items()},
+        "attempts": job.get("attempts", []), "requeues": job.get("requeues", 0),
+        "failure": job.get("failure"), "sweep": job.get("sweep"), "pipeline": job.get("pipeline"),
+        "vitals": vitals(ref.run, _max_steps(ref.run)),
+    }
+
+
+def _max_steps(run: Any) -> Optional[int]:
+    import yaml
+
+    try:
+        return (yaml.safe_load(run.component_config("trainer").read_text()) or {}).get("max_steps")
+    except (OSError, ValueError):
+        return None
+
+
+def format_job(s: dict[str, Any]) -> list[str]:
+    from prime_hpc.vitals import format_vitals
+
+    attempts = s["attempts"]
+    requeues = f", {s['requeues']} requeue(s)" if s["requeues"] else ""
+    out = [f"job {s['job_id']}  {s['name']}  {s['state']}  ({s['backend']}, {s['kind']}"
+           f"{', preflight' if s['mode'] == 'doctor' else ''}, attempt {len(attempts) or '-'}{requeues})",
+           f"output dir: {s['output_dir']}"]
+    if s["slurm_note"]:
+        out.append(s["slurm_note"])
+    rows = [("GROUP", "STATE", "HEARTBEAT")]
+    for g, info in s["groups"].items():
+        beat = info["heartbeat"] or {}
+        rows.append((g, info["state"], ago(beat.get("time")) + (f" step {beat['step']}" if "step" in beat else "")))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    out += ["  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
+    for i, a in enumerate(attempts[:-1] if len(attempts) > 1 else []):
+        out.append(f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"
+                   + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else ""))
+    if s["mode"] != "doctor" and (s["vitals"]["trainer_step"] is not None or s["vitals"]["orchestrator_step"]):
+        out += format_vitals(s["vitals"])
+    if s["failure"]:
+        f = s["failure"]
+        out.append(f"failed: {f.get('component') or 'job'} {f.get('reason', '')}; see {f.get('log')}")
+    return out
+
+
+def sweep_lines(refs: list, statuses: list[dict]) -> list[str]:
+    """One line per point of a sweep: state, step, reward, swept values."""
+    sweep = statuses[0]["sweep"] or {}
+    rows = [("POINT", "JOB", "STATE", "STEP", "REWARD", "SWEPT")]
+    for st in statuses:
+        v, sw = st["vitals"], st["sweep"] or {}
+        step = v["trainer_step"] if v["trainer_step"] is not None else "-"
+        rows.append((str(sw.get("point", "?")), st["job_id"], st["state"],
+                     f"{step}/{v['max_steps']}" if v["max_steps"] else str(step),
+                     "-" if v["reward"] is None else f"{v['reward']:.3f}", sw.get("swept", "")))
+    w = [max(len(r[i]) for r in rows) for i in range(5)]
+    return [f"sweep {sweep.get('id')}: {len(refs)} points"] + [
+        "  " + "  ".join(c.ljust(x) for c, x in zip(r[:5], w)) + "  " + r[5] for r in rows]
+
+
+def snapshot(name: Optional[str]) -> tuple[list[str], Any]:
+    """(lines, json object) for a job, a pipeline or a sweep."""
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+
+    if name:
+        refs = jobs.resolve_many(name)
+    else:
+        recent = jobs.recent(1)
+        if not recent:
+            return ["no jobs submitted yet (prime-hpc submit ...)"], {}
+        refs = [recent[0]]
+    if len(refs) > 1:  # a sweep
+        statuses = [job_status(r) for r in refs]
+        return sweep_lines(refs, statuses), {"sweep": (statuses[0]["sweep"] or {}).get("id"), "points": statuses}
+    stages = launch.pipeline_refs(refs[0])
+    statuses = [job_status(r) for r in stages]
+    lines: list[str] = []
+    if len(stages) > 1:
+        lines.append(f"pipeline: {stages[0].name} (warm-up, job {stages[0].job_id}) -> "
+                     f"{stages[1].name} (job {stages[1].job_id})")
+    for i, st in enumerate(statuses):
+        lines += ([""] if i else []) + format_job(st)
+    obj = statuses[0] if len(statuses) == 1 else {"pipeline": statuses}
+    return lines, obj
+
+
+def run(a: argparse.Namespace) -> int:
+    while True:
+        lines, obj = snapshot(a.job)
+        if a.json:
+            print(json.dumps(obj, default=str))
+        else:
+            if a.watch:
+                sys.stdout.write("\x1b[H\x1b[2J")  # clear the terminal
+                lines = [time.strftime("%H:%M:%S") + f"  (every {a.watch:g}s, Ctrl-C to stop)"] + lines
+            print("\n".join(lines), flush=True)
+        if not a.watch:
+            return 0
+        try:
+            time.sleep(a.watch)
+        except KeyboardInterrupt:
+            return 0

@@ -1,0 +1,123 @@
+"""`prime-hpc submit [overrides] [-m] [--dry-run] [-f] [--max-parallel K]`."""
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+from typing import Any
+
+from prime_hpc.errors import UserError
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    s = sub.add_parser("submit", help="compose a run from Hydra overrides and submit it (with its warm-up, if any)")
+    s.add_argument("-m", "--multirun", action="store_true", help="sweep: one run per combination of a=x,y values")
+    s.add_argument("--dry-run", action="store_true",
+                   help="write config.yaml, configs/ and submit/<rl|sft>.sbatch only (for a warm-up too)")
+    s.add_argument("-f", "--follow", action="store_true",
+                   help="then follow the run's logs until it ends (Ctrl-C stops following, not the run)")
+    s.add_argument("--max-parallel", type=int, default=None, metavar="K",
+                   help="sweep: at most K points at a time (each point waits for the one K before it to end)")
+    s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=reverse_text max_steps=50")
+    return s
+
+
+def compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], list]]:
+    """Compose and validate every point (of a sweep) before submitting any: nothing is
+    submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`.
+    Each point is a list of runs: [run], or [warm-up, run] when the run has a warm-up."""
+    from prime_hpc.config import compose, expand_sweep
+    from prime_hpc.config.compose import override
+    from prime_hpc.config.pipeline import compose_stages
+    from prime_hpc.config.validate import validate
+
+    points = expand_sweep(overrides) if multirun else [overrides]
+    # each point gets <output_dir>/<i>, unless the sweep varies output_dir itself
+    sweeps_dir = len(points) > 1 and len({o for p in points for o in p if o.lstrip("+~").startswith("output_dir=")}) <= 1
+    composed = []
+    for i, point in enumerate(points):
+        try:
+            extra = []
+            if len(points) > 1:
+                base = compose(point)
+                extra.append(override("name", f"{base.name}_{i}"))
+                if sweeps_dir:
+                    extra.append(override("output_dir", f"{base.output_dir}/{i}"))
+            stages = compose_stages([*point, *extra])
+            for cfg in stages:
+                try:
+                    validate(cfg)
+                except UserError as e:
+                    if cfg is not stages[-1]:
+                        raise UserError(f"warm-up {cfg.output_dir}: {e}") from None
+                    raise
+        except UserError as e:
+            if len(points) > 1:
+                raise UserError(f"sweep point {i} ({swept(point, overrides)}): {e}") from None
+            raise
+        composed.append((point, stages))
+    return composed
+
+
+def swept(point: list[str], overrides: list[str]) -> str:
+    """What a sweep point sets differently from the others (its legend)."""
+    return " ".join(o for o in point if o not in overrides)
+
+
+def run(a: argparse.Namespace) -> int:
+    from prime_hpc.launcher import launch
+    from prime_hpc.launcher.plan import After
+
+    if a.max_parallel is not None and a.max_parallel < 1:
+        raise UserError(f"--max-parallel {a.max_parallel}: give at least 1")
+    composed = compose_all(a.overrides, a.multirun)
+    if a.follow and len(composed) > 1:
+        raise UserError("--follow follows one run; for a sweep, follow a point with prime-hpc tail <job>")
+    for _, stages in composed:  # refuse before writing or submitting anything
+        launch.check_fresh(stages[-1], dry_run=a.dry_run)
+    if a.dry_run:
+        for _, stages in composed:
+            for cfg in stages:
+                run_dir, plan = launch.prepare(cfg, "run", dry_run=True)
+                files = [run_dir.component_config(g) for g in plan.group_names if g != "orchestrator" or plan.kind == "rl"]
+                print(f"dry run: nothing submitted; wrote {run_dir.config_yaml}, "
+                      + ", ".join(map(str, files)) + f", {run_dir.sbatch_script(plan.kind)}")
+        return 0
+    sweep_id = f"sweep-{secrets.token_hex(3)}" if len(composed) > 1 else None
+    submitted: list[list] = []
+    for i, (point, stages) in enumerate(composed):
+        after = []
+        if a.max_parallel and i >= a.max_parallel:
+            prior = submitted[i - a.max_parallel][-1].ref
+            after = [After(job_id=prior.job_id, output_dir=prior.output_dir, ok=False)]
+        sweep = {"id": sweep_id, "point": i, "points": len(composed), "swept": swept(point, a.overrides)} \
+            if sweep_id else None
+        subs = launch.submit_stages(stages, point, after=after, sweep=sweep)
+        submitted.append(subs)
+        _report(subs, sweep)
+    if sweep_id:
+        print(f"sweep {sweep_id}: {len(composed)} runs"
+              + (f", at most {a.max_parallel} at a time" if a.max_parallel else "")
+              + f"    state: prime-hpc status {sweep_id}    curves: prime-hpc plot {sweep_id}")
+    if a.follow:
+        from prime_hpc.cli.tail import follow_ref
+
+        rc = 0
+        for sub in submitted[0]:  # the warm-up first, then the run
+            rc = follow_ref(sub.ref)
+            if rc:
+                break
+        return rc
+    return 0
+
+
+def _report(subs: list, sweep: Any) -> None:
+    for sub in subs:
+        ref = sub.ref
+        what = "warm-up" if len(subs) > 1 and sub is subs[0] else "run"
+        print(f"submitted {what} job {ref.job_id} ({ref.name}, {ref.kind}, {ref.backend})"
+              + (f", starts after job {subs[0].ref.job_id} completes" if what == "run" and len(subs) > 1 else "")
+              + (f" [{sweep['swept']}]" if sweep and sub is subs[-1] else ""))
+        print(f"  output dir: {ref.output_dir}")
+    ref = subs[-1].ref
+    print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}", file=sys.stdout)

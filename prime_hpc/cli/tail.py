@@ -1,0 +1,57 @@
+"""`prime-hpc tail JOB [--component C]... [--rank R|all] [--all] [--no-follow] [-n N]`:
+follow every log of the job's current attempt until it ends (see prime_hpc/tail.py)."""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+SLURM_CHECK_S = 30.0  # how often a follow asks SLURM whether a job ended without saying so
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from prime_hpc.tail import COMPONENTS, parse_rank
+
+    t = sub.add_parser("tail", help="follow every log of a job until it ends (exit 0 if it completed)")
+    t.add_argument("job", help="job id, run name or output dir")
+    t.add_argument("--component", action="append", choices=COMPONENTS, help="only these sources (repeatable)")
+    t.add_argument("--rank", type=parse_rank, default=0, help="trainer rank to show: a number or 'all' (default 0)")
+    t.add_argument("--all", action="store_true", dest="show_all",
+                   help="also the per-request lines of the servers and the router")
+    t.add_argument("--no-follow", action="store_true", help="print the last lines and exit")
+    t.add_argument("-n", "--lines", type=int, default=10, help="last lines of each source to start with")
+    return t
+
+
+def state_fn(ref: Any):
+    """The job's state as its own record says, and, for a job that could end without
+    recording it (its supervisor killed), SLURM's or the process table's now and then."""
+    from prime_hpc import jobs
+    from prime_hpc.launcher import launch
+
+    last = [0.0]
+
+    def state() -> tuple[str, dict]:
+        job = jobs.read_job(ref.run)
+        recorded = job.get("state", "UNKNOWN")
+        if recorded in jobs.FINAL_STATES or time.monotonic() - last[0] < SLURM_CHECK_S:
+            return recorded, job
+        last[0] = time.monotonic()
+        actual = launch.job_state(ref)
+        return (actual if actual in jobs.FINAL_STATES else recorded), job
+
+    return state
+
+
+def follow_ref(ref: Any, **opts: Any) -> int:
+    from prime_hpc.tail import follow
+
+    return follow(ref.run, state_fn=state_fn(ref), **opts)
+
+
+def run(a: argparse.Namespace) -> int:
+    from prime_hpc import jobs
+
+    ref = jobs.resolve(a.job)
+    return follow_ref(ref, components=a.component, rank=a.rank, show_all=a.show_all, once=a.no_follow,
+                      lines=a.lines)
