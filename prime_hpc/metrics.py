@@ -5,17 +5,16 @@
     logger.log(step, {"loss/mean": 0.3, ...})
     logger.close()
 
-W&B layout. Every component of a run derives the same W&B run id from the run's output
-directory (`run_id(run)`), so the trainer and the orchestrator can log into ONE run:
-
-- online (`wandb.offline=false`): W&B shared mode. Each component attaches to the same run
-  id with `x_label=<component>`; the trainer is the primary writer (it exists in both RL
-  and SFT runs). Each component's metrics are plotted against its own step key
-  (`<component>/step`), so two writers never fight over W&B's global step.
-- offline (`wandb.offline=true`, no network): shared mode needs the server, so each
-  component writes its own offline run, id `<run id>-<component>`, under
-  `<output_dir>/wandb/wandb/`; `wandb sync <output_dir>/wandb/wandb/offline-run-*` uploads
-  them later.
+W&B layout: ONE W&B run per run, written by ONE process, online or offline. In an RL run
+the orchestrator writes it (`wandb_writer=True`) and forwards the trainer's rows from
+`metrics/trainer.jsonl` (`follow("trainer")` + `forward()`); the trainer only writes its
+JSON lines. In an SFT run the trainer writes it. Each component's metrics are plotted
+against its own step key (`<component>/step`); forwarded timing and progress keys that
+both components have are prefixed with the component (`trainer/time/step`). The run id is
+derived from the output directory (`run_id(run)`), so a resumed or requeued run continues
+the same W&B run. With `wandb.log_extras`, every `interval` steps the writer also logs a
+table of sampled rollouts (prompt, completion, reward, advantage) and histograms of the
+step's rewards and advantages (`log_table`, `log_histograms`).
 
 W&B's caches and settings are redirected into `<output_dir>/wandb/` too (unless the
 environment already says where they go), so nothing lands in the home directory.
@@ -64,7 +63,7 @@ class MetricsLogger:
         wandb_cfg: Any = None,
         run_name: Optional[str] = None,
         config: Optional[Mapping[str, Any]] = None,
-        primary: Optional[bool] = None,
+        wandb_writer: bool = True,
     ) -> None:
         self.run = run
         self.component = component
@@ -73,55 +72,98 @@ class MetricsLogger:
         self._file = open(self.path, "a", buffering=1)  # line-buffered: `tail -f` works
         self._wandb = None
         self._defined: set[str] = set()
-        if wandb_cfg is not None and _get(wandb_cfg, "enabled", False):
-            self._wandb = self._init_wandb(wandb_cfg, run_name, config, primary)
+        self._followed: dict[str, int] = {}  # other component -> bytes of its metrics file forwarded
+        if wandb_writer and wandb_cfg is not None and _get(wandb_cfg, "enabled", False):
+            self._wandb = self._init_wandb(wandb_cfg, run_name, config)
 
     @property
-    def step_key(self) -> str:
-        return f"{self.component}/step"
+    def wandb(self) -> Any:
+        """The W&B run this logger writes (None when it does not)."""
+        return self._wandb
 
-    def _init_wandb(self, cfg: Any, run_name: Optional[str], config: Optional[Mapping[str, Any]],
-                    primary: Optional[bool]) -> Any:
+    def _init_wandb(self, cfg: Any, run_name: Optional[str], config: Optional[Mapping[str, Any]]) -> Any:
         import wandb
 
         d = self.run.wandb_dir
         d.mkdir(parents=True, exist_ok=True)
         for var, sub in (("WANDB_CACHE_DIR", ".cache"), ("WANDB_CONFIG_DIR", ".config"), ("WANDB_DATA_DIR", ".data")):
             os.environ.setdefault(var, str(d / sub))
-        offline = bool(_get(cfg, "offline", False))
         name = _get(cfg, "name") or run_name or self.run.root.name
         if is_dataclass(config):
             config = asdict(config)
-        common = dict(project=_get(cfg, "project"), entity=_get(cfg, "entity"), dir=str(d),
-                      config=dict(config or {}), resume="allow")
-        if offline:
-            return wandb.init(id=f"{run_id(self.run)}-{self.component}", name=f"{name}-{self.component}",
-                              mode="offline", **common)
-        is_primary = self.component == "trainer" if primary is None else primary
-        # only the primary may mark the shared run finished
-        settings = wandb.Settings(mode="shared", x_primary=is_primary, x_label=self.component,
-                                  x_update_finish_state=is_primary)
-        return wandb.init(id=run_id(self.run), name=name, settings=settings, **common)
+        return wandb.init(id=run_id(self.run), name=name, project=_get(cfg, "project"), entity=_get(cfg, "entity"),
+                          dir=str(d), config=dict(config or {}), resume="allow",
+                          mode="offline" if _get(cfg, "offline", False) else "online")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record `metrics` of `step` (one JSONL line, and a W&B row when enabled)."""
         row = {"step": int(step), "time": round(time.time(), 3), **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row, sort_keys=False) + "\n")
         self._file.flush()
-        if self._wandb is not None:
-            data = {k: v for k, v in row.items() if k not in ("step", "time") and v is not None}
-            for key in data.keys() - self._defined:
-                self._wandb.define_metric(key, step_metric=self.step_key)
-                self._defined.add(key)
-            if self.step_key not in self._defined:
-                self._wandb.define_metric(self.step_key)
-                self._defined.add(self.step_key)
-            self._wandb.log({**data, self.step_key: int(step)})
+        self._to_wandb(self.component, row)
         return row
+
+    def _to_wandb(self, component: str, row: Mapping[str, Any]) -> None:
+        if self._wandb is None:
+            return
+        step_key = f"{component}/step"
+        data = {}
+        for k, v in row.items():
+            if k in ("step", "time") or v is None:
+                continue
+            if component != self.component and k.startswith(("time/", "progress/")):
+                k = f"{component}/{k}"  # both components have these
+            data[k] = v
+        for key in [step_key, *(data.keys() - self._defined)]:
+            if key not in self._defined:
+                self._wandb.define_metric(key, step_metric=None if key == step_key else step_key)
+                self._defined.add(key)
+        self._wandb.log({**data, step_key: int(row["step"])})
+
+    def follow(self, component: str) -> None:
+        """Forward `component`'s metrics file into this logger's W&B run (see `forward`)."""
+        self._followed.setdefault(component, 0)
+
+    def forward(self) -> int:
+        """Log the complete new rows of the followed components to W&B; returns how many."""
+        n = 0
+        for component, pos in self._followed.items():
+            try:
+                with open(self.run.metrics(component), "rb") as f:
+                    f.seek(pos)
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data[: data.rfind(b"\n") + 1]
+            self._followed[component] = pos + len(complete)
+            for line in complete.splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    self._to_wandb(component, row)
+                    n += 1
+        return n
+
+    def log_table(self, step: int, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        if self._wandb is not None and rows:
+            import wandb
+
+            self._wandb.log({name: wandb.Table(columns=columns, data=rows), f"{self.component}/step": int(step)})
+
+    def log_histograms(self, step: int, values: Mapping[str, list[float]]) -> None:
+        if self._wandb is not None:
+            import wandb
+
+            data = {k: wandb.Histogram(v) for k, v in values.items() if v}
+            if data:
+                self._wandb.log({**data, f"{self.component}/step": int(step)})
 
     def close(self) -> None:
         if self._wandb is not None:
             try:
+                self.forward()
                 self._wandb.finish()
             finally:
                 self._wandb = None

@@ -95,13 +95,15 @@ def _fmt(v: Optional[float], spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def format_vitals(v: dict[str, Any]) -> list[str]:
-    """The lines `prime-hpc status` prints under the group table."""
+def format_vitals(v: dict[str, Any], kind: str = "rl") -> list[str]:
+    """The lines `prime-hpc status` prints under the group table (an SFT run, `kind`
+    "sft", has no orchestrator)."""
     total = v.get("max_steps")
     of = f"/{total}" if total else ""
-    lines = [f"step: trainer {v['trainer_step'] if v['trainer_step'] is not None else '-'}{of}, "
-             f"orchestrator {v['orchestrator_step'] if v['orchestrator_step'] is not None else '-'}{of}"
-             + (f", ETA {_duration(v['eta_s'])}" if v.get("eta_s") is not None else "")]
+    steps = f"step: trainer {v['trainer_step'] if v['trainer_step'] is not None else '-'}{of}"
+    if kind != "sft":
+        steps += f", orchestrator {v['orchestrator_step'] if v['orchestrator_step'] is not None else '-'}{of}"
+    lines = [steps + (f", ETA {_duration(v['eta_s'])}" if v.get("eta_s") is not None else "")]
     if v.get("reward") is not None:
         trend = v.get("reward_trend")
         arrow = "" if trend is None else f" ({'+' if trend >= 0 else ''}{trend:.3f} over the last {TREND_WINDOW} steps)"

@@ -18,6 +18,7 @@ from prime_hpc import jobs
 from prime_hpc.rundir import RunDir
 from tests.conftest import cli
 from tests.netcheck import run_sockets
+from tests.wandb_records import history_keys
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -32,7 +33,7 @@ def _rows(run: RunDir, component: str) -> list[dict]:
 def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     out = tmp_path / "run"
     r = cli("submit", "+experiment=reverse_text", "cluster=dev", f"output_dir={out}", f"max_steps={RL_STEPS}",
-            "orchestrator.eval.interval=20")
+            "orchestrator.eval.interval=20", "wandb.enabled=true", "wandb.offline=true", "wandb.log_extras.interval=20")
     assert r.returncode == 0, r.stderr
     rl, warm = RunDir(out), RunDir(out / "warmup")
     rl_id, warm_id = jobs.read_job(rl)["job_ids"][-1], jobs.read_job(warm)["job_ids"][-1]
@@ -75,6 +76,18 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     assert max(r["mismatch_kl/mean"] for r in trainer) < 0.01
     evals = {r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r}
     assert set(evals) == {0, 20, 40} and evals[40] > evals[0], evals
+    # W&B (offline): one run holding both components' metrics, sampled rollouts and distributions
+    (offline,) = rl.wandb_dir.rglob("offline-run-*")
+    rows = history_keys(next(offline.glob("run-*.wandb")))
+    keys = set().union(*rows)
+    assert {"reward/all/mean", "orchestrator/step", "loss/mean", "mismatch_kl/mean", "trainer/step"} <= keys
+    assert sum("loss/mean" in r for r in rows) == RL_STEPS  # every trainer step, forwarded
+    assert {"distributions/reward/_type", "distributions/advantage/_type"} <= keys
+    tables = sorted((offline / "files" / "media" / "table").glob("samples_*.table.json"))
+    assert len(tables) == RL_STEPS // 20
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["step", "env", "example_id", "prompt", "completion", "reward", "advantage"]
+    assert table["data"] and all(row[3] and isinstance(row[5], float) for row in table["data"])
     # one host: published addresses and the servers' sockets are loopback only
     for name in ("inference_0.json", "router.json"):
         assert not (rl.endpoints_dir / name).exists()  # unpublished when the servers stopped

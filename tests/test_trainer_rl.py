@@ -157,4 +157,4 @@ def test_rl_unknown_model_fails_in_one_line(tmp_path):
     proc = run_trainer(RL, config, nproc=1)
     assert proc.returncode == 2, explain(proc)
     [line] = proc.stderr.strip().splitlines()
-    assert name in line and "not found" in line
+    assert name in line and "no such directory" in line

@@ -48,7 +48,7 @@ def test_sft_on_reverse_text_lowers_validation_loss(tmp_path):
 
     AutoModelForCausalLM.from_pretrained(run.weights_step(30))
     # W&B offline: a local run inside the run directory, nothing in the home directory
-    offline = list(run.wandb_dir.rglob("offline-run-*-trainer"))
+    offline = list(run.wandb_dir.rglob("offline-run-*"))  # the run's one W&B run, written by the trainer
     assert len(offline) == 1 and any(offline[0].rglob("*.wandb"))
 
 

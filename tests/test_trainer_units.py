@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -324,8 +325,14 @@ def test_metrics_logger_writes_one_json_line_per_step(tmp_path):
     with MetricsLogger(run, "trainer") as m:
         m.log(1, {"loss/mean": torch.tensor(0.5), "perf/mfu": float("nan")})
         m.log(2, {"loss/mean": 0.25})
+    before = time.time()
+    with MetricsLogger(run, "trainer") as m:
+        m.log(3, {"loss/mean": 0.125})
     rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
-    assert rows == [{"step": 1, "loss/mean": 0.5, "perf/mfu": None}, {"step": 2, "loss/mean": 0.25}]
+    stamps = [r.pop("time") for r in rows]  # wall time of each row, for s/step and ETAs
+    assert rows == [{"step": 1, "loss/mean": 0.5, "perf/mfu": None}, {"step": 2, "loss/mean": 0.25},
+                    {"step": 3, "loss/mean": 0.125}]
+    assert stamps[0] <= stamps[1] <= before + 0.001 and before - 0.001 <= stamps[2] <= time.time() + 0.001
     assert run_id(run) == run_id(RunDir(str(tmp_path) + "/")) and len(run_id(run)) == 16
 
 

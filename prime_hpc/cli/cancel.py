@@ -15,7 +15,8 @@ def run(a: argparse.Namespace) -> int:
     from prime_hpc import jobs
     from prime_hpc.launcher import launch
 
-    for point in jobs.resolve_many(a.job):
+    # a sweep's last points first: cancelling a point must not release the one that waits for it
+    for point in jobs.resolve_many(a.job)[::-1]:
         for ref in launch.pipeline_refs(point)[::-1]:  # the run first: its warm-up cannot start it any more
             if launch.cancel(ref):
                 print(f"cancelled job {ref.job_id} ({ref.name})")

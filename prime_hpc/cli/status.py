@@ -97,7 +97,7 @@ def format_job(s: dict[str, Any]) -> list[str]:
         out.append(f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"
                    + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else ""))
     if s["mode"] != "doctor" and (s["vitals"]["trainer_step"] is not None or s["vitals"]["orchestrator_step"]):
-        out += format_vitals(s["vitals"])
+        out += format_vitals(s["vitals"], s["kind"])
     if s["failure"]:
         f = s["failure"]
         out.append(f"failed: {f.get('component') or 'job'} {f.get('reason', '')}; see {f.get('log')}")
@@ -105,18 +105,21 @@ def format_job(s: dict[str, Any]) -> list[str]:
 
 
 def sweep_lines(refs: list, statuses: list[dict]) -> list[str]:
-    """One line per point of a sweep: state, step, reward, swept values."""
+    """One line per point of a sweep: state, step, reward, loss, swept values (and one
+    line when SLURM could not be asked)."""
     sweep = statuses[0]["sweep"] or {}
-    rows = [("POINT", "JOB", "STATE", "STEP", "REWARD", "SWEPT")]
+    rows = [("POINT", "JOB", "STATE", "STEP", "REWARD", "LOSS", "SWEPT")]
     for st in statuses:
         v, sw = st["vitals"], st["sweep"] or {}
         step = v["trainer_step"] if v["trainer_step"] is not None else "-"
         rows.append((str(sw.get("point", "?")), st["job_id"], st["state"],
                      f"{step}/{v['max_steps']}" if v["max_steps"] else str(step),
-                     "-" if v["reward"] is None else f"{v['reward']:.3f}", sw.get("swept", "")))
-    w = [max(len(r[i]) for r in rows) for i in range(5)]
-    return [f"sweep {sweep.get('id')}: {len(refs)} points"] + [
-        "  " + "  ".join(c.ljust(x) for c, x in zip(r[:5], w)) + "  " + r[5] for r in rows]
+                     "-" if v["reward"] is None else f"{v['reward']:.3f}",
+                     "-" if v["loss"] is None else f"{v['loss']:.4f}", sw.get("swept", "")))
+    w = [max(len(r[i]) for r in rows) for i in range(6)]
+    notes = [st["slurm_note"] for st in statuses if st["slurm_note"]]
+    return [f"sweep {sweep.get('id')}: {len(refs)} points"] + notes[:1] + [
+        "  " + "  ".join(c.ljust(x) for c, x in zip(r[:6], w)) + "  " + r[6] for r in rows]
 
 
 def snapshot(name: Optional[str]) -> tuple[list[str], Any]:

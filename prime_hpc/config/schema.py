@@ -135,7 +135,7 @@ class SamplingConfig:
 
 @dataclass
 class EvalConfig:
-    interval: int = 100  # eval every N steps (0 = off)
+    interval: int = 100  # eval every N steps (0 = no eval at all, at_start included)
     at_start: bool = False  # also eval the base policy before the first step (logged as step 0)
     env: List[EnvEntry] = field(default_factory=list)
     num_examples: Optional[int] = None  # None = the whole eval set
@@ -217,12 +217,21 @@ class CkptConfig:
 
 
 @dataclass
+class LogExtrasConfig:
+    interval: int = 10  # every N steps (0 = never): the extras below, in the W&B run
+    samples: bool = True  # a table of sampled rollouts: prompt, completion, reward, advantage
+    distributions: bool = True  # histograms of the step's rewards and advantages
+    sample_ratio: float = 0.1  # share of the step's rollouts in the table (at least one)
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "prime-hpc"
     name: Optional[str] = None  # defaults to the run name
     entity: Optional[str] = None
-    offline: bool = False
+    offline: bool = False  # write the run locally (<output_dir>/wandb/); `wandb sync` uploads it later
+    log_extras: LogExtrasConfig = field(default_factory=LogExtrasConfig)
 
 
 @dataclass

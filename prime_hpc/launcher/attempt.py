@@ -123,22 +123,29 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
         job["ended_at"] = now
         if job.get("state") == CANCELLED or state == CANCELLED:
             job["state"] = CANCELLED
-            _end_attempt(job, CANCELLED, reason or "cancelled")
+            _end_attempt(job, job_id, CANCELLED, reason or "cancelled")
             return f"prime-hpc: run cancelled; logs in {logs}"
         job["state"] = state or (COMPLETED if rc == 0 else FAILED)
         job["failure"] = None
         if rc != 0:
             log = component_log(logs, component) if component else logs
             job["failure"] = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
-        _end_attempt(job, job["state"], reason)
+        _end_attempt(job, job_id, job["state"], reason)
     if rc != 0:
         return f"prime-hpc: run failed: {(component + ' ') if component else ''}{reason}; see {job['failure']['log']}"
     return f"prime-hpc: run completed; logs in {logs}"
 
 
-def _end_attempt(job: dict, how: str, reason: str = "") -> None:
-    if job.get("attempts"):
-        job["attempts"][-1].update(ended_at=time.time(), end=how, reason=reason or None)
+def _end_attempt(job: dict, job_id: str, how: str, reason: str = "") -> None:
+    """Close this job's open attempt; a job that ended before its attempt started (in
+    cluster.env_setup, say) gets an attempt of its own that says so."""
+    attempts = job.setdefault("attempts", [])
+    last = attempts[-1] if attempts else {}
+    if str(last.get("job_id")) != str(job_id) or last.get("ended_at"):
+        last = {"attempt": None, "job_id": job_id, "host": socket.gethostname(), "started_at": None,
+                "logs": None, "resumed_from": None, "note": "ended before the attempt started"}
+        attempts.append(last)
+    last.update(ended_at=time.time(), end=how, reason=reason or None)
 
 
 def component_log(logs, component: str):
@@ -175,7 +182,7 @@ def requeue(run: RunDir, job_id: str, reason: str) -> str:
     `cluster.max_requeues` times over the run."""
     limit = max_requeues(run)
     with editing_job(run) as job:
-        _end_attempt(job, reason)
+        _end_attempt(job, job_id, reason)
         job["ended_at"] = time.time()
         done = int(job.get("requeues", 0))
         if reason == REQUEUED:

@@ -106,9 +106,19 @@ def _ask(cmd: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SlurmUnreachable(f"{cmd[0]}: {e}") from None
     if out.returncode != 0 and "Invalid job id" not in out.stderr:
-        err = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
-        raise SlurmUnreachable(f"{cmd[0]}: {err[:200]}")
+        raise SlurmUnreachable(f"{cmd[0]}: {_last_error(cmd[0], out.stderr) or f'exit code {out.returncode}'}")
     return out.stdout
+
+
+def _last_error(tool: str, stderr: str) -> str:
+    """The last line of a SLURM tool's complaint without its "<tool>: error: " prefix
+    (sacct, say, writes several lines; the last one names the cause)."""
+    lines = [" ".join(line.split()) for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    for prefix in (f"{tool}: ", "error: "):
+        if last.startswith(prefix):
+            last = last[len(prefix):]
+    return last[:200]
 
 
 def _components(cmd: list[str], strict: bool = False) -> dict[str, dict[int, str]]:

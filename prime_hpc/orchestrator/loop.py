@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ STATE_FILE = "state.json"
 LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
 SNAPSHOTS_KEPT = 32  # recent steps whose state is kept (the trainer is at most async_level behind)
 CHECKPOINT_WAIT_S = 120.0  # asked to checkpoint: how long to wait for the trainer's step
+TRAINER_WAIT_S = 300.0  # at the end, with W&B: how long to wait for the trainer's last metrics
 
 
 @dataclass
@@ -383,9 +385,29 @@ class Orchestrator:
             del self.snapshots[old]
         metrics = self.step_metrics(step, fill.finished, kept, fill.counts, time.monotonic() - fill.t0, fill.t_wait)
         self.metrics.log(step, metrics)
+        self.log_extras(step, kept)
+        self.metrics.forward()  # the trainer's new rows, into the same W&B run
         self.run.beat("orchestrator", 0, step=step, policy=self.policy)
         logger.info(f"step {step}: {len(samples)} samples, reward {metrics.get('reward/all/mean', 0):.3f}, "
                     f"policy {self.policy}, waited {fill.t_wait:.2f}s for weights")
+
+    def log_extras(self, step: int, kept: list[Rollout]) -> None:
+        """Every `wandb.log_extras.interval` steps: a table of sampled rollouts and
+        histograms of the step's rewards and advantages (W&B only)."""
+        extras = (self.cfg.get("wandb") or {}).get("log_extras") or {}
+        every = int(extras.get("interval") or 0)
+        if self.metrics.wandb is None or not every or step % every or not kept:
+            return
+        if extras.get("samples", True):
+            n = max(1, round(len(kept) * float(extras.get("sample_ratio", 0.1))))
+            picked = random.Random(f"{self.cfg.get('seed', 0)}:{step}").sample(kept, min(n, len(kept)))
+            self.metrics.log_table(step, "samples", ["step", "env", "example_id", "prompt", "completion", "reward",
+                                                     "advantage"],
+                                   [[step, r.env, str(r.example_id), r.prompt_text, r.completion_text, r.reward,
+                                     r.advantage] for r in picked])
+        if extras.get("distributions", True):
+            self.metrics.log_histograms(step, {"distributions/reward": [r.reward for r in kept],
+                                               "distributions/advantage": [r.advantage for r in kept]})
 
     async def after_step(self, step: int) -> None:
         """Checkpoint when due; start the eval when due (in the background)."""
@@ -414,6 +436,18 @@ class Orchestrator:
             return False
         self.stop_code = code
         return True
+
+    async def wait_for_trainer(self, step: int, timeout_s: float = TRAINER_WAIT_S) -> None:
+        """Until the trainer's heartbeat says it is done or at `step` (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                beat = read_json(self.run.heartbeat("trainer", 0))
+            except (OSError, ValueError):
+                beat = {}
+            if beat.get("done") or int(beat.get("step", 0)) >= step:
+                return
+            await asyncio.sleep(0.5)
 
     async def stop_now(self) -> None:
         """Asked to stop: on CHECKPOINT wait for the step the trainer saves and save this
@@ -460,13 +494,16 @@ class Orchestrator:
             self.policy = start
         self.metrics = MetricsLogger(self.run, "orchestrator", self.cfg.get("wandb"), run_name=self.cfg.get("name"),
                                      config=self.cfg)
+        self.metrics.follow("trainer")  # one W&B run: the trainer's rows go in through this logger
         logger.info(f"orchestrator: {len(self.slots)} train env(s), {len(self.eval_slots)} eval env(s), "
                     f"router {ep.router}, {len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
         self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
         try:
-            if start is None and self.eval_slots and self.o["eval"].get("at_start"):
+            if start is None and self.eval_slots and self.o["eval"].get("at_start") and self.o["eval"].get("interval"):
                 await self._eval_and_log(0)  # the base policy, before any update
             await self.loop(start or 0)
+            if self.metrics.wandb is not None and self.stop_code is None:
+                await self.wait_for_trainer(self.step)  # its last rows belong to the same W&B run
         finally:
             self.metrics.close()
             if self.log_router is not None:

@@ -40,6 +40,8 @@ class Rollout:
     advantage: float = 0.0
     token_advantages: Optional[list[float]] = None  # per token (opd)
     teacher_logprobs: Optional[list[float]] = None
+    prompt_text: str = ""  # the last prompt message (for sample tables)
+    completion_text: str = ""  # what the model answered, every turn
 
     @property
     def oldest_policy(self) -> int:
@@ -110,7 +112,20 @@ def from_output(out: dict, env: str, seq_len: int) -> Rollout:
     empty = sum(mask) == 0
     return Rollout(env=env, example_id=out.get("example_id"), reward=float(out.get("reward") or 0.0), input_ids=ids,
                    loss_mask=mask, logprobs=lps, policy_steps=steps, num_turns=turns, is_truncated=truncated,
-                   error=error_text, empty=empty)
+                   error=error_text, empty=empty, prompt_text=_text(out.get("prompt"), last_only=True),
+                   completion_text=_text(out.get("completion")))
+
+
+def _text(messages: Any, last_only: bool = False) -> str:
+    """The text of chat messages (dicts or message objects), or of a plain string."""
+    if isinstance(messages, str):
+        return messages
+    items = list(messages or [])[-1:] if last_only else list(messages or [])
+    parts = []
+    for m in items:
+        content = _get(m, "content")
+        parts.append(content if isinstance(content, str) else str(content or ""))
+    return "\n".join(parts)
 
 
 @dataclass

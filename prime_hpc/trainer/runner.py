@@ -92,8 +92,10 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
                 logger.info(f"resuming from {run.checkpoint_part(resume, 'trainer')}")
                 state = ckpt.load(resume, engine)
             if env.is_main:
+                # an RL run's W&B run is written by the orchestrator, which forwards these rows
                 metrics = MetricsLogger(run, "trainer", cfg.wandb, run_name=cfg.name,
-                                        config={"trainer": _plain(cfg.trainer), "max_steps": cfg.max_steps})
+                                        config={"trainer": _plain(cfg.trainer), "max_steps": cfg.max_steps},
+                                        wandb_writer=cfg.trainer.type == "sft")
             n = param_count(policy)
             logger.info(f"model {cfg.trainer.model.name} ({n / 1e6:.2f}M parameters, "
                         f"{sum(p.numel() for p in policy.trainable) / 1e6:.3f}M trainable) on {env.world_size} "
