@@ -42,14 +42,17 @@ def minutes(slurm_time: str) -> Optional[int]:
 
 
 def aggregate(states: list[str]) -> str:
-    """One state for a het job from its components' states."""
+    """One state for a het job from its components' states. COMPLETING (ended, SLURM still
+    cleaning up, e.g. just after a cancel) only when no component is running any more."""
     states = [s.split()[0] if s else "UNKNOWN" for s in states]  # "CANCELLED by 0" -> CANCELLED
     if not states or all(s == "UNKNOWN" for s in states):
         return "UNKNOWN"
     if all(s == "COMPLETED" for s in states):
         return "COMPLETED"
-    if any(s in ACTIVE and s != "PENDING" for s in states):
+    if any(s in ACTIVE and s not in ("PENDING", "COMPLETING") for s in states):
         return "RUNNING"
+    if "COMPLETING" in states:
+        return "COMPLETING"
     if all(s == "PENDING" for s in states):
         return "PENDING"
     for s in FAILED_FIRST:
