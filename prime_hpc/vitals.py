@@ -103,7 +103,7 @@ def format_vitals(v: dict[str, Any], kind: str = "rl") -> list[str]:
     steps = f"step: trainer {v['trainer_step'] if v['trainer_step'] is not None else '-'}{of}"
     if kind != "sft":
         steps += f", orchestrator {v['orchestrator_step'] if v['orchestrator_step'] is not None else '-'}{of}"
-    lines = [steps + (f", ETA {_duration(v['eta_s'])}" if v.get("eta_s") is not None else "")]
+    lines = [steps + (f", ETA {_duration(v['eta_s'])}" if v.get("eta_s") else "")]  # none once done
     if v.get("reward") is not None:
         trend = v.get("reward_trend")
         arrow = "" if trend is None else f" ({'+' if trend >= 0 else ''}{trend:.3f} over the last {TREND_WINDOW} steps)"

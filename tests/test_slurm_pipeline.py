@@ -22,7 +22,7 @@ from tests.wandb_records import history_keys
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-RL_STEPS = 40
+RL_STEPS = 80  # the shipped run is longer (250 steps, lr decaying); here a constant lr
 
 
 def _rows(run: RunDir, component: str) -> list[dict]:
@@ -33,7 +33,8 @@ def _rows(run: RunDir, component: str) -> list[dict]:
 def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     out = tmp_path / "run"
     r = cli("submit", "+experiment=reverse_text", "cluster=dev", f"output_dir={out}", f"max_steps={RL_STEPS}",
-            "orchestrator.eval.interval=20", "wandb.enabled=true", "wandb.offline=true", "wandb.log_extras.interval=20")
+            "trainer.optim.schedule=constant", "orchestrator.eval.interval=40",
+            "wandb.enabled=true", "wandb.offline=true", "wandb.log_extras.interval=20")
     assert r.returncode == 0, r.stderr
     rl, warm = RunDir(out), RunDir(out / "warmup")
     rl_id, warm_id = jobs.read_job(rl)["job_ids"][-1], jobs.read_job(warm)["job_ids"][-1]
@@ -61,7 +62,7 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
                            text=True).stdout.split()
     assert sacct == [f"{warm_id}|COMPLETED"], sacct
     wrows = _rows(warm, "trainer")
-    stop_below = 0.6
+    stop_below = yaml.safe_load((warm.root / "config.yaml").read_text())["trainer"]["val"]["stop_below"]
     assert wrows[-1]["val/loss"] < stop_below and wrows[-1]["step"] < 1000
     assert all(r["val/loss"] >= stop_below for r in wrows[:-1] if "val/loss" in r)
     assert warm.weight_steps()[-1] == wrows[-1]["step"]
@@ -70,12 +71,12 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     orch = [r for r in _rows(rl, "orchestrator") if "reward/all/mean" in r]
     trainer = _rows(rl, "trainer")
     assert [r["step"] for r in orch] == list(range(1, RL_STEPS + 1)) == [r["step"] for r in trainer]
-    first = statistics.mean(r["reward/all/mean"] for r in orch[:5])
-    last = statistics.mean(r["reward/all/mean"] for r in orch[-5:])
-    assert last >= first + 0.05, (first, last)
+    first = statistics.mean(r["reward/all/mean"] for r in orch[:10])
+    last = statistics.mean(r["reward/all/mean"] for r in orch[-10:])
+    assert last >= first + 0.03, (first, last)
     assert max(r["mismatch_kl/mean"] for r in trainer) < 0.01
     evals = {r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r}
-    assert set(evals) == {0, 20, 40} and evals[40] > evals[0], evals
+    assert set(evals) == {0, 40, 80} and evals[80] > evals[0], evals
     # W&B (offline): one run holding both components' metrics, sampled rollouts and distributions
     (offline,) = rl.wandb_dir.rglob("offline-run-*")
     rows = history_keys(next(offline.glob("run-*.wandb")))

@@ -267,7 +267,7 @@ def test_status_json_of_a_completed_run_gives_its_vital_signs(work):
     assert v["tokens_per_s"] == pytest.approx(last["perf/throughput"])
     assert v["s_per_step"] == pytest.approx(statistics.mean(row["time/step"] for row in steps))
     assert v["last_step_at"] == pytest.approx(last["time"])
-    assert v["eta_s"] == 0
+    assert v["eta_s"] is None  # it has ended: nothing left to estimate
     # an SFT run has no orchestrator: no reward, no mismatch KL
     assert v["orchestrator_step"] is None and v["reward"] is None and v["mismatch_kl"] is None
 

@@ -194,7 +194,7 @@ class Orchestrator:
                 self.update_log.append({"step": newest, "seconds": time.monotonic() - t0, "at_step": self.step})
                 logger.info(f"inference now serves policy {newest} ({time.monotonic() - t0:.2f}s)")
                 self.policy = newest
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)  # on-policy generation waits for each new policy
 
     # ------------------------------------------------------------------ eval
     async def evaluate(self, step: int) -> dict:
