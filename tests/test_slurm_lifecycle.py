@@ -6,6 +6,7 @@ Asserted on the run directory and SLURM: every step trained and recorded exactly
 attempt recorded with why it ended."""
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import time
@@ -41,11 +42,19 @@ def _wait(pred, timeout_s: float, what: str, run: RunDir, poll_s: float = 0.5):
 
 
 def _release_held(job_id: str) -> bool:
-    """SLURM holds a job it requeued for about two minutes (pending, reason BeginTime)
-    before it may start again; release it at once, as an admin could (saves test time)."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout
+    """SLURM holds a job it requeued (an `scontrol requeue` from outside) for about two
+    minutes (pending, reason BeginTime) before it may start again; shorten the hold, as an
+    admin could (saves test time). Not to "now": a node refuses a job whose credential it
+    revoked within the same second."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r %S"], capture_output=True, text=True).stdout
     if "PENDING BeginTime" in out:
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=60)
+        try:
+            wait_s = (datetime.datetime.fromisoformat(out.split()[2]) - datetime.datetime.now()).total_seconds()
+        except (IndexError, ValueError):  # no begin time shown
+            wait_s = 120
+        if wait_s > 30:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], capture_output=True,
+                           timeout=60)
     return False
 
 

@@ -206,14 +206,20 @@ def requeue(run: RunDir, job_id: str, reason: str) -> str:
     return f"prime-hpc: {reason}; requeued (requeue {done + 1} of at most {limit})"
 
 
+REQUEUE_START_DELAY_S = 10  # a requeued job may start again this long after the requeue
+
+
 def _scontrol_requeue(job_id: str) -> str:
-    """`scontrol requeue`, then release the job at once (SLURM holds a requeued job back
-    for a while by default). Returns an error message, or '' on success."""
+    """`scontrol requeue`, then let the job start again after REQUEUE_START_DELAY_S
+    instead of SLURM's default hold of about two minutes. Not at once: a node refuses to
+    launch a job whose credential it revoked in the same second ("Job credential
+    revoked"), which fails the job instead of restarting it. Returns an error message, or
+    '' on success."""
     out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         return (out.stderr or out.stdout).strip() or f"scontrol exited with code {out.returncode}"
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, text=True,
-                   timeout=60)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{REQUEUE_START_DELAY_S}"],
+                   capture_output=True, text=True, timeout=60)
     return ""
 
 

@@ -1,0 +1,75 @@
+"""CLI latency: each read-only command next to `python -c pass` (the interpreter's own
+start-up) and `squeue` (what a user compares it with), measured in one run.
+
+    .venv/bin/python benchmarks/cli_latency.py [--runs 7] [--job JOB]
+
+Every command runs `--runs` times after one warm-up; the table gives the median wall
+time, the min–max spread and the ratio of medians to `python -c pass`. JOB (default: the
+newest job in the index) is what `status` and `tail` are asked about. Without SLURM
+(no `squeue` on PATH) that row is left out.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GOAL_S = 0.3  # each CLI command, on a 2-core machine
+
+
+def wall_times(argv: list[str], runs: int) -> list[float]:
+    subprocess.run(argv, capture_output=True, cwd=REPO, timeout=300)  # warm-up (page cache, .pyc)
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(argv, capture_output=True, cwd=REPO, timeout=300)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def newest_job() -> str | None:
+    sys.path.insert(0, str(REPO))
+    from prime_hpc import jobs
+
+    recent = jobs.recent(1)
+    return recent[0].job_id if recent else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--job", default=None, help="job for status/tail (default: the newest)")
+    a = ap.parse_args()
+    py = sys.executable
+    cli = [str(Path(py).parent / "prime-hpc")]  # the entry point a user types
+    job = a.job or newest_job()
+    dry = Path(tempfile.mkdtemp(prefix="cli-latency-"))
+    rows: list[tuple[str, list[str]]] = [("python -c pass", [py, "-c", "pass"])]
+    if shutil.which("squeue"):
+        rows.append(("squeue", ["squeue"]))
+    rows += [("prime-hpc --help", cli + ["--help"]), ("prime-hpc list", cli + ["list"])]
+    if job:
+        rows += [("prime-hpc status JOB", cli + ["status", job]),
+                 ("prime-hpc tail JOB --no-follow", cli + ["tail", job, "--no-follow"])]
+    rows.append(("prime-hpc submit --dry-run", cli + ["submit", "+experiment=reverse_text", "--dry-run",
+                                                      f"output_dir={dry}/run", "clean_output_dir=true"]))
+    base = None
+    print(f"{'command':34} {'median s':>9} {'min-max s':>13} {'x python':>9}")
+    for name, argv in rows:
+        t = wall_times(argv, a.runs)
+        med = statistics.median(t)
+        base = base or med
+        print(f"{name:34} {med:9.3f} {min(t):6.3f}-{max(t):6.3f} {med / base:9.2f}")
+    print(f"(goal: each prime-hpc command <= {GOAL_S} s; {a.runs} runs after a warm-up; job {job or '-'})")
+    shutil.rmtree(dry, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
