@@ -64,7 +64,7 @@ def address_env(address: Optional[str]) -> dict[str, str]:
     the loopback interface too (they otherwise pick the interface the hostname maps to)."""
     if not address:
         return {}
-    env = {ADDRESS_VAR: address}
+    env = {ADDRESS_VAR: address, "VLLM_HOST_IP": address}  # vLLM's own connections (engine <-> workers)
     if is_loopback(address):
         env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
     return env

@@ -90,9 +90,11 @@ def test_one_host_runs_use_loopback_and_real_clusters_the_nodes_address(tmp_path
         cfg = compose(["+experiment=reverse_text", f"cluster={cluster}", f"output_dir={tmp_path}"])
         env = make_plan(cfg, cores=[0, 1]).env
         assert env["PRIME_HPC_NODE_ADDRESS"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo"
+        assert env["VLLM_HOST_IP"] == "127.0.0.1"  # vLLM's engine/worker connections too
     slurm = compose(["+experiment=reverse_text", "cluster=slurm", f"output_dir={tmp_path}"])
     assert "PRIME_HPC_NODE_ADDRESS" not in make_plan(slurm).env
-    assert address_env(None) == {} and address_env("10.0.0.5") == {"PRIME_HPC_NODE_ADDRESS": "10.0.0.5"}
+    assert address_env(None) == {} and address_env("10.0.0.5") == {"PRIME_HPC_NODE_ADDRESS": "10.0.0.5",
+                                                                  "VLLM_HOST_IP": "10.0.0.5"}
     assert node_address("127.0.0.1") == "127.0.0.1"
     monkeypatch.setenv("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
     assert node_address() == "127.0.0.1"
