@@ -50,8 +50,8 @@ def _release_held(job_id: str) -> bool:
     if "PENDING BeginTime" in out:
         try:
             wait_s = (datetime.datetime.fromisoformat(out.split()[2]) - datetime.datetime.now()).total_seconds()
-        except (IndexError, ValueError):  # no begin time shown
-            wait_s = 120
+        except (IndexError, ValueError):  # no begin time shown (it has passed): leave it be
+            wait_s = 0
         if wait_s > 30:
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], capture_output=True,
                            timeout=60)
