@@ -73,6 +73,7 @@ class MetricsLogger:
         self._wandb = None
         self._defined: set[str] = set()
         self._followed: dict[str, int] = {}  # other component -> bytes of its metrics file forwarded
+        self._after: dict[str, int] = {}  # other component -> its rows up to this step are already in W&B
         if wandb_writer and wandb_cfg is not None and _get(wandb_cfg, "enabled", False):
             self._wandb = self._init_wandb(wandb_cfg, run_name, config)
 
@@ -120,9 +121,11 @@ class MetricsLogger:
                 self._defined.add(key)
         self._wandb.log({**data, step_key: int(row["step"])})
 
-    def follow(self, component: str) -> None:
-        """Forward `component`'s metrics file into this logger's W&B run (see `forward`)."""
+    def follow(self, component: str, after_step: int = 0) -> None:
+        """Forward `component`'s metrics file into this logger's W&B run (see `forward`),
+        its rows after `after_step` (a resumed run's earlier rows are there already)."""
         self._followed.setdefault(component, 0)
+        self._after[component] = after_step
 
     def forward(self) -> int:
         """Log the complete new rows of the followed components to W&B; returns how many."""
@@ -141,7 +144,7 @@ class MetricsLogger:
                     row = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > self._after[component]:
                     self._to_wandb(component, row)
                     n += 1
         return n

@@ -59,8 +59,10 @@ def _series(rows: list[dict], key: str) -> list[float]:
     return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
 
 
-def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = None) -> dict[str, Any]:
-    """Vital signs of `run` (keys with None when unknown). `max_steps` from its config."""
+def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = None,
+           ended: bool = False) -> dict[str, Any]:
+    """Vital signs of `run` (keys with None when unknown). `max_steps` from its config;
+    `ended`: the job is over, so there is no ETA (an SFT run may stop early)."""
     now = time.time() if now is None else now
     trainer, orch = tail_rows(run.metrics("trainer")), tail_rows(run.metrics("orchestrator"))
     out: dict[str, Any] = {"max_steps": max_steps}
@@ -87,7 +89,7 @@ def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = 
     stamped = [r for r in trainer if "loss/mean" in r and isinstance(r.get("time"), (int, float))]
     out["last_step_at"] = stamped[-1]["time"] if stamped else None
     left = (max_steps - out["trainer_step"]) if max_steps and out["trainer_step"] is not None else None
-    out["eta_s"] = left * out["s_per_step"] if left is not None and out["s_per_step"] else None
+    out["eta_s"] = left * out["s_per_step"] if left is not None and out["s_per_step"] and not ended else None
     return out
 
 

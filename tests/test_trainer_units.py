@@ -349,3 +349,24 @@ def test_trainer_config_round_trips_from_the_launcher_yaml(tmp_path):
     bad.write_text(path.read_text().replace("micro_batch_size:", "micro_batch_sizes:"))
     with pytest.raises(UserError, match="micro_batch_sizes"):
         load_config(bad)
+
+
+def test_orchestrator_logger_forwards_only_the_trainer_rows_w_and_b_lacks(tmp_path):
+    """The RL run's one W&B run gets the trainer's rows through the orchestrator's logger:
+    complete lines only, and after a resume only the rows past the resume step."""
+    from prime_hpc.metrics import MetricsLogger
+
+    run = RunDir(tmp_path)
+    with MetricsLogger(run, "trainer", wandb_writer=False) as t:
+        for step in (1, 2, 3):
+            t.log(step, {"loss/mean": 0.1 * step})
+    cfg = {"enabled": True, "project": "p", "offline": True}
+    with MetricsLogger(run, "orchestrator", cfg) as o:
+        o.follow("trainer", after_step=2)  # resumed at step 2: rows 1-2 are in W&B already
+        assert o.forward() == 1
+        with open(run.metrics("trainer"), "a") as f:
+            f.write('{"step": 4, "loss/mean": 0.4}\n{"step": 5, "loss')  # a row still being written
+        assert o.forward() == 1
+        with open(run.metrics("trainer"), "a") as f:
+            f.write('/mean": 0.5}\n')
+        assert o.forward() == 1 and o.forward() == 0

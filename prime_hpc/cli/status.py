@@ -58,16 +58,13 @@ def job_status(ref: Any) -> dict[str, Any]:
     if note:
         overall = job.get("state", "UNKNOWN")
     beats = {g: heartbeat(ref.run, g) for g in groups}
-    signs = vitals(ref.run, _max_steps(ref.run))
-    if overall in jobs.FINAL_STATES:
-        signs["eta_s"] = None  # ended (an SFT run may stop early on its validation loss)
     return {
         "job_id": ref.job_id, "name": ref.name, "state": overall, "backend": ref.backend,
         "kind": job.get("kind", ref.kind), "mode": ref.mode, "output_dir": ref.output_dir, "slurm_note": note,
         "groups": {g: {"state": st, "heartbeat": beats[g]} for g, st in groups.items()},
         "attempts": job.get("attempts", []), "requeues": job.get("requeues", 0),
         "failure": job.get("failure"), "sweep": job.get("sweep"), "pipeline": job.get("pipeline"),
-        "vitals": signs,
+        "vitals": vitals(ref.run, _max_steps(ref.run), ended=overall in jobs.FINAL_STATES),
     }
 
 

@@ -494,7 +494,7 @@ class Orchestrator:
             self.policy = start
         self.metrics = MetricsLogger(self.run, "orchestrator", self.cfg.get("wandb"), run_name=self.cfg.get("name"),
                                      config=self.cfg)
-        self.metrics.follow("trainer")  # one W&B run: the trainer's rows go in through this logger
+        self.metrics.follow("trainer", start or 0)  # one W&B run: the trainer's rows go in through this logger
         logger.info(f"orchestrator: {len(self.slots)} train env(s), {len(self.eval_slots)} eval env(s), "
                     f"router {ep.router}, {len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
         self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
