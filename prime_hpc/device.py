@@ -64,6 +64,9 @@ def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads
     # object has no attribute 'finalize_loading'") and recompiles at every start; its
     # per-graph compile cache loads fine (measured: engine start 25 s -> 5 s the second time)
     env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_USE_AOT_COMPILE": "0"})
+    # an idle engine process would poll its message queue for 1 s after each batch, on the
+    # cores the trainer or the next generation needs (prime_hpc.inference.vllm_plugin)
+    env["PRIME_HPC_VLLM_SPIN_S"] = "0"
     if kvcache_space_gb is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kvcache_space_gb)
     if cpu_ids:

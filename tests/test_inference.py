@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -251,6 +253,45 @@ def _chat(base, key_headers, content="abcd", **kw):
     r = httpx.post(base + "/v1/chat/completions", json=body, headers=key_headers, timeout=120)
     r.raise_for_status()
     return r.json()
+
+
+def _cpu_seconds_of_tree(pid: int) -> float:
+    """User + system CPU time of `pid` and every process below it (by parent chain)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, total, grew = {pid}, 0.0, True
+    while grew:
+        grew = False
+        for p, (ppid, _) in parents.items():
+            if ppid in tree and p not in tree:
+                tree.add(p)
+                grew = True
+    return sum(parents[p][1] for p in tree if p in parents)
+
+
+@pytest.mark.vllm
+def test_an_idle_server_leaves_its_cores_right_after_a_generation(inference):
+    """On CPU the engine's processes stop polling their message queue as soon as a
+    generation is done (vLLM would keep one core busy for a second after each): the trainer
+    and the next generation get the cores back."""
+    pid = inference.procs["inference/node_0"].pid
+    base = inference.endpoints.server_records[0]["url"]
+    for _ in range(3):
+        _chat(base, _auth(inference), max_tokens=16)
+        time.sleep(0.1)
+        before = _cpu_seconds_of_tree(pid)
+        time.sleep(1.0)
+        idle = _cpu_seconds_of_tree(pid) - before
+        if idle < 0.25:
+            break
+    assert idle < 0.25, f"the idle server used {idle:.2f} s of CPU in the second after a generation"
 
 
 @pytest.mark.vllm

@@ -60,8 +60,9 @@ def test_groups_are_admitted_only_as_far_as_the_async_window_can_use_them():
 
 
 # --------------------------------------------------------------------------- placement
-def test_one_host_cores_give_trainer_and_inference_their_own_cores():
+def test_one_host_cores_give_trainer_and_inference_their_own_cores_unless_they_take_turns():
     three = ["orchestrator", "inference", "trainer"]
+    assert one_host_cores([0, 1], three, take_turns=True) == {name: [0, 1] for name in three}
     assert one_host_cores([0, 1], three) == {"orchestrator": [0], "inference": [0], "trainer": [1]}
     assert one_host_cores([0, 1, 2, 3, 4], three)["trainer"] == [3, 4]
     assert one_host_cores([0, 1, 2, 3], ["trainer"]) == {"trainer": [0, 1, 2, 3]}  # SFT: all of them
@@ -69,9 +70,12 @@ def test_one_host_cores_give_trainer_and_inference_their_own_cores():
 
 
 def test_groups_threads_and_pinning_follow_the_config(tmp_path):
-    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null"])
+    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null", "async_level=2"])
     assert job_groups(cfg) == ["orchestrator", "inference", "trainer"]
     assert group_cpus(cfg, job_groups(cfg), cores=[0, 1]) == {"orchestrator": "0", "inference": "0", "trainer": "1"}
+    on_policy = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null"])
+    assert on_policy.async_level == 1  # generation and training take turns: each gets both cores
+    assert group_cpus(on_policy, job_groups(on_policy), cores=[0, 1]) == {name: "0,1" for name in job_groups(cfg)}
     sft = compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}"])
     assert job_groups(sft) == ["trainer"] and job_groups(sft, "doctor") == ["orchestrator", "trainer"]
     assert group_env("trainer", "0-3", 1, 2) == {"OMP_NUM_THREADS": "2", "PRIME_HPC_CPUS": "0-3"}

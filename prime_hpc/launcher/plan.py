@@ -139,15 +139,18 @@ def machine_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def one_host_cores(cores: list[int], groups: list[str]) -> dict[str, list[int]]:
-    """Each group's share of one machine's `cores` when every component runs on it: the
-    trainer gets the upper half (at least one core), inference the rest, and the
-    orchestrator (and the router), which mostly wait on I/O, share the inference cores.
-    Even when training and generation take turns (async_level <= 1) this split beats
-    sharing every core (measured: the engine's threads slow the trainer's down 2x; see
-    docs/benchmarks.md). Without inference (SFT) the trainer gets every core; with a single
-    core everything shares it."""
-    if len(cores) < 2 or "inference" not in groups:
+def one_host_cores(cores: list[int], groups: list[str], take_turns: bool = False) -> dict[str, list[int]]:
+    """Each group's share of one machine's `cores` when every component runs on it.
+
+    When generation and training take turns (`take_turns`: `async_level` <= 1, the
+    rollouts of step n+1 need the policy step n produces) each runs alone while the other
+    waits, so trainer, inference and orchestrator all get every core (measured on 2 cores:
+    0.83 s per step against 1.10 s with a split; docs/benchmarks.md). Otherwise they run at
+    the same time and get cores of their own: the trainer the upper half (at least one
+    core), inference the rest, and the orchestrator (and the router), which mostly wait on
+    I/O, share the inference cores. Without inference (SFT) the trainer gets every core;
+    with a single core everything shares it."""
+    if len(cores) < 2 or "inference" not in groups or take_turns:
         return {name: list(cores) for name in groups}
     split = len(cores) - len(cores) // 2
     share = {"orchestrator": cores[:split], "inference": cores[:split], "trainer": cores[split:]}
@@ -162,7 +165,9 @@ def group_cpus(cfg: DictConfig, groups: list[str], cores: Optional[list[int]] = 
     """The core list each group is pinned to ("auto" resolved against `cores`, default
     this machine's), or None where the allocation decides."""
     wanted = {name: cfg.cluster[name].cpu_ids for name in groups}
-    auto = one_host_cores(cores if cores is not None else machine_cores(), groups) if "auto" in wanted.values() else {}
+    take_turns = int(cfg.async_level) <= 1
+    auto = (one_host_cores(cores if cores is not None else machine_cores(), groups, take_turns)
+            if "auto" in wanted.values() else {})
     return {name: (_id_list(auto[name]) if v == "auto" else v) for name, v in wanted.items()}
 
 

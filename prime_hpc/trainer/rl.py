@@ -56,10 +56,10 @@ def wait_for_rollouts(run: RunDir, step: int, timeout_s: float, producer_log: An
             last[0] = time.monotonic()
         return "done" if rollouts_done_before(run, step) else None
 
-    # polled at most every 0.1 s: at async_level 1 the trainer waits for every batch, and
+    # polled at most every 0.02 s: at async_level 1 the trainer waits for every batch, and
     # each poll of its wait is latency of the step (a few stat calls per poll)
     return wait_for(ready, what=f"rollouts of step {step} ({run.rollout_step(step)}/STABLE)", timeout_s=timeout_s,
-                    producer="orchestrator", producer_log=producer_log, poll_max_s=0.1)
+                    producer="orchestrator", producer_log=producer_log, poll_max_s=0.02)
 
 
 def make_loss_fn(loss_cfg: Any, step: int, mode: str = "rl"):
