@@ -79,9 +79,9 @@ def test_golden_script_is_a_three_group_het_job():
     assert text.count("#SBATCH --mem=") == 3  # one per group: SLURM would copy one group's to the next
     assert "#SBATCH --dependency=afterok:41\n#SBATCH --kill-on-invalid-dep=yes" in text
     assert "--local-addr=127.0.0.1" in text and "export PRIME_HPC_NODE_ADDRESS=127.0.0.1" in text
-    # inference and the head share core 0, the trainer has core 1
-    assert "PRIME_HPC_CPUS=0 taskset -c 0 /opt/venv/bin/python -u -m prime_hpc.inference" in text
-    assert "PRIME_HPC_CPUS=1 taskset -c 1 /opt/venv/bin/python -u -m torch.distributed.run" in text
+    # async_level 1: generation and training take turns, so each runs on both cores
+    assert "OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.inference" in text
+    assert "OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m torch.distributed.run" in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 

@@ -22,7 +22,7 @@ from tests.wandb_records import history_keys
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-RL_STEPS = 80  # the shipped run is longer (250 steps, lr decaying); here a constant lr
+RL_STEPS = 80  # the shipped run is longer (350 steps, lr decaying); here a constant lr
 
 
 def _rows(run: RunDir, component: str) -> list[dict]:
