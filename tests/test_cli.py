@@ -49,6 +49,29 @@ def test_read_only_commands_do_not_import_heavy_stacks(argv, tmp_path):
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("argv", [["status", "{out}"], ["list"], ["tail", "{out}", "--no-follow"], ["--help"]])
+def test_commands_that_only_read_import_no_config_or_submission_stack(argv, tmp_path):
+    """status, list and tail read job.json and ask squeue/sacct: nothing of composing or
+    submitting a run is imported (each costs tens of milliseconds at every call)."""
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "job.json").write_text(json.dumps({"name": "x", "job_ids": ["1"], "backend": "slurm", "state": "RUNNING"}))
+    argv = [a.format(out=out) for a in argv]
+    stacks = ("hydra", "omegaconf", "submitit", "jinja2")
+    code = (
+        "import sys\n"
+        "from prime_hpc.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(sorted(m for m in {stacks!r} if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "PRIME_HPC_STATE_DIR": str(tmp_path / "state")})
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
+
+
 def test_dry_run_writes_launch_files_and_submits_nothing(tmp_path):
     out = tmp_path / "run"
     r = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--dry-run")

@@ -13,13 +13,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(a: argparse.Namespace) -> int:
     from prime_hpc import jobs
-    from prime_hpc.launcher import launch
+    from prime_hpc.launcher import state
 
     # a sweep's last points first: cancelling a point must not release the one that waits for it
     for point in jobs.resolve_many(a.job)[::-1]:
-        for ref in launch.pipeline_refs(point)[::-1]:  # the run first: its warm-up cannot start it any more
-            if launch.cancel(ref):
+        for ref in state.pipeline_refs(point)[::-1]:  # the run first: its warm-up cannot start it any more
+            if state.cancel(ref):
                 print(f"cancelled job {ref.job_id} ({ref.name})")
             else:
-                print(f"job {ref.job_id} ({ref.name}) already ended: {launch.job_state(ref)}")
+                print(f"job {ref.job_id} ({ref.name}) already ended: {state.job_state(ref)}")
     return 0

@@ -68,7 +68,7 @@ def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:
     if not refs or not shutil.which("squeue"):
         return {}, ""
     from prime_hpc import jobs
-    from prime_hpc.launcher.slurm import live_states as ask
+    from prime_hpc.launcher.slurm_state import live_states as ask
 
     states, note = ask({r.job_id: len(jobs.job_groups(records[r.output_dir])) for r in refs})
     return states, (f"SLURM could not be asked ({note}); other states as recorded in each job.json" if note else "")

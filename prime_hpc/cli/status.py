@@ -48,12 +48,12 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
     from prime_hpc import jobs
-    from prime_hpc.launcher import launch
-    from prime_hpc.launcher.slurm import aggregate
+    from prime_hpc.launcher import state
+    from prime_hpc.launcher.slurm_state import aggregate
     from prime_hpc.vitals import vitals
 
     job = jobs.read_job(ref.run)
-    groups, note = launch.group_states(ref)
+    groups, note = state.group_states(ref)
     overall = aggregate(list(groups.values())) if ref.backend == "slurm" else next(iter(groups.values()))
     if note:
         overall = job.get("state", "UNKNOWN")
@@ -125,7 +125,7 @@ def sweep_lines(refs: list, statuses: list[dict]) -> list[str]:
 def snapshot(name: Optional[str]) -> tuple[list[str], Any]:
     """(lines, json object) for a job, a pipeline or a sweep."""
     from prime_hpc import jobs
-    from prime_hpc.launcher import launch
+    from prime_hpc.launcher import state
 
     if name:
         refs = jobs.resolve_many(name)
@@ -137,7 +137,7 @@ def snapshot(name: Optional[str]) -> tuple[list[str], Any]:
     if len(refs) > 1:  # a sweep
         statuses = [job_status(r) for r in refs]
         return sweep_lines(refs, statuses), {"sweep": (statuses[0]["sweep"] or {}).get("id"), "points": statuses}
-    stages = launch.pipeline_refs(refs[0])
+    stages = state.pipeline_refs(refs[0])
     statuses = [job_status(r) for r in stages]
     lines: list[str] = []
     if len(stages) > 1:

@@ -27,7 +27,7 @@ def state_fn(ref: Any):
     """The job's state as its own record says, and, for a job that could end without
     recording it (its supervisor killed), SLURM's or the process table's now and then."""
     from prime_hpc import jobs
-    from prime_hpc.launcher import launch
+    from prime_hpc.launcher import state as job_states
 
     last = [0.0]
 
@@ -37,7 +37,7 @@ def state_fn(ref: Any):
         if recorded in jobs.FINAL_STATES or time.monotonic() - last[0] < SLURM_CHECK_S:
             return recorded, job
         last[0] = time.monotonic()
-        actual = launch.job_state(ref)
+        actual = job_states.job_state(ref)
         return (actual if actual in jobs.FINAL_STATES else recorded), job
 
     return state

@@ -11,12 +11,13 @@ warm-up's final weights, whenever it stopped (at max_steps, or early at
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from prime_hpc.config.compose import cache_root, compose, override
+from prime_hpc.config.compose import cache_root, compose, finish, override
 from prime_hpc.errors import ConfigError
 
 WARMUP_DIR = "warmup"
@@ -48,8 +49,10 @@ def warmup_overrides(cfg: DictConfig) -> list[str]:
 
 def compose_stages(overrides: Sequence[str]) -> list[DictConfig]:
     """The runs one submission makes: [run], or [warm-up, run starting from its weights]."""
-    cfg = compose(overrides)
+    raw = compose(overrides, resolve=False)
+    cfg = finish(copy.deepcopy(raw))
     wcfg = warmup_config(cfg)
     if wcfg is None:
         return [cfg]
-    return [wcfg, compose([*overrides, override("model.name", wcfg.output_dir)])]
+    raw.model.name = str(wcfg.output_dir)  # as `model.name=<warm-up dir>` would, without composing again
+    return [wcfg, finish(raw)]

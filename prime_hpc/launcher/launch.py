@@ -18,6 +18,8 @@ from prime_hpc.launcher.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text
+# re-exported: what a job is doing, light for the read-only commands
+from prime_hpc.launcher.state import cancel, group_states, job_state, pipeline_refs  # noqa: F401
 
 
 @dataclass
@@ -193,17 +195,6 @@ def submit_stages(stages: Sequence[DictConfig], overrides: Sequence[str], after:
     return [warm, run]
 
 
-def pipeline_refs(ref: jobs.JobRef) -> list[jobs.JobRef]:
-    """The jobs of `ref`'s pipeline, warm-up first ([ref] when it is not in one)."""
-    p = jobs.read_job(ref.run).get("pipeline") or {}
-    if "warmup" in p:
-        warm = jobs.resolve(p["warmup"]["output_dir"])
-        return [warm, ref]
-    if p.get("run") and (RunDir(p["run"]).job_json).exists():
-        return [ref, jobs.resolve(p["run"])]
-    return [ref]
-
-
 def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
     """Submit the run of `ref` again, into its own directory, as a new attempt: its
     recorded config plus `overrides` (`ckpt.step` defaults to -1, the latest complete
@@ -240,57 +231,3 @@ def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 2.0) -> str:
         time.sleep(poll_s)
     raise LaunchError(f"job {sub.ref.job_id} still {job_state(sub.ref)} after {timeout_s:g}s; "
                       f"see {sub.ref.run.latest_logs}")
-
-
-def group_states(ref: jobs.JobRef) -> tuple[dict[str, str], Optional[str]]:
-    """State of each group of the job, and a note when SLURM could not be asked (then the
-    states are what job.json recorded). Local runs: the run's state for every group."""
-    job = jobs.read_job(ref.run)
-    groups = jobs.job_groups(job)
-    if ref.backend == "slurm":
-        from prime_hpc.launcher import slurm
-
-        try:
-            states = slurm.component_states(ref.job_id, groups)
-        except slurm.SlurmUnreachable as e:
-            recorded = job.get("state", "UNKNOWN")
-            return {g: recorded for g in groups}, f"SLURM could not be asked ({e}); state as recorded in job.json"
-        if len(states) < len(groups):  # not (or no longer) known to SLURM: what the job recorded
-            return {g: states.get(g) or job.get("state", "UNKNOWN") for g in groups}, None
-        return states, None
-    from prime_hpc.launcher import local
-
-    st = local.state(ref.run)
-    return {g: st for g in groups}, None
-
-
-def job_state(ref: jobs.JobRef) -> str:
-    states, _ = group_states(ref)
-    if ref.backend == "slurm":
-        from prime_hpc.launcher.slurm import aggregate
-
-        return aggregate(list(states.values()))
-    return next(iter(states.values()))
-
-
-def cancel(ref: jobs.JobRef) -> bool:
-    """Cancel every group of the job; job.json records who ended it. False if the job
-    had already ended."""
-    if job_state(ref) in jobs.FINAL_STATES:
-        return False
-    # recorded first: the job's supervisor reads it to tell a cancel from a requeue
-    prior = jobs.read_job(ref.run).get("state")
-    jobs.update_job(ref.run, state=jobs.CANCELLED, cancelled_at=time.time())
-    try:
-        if ref.backend == "slurm":
-            from prime_hpc.launcher import slurm
-
-            slurm.cancel(ref.job_id)
-        else:
-            from prime_hpc.launcher import local
-
-            local.cancel(ref.run)
-    except BaseException:
-        jobs.update_job(ref.run, state=prior)
-        raise
-    return True

@@ -6,21 +6,24 @@ import os
 import secrets
 import signal
 import subprocess
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.jobs import FINAL_STATES, read_job
-from prime_hpc.launcher.plan import Plan
-from prime_hpc.launcher.render import render_local
 from prime_hpc.rundir import RunDir, atomic_write_text
 
+if TYPE_CHECKING:
+    from prime_hpc.launcher.plan import Plan
 
-def submit(plan: Plan, task: Any) -> tuple[str, dict]:
+
+def submit(plan: "Plan", task: Any) -> tuple[str, dict]:
     """Start the run in the background; returns (job id, {pid, pid_start} of the
     supervising script, for job.json)."""
     run = plan.run
     job_id = f"local-{secrets.token_hex(4)}"
     plan.head_argv = task.argv(plan.python)
     script = run.local_script(plan.kind)
+    from prime_hpc.launcher.render import render_local
+
     atomic_write_text(script, render_local(plan, job_id))
     with open(run.submit_dir / "local.out", "ab") as out:
         proc = subprocess.Popen(
