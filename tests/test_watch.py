@@ -305,14 +305,23 @@ def test_status_list_and_tail_answer_when_slurm_cannot_be_asked(work, tmp_path):
         assert subprocess.run(cmd, capture_output=True, timeout=60, env={**os.environ, **down}).returncode != 0
         assert time.monotonic() - t0 < 20
 
+    # a job that recorded its own successful end needs no SLURM at all
     st = work.cli("status", job_id, env=down)
-    assert st.returncode == 0 and st.stderr == "", st.stderr
-    notes = [line for line in st.stdout.splitlines() if NOTE in line]
-    assert len(notes) == 1 and "state as recorded in job.json" in notes[0], st.stdout
+    assert st.returncode == 0 and st.stderr == "" and NOTE not in st.stdout, st.stdout + st.stderr
     assert st.stdout.splitlines()[0].split()[:4] == ["job", job_id, "reverse_text_sft", "COMPLETED"]
     assert "UNKNOWN" not in st.stdout and "step: trainer 4/4" in st.stdout
     js = json.loads(work.cli("status", job_id, "--json", env=down).stdout)
-    assert js["state"] == "COMPLETED" and NOTE in js["slurm_note"]
+    assert js["state"] == "COMPLETED" and js["slurm_note"] is None
+    # one that did not: the recorded state, and one line saying SLURM could not be asked
+    unfinished = tmp_path / "copy"
+    shutil.copytree(run.root, unfinished)
+    job = json.loads((unfinished / "job.json").read_text())
+    (unfinished / "job.json").write_text(json.dumps({**job, "state": "FAILED"}))
+    st = work.cli("status", str(unfinished), env=down)
+    assert st.returncode == 0 and st.stderr == "", st.stderr
+    notes = [line for line in st.stdout.splitlines() if NOTE in line]
+    assert len(notes) == 1 and "state as recorded in job.json" in notes[0], st.stdout
+    assert st.stdout.splitlines()[0].split()[3] == "FAILED"
 
     ls = work.cli("list", env=down)
     assert ls.returncode == 0 and ls.stderr == "", ls.stderr
