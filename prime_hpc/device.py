@@ -64,8 +64,12 @@ def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads
     # object has no attribute 'finalize_loading'") and recompiles at every start; its
     # per-graph compile cache loads fine (measured: engine start 25 s -> 5 s the second time)
     env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_USE_AOT_COMPILE": "0"})
-    # an idle engine process would poll its message queue for 1 s after each batch, on the
-    # cores the trainer or the next generation needs (prime_hpc.inference.vllm_plugin)
+    # one engine process instead of an engine and a worker when the server has one worker
+    # (vLLM picks its in-process executor at world size 1): one Python start fewer (~10 s
+    # of a server's ~33 s start on 2 cores), and no shared-memory queue between the two
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # with several workers, an idle one would poll its message queue for 1 s after each
+    # batch, on the cores the trainer or the next generation needs (inference/vllm_plugin.py)
     env["PRIME_HPC_VLLM_SPIN_S"] = "0"
     if kvcache_space_gb is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kvcache_space_gb)
