@@ -295,6 +295,48 @@ def test_an_idle_server_leaves_its_cores_right_after_a_generation(inference):
 
 
 @pytest.mark.vllm
+def test_the_plugin_makes_vllm_queue_readers_sleep_instead_of_polling(monkeypatch):
+    """With several workers per server, vLLM's processes wait on a shared-memory queue and
+    would poll it (yielding the core in a loop) for 1 s after each message; with the
+    plugin loaded a waiting reader sleeps until notified, rechecking every 10 ms."""
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    from prime_hpc.inference import vllm_plugin
+
+    cls = shm_broadcast.SpinCondition
+    saved = (cls.wait, shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, getattr(cls, "_prime_hpc_spin_s", None))
+    ctx = zmq.Context()
+    address = "inproc://prime-hpc-plugin-test"
+    writer = cls(is_reader=False, context=ctx, notify_address=address)
+    reader = cls(is_reader=True, context=ctx, notify_address=address)
+
+    def cpu_while_waiting(seconds: float = 0.5) -> float:
+        reader.record_read()  # a message was just read: vLLM would now poll for a second
+        cpu, end = time.process_time(), time.monotonic() + seconds
+        while time.monotonic() < end:
+            reader.wait(timeout_ms=shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
+        return time.process_time() - cpu
+
+    try:
+        assert cpu_while_waiting() > 0.1  # vLLM alone: the reader keeps its core busy
+        monkeypatch.setenv(vllm_plugin.SPIN_VAR, "0")
+        vllm_plugin.register()
+        assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == vllm_plugin.RECHECK_MS
+        assert cpu_while_waiting() < 0.05
+        writer.notify()  # and a notification still wakes it at once
+        t0 = time.monotonic()
+        reader.wait(timeout_ms=5000)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        cls.wait, shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, cls._prime_hpc_spin_s = saved
+        for sock in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket,
+                     writer.local_notify_socket):
+            sock.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.vllm
 def test_endpoints_are_published_with_real_addresses(inference):
     recs = inference.endpoints.server_records
     assert [r["node"] for r in recs] == [0, 1]
