@@ -12,6 +12,45 @@ from typing import Any, Dict, List, Optional
 MISSING = "???"
 
 
+@dataclass(frozen=True)
+class Rule:
+    """The values a field allows, next to its type; checked at submit time by
+    `prime_hpc.config.validate.check_fields` (None passes where the type is Optional)."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+    choices: Optional[tuple] = None
+
+    def violation(self, value: Any) -> Optional[str]:
+        if self.choices is not None:
+            return None if value in self.choices else f"unknown value {value!r}; choose from {', '.join(self.choices)}"
+        lo = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
+        hi = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else None
+        ok = ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+              and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        if ok:
+            return None
+        if lo and hi:
+            return f"must be in {lo}, {hi} (got {value})"
+        if lo:
+            return f"must be {'>=' if self.ge is not None else '>'} {lo[1:]} (got {value})"
+        return f"must be {'<=' if self.le is not None else '<'} {hi[:-1]} (got {value})"
+
+
+def ruled(default: Any, **rule: Any) -> Any:
+    """A dataclass field with a default and its `Rule`, e.g. `lr: float = ruled(1e-6, gt=0)`."""
+    return field(default=default, metadata={"rule": Rule(**rule)})
+
+
+def one_of(default: str, *choices: str) -> Any:
+    return ruled(default, choices=choices)
+
+
+LEVELS = ("debug", "info", "warning", "error")
+
+
 # ----------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
@@ -23,15 +62,15 @@ class ModelConfig:
 # ----------------------------------------------------------------------------- trainer
 @dataclass
 class ActivationCheckpointConfig:
-    freq: Optional[int] = None  # checkpoint every `freq`-th layer; None = off, 1 = every layer
+    freq: Optional[int] = ruled(None, ge=1)  # checkpoint every `freq`-th layer; None = off, 1 = every layer
 
 
 @dataclass
 class LoRAConfig:
     enabled: bool = False
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
+    rank: int = ruled(16, ge=1)
+    alpha: float = ruled(32.0, gt=0)
+    dropout: float = ruled(0.0, ge=0, lt=1)
     target_modules: List[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -42,8 +81,8 @@ class TrainerModelConfig:
     name: str = "${model.name}"  # must agree with model.name
     ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    optimization_dtype: str = "float32"  # bfloat16 | float32 (forward/backward)
-    reduce_dtype: str = "float32"  # bfloat16 | float32 (gradient reduction)
+    optimization_dtype: str = one_of("float32", "bfloat16", "float32")  # forward/backward
+    reduce_dtype: str = one_of("float32", "bfloat16", "float32")  # gradient reduction
 
 
 @dataclass
@@ -53,23 +92,23 @@ class TokenizerConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    max_norm: float = 1.0  # gradient clipping norm
+    lr: float = ruled(1e-6, gt=0)
+    weight_decay: float = ruled(0.0, ge=0)
+    max_norm: float = ruled(1.0, gt=0)  # gradient clipping norm
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
-    schedule: str = "constant"  # after warm-up: constant | linear | cosine (decay to min_lr_ratio * lr at max_steps)
-    min_lr_ratio: float = 0.0  # linear/cosine: the last step's lr as a fraction of lr
+    warmup_steps: int = ruled(0, ge=0)
+    schedule: str = one_of("constant", "constant", "linear", "cosine")  # after warm-up (decay to min_lr_ratio * lr at max_steps)
+    min_lr_ratio: float = ruled(0.0, ge=0, le=1)  # linear/cosine: the last step's lr as a fraction of lr
 
 
 @dataclass
 class LossConfig:
-    type: str = "dppo"  # dppo (mask tokens whose probability moved too far) | cispo (clipped ratio)
-    mask_low: float = 0.2  # dppo: mask a token when p_trainer - p_inference < -mask_low (prob. space)
-    mask_high: float = 0.2  # dppo: mask a token when p_trainer - p_inference > mask_high
-    clip_low: float = 0.2  # cispo: lower clip of the importance ratio (1 - clip_low)
-    clip_high: float = 0.28  # cispo: upper clip of the importance ratio (1 + clip_high)
-    kl_coef: float = 0.0  # weight of the optional KL(inference || trainer) term (k3 estimator)
+    type: str = one_of("dppo", "dppo", "cispo")  # dppo (mask tokens whose probability moved too far) | cispo (clipped ratio)
+    mask_low: float = ruled(0.2, ge=0)  # dppo: mask a token when p_trainer - p_inference < -mask_low (prob. space)
+    mask_high: float = ruled(0.2, ge=0)  # dppo: mask a token when p_trainer - p_inference > mask_high
+    clip_low: float = ruled(0.2, ge=0, lt=1)  # cispo: lower clip of the importance ratio (1 - clip_low)
+    clip_high: float = ruled(0.28, ge=0)  # cispo: upper clip of the importance ratio (1 + clip_high)
+    kl_coef: float = ruled(0.0, ge=0)  # weight of the optional KL(inference || trainer) term (k3 estimator)
 
 
 @dataclass
@@ -85,32 +124,32 @@ class SFTDataConfig:
     name: Optional[str] = None  # sft: HF dataset name, local dir/file, or module:function returning a Dataset
     split: str = "train"
     seq_len: int = "${seq_len}"  # type: ignore[assignment]  # packed sample length, tokens
-    batch_size: int = 8192  # tokens per trainer step (packed rows of seq_len)
+    batch_size: int = ruled(8192, ge=1)  # tokens per trainer step (packed rows of seq_len)
     args: Dict[str, Any] = field(default_factory=dict)  # kwargs of a module:function dataset (or load_dataset)
 
 
 @dataclass
 class ValConfig:
-    interval: Optional[int] = None  # sft: validation loss every N steps (and before the first); None = off
+    interval: Optional[int] = ruled(None, ge=1)  # sft: validation loss every N steps (and before the first); None = off
     stop_below: Optional[float] = None  # sft: end the run (final weights, checkpoint) once val/loss is below
     data: SFTDataConfig = field(default_factory=SFTDataConfig)  # like trainer.data; data.name is required with interval
 
 
 @dataclass
 class LogConfig:
-    level: str = "info"
-    vf_level: str = "info"  # verifiers / env-worker log level (orchestrator only)
+    level: str = one_of("info", *LEVELS)
+    vf_level: str = one_of("info", *LEVELS)  # verifiers / env-worker log level (orchestrator only)
 
 
 @dataclass
 class TrainerConfig:
-    type: str = "rl"  # rl | sft
+    type: str = one_of("rl", "rl", "sft")
     model: TrainerModelConfig = field(default_factory=TrainerModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    micro_batch_size: int = 1  # packed sequences per forward pass
-    rollout_timeout_s: float = 86400.0  # rl: fail when a step's rollouts have not arrived after this long
+    micro_batch_size: int = ruled(1, ge=1)  # packed sequences per forward pass
+    rollout_timeout_s: float = ruled(86400.0, gt=0)  # rl: fail when a step's rollouts have not arrived after this long
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     loss_mask: LossMaskConfig = field(default_factory=LossMaskConfig)
     val: ValConfig = field(default_factory=ValConfig)
@@ -122,24 +161,24 @@ class TrainerConfig:
 class EnvEntry:
     id: str = MISSING  # importable module exposing load_environment(**args) -> verifiers.Environment
     args: Dict[str, Any] = field(default_factory=dict)
-    ratio: float = 1.0  # relative sampling weight among the listed envs
+    ratio: float = ruled(1.0, gt=0)  # relative sampling weight among the listed envs
     name: Optional[str] = None  # metric/log name; defaults to the id
 
 
 @dataclass
 class SamplingConfig:
-    max_tokens: Optional[int] = None  # per model turn; None = up to max_model_len
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: Optional[int] = ruled(None, ge=1)  # per model turn; None = up to max_model_len
+    temperature: float = ruled(1.0, ge=0)  # 0 = greedy
+    top_p: float = ruled(1.0, gt=0, le=1)
 
 
 @dataclass
 class EvalConfig:
-    interval: int = 100  # eval every N steps (0 = no eval at all, at_start included)
+    interval: int = ruled(100, ge=0)  # eval every N steps (0 = no eval at all, at_start included)
     at_start: bool = False  # also eval the base policy before the first step (logged as step 0)
     env: List[EnvEntry] = field(default_factory=list)
-    num_examples: Optional[int] = None  # None = the whole eval set
-    rollouts_per_example: int = 1
+    num_examples: Optional[int] = ruled(None, ge=1)  # None = the whole eval set
+    rollouts_per_example: int = ruled(1, ge=1)
 
 
 @dataclass
@@ -162,13 +201,13 @@ class OrchestratorModelConfig:
 @dataclass
 class OrchestratorConfig:
     model: OrchestratorModelConfig = field(default_factory=OrchestratorModelConfig)
-    batch_size: int = 128  # rollouts per trainer step
-    group_size: int = 8  # rollouts per example (batch_size must be a multiple)
-    max_off_policy_steps: int = 8  # drop a rollout touched by more distinct policies than this
-    max_concurrent: int = 256  # in-flight generation requests
-    training_mode: str = "rl"  # rl | opd | sft
+    batch_size: int = ruled(128, ge=1)  # rollouts per trainer step
+    group_size: int = ruled(8, ge=1)  # rollouts per example (batch_size must be a multiple)
+    max_off_policy_steps: int = ruled(8, ge=1)  # drop a rollout touched by more distinct policies than this
+    max_concurrent: int = ruled(256, ge=1)  # in-flight generation requests
+    training_mode: str = one_of("rl", "rl", "opd", "sft")
     online_difficulty_filtering: bool = False  # drop groups whose rewards have no variance
-    advantage: str = "mean"  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
+    advantage: str = one_of("mean", "mean", "std", "loo")  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -188,15 +227,15 @@ class InferenceModelConfig:
 @dataclass
 class InferenceConfig:
     model: InferenceModelConfig = field(default_factory=InferenceModelConfig)
-    dtype: str = "auto"  # auto | float16 | bfloat16 | float32 (vLLM --dtype)
+    dtype: str = one_of("auto", "auto", "float16", "bfloat16", "float32")  # vLLM --dtype
     max_model_len: Optional[int] = "${seq_len}"  # type: ignore[assignment]  # context length; must be <= seq_len
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    data_parallel_size: Optional[int] = None  # per node; None = gpus_per_node / tensor_parallel_size
-    cpu_kvcache_space_gb: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
-    cpu_threads: Optional[int] = None  # CPU only: OMP threads; None = what SLURM gave the task
+    gpu_memory_utilization: float = ruled(0.9, gt=0, le=1)
+    tensor_parallel_size: int = ruled(1, ge=1)
+    data_parallel_size: Optional[int] = ruled(None, ge=1)  # per node; None = gpus_per_node / tensor_parallel_size
+    cpu_kvcache_space_gb: int = ruled(1, ge=1)  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    cpu_threads: Optional[int] = ruled(None, ge=1)  # CPU only: OMP threads; None = what SLURM gave the task
     extra_args: List[str] = field(default_factory=list)  # passed verbatim to the vLLM server
-    startup_timeout_s: int = 600
+    startup_timeout_s: int = ruled(600, ge=1)
 
 
 # ----------------------------------------------------------------------------- run-level
@@ -208,20 +247,20 @@ class WeightsCkptConfig:
 @dataclass
 class CkptConfig:
     enabled: bool = False  # save a checkpoint at the end of training (off by default: disk)
-    interval: Optional[int] = None  # ...and every N steps (implies enabled)
-    keep_last: Optional[int] = None  # keep only the newest N checkpoints
-    keep_interval: Optional[int] = None  # ...plus every checkpoint whose step is a multiple of N
-    step: Optional[int] = None  # resume from this step (-1 = latest complete checkpoint)
+    interval: Optional[int] = ruled(None, ge=1)  # ...and every N steps (implies enabled)
+    keep_last: Optional[int] = ruled(None, ge=1)  # keep only the newest N checkpoints
+    keep_interval: Optional[int] = ruled(None, ge=1)  # ...plus every checkpoint whose step is a multiple of N
+    step: Optional[int] = ruled(None, ge=-1)  # resume from this step (-1 = latest complete checkpoint)
     save_async: bool = False
     weights: WeightsCkptConfig = field(default_factory=WeightsCkptConfig)
 
 
 @dataclass
 class LogExtrasConfig:
-    interval: int = 10  # every N steps (0 = never): the extras below, in the W&B run
+    interval: int = ruled(10, ge=0)  # every N steps (0 = never): the extras below, in the W&B run
     samples: bool = True  # a table of sampled rollouts: prompt, completion, reward, advantage
     distributions: bool = True  # histograms of the step's rewards and advantages
-    sample_ratio: float = 0.1  # share of the step's rollouts in the table (at least one)
+    sample_ratio: float = ruled(0.1, gt=0, le=1)  # share of the step's rollouts in the table (at least one)
 
 
 @dataclass
@@ -236,19 +275,19 @@ class WandbConfig:
 
 @dataclass
 class GroupResources:
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    mem_gb: Optional[float] = None  # None = the partition default
-    nproc_per_node: Optional[int] = None  # trainer only: ranks per node (default gpus_per_node or 1)
+    nodes: int = ruled(1, ge=1)
+    gpus_per_node: int = ruled(0, ge=0)
+    cpus_per_task: int = ruled(1, ge=1)
+    mem_gb: Optional[float] = ruled(None, gt=0)  # None = the partition default
+    nproc_per_node: Optional[int] = ruled(None, ge=1)  # trainer only: ranks per node (default gpus_per_node or 1)
     cpu_ids: Optional[str] = None  # cores the group's tasks are pinned to, e.g. "0-3"; None = what the
     # allocation binds (SLURM); "auto" = this group's share of this machine (one host: local, dev)
 
 
 @dataclass
 class ClusterConfig:
-    backend: str = "local"  # local | slurm
-    device: str = "cpu"  # cpu | cuda: the one switch for accelerators (NCCL vs gloo, vllm vs vllm-cpu)
+    backend: str = one_of("local", "local", "slurm")
+    device: str = one_of("cpu", "cpu", "cuda")  # the one switch for accelerators (NCCL vs gloo, vllm vs vllm-cpu)
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -262,8 +301,8 @@ class ClusterConfig:
     # compile cache) on a filesystem every node sees; null = <output_dir>/../.prime-hpc-cache
     address: Optional[str] = None  # what servers bind to and publish; None = each node's own address
     # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
-    signal_delay_s: int = 120  # warning this long before the time limit: checkpoint, then requeue
-    max_requeues: int = 10  # time limits/preemptions a run is requeued through before it stops
+    signal_delay_s: int = ruled(120, ge=0)  # warning this long before the time limit: checkpoint, then requeue
+    max_requeues: int = ruled(10, ge=0)  # time limits/preemptions a run is requeued through before it stops
     orchestrator: GroupResources = field(default_factory=GroupResources)
     inference: GroupResources = field(default_factory=GroupResources)
     trainer: GroupResources = field(default_factory=GroupResources)
@@ -281,8 +320,8 @@ class RunConfig:
     name: str = "run"  # run name: job name, W&B name, default output_dir
     output_dir: str = "outputs/${name}"
     clean_output_dir: bool = False  # wipe a non-empty output_dir of a fresh run
-    max_steps: Optional[int] = None  # absolute target step; None = until the data runs out
-    seq_len: int = 2048  # trainer sequence length, tokens
+    max_steps: Optional[int] = ruled(None, ge=1)  # absolute target step; None = until the data runs out
+    seq_len: int = ruled(2048, ge=1)  # trainer sequence length, tokens
     async_level: int = 2  # rollouts for step n come from a policy no older than n - async_level
     seed: int = 42
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -15,24 +15,6 @@ from omegaconf import DictConfig
 
 from prime_hpc.errors import ConfigError
 
-CHOICES = {
-    "cluster.backend": ("local", "slurm"),
-    "cluster.device": ("cpu", "cuda"),
-    "trainer.type": ("rl", "sft"),
-    "trainer.loss.type": ("dppo", "cispo"),
-    "trainer.model.optimization_dtype": ("bfloat16", "float32"),
-    "trainer.model.reduce_dtype": ("bfloat16", "float32"),
-    "orchestrator.training_mode": ("rl", "opd", "sft"),
-    "orchestrator.advantage": ("mean", "std", "loo"),
-    "trainer.optim.schedule": ("constant", "linear", "cosine"),
-    "inference.dtype": ("auto", "float16", "bfloat16", "float32"),
-    "log.level": ("debug", "info", "warning", "error"),
-    "trainer.log.level": ("debug", "info", "warning", "error"),
-    "orchestrator.log.level": ("debug", "info", "warning", "error"),
-    "orchestrator.log.vf_level": ("debug", "info", "warning", "error"),
-}
-
-
 def _get(cfg: DictConfig, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
@@ -40,40 +22,43 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
-def check_choices(cfg: DictConfig) -> None:
-    for key, options in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in options:
-            raise ConfigError(key, f"unknown value {value!r}; choose from {', '.join(options)}")
+def check_fields(cfg: DictConfig) -> None:
+    """Every field's own rule (range or choices), declared with its type in the schema
+    (`prime_hpc.config.schema.ruled` / `one_of`)."""
+    from dataclasses import fields, is_dataclass
+    from typing import get_args, get_type_hints
+
+    from prime_hpc.config.schema import RunConfig
+
+    def walk(cls: type, node: Any, prefix: str) -> None:
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            key, value = prefix + f.name, node[f.name]
+            rule = f.metadata.get("rule")
+            if rule is not None and value is not None:
+                problem = rule.violation(value)
+                if problem:
+                    raise ConfigError(key, problem)
+            hint = hints[f.name]
+            if is_dataclass(hint) and value is not None:
+                walk(hint, value, key + ".")
+            elif get_args(hint) and is_dataclass(get_args(hint)[0]) and value is not None:  # List[EnvEntry]
+                for k, item in enumerate(value):
+                    walk(get_args(hint)[0], item, f"{key}.{k}.")
+
+    walk(RunConfig, cfg, "")
 
 
 def check_positive(cfg: DictConfig) -> None:
-    for key in ("orchestrator.batch_size", "orchestrator.group_size", "orchestrator.max_concurrent",
-                "orchestrator.max_off_policy_steps", "seq_len", "trainer.micro_batch_size",
-                "cluster.orchestrator.nodes", "cluster.inference.nodes", "cluster.trainer.nodes",
-                "inference.tensor_parallel_size", "inference.data_parallel_size"):
-        if _get(cfg, key) is not None and _get(cfg, key) < 1:
-            raise ConfigError(key, f"must be >= 1 (got {_get(cfg, key)})")
     if cfg.async_level < 1:
         raise ConfigError("async_level", f"must be >= 1 (got {cfg.async_level}); 1 is fully on-policy (step n "
                                          "trains on rollouts of policy n-1)")
-    if cfg.cluster.max_requeues < 0:
-        raise ConfigError("cluster.max_requeues", f"must be >= 0 (got {cfg.cluster.max_requeues})")
     for g in ("orchestrator", "inference", "trainer"):
         ids = cfg.cluster[g].cpu_ids
         if ids is not None and ids != "auto" and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(ids)):
             raise ConfigError(f"cluster.{g}.cpu_ids", f"{ids!r} is not a core list; use e.g. 0-3,8, auto or null")
-    if cfg.max_steps is not None and cfg.max_steps < 1:
-        raise ConfigError("max_steps", f"must be >= 1 or null (got {cfg.max_steps})")
     if cfg.cluster.orchestrator.nodes != 1:
         raise ConfigError("cluster.orchestrator.nodes", "the orchestrator runs on exactly one node; set it to 1")
-    for key in ("trainer.optim.lr", "trainer.optim.max_norm"):
-        if _get(cfg, key) <= 0:
-            raise ConfigError(key, f"must be > 0 (got {_get(cfg, key)})")
-    if not 0 <= cfg.trainer.optim.min_lr_ratio <= 1:
-        raise ConfigError("trainer.optim.min_lr_ratio", f"must be in [0, 1] (got {cfg.trainer.optim.min_lr_ratio})")
-    if not 0 < cfg.inference.gpu_memory_utilization <= 1:
-        raise ConfigError("inference.gpu_memory_utilization", "must be in (0, 1]")
 
 
 def check_batch(cfg: DictConfig) -> None:
@@ -184,6 +169,11 @@ def check_memory(cfg: DictConfig) -> None:
 
 def check_models(cfg: DictConfig) -> None:
     ref = cfg.model.name
+    path = Path(str(ref)).expanduser()
+    from_warmup = bool(cfg.warmup.experiment) and path == Path(cfg.output_dir) / "warmup"  # written by the warm-up
+    if str(ref).startswith(("/", "./", "../", "~")) and not path.exists() and not from_warmup:
+        raise ConfigError("model.name", f"{ref}: no such directory (a local path; a hub id has no leading / or ./); "
+                                        "give an existing model directory, a run directory or a hub id")
     for key in ("trainer.model.name", "trainer.tokenizer.name", "inference.model.name", "orchestrator.model.name"):
         if _get(cfg, key) != ref:
             raise ConfigError(
@@ -199,8 +189,6 @@ def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None =
         raise ConfigError("orchestrator.env", "no training environment; add env=<name> or +experiment=<name>")
     for where, entries in (("orchestrator.env", o.env), ("orchestrator.eval.env", o.eval.env)):
         for i, e in enumerate(entries):
-            if e.ratio <= 0:
-                raise ConfigError(f"{where}.{i}.ratio", f"must be > 0 (got {e.ratio})")
             err = importable(e.id)
             if err:
                 raise ConfigError(
@@ -260,29 +248,12 @@ def check_sft(cfg: DictConfig) -> None:
 
 def check_trainer(cfg: DictConfig) -> None:
     m = cfg.trainer.model
-    if m.ac.freq is not None and m.ac.freq < 1:
-        raise ConfigError("trainer.model.ac.freq", f"must be >= 1 (every N-th layer) or null (got {m.ac.freq})")
     if m.lora.enabled:
-        if m.lora.rank < 1:
-            raise ConfigError("trainer.model.lora.rank", f"must be >= 1 (got {m.lora.rank})")
-        if m.lora.alpha <= 0:
-            raise ConfigError("trainer.model.lora.alpha", f"must be > 0 (got {m.lora.alpha})")
-        if not 0 <= m.lora.dropout < 1:
-            raise ConfigError("trainer.model.lora.dropout", f"must be in [0, 1) (got {m.lora.dropout})")
         if not m.lora.target_modules:
             raise ConfigError("trainer.model.lora.target_modules", "name at least one linear layer, e.g. [q_proj, v_proj]")
-    if cfg.trainer.rollout_timeout_s <= 0:
-        raise ConfigError("trainer.rollout_timeout_s", f"must be > 0 (got {cfg.trainer.rollout_timeout_s})")
 
 
 def check_ckpt(cfg: DictConfig) -> None:
-    k = cfg.ckpt
-    for key in ("interval", "keep_last", "keep_interval"):
-        v = k[key]
-        if v is not None and v < 1:
-            raise ConfigError(f"ckpt.{key}", f"must be >= 1 or null (got {v})")
-    if k.step is not None and k.step < -1:
-        raise ConfigError("ckpt.step", f"must be -1 (latest) or a step >= 0 (got {k.step})")
     if cfg.wandb.enabled and not cfg.wandb.project:
         raise ConfigError("wandb.project", "set a project name when wandb.enabled=true")
 
@@ -318,7 +289,7 @@ def check_name(cfg: DictConfig) -> None:
 
 RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_name,
-    check_choices,
+    check_fields,
     check_positive,
     check_batch,
     check_lengths,

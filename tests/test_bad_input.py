@@ -1,0 +1,116 @@
+"""Bad input, table-driven: each malformed override or command is rejected before anything
+is submitted or written — exit code 2, one line on stderr naming the key (or the job) and
+the fix, no traceback. Run in-process through the CLI's own `main`, as a user's command
+line would be (no SLURM, no servers)."""
+from __future__ import annotations
+
+import pytest
+
+from prime_hpc.cli import main
+
+RL = ["+experiment=reverse_text", "warmup.experiment=null"]
+
+# (overrides, the key the error must name)
+BAD_OVERRIDES = [
+    (["orchestrator.sampling.temperature=-0.5"], "orchestrator.sampling.temperature"),
+    (["orchestrator.sampling.max_tokens=0"], "orchestrator.sampling.max_tokens"),
+    (["orchestrator.sampling.max_tokens=-3"], "orchestrator.sampling.max_tokens"),
+    (["orchestrator.sampling.top_p=0"], "orchestrator.sampling.top_p"),
+    (["orchestrator.sampling.top_p=1.5"], "orchestrator.sampling.top_p"),
+    (["trainer.optim.lr=0"], "trainer.optim.lr"),
+    (["trainer.optim.lr=-1e-4"], "trainer.optim.lr"),
+    (["trainer.optim.lr=fast"], "trainer.optim.lr"),
+    (["trainer.optim.weight_decay=-0.1"], "trainer.optim.weight_decay"),
+    (["trainer.optim.max_norm=0"], "trainer.optim.max_norm"),
+    (["trainer.optim.min_lr_ratio=2"], "trainer.optim.min_lr_ratio"),
+    (["trainer.optim.warmup_steps=-1"], "trainer.optim.warmup_steps"),
+    (["trainer.optim.schedule=exponential"], "trainer.optim.schedule"),
+    (["trainer.loss.type=ppo"], "trainer.loss.type"),
+    (["trainer.loss.kl_coef=-1"], "trainer.loss.kl_coef"),
+    (["trainer.loss.clip_low=1.5"], "trainer.loss.clip_low"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+    (["trainer.model.lora.rank=0"], "trainer.model.lora.rank"),
+    (["trainer.model.ac.freq=0"], "trainer.model.ac.freq"),
+    (["trainer.no_such_key=1"], "trainer.no_such_key"),
+    (["+trainer.no_such_key=1"], "trainer.no_such_key"),
+    (["ckpt.keep_last=0"], "ckpt.keep_last"),
+    (["ckpt.interval=0"], "ckpt.interval"),
+    (["ckpt.keep_interval=-5"], "ckpt.keep_interval"),
+    (["ckpt.step=-2"], "ckpt.step"),
+    (["orchestrator.eval.interval=-1"], "orchestrator.eval.interval"),
+    (["orchestrator.eval.rollouts_per_example=0"], "orchestrator.eval.rollouts_per_example"),
+    (["orchestrator.batch_size=0"], "orchestrator.batch_size"),
+    (["orchestrator.batch_size=1.5"], "orchestrator.batch_size"),
+    (["orchestrator.batch_size=60"], "orchestrator.batch_size"),
+    (["orchestrator.group_size=0"], "orchestrator.group_size"),
+    (["orchestrator.max_concurrent=0"], "orchestrator.max_concurrent"),
+    (["orchestrator.advantage=median"], "orchestrator.advantage"),
+    (["orchestrator.training_mode=bogus"], "orchestrator.training_mode"),
+    (["orchestrator.env.0.ratio=-1"], "orchestrator.env.0.ratio"),
+    (["orchestrator.env.0.id=no_such_env_pkg"], "orchestrator.env.0.id"),
+    (["inference.gpu_memory_utilization=0"], "inference.gpu_memory_utilization"),
+    (["inference.gpu_memory_utilization=1.5"], "inference.gpu_memory_utilization"),
+    (["inference.tensor_parallel_size=0"], "inference.tensor_parallel_size"),
+    (["inference.dtype=int4"], "inference.dtype"),
+    (["inference.max_model_len=4096"], "inference.max_model_len"),
+    (["cluster.max_requeues=-1"], "cluster.max_requeues"),
+    (["cluster.signal_delay_s=-10"], "cluster.signal_delay_s"),
+    (["cluster.trainer.nodes=0"], "cluster.trainer.nodes"),
+    (["cluster.trainer.cpus_per_task=0"], "cluster.trainer.cpus_per_task"),
+    (["cluster.trainer.mem_gb=-4"], "cluster.trainer.mem_gb"),
+    (["cluster.trainer.gpus_per_node=4"], "cluster.trainer.gpus_per_node"),  # on cluster.device=cpu
+    (["cluster.orchestrator.nodes=2"], "cluster.orchestrator.nodes"),
+    (["cluster.device=tpu"], "cluster.device"),
+    (["max_steps=0"], "max_steps"),
+    (["seq_len=0"], "seq_len"),
+    (["async_level=0"], "async_level"),
+    (["wandb.log_extras.sample_ratio=0"], "wandb.log_extras.sample_ratio"),
+    (["log.level=verbose"], "log.level"),
+    (["model.name=/nonexistent/model"], "model.name"),
+]
+
+
+def _reject(argv: list[str], capsys) -> str:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prime-hpc: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+@pytest.mark.parametrize("overrides, key", BAD_OVERRIDES, ids=[" ".join(o) for o, _ in BAD_OVERRIDES])
+def test_a_bad_override_is_rejected_in_one_line_and_nothing_is_written(overrides, key, tmp_path, capsys):
+    out = tmp_path / "run"
+    line = _reject(["submit", *RL, f"output_dir={out}", *overrides], capsys)
+    assert key in line, line
+    assert not out.exists()
+    assert len(BAD_OVERRIDES) >= 40
+
+
+def test_unknown_group_option_and_misplaced_option(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert "cluster=nope" in _reject(["submit", *RL, f"output_dir={out}", "cluster=nope"], capsys)
+    assert "--bogus" in _reject(["submit", *RL, f"output_dir={out}", "--bogus"], capsys)
+    assert not out.exists()
+
+
+def test_output_dirs_that_cannot_take_the_run(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert "output_dir" in _reject(["submit", *RL, f"output_dir={blocker}/run"], capsys)
+    assert blocker.read_text() == "x"
+    dirty = tmp_path / "dirty"  # not empty: never written into, not even by a dry run
+    dirty.mkdir()
+    (dirty / "notes.txt").write_text("mine")
+    for extra in ([], ["--dry-run"]):
+        assert "output_dir" in _reject(["submit", *RL, f"output_dir={dirty}", *extra], capsys)
+        assert [p.name for p in dirty.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("command", [["status"], ["cancel"], ["tail", "--no-follow"], ["resume"], ["eval"]])
+def test_commands_on_an_unknown_job_name_it(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PRIME_HPC_STATE_DIR", str(tmp_path / "state"))
+    line = _reject([command[0], "no-such-job", *command[1:]], capsys)
+    assert "no job 'no-such-job'" in line, line
