@@ -372,6 +372,27 @@ def test_chat_and_completion_with_n_logprobs_and_token_ids(inference):
 
 
 @pytest.mark.vllm
+def test_sampling_knobs_reach_vllm(inference):
+    """What `orchestrator.sampling` asks for (prime_hpc.orchestrator.loop.sampling_args),
+    sent as the orchestrator's client sends it: extras merged into the body."""
+    from prime_hpc.orchestrator.loop import sampling_args
+
+    def ask(n: int = 4, **sampling) -> list[str]:
+        args = sampling_args({"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, **sampling})
+        extra = args.pop("extra_body")
+        out = _chat(inference.endpoints.router, _auth(inference), content="abcdefgh", n=n, **{**args, **extra})
+        assert all(c["token_ids"] for c in out["choices"])  # the trainer's token ids still come back
+        return [c["message"]["content"] for c in out["choices"]]
+
+    assert len(set(ask(top_k=1))) == 1  # top_k=1 leaves one token to sample: all n agree
+    assert ask(n=1, seed=11) == ask(n=1, seed=11)  # a seeded request samples the same completion
+    assert len(ask(min_p=0.5, repetition_penalty=1.3, extra_body={"presence_penalty": 0.5})) == 4
+    r = httpx.post(inference.endpoints.router + "/v1/chat/completions", headers=_auth(inference), timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "ab"}], "min_p": 2.0})
+    assert r.status_code == 400  # vLLM's own check would catch what submit-time validation lets through
+
+
+@pytest.mark.vllm
 def test_requests_without_the_key_get_401_at_servers_and_router(inference):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     for base in (*inference.endpoints.servers, inference.endpoints.router):

@@ -405,3 +405,23 @@ def test_resume_continues_from_the_checkpoint_step_with_the_sampler_state(keyed,
     bad = dict(cfg, ckpt={**cfg["ckpt"], "step": 7})
     with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .* complete checkpoints: \[1, 2\]"):
         asyncio.run(Orchestrator(bad).main())
+
+
+# --------------------------------------------------------------------------- sampling
+def test_sampling_config_becomes_the_request_arguments(tmp_path):
+    from prime_hpc.orchestrator.loop import sampling_args
+
+    def args(*overrides: str) -> dict:
+        cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", *overrides])
+        return sampling_args(component_config(cfg, "orchestrator")["orchestrator"]["sampling"])
+
+    plain = args()
+    assert plain == {"temperature": 1.0, "top_p": 1.0, "logprobs": True, "max_tokens": 32,
+                     "extra_body": {"return_token_ids": True}}
+    full = args("orchestrator.sampling.top_k=5", "orchestrator.sampling.min_p=0.05",
+                "orchestrator.sampling.repetition_penalty=1.1", "orchestrator.sampling.stop=[zz,'</a>']",
+                "orchestrator.sampling.seed=7", "+orchestrator.sampling.extra_body.presence_penalty=0.5",
+                "+orchestrator.sampling.extra_body.return_token_ids=false")
+    assert full["stop"] == ["zz", "</a>"] and full["seed"] == 7
+    assert full["extra_body"] == {"presence_penalty": 0.5, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+                                  "return_token_ids": True}  # the trainer's token ids are never turned off

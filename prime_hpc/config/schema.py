@@ -170,6 +170,12 @@ class SamplingConfig:
     max_tokens: Optional[int] = ruled(None, ge=1)  # per model turn; None = up to max_model_len
     temperature: float = ruled(1.0, ge=0)  # 0 = greedy
     top_p: float = ruled(1.0, gt=0, le=1)
+    top_k: Optional[int] = ruled(None, ge=1)  # sample among the k most likely tokens; None = all
+    min_p: float = ruled(0.0, ge=0, le=1)  # drop tokens below min_p x the most likely one's probability
+    repetition_penalty: float = ruled(1.0, gt=0)  # > 1 discourages repeating tokens (1 = off)
+    stop: List[str] = field(default_factory=list)  # end a turn at any of these strings
+    seed: Optional[int] = None  # per request: the same prompt then samples the same completions
+    extra_body: Dict[str, Any] = field(default_factory=dict)  # more vLLM sampling parameters, verbatim
 
 
 @dataclass

@@ -53,6 +53,28 @@ class StepFill:
 
 
 
+
+def sampling_args(s: Any) -> dict:
+    """The OpenAI request's sampling arguments from `orchestrator.sampling`: the standard
+    ones at the top level, vLLM's own (`top_k`, `min_p`, `repetition_penalty`, then
+    `extra_body` verbatim) in the body's extras; token ids are always asked for."""
+    extra = dict(s.get("extra_body") or {})
+    if s.get("top_k"):
+        extra["top_k"] = int(s["top_k"])
+    if s.get("min_p"):
+        extra["min_p"] = float(s["min_p"])
+    if s.get("repetition_penalty", 1.0) != 1.0:
+        extra["repetition_penalty"] = float(s["repetition_penalty"])
+    extra["return_token_ids"] = True  # the trainer needs them
+    args: dict = {"temperature": s["temperature"], "top_p": s["top_p"], "logprobs": True, "extra_body": extra}
+    if s.get("max_tokens"):
+        args["max_tokens"] = s["max_tokens"]
+    if s.get("stop"):
+        args["stop"] = list(s["stop"])
+    if s.get("seed") is not None:
+        args["seed"] = int(s["seed"])
+    return args
+
 class Orchestrator:
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
@@ -113,12 +135,7 @@ class Orchestrator:
             logging.getLogger("verifiers").setLevel(str(self.o["log"].get("vf_level", "info")).upper())
 
     def sampling_args(self) -> dict:
-        s = self.o["sampling"]
-        args: dict = {"temperature": s["temperature"], "top_p": s["top_p"], "logprobs": True,
-                      "extra_body": {"return_token_ids": True}}
-        if s.get("max_tokens"):
-            args["max_tokens"] = s["max_tokens"]
-        return args
+        return sampling_args(self.o["sampling"])
 
     # ------------------------------------------------------------------ checkpoint
     def state(self, step: int) -> dict:
