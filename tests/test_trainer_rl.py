@@ -95,13 +95,14 @@ def test_rl_lora_trains_only_the_adapter(tmp_path):
     run, _ = _train(tmp_path, 2, ["trainer.model.lora.enabled=true", "trainer.model.lora.rank=4",
                                   "trainer.model.lora.alpha=8", "trainer.model.lora.target_modules=[q_proj,v_proj]",
                                   "trainer.model.ac.freq=2", "trainer.model.optimization_dtype=bfloat16",
-                                  "trainer.loss.type=cispo"])
+                                  "trainer.loss.type=cispo", "ckpt.weights.save_adapter_separately=true"])
     base = _safetensors(Path(resolve_model("tiny")) / "model.safetensors")
     d = run.weights_step(2)
     merged = _safetensors(d / "model.safetensors")
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
-    assert json.loads((d / STABLE).read_text())["merged"] is True
+    meta = json.loads((d / STABLE).read_text())  # both written; the servers are to load the adapter
+    assert meta["merged"] is True and meta["adapter"] == "adapter" and meta["serve"] == "adapter"
     adapter = run.weights_adapter(2)
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8

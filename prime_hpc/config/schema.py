@@ -247,7 +247,8 @@ class InferenceConfig:
 # ----------------------------------------------------------------------------- run-level
 @dataclass
 class WeightsCkptConfig:
-    save_adapter_separately: bool = False  # LoRA: write the adapter next to merged weights
+    save_adapter_separately: bool = False  # LoRA: the servers load the adapter (always written next to
+    # the merged weights) instead of the merged weights
 
 
 @dataclass

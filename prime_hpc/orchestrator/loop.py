@@ -202,8 +202,13 @@ class Orchestrator:
             if newest is not None and newest > self.policy:
                 t0 = time.monotonic()
                 d = self.run.weights_step(newest)
-                if not any(d.glob("*.safetensors")) and self.run.weights_adapter(newest).is_dir():
-                    # LoRA with save_adapter_separately: only the adapter was written
+                try:
+                    serve = read_json(d / "prime_hpc_weights.json").get("serve")
+                except (OSError, ValueError):
+                    serve = None
+                if serve == "adapter" or (serve is None and not any(d.glob("*.safetensors"))
+                                          and self.run.weights_adapter(newest).is_dir()):
+                    # LoRA with save_adapter_separately: the servers keep the base model and load the adapter
                     await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(newest), newest)
                     self.model = LORA_NAME
                 else:

@@ -14,10 +14,11 @@ Weights layout (`weights/step_<n>/`, `STABLE` last), loadable with
     model.safetensors, config.json, generation_config.json, tokenizer files
     adapter/adapter_config.json, adapter/adapter_model.safetensors      (LoRA runs)
 
-A LoRA run writes the adapter every time; the merged full weights are written too unless
-`ckpt.weights.save_adapter_separately=true`, in which case the directory holds the adapter
-only (serve the base model and load it with `/v1/load_lora_adapter`). The `STABLE` marker
-says which: `{"step": n, "merged": bool, "adapter": "adapter" | null}`.
+A LoRA run writes the adapter next to the merged full weights every time. With
+`ckpt.weights.save_adapter_separately=true` the servers keep the base model and load the
+adapter (`/v1/load_lora_adapter`) instead of the merged weights. The `STABLE` marker says
+what is there and what to serve: `{"step": n, "merged": true, "adapter": "adapter" | null,
+"serve": "merged" | "adapter"}`.
 """
 from __future__ import annotations
 
@@ -203,10 +204,12 @@ def _write_tokenizer(pol: Policy, out: Path) -> None:
         pol.tokenizer.save_pretrained(out)
 
 
-def write_weights(run: RunDir, step: int, pol: Policy, sd: dict[str, torch.Tensor], merged: bool = True,
+def write_weights(run: RunDir, step: int, pol: Policy, sd: dict[str, torch.Tensor], serve_adapter: bool = False,
                   info: Optional[dict] = None) -> Path:
     """Rank 0: write `weights/step_<step>/` from a full state dict (see the module
-    docstring for the layout) in a staging dir, move it into place, `STABLE` last."""
+    docstring for the layout) in a staging dir, move it into place, `STABLE` last. A LoRA
+    run writes the adapter next to the merged weights; `serve_adapter` records that the
+    servers should load the adapter rather than the merged weights."""
     from safetensors.torch import save_file
 
     final = run.weights_step(step)
@@ -214,20 +217,21 @@ def write_weights(run: RunDir, step: int, pol: Policy, sd: dict[str, torch.Tenso
     try:
         if pol.lora_config is not None:
             lora_mod.write_adapter(tmp / run.weights_adapter(step).relative_to(final), sd, pol.lora_config)
-        if merged or pol.lora_config is None:
-            save_file(_hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            cfg = pol.hf_config
-            old_dtype, old_cache = getattr(cfg, "dtype", None), getattr(cfg, "use_cache", None)
-            cfg.dtype, cfg.use_cache = pol.save_dtype, True
-            try:
-                cfg.save_pretrained(tmp)
-            finally:
-                cfg.dtype, cfg.use_cache = old_dtype, old_cache
-            if pol.generation_config is not None:
-                pol.generation_config.save_pretrained(tmp)
-            _write_tokenizer(pol, tmp)
-        meta = {"step": step, "merged": bool(merged or pol.lora_config is None),
-                "adapter": "adapter" if pol.lora_config is not None else None, **(info or {})}
+        # the merged (or full) weights, always; the serving path chooses which to load
+        save_file(_hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = pol.hf_config
+        old_dtype, old_cache = getattr(cfg, "dtype", None), getattr(cfg, "use_cache", None)
+        cfg.dtype, cfg.use_cache = pol.save_dtype, True
+        try:
+            cfg.save_pretrained(tmp)
+        finally:
+            cfg.dtype, cfg.use_cache = old_dtype, old_cache
+        if pol.generation_config is not None:
+            pol.generation_config.save_pretrained(tmp)
+        _write_tokenizer(pol, tmp)
+        lora = pol.lora_config is not None
+        meta = {"step": step, "merged": True, "adapter": "adapter" if lora else None,
+                "serve": "adapter" if lora and serve_adapter else "merged", **(info or {})}
         (tmp / "prime_hpc_weights.json").write_text(json.dumps(meta, indent=2) + "\n")
         return publish_dir(tmp, final, meta)
     except BaseException:

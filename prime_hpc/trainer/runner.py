@@ -121,8 +121,8 @@ def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
     t0 = time.perf_counter()
     sd = full_state_dict(s.policy.model)
     if s.env.is_main:
-        merged = not s.cfg.ckpt.weights.save_adapter_separately
-        write_weights(s.run, step, s.policy, sd, merged=merged, info=info)
+        write_weights(s.run, step, s.policy, sd, serve_adapter=bool(s.cfg.ckpt.weights.save_adapter_separately),
+                      info=info)
     return time.perf_counter() - t0
 
 
