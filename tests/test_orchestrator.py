@@ -425,3 +425,22 @@ def test_sampling_config_becomes_the_request_arguments(tmp_path):
     assert full["stop"] == ["zz", "</a>"] and full["seed"] == 7
     assert full["extra_body"] == {"presence_penalty": 0.5, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
                                   "return_token_ids": True}  # the trainer's token ids are never turned off
+
+
+# --------------------------------------------------------------------------- environment ids
+def test_env_ids_as_users_write_them_pass_submit_and_load_alike(tmp_path):
+    """One resolver: what the submit-time check accepts, the orchestrator loads."""
+    from prime_hpc.config.validate import env_import_error
+
+    pkg = Path(__file__).resolve().parents[1] / "examples" / "reverse_text" / "reverse_text"
+    single = tmp_path / "my_reverse.py"  # a module file
+    single.write_text((pkg / "__init__.py").read_text())
+    for env_id in ("reverse_text", "reverse-text", "someone/reverse-text", str(pkg), str(single)):
+        assert env_import_error(env_id) is None, env_id
+        env = load_env({"id": env_id, "args": {"num_train_examples": 20, "num_eval_examples": 4}})
+        assert len(dataset_rows(env.get_dataset())) == 20, env_id
+    for env_id in ("no-such-env", "someone/no_such_env", str(tmp_path)):
+        err = env_import_error(env_id)
+        assert err and ("tried" in err or "package directory" in err), err
+        with pytest.raises(UserError, match="cannot be imported"):
+            load_env({"id": env_id, "args": {}})

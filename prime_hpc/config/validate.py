@@ -5,9 +5,7 @@ Type and unknown-key errors are caught earlier, by the typed schema during compo
 """
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -191,22 +189,15 @@ def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None =
         for i, e in enumerate(entries):
             err = importable(e.id)
             if err:
-                raise ConfigError(
-                    f"{where}.{i}.id",
-                    f"cannot import environment {e.id!r} ({err}); install its package (pip install -e <path>) "
-                    "or fix the id",
-                )
+                raise ConfigError(f"{where}.{i}.id", err)
 
 
-def env_import_error(module: str) -> str | None:
-    """Why `module` cannot be imported (None if it can), without importing it."""
-    if not module or any(not part.isidentifier() for part in module.split(".")):
-        return "not a module name"
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as e:
-        return str(e)
-    return None if spec is not None else f"no module named {module!r} in {Path(sys.executable).parent.parent}"
+def env_import_error(env_id: str) -> str | None:
+    """Why `env_id` cannot be loaded (None if it can), without importing it
+    (`prime_hpc.config.env_ids`, the resolver the orchestrator loads with)."""
+    from prime_hpc.config.env_ids import import_error
+
+    return import_error(env_id)
 
 
 def check_training_mode(cfg: DictConfig) -> None:

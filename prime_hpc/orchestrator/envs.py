@@ -27,19 +27,22 @@ def env_name(entry: dict) -> str:
 
 
 def import_env_module(env_id: str):
-    """An installed module (`reverse_text`, `my-env` → `my_env`) or a local path (a
-    package directory or a .py file)."""
-    path = Path(env_id).expanduser()
-    if path.exists():
-        if path.is_dir():
-            sys.path.insert(0, str(path.parent.resolve()))
-            return importlib.import_module(path.name)
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
-        return module
-    return importlib.import_module(env_id.replace("-", "_"))
+    """The module an environment id names (`prime_hpc.config.env_ids.resolve`: a local
+    package directory or .py file, an installed module, a distribution name such as
+    `reverse-text`, or `owner/name`)."""
+    from prime_hpc.config.env_ids import resolve
+
+    target = resolve(env_id)
+    if target.path is None:
+        return importlib.import_module(target.module)
+    if target.path.is_dir():
+        sys.path.insert(0, str(target.path.parent))
+        return importlib.import_module(target.module)
+    spec = importlib.util.spec_from_file_location(target.module, target.path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[target.module] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_env(entry: dict, kind: str = "train") -> Any:
