@@ -3,6 +3,7 @@ full lifecycle (submit, status, list, tail, cancel), sweeps, refusal of a used o
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -162,3 +163,24 @@ def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
     finally:
         if group_alive(pid):
             os.killpg(pid, signal.SIGTERM)
+
+
+def test_submit_shows_the_composed_config_and_the_groups_as_a_hydra_app_does(tmp_path):
+    import yaml
+
+    out = tmp_path / "run"
+    job = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--cfg", "job")
+    assert job.returncode == 0, job.stderr
+    shown = yaml.safe_load(job.stdout)
+    assert shown["max_steps"] == 350 and shown["trainer"]["model"]["name"] == "${model.name}"  # as composed
+    resolved = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--cfg", "job", "--resolve")
+    assert "${" not in resolved.stdout
+    assert yaml.safe_load(resolved.stdout)["trainer"]["model"]["name"] == f"{out}/warmup"  # starts from the warm-up
+    both = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--cfg", "all")
+    assert [line.split(":")[0] for line in both.stdout.splitlines() if line.startswith("# ")] == ["# warm-up", "# run"]
+    info = cli("submit", "+experiment=reverse_text", "cluster=dev", "--info", "defaults")
+    assert {"experiment: reverse_text", "cluster: dev", "model: tiny"} <= set(info.stdout.splitlines())
+    assert not out.exists()  # shown, never written
+    help_ = cli("submit", "--help")
+    assert help_.returncode == 0 and "config groups" in help_.stdout
+    assert re.search(r"^\s+cluster\s+dev, local, slurm$", help_.stdout, re.M), help_.stdout

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import secrets
 import sys
 from typing import Any
@@ -9,8 +10,43 @@ from typing import Any
 from prime_hpc.errors import UserError
 
 
+class _HelpWithGroups(argparse.Action):
+    """`submit --help`: the options, then the config groups and their options (read from
+    `conf/` only when asked, so building the parser stays cheap)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.epilog = groups_help()
+        parser.print_help()
+        parser.exit()
+
+
+def groups_help() -> str:
+    from prime_hpc.config.compose import conf_dir
+
+    root = conf_dir()
+    lines = ["config groups (choose with group=option; +experiment=<name> for a recipe):"]
+    for group in sorted(p for p in root.iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        if options:
+            lines.append(f"  {group.name:<14}{', '.join(options)}")
+    lines.append("any key of the schema can be overridden: key=value, ~key (remove), +key=value (add);"
+                 " see docs/configuration.md")
+    return "\n".join(lines)
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    s = sub.add_parser("submit", help="compose a run from Hydra overrides and submit it (with its warm-up, if any)")
+    s = sub.add_parser("submit", help="compose a run from Hydra overrides and submit it (with its warm-up, if any)",
+                       add_help=False)
+    s.add_argument("-h", "--help", action=_HelpWithGroups, help="show this help, with the config groups, and exit")
+    s.add_argument("--cfg", choices=["job", "all"], default=None,
+                   help="print the composed config and exit, writing nothing (job: the run; all: its warm-up too)")
+    s.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations (as the run sees them)")
+    s.add_argument("--info", choices=["defaults"], default=None,
+                   help="defaults: the config group options the run is composed from, and exit")
     s.add_argument("-m", "--multirun", action="store_true", help="sweep: one run per combination of a=x,y values")
     s.add_argument("--dry-run", action="store_true",
                    help="write config.yaml, configs/ and submit/<rl|sft>.sbatch only (for a warm-up too)")
@@ -64,10 +100,40 @@ def swept(point: list[str], overrides: list[str]) -> str:
     return " ".join(o for o in point if o not in overrides)
 
 
+def show(a: argparse.Namespace) -> int:
+    """--cfg / --info: what the overrides compose to, printed; nothing written or submitted."""
+    from prime_hpc.config.compose import compose, finish, to_yaml
+    from prime_hpc.config.pipeline import compose_stages, warmup_config
+
+    if a.info == "defaults":
+        from prime_hpc.config.compose import defaults_choices
+
+        for group, option in defaults_choices(a.overrides):
+            print(f"{group}: {option}")
+        return 0
+    if a.resolve:
+        stages = compose_stages(a.overrides)
+    else:
+        run_cfg = compose(a.overrides, resolve=False)
+        stages = [run_cfg]
+        if a.cfg == "all":
+            warm = warmup_config(finish(copy.deepcopy(run_cfg)))
+            stages = ([warm] if warm is not None else []) + stages
+    if a.cfg == "job":
+        stages = stages[-1:]
+    for i, cfg in enumerate(stages):
+        if len(stages) > 1:
+            print(f"# {'warm-up' if i < len(stages) - 1 else 'run'}: {cfg.output_dir}")
+        print(to_yaml(cfg, resolve=a.resolve), end="")
+    return 0
+
+
 def run(a: argparse.Namespace) -> int:
     from prime_hpc.launcher import launch
     from prime_hpc.launcher.plan import After
 
+    if a.cfg or a.info:
+        return show(a)
     if a.max_parallel is not None and a.max_parallel < 1:
         raise UserError(f"--max-parallel {a.max_parallel}: give at least 1")
     composed = compose_all(a.overrides, a.multirun)

@@ -233,8 +233,30 @@ def cache_root(cfg: DictConfig) -> str:
     return str(Path(cfg.cluster.cache_dir or Path(cfg.output_dir).parent / ".prime-hpc-cache").expanduser().absolute())
 
 
-def to_yaml(cfg: DictConfig | dict) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True, sort_keys=False)
+def to_yaml(cfg: DictConfig | dict, resolve: bool = True) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=resolve, sort_keys=False)
+
+
+def defaults_choices(overrides: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """[(config group, chosen option)] the run is composed from (Hydra's defaults list,
+    after the overrides), e.g. ("cluster", "local"), ("experiment", "reverse_text")."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    except (ConfigError, UserError):
+        raise
+    except Exception as e:
+        raise _explain(e) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return [(g, str(o)) for g, o in choices.items() if not g.startswith("hydra/") and g != "prime_hpc_schema"]
 
 
 def write_component_config(cfg: DictConfig, component: str) -> Path:
