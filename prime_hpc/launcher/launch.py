@@ -38,7 +38,7 @@ def active_job(run: RunDir) -> Optional[str]:
     if not ids:
         return None
     if job.get("backend") == "slurm":
-        from prime_hpc.launcher.slurm import squeue_components
+        from prime_hpc.launcher.slurm_state import squeue_components
 
         return ids[-1] if squeue_components(ids[-1:]) else None
     from prime_hpc.launcher import local

@@ -14,11 +14,7 @@ import submitit
 from submitit.slurm.slurm import SlurmJob, SlurmInfoWatcher
 
 from prime_hpc.errors import LaunchError
-# re-exported: the state queries live apart, light for the read-only commands
-from prime_hpc.launcher.slurm_state import (  # noqa: F401
-    ACTIVE, FAILED_FIRST, SlurmUnreachable, _ask, _components, aggregate, component_states, live_states,
-    squeue_components,
-)
+from prime_hpc.launcher.slurm_state import ACTIVE, aggregate, squeue_components  # the light state queries
 from prime_hpc.launcher.plan import GROUP_NAMES, Plan
 from prime_hpc.launcher.render import render_sbatch
 
