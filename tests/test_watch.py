@@ -119,7 +119,8 @@ def work(tmp_path_factory):
                     "trainer.val.interval=null", env=env)
         # each `submit -f` keeps following in the background
         follow = {}
-        for key, extra in (("ok", []), ("bad", ["model.name=/nonexistent/model"])):
+        # "bad" passes every submit-time check and fails in its job: the dataset's function does not exist
+        for key, extra in (("ok", []), ("bad", ["trainer.data.name=reverse_text:no_such_function"])):
             out, err = root / f"{key}.stdout", root / f"{key}.stderr"
             with open(out, "w") as o, open(err, "w") as e:
                 proc = subprocess.Popen([sys.executable, "-m", "prime_hpc.cli", "submit", *SFT,
@@ -226,7 +227,7 @@ def test_follow_exits_1_when_the_run_fails_in_its_job(work):
     assert f"submitted run job {job_id}" in out  # accepted at submit time: it fails in the job
     assert rc == 1, out + err
     # the trainer's own complaint, then the final state naming the failed component and its log
-    assert re.search(r"^trainer\[0\] +\| .*model\.name=/nonexistent/model: no such directory", out, re.M), out
+    assert re.search(r"^trainer\[0\] +\| .*dataset 'reverse_text:no_such_function': cannot import", out, re.M), out
     last = out.splitlines()[-1]
     assert last.startswith(f"job {job_id} ended: FAILED (trainer:") and "trainer.log" in last
     job = jobs.read_job(run)
