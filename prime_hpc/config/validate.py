@@ -168,7 +168,9 @@ def check_memory(cfg: DictConfig) -> None:
 def check_models(cfg: DictConfig) -> None:
     ref = cfg.model.name
     path = Path(str(ref)).expanduser()
-    from_warmup = bool(cfg.warmup.experiment) and path == Path(cfg.output_dir) / "warmup"  # written by the warm-up
+    from prime_hpc.config.pipeline import WARMUP_DIR
+
+    from_warmup = bool(cfg.warmup.experiment) and path == Path(cfg.output_dir) / WARMUP_DIR  # the warm-up writes it
     if str(ref).startswith(("/", "./", "../", "~")) and not path.exists() and not from_warmup:
         raise ConfigError("model.name", f"{ref}: no such directory (a local path; a hub id has no leading / or ./); "
                                         "give an existing model directory, a run directory or a hub id")
@@ -226,9 +228,7 @@ def check_sft(cfg: DictConfig) -> None:
         raise ConfigError("trainer.data.batch_size", f"{t.data.batch_size} tokens per step is less than one packed "
                                                      f"row of trainer.data.seq_len={t.data.seq_len}; raise it to a "
                                                      f"multiple of {t.data.seq_len}")
-    if t.val.interval is not None:
-        if t.val.interval < 1:
-            raise ConfigError("trainer.val.interval", f"must be >= 1 or null (got {t.val.interval})")
+    if t.val.interval is not None:  # its range is the field's own rule
         if not t.val.data.name:
             raise ConfigError("trainer.val.data.name", "trainer.val.interval is set but there is no validation "
                                                        "dataset; name one (same forms as trainer.data.name)")

@@ -32,7 +32,7 @@ from prime_hpc.orchestrator.client import make_client
 from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
 from prime_hpc.checkpoints import is_due, resolve_resume_step, rotate
-from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, mark_stable, read_json
+from prime_hpc.rundir import CHECKPOINT_PARTS, STABLE, RunDir, atomic_write_json, mark_stable, read_json
 
 STATE_FILE = "state.json"
 LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
@@ -49,8 +49,6 @@ class StepFill:
     accepted: list = field(default_factory=list)  # groups (lists of rollouts) for the step
     finished: list = field(default_factory=list)  # every judged rollout (for metrics)
     counts: dict = field(default_factory=lambda: defaultdict(int))  # judged groups, and why dropped
-
-
 
 
 
@@ -74,6 +72,7 @@ def sampling_args(s: Any) -> dict:
     if s.get("seed") is not None:
         args["seed"] = int(s["seed"])
     return args
+
 
 class Orchestrator:
     def __init__(self, cfg: dict) -> None:
@@ -203,7 +202,7 @@ class Orchestrator:
                 t0 = time.monotonic()
                 d = self.run.weights_step(newest)
                 try:
-                    serve = read_json(d / "prime_hpc_weights.json").get("serve")
+                    serve = read_json(d / STABLE).get("serve")  # the marker holds the weights' metadata
                 except (OSError, ValueError):
                     serve = None
                 if serve == "adapter" or (serve is None and not any(d.glob("*.safetensors"))
