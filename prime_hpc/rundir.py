@@ -28,6 +28,7 @@ STABLE = "STABLE"
 TMP_PREFIX = ".tmp."
 COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group order (0, 1, 2)
 CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
+BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
 
 
 class WaitTimeout(TimeoutError):
@@ -337,15 +338,18 @@ class RunDir:
         return self.control_dir / "checkpointed.json"
 
     @property
-    def heartbeats_dir(self) -> Path:
+    def heartbeats_dir(self) -> Path:  # per attempt: cleared when one starts
         return self.root / "heartbeats"
 
     def heartbeat(self, component: str, rank: int = 0) -> Path:
         return self.heartbeats_dir / f"{component}_{int(rank)}"
 
     def beat(self, component: str, rank: int = 0, **info: Any) -> None:
-        """Record that `component` rank `rank` is alive (and, e.g., at which step)."""
-        atomic_write_json(self.heartbeat(component, rank), {"time": time.time(), **info})
+        """Record that `component` rank `rank` is alive (and, e.g., at which step). Written
+        by the loop that does the work, at least every `BEAT_S` while it runs; with
+        `progress_at` (the last time it got something done) and `waiting_on` (the
+        component it waits for, if it only waits), the watchdog tells a stall from a wait."""
+        atomic_write_json(self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info})
 
     # --- data plane
     @property

@@ -15,6 +15,7 @@ that data-parallel ranks agree by taking the maximum.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Optional
@@ -73,3 +74,23 @@ def checkpointed_step(run: RunDir) -> Optional[int]:
         return int(read_json(run.checkpoint_answer)["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent dies, however the parent
+    dies (a SIGKILL included). A component's children (vLLM's engine and workers, the
+    trainer's ranks under torchrun) then never outlive it, also where SLURM tracks a
+    step's processes by parent chain (proctrack/linuxproc) and loses the orphans. Linux
+    only; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        parent = os.getppid()
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), sig)
+    except (OSError, AttributeError):
+        pass

@@ -1,10 +1,14 @@
 """A real RL run as one het job on the dev cluster: two inference "nodes" behind the router
 in group 1, the trainer in group 2, the orchestrator on the head. Asserts on the run
 directory: endpoints published while it runs, weights per step, metrics, job.json, logs,
-and that the API key is written nowhere."""
+and that the API key is written nowhere. Mid-run the router is killed (SIGKILL; it is
+started again) and then one of the two servers (the run goes on with the other, and
+nothing of the dead server is left)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 
@@ -14,6 +18,8 @@ from prime_hpc import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, is_stable
+from tests.conftest import cli
+from tests.test_faults import run_processes, still_alive, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -35,7 +41,8 @@ def _wait(pred, timeout_s, what, run: RunDir):
 
 def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", "max_steps=3",
+    steps = 10
+    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", f"max_steps={steps}",
                    "cluster.inference.nodes=2", "orchestrator.batch_size=32", "orchestrator.eval.interval=0"])
     sub = launch.submit(cfg, [])
     run = sub.ref.run
@@ -48,14 +55,35 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         assert [s["node"] for s in servers] == [0, 1]
         assert len({(s["host"], s["port"]) for s in servers}) == 2
         assert router["workers"] == [s["url"] for s in servers]
+
+        wait_for_step(run, 2)  # the router dies: it is started again, on the same address
+        os.kill(router["pid"], signal.SIGKILL)
+        again = _wait(lambda: (r := json.loads((ep / "router.json").read_text())).get("restarts") == 1 and r,
+                      120, "the router's restart", run)
+        assert again["url"] == router["url"] and again["pid"] != router["pid"]
+
+        wait_for_step(run, 4)  # one server dies: the run goes on with the other
+        logs = run.latest_logs.resolve()
+        server1 = {pid: start for pid, start in run_processes(logs).items()
+                   if pid == servers[1]["pid"] or _descends(pid, servers[1]["pid"])}
+        os.kill(servers[1]["pid"], signal.SIGKILL)
         assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
     finally:
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
-    assert is_stable(run.weights_step(3))  # the final policy, loadable by vLLM and transformers
+    assert is_stable(run.weights_step(steps))  # the final policy, loadable by vLLM and transformers
     orch = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     trainer = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
-    assert [r["step"] for r in orch] == [1, 2, 3] and [r["step"] for r in trainer] == [1, 2, 3]
-    logs = run.latest_logs
+    assert [r["step"] for r in orch] == list(range(1, steps + 1)) == [r["step"] for r in trainer]
+    assert orch[0]["inference/servers"] == 2 and orch[-1]["inference/servers"] == 1
+    job = jobs.read_job(run)
+    lost = job["attempts"][-1]["lost"]
+    assert [(x["component"], x["node"], x["log"]) for x in lost] == [
+        ("inference_1", 1, str(logs / "inference" / "node_1.log"))] and lost[0]["rc"] != 0, lost
+    assert not still_alive(server1), "the killed server left processes behind"
+    assert "is gone" in (logs / "orchestrator.log").read_text()
+    assert "restarting it on the same port" in (logs / "inference" / "router_0.log").read_text()
+    out = cli("status", str(run.root)).stdout
+    assert "lost: inference_1" in out and "node_1.log" in out, out
     for rel in ("inference/node_0.log", "inference/node_1.log", "inference/router_0.log", "orchestrator.log",
                 "trainer/node_0.log"):
         assert (logs / rel).is_file(), rel
@@ -63,3 +91,17 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
     for path in run.root.rglob("*"):  # the key lives in the environment only
         if path.is_file() and path.stat().st_size < 50_000_000:
             assert KEY.encode() not in path.read_bytes(), path
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    from tests.test_faults import _stat
+
+    seen = 0
+    while pid > 1 and seen < 64:
+        st = _stat(pid)
+        if st is None:
+            return False
+        pid, seen = st[0], seen + 1
+        if pid == ancestor:
+            return True
+    return False

@@ -77,6 +77,13 @@ def _max_steps(run: Any) -> Optional[int]:
         return None
 
 
+def where(record: dict) -> str:
+    """The " on node N (host)" part of a failure or loss record that names its node."""
+    if record.get("node") is None or str(record.get("component", "")).startswith("inference_"):
+        return ""
+    return f" on node {record['node']}" + (f" ({record['host']})" if record.get("host") else "")
+
+
 def format_job(s: dict[str, Any]) -> list[str]:
     from prime_hpc.vitals import format_vitals
 
@@ -98,9 +105,13 @@ def format_job(s: dict[str, Any]) -> list[str]:
                    + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else ""))
     if s["mode"] != "doctor" and (s["vitals"]["trainer_step"] is not None or s["vitals"]["orchestrator_step"]):
         out += format_vitals(s["vitals"], s["kind"])
+    for lost in (attempts[-1].get("lost") or []) if attempts else []:
+        out.append(f"lost: {lost['component']}{where(lost)} exited with code {lost['rc']} at "
+                   f"{time.strftime('%H:%M:%S', time.localtime(lost['at']))}; the run went on without it; "
+                   f"see {lost.get('log')}")
     if s["failure"]:
         f = s["failure"]
-        out.append(f"failed: {f.get('component') or 'job'} {f.get('reason', '')}; see {f.get('log')}")
+        out.append(f"failed: {f.get('component') or 'job'}{where(f)} {f.get('reason', '')}; see {f.get('log')}")
     return out
 
 

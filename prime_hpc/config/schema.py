@@ -316,6 +316,13 @@ class ClusterConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    stall_timeout_s: float = ruled(600, ge=0)  # a component alive but silent (no heartbeat, or no progress
+    # while not waiting for another) this long fails the job, naming it; 0 = no watchdog. A trainer step
+    # or an eval longer than this counts as a stall: raise it for big models
+
+
+@dataclass
 class WarmupConfig:
     experiment: Optional[str] = None  # an SFT experiment run first, as its own job; this run starts
     # from its final weights (SLURM afterok; locally one after the other). null = no warm-up
@@ -339,4 +346,5 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)

@@ -67,13 +67,33 @@ def discover(run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[P
 
 
 class Admin:
-    """Admin calls to every server of a run, concurrently; any failure raises one
-    `InferenceError` naming the servers that failed."""
+    """Admin calls to every live server of a run, concurrently. A server that no longer
+    answers at all (connection refused or cut, no `/health`) is lost: it is dropped from
+    this and every later call (`lost` says which and why, `on_lost` is told) and the run
+    goes on with the others; only when none is left does a call raise. Any other failure
+    (a server that answers with an error) raises one `InferenceError` naming it."""
 
-    def __init__(self, servers: list[str], key: Optional[str] = None, timeout_s: float = 900.0) -> None:
+    def __init__(self, servers: list[str], key: Optional[str] = None, timeout_s: float = 900.0,
+                 on_lost: Any = None) -> None:
         self.servers = list(servers)
         self.key = key if key is not None else api_key()
         self.timeout_s = timeout_s
+        self.lost: dict[str, str] = {}  # server URL -> why it was dropped
+        self.on_lost = on_lost  # on_lost(url, why): called once per lost server
+
+    @property
+    def live(self) -> list[str]:
+        return [s for s in self.servers if s not in self.lost]
+
+    async def _gone(self, client: Any, base: str) -> bool:
+        """Does the server no longer answer at all? (It may only have been slow.)"""
+        import httpx
+
+        try:
+            await client.get(base + "/health", timeout=5)
+            return False
+        except httpx.HTTPError:
+            return True
 
     async def _post_all(self, path: str, body: Optional[dict]) -> list[dict]:
         import httpx
@@ -83,7 +103,11 @@ class Admin:
                 try:
                     r = await client.post(base + path, json=body or {})
                 except httpx.HTTPError as e:
-                    raise InferenceError(f"{base}{path}: {type(e).__name__}: {e}") from None
+                    why = f"{type(e).__name__}: {e}"
+                    if isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException) \
+                            and await self._gone(client, base):
+                        return {"lost": why}
+                    raise InferenceError(f"{base}{path}: {why}") from None
                 if r.status_code != 200:
                     try:
                         detail = r.json().get("error", r.text)
@@ -94,11 +118,19 @@ class Admin:
                     raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {str(detail)[:300]}")
                 return r.json()
 
-            results = await asyncio.gather(*(one(s) for s in self.servers), return_exceptions=True)
+            live = self.live
+            results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
+        for base, r in zip(live, results):
+            if isinstance(r, dict) and set(r) == {"lost"}:
+                self.lost[base] = r["lost"]
+                if self.on_lost is not None:
+                    self.on_lost(base, r["lost"])
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise InferenceError("; ".join(errors))
-        return list(results)  # type: ignore[arg-type]
+        if not self.live:
+            raise InferenceError("no inference server is left: " + "; ".join(f"{s}: {w}" for s, w in self.lost.items()))
+        return [r for r in results if not (isinstance(r, dict) and set(r) == {"lost"})]  # type: ignore[misc]
 
     async def update_weights(self, weight_dir: os.PathLike | str, step: int) -> list[dict]:
         """Every server: wait for in-flight generations, load `weight_dir`, serve `step`."""
@@ -114,5 +146,17 @@ class Admin:
         import httpx
 
         async with httpx.AsyncClient(timeout=30, headers=headers(self.key)) as client:
-            rs = await asyncio.gather(*(client.get(s + "/policy") for s in self.servers))
+            rs = await asyncio.gather(*(client.get(s + "/policy") for s in self.live))
         return [r.json() for r in rs]
+
+
+async def forget_worker(router: str, server: str) -> None:
+    """Ask the router to stop sending requests to `server` (best effort: a router that
+    does not answer finds the dead server by its own health checks)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10, headers=headers()) as client:
+            await client.post(router + "/remove_worker", params={"url": server})
+    except httpx.HTTPError:
+        pass

@@ -4,7 +4,9 @@ vllm-router per run, on the first inference node, in front of every server of th
 It waits (at most `inference.startup_timeout_s`) until every server has published
 `endpoints/inference_<node>.json`, starts `vllm-router` on this node's address and a port
 free here, waits for it to answer, publishes `endpoints/router.json`, and then lives as
-long as the router does (SIGTERM/SIGINT are passed on). The router forwards the client's
+long as the router does (SIGTERM/SIGINT are passed on). A vllm-router that dies by itself
+is started again on the same port, in front of the servers that still answer, at most
+`MAX_RESTARTS` times; after that this process exits with its code and the job ends. The router forwards the client's
 `Authorization` header, so the servers' API key check covers requests through it too.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prime_hpc.inference.client import wait_for_servers
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
 
 POLICY = "round_robin"
+MAX_RESTARTS = 3  # a vllm-router that dies is started again at most this often per attempt
 
 
 def router_binary() -> str:
@@ -38,7 +41,9 @@ def router_binary() -> str:
 def router_argv(binary: str, host: str, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:
     return [binary, "--host", host, "--port", str(port), "--worker-urls", *worker_urls, "--policy", POLICY,
             "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            "--worker-startup-check-interval", "1"]
+            "--worker-startup-check-interval", "1",
+            # a server that died is out of rotation within ~10 s; requests it failed are retried elsewhere
+            "--health-check-interval-secs", "5", "--health-failure-threshold", "2"]
 
 
 def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
@@ -53,6 +58,20 @@ def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
             return False
 
     wait_for(ready, what=f"vllm-router at {base}/health", timeout_s=timeout_s, producer="vllm-router")
+
+
+def live_workers(urls: list[str]) -> list[str]:
+    """The servers among `urls` that answer `/health` now."""
+    import httpx
+
+    out = []
+    for u in urls:
+        try:
+            if httpx.get(u + "/health", timeout=3).status_code == 200:
+                out.append(u)
+        except httpx.HTTPError:
+            pass
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -73,26 +92,46 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     host = node_address(cfg.get("address"))
     port, metrics_port = free_port(host), free_port(host)
-    argv_ = router_argv(router_binary(), host, port, metrics_port, [s["url"] for s in servers])
-    print("prime-hpc router: " + " ".join(argv_), flush=True)
-    proc = subprocess.Popen(argv_)
+    workers = [s["url"] for s in servers]
+    state: dict = {"proc": None, "stopping": False}
+
+    def on_signal(sig: int, _frame: object) -> None:
+        state["stopping"] = True
+        if state["proc"] is not None:
+            state["proc"].send_signal(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: proc.send_signal(s))
-    try:
-        wait_ready(proc, url(host, port), timeout_s=120)
-    except (WaitTimeout, RuntimeError) as e:
-        proc.terminate()
-        print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-        return 1
-    atomic_write_json(run.router_endpoint, {
-        "url": url(host, port), "host": host, "port": port, "metrics_port": metrics_port, "pid": proc.pid,
-        "policy": POLICY, "workers": [s["url"] for s in servers], "started_at": time.time()})
-    print(f"prime-hpc router: serving at {url(host, port)} in front of {len(servers)} server(s)", flush=True)
-    rc = proc.wait()
+        signal.signal(sig, on_signal)
+    restarts = 0
+    while True:
+        argv_ = router_argv(router_binary(), host, port, metrics_port, workers)
+        print("prime-hpc router: " + " ".join(argv_), flush=True)
+        proc = state["proc"] = subprocess.Popen(argv_)
+        try:
+            wait_ready(proc, url(host, port), timeout_s=120)
+        except (WaitTimeout, RuntimeError) as e:
+            proc.terminate()
+            print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            return 1
+        atomic_write_json(run.router_endpoint, {
+            "url": url(host, port), "host": host, "port": port, "metrics_port": metrics_port, "pid": proc.pid,
+            "policy": POLICY, "workers": workers, "restarts": restarts, "started_at": time.time()})
+        print(f"prime-hpc router: serving at {url(host, port)} in front of {len(workers)} server(s)", flush=True)
+        rc = proc.wait()
+        if state["stopping"] or restarts >= MAX_RESTARTS:
+            break
+        restarts += 1
+        workers = live_workers(workers) or workers
+        print(f"prime-hpc router: vllm-router exited with code {rc}; restarting it on the same port "
+              f"(restart {restarts} of at most {MAX_RESTARTS})", file=sys.stderr, flush=True)
     try:
         os.unlink(run.router_endpoint)
     except OSError:
         pass
+    if not state["stopping"]:
+        print(f"prime-hpc router: vllm-router exited with code {rc} after {restarts} restart(s); giving up",
+              file=sys.stderr, flush=True)
+        return rc or 1
     return rc
 
 

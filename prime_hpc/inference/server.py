@@ -37,12 +37,12 @@ from fastapi import Request
 
 from prime_hpc import device as devices
 from prime_hpc.inference.client import API_KEY_VAR
+from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.net import node_address, url
-from prime_hpc.rundir import RunDir, atomic_write_json
+from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
 
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
-HEARTBEAT_S = 10.0
 
 
 def load_config(path: str) -> dict:
@@ -52,7 +52,7 @@ def load_config(path: str) -> dict:
 
 def node_rank() -> int:
     """This server's node index within the inference group (SLURM step or local launcher)."""
-    for var in ("SLURM_NODEID", "PRIME_HPC_NODE_RANK"):
+    for var in ("PRIME_HPC_NODE_RANK", "SLURM_NODEID"):  # one step per server: SLURM_NODEID is 0 in each
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
@@ -285,7 +285,7 @@ async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> N
           f"{url(server.host, server.port)}", flush=True)
     while True:  # heartbeat while serving
         server.run.beat("inference", server.node, policy_step=server.gate.step, in_flight=server.gate.active)
-        await asyncio.sleep(HEARTBEAT_S)
+        await asyncio.sleep(BEAT_S)
 
 
 async def serve(cfg: dict, log: str) -> None:
@@ -344,6 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logs = os.environ.get("PRIME_HPC_LOGS")
     log = str(RunDir.node_log(Path(logs), "inference", node)) if logs else "this process's output"
     os.environ.update(engine_env(cfg))
+    os.environ[SERVER_PID_VAR] = str(os.getpid())  # vLLM's own processes die with this one
     try:
         import uvloop
 

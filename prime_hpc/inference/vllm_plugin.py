@@ -14,6 +14,10 @@ on CPU):
   (vLLM's 1 s of polling hides that; without it a generation stalled for 5 s now and
   then), and a wake-up that finds nothing costs microseconds.
 
+- `PRIME_HPC_SERVER_PID` (set by `prime_hpc.inference` in its own process): every other
+  vLLM process (engine core, workers) dies with its parent, so a server that is killed,
+  even with SIGKILL, leaves no engine process behind holding memory and cores.
+
 Importing this module imports no vLLM; `register()` does.
 """
 
@@ -22,10 +26,16 @@ from __future__ import annotations
 import os
 
 SPIN_VAR = "PRIME_HPC_VLLM_SPIN_S"
+SERVER_PID_VAR = "PRIME_HPC_SERVER_PID"
 RECHECK_MS = 10
 
 
 def register() -> None:
+    server = os.environ.get(SERVER_PID_VAR, "")
+    if server.isdigit() and int(server) != os.getpid():
+        from prime_hpc.stopping import die_with_parent
+
+        die_with_parent()
     value = os.environ.get(SPIN_VAR)
     if value is None:
         return

@@ -6,6 +6,8 @@
               resume, pick the checkpoint to continue from and clear what came after it;
               job.json RUNNING; prints the log tree's path
   end         --rc N [--component C] [--reason R] [--state S]: how the attempt ended
+  lost        --component C --rc N: one of several interchangeable servers (inference_<n>)
+              exited and the run goes on without it
   checkpoint  --reason R: ask the trainer and the orchestrator to checkpoint and exit
   requeue     --reason R: record the attempt as ended by R and put the job back in the queue
               (SLURM), unless cluster.max_requeues is reached
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -27,7 +30,7 @@ from typing import Any, Optional
 
 from prime_hpc.errors import UserError
 from prime_hpc.jobs import (CANCELLED, COMPLETED, FAILED, FINAL_STATES, REQUEUED, RUNNING, editing_job, read_job)
-from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text
+from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text, read_json
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
 
@@ -38,7 +41,7 @@ def start(run: RunDir, job_id: str) -> str:
     restarted = any(str(a.get("job_id")) == str(job_id) for a in job.get("attempts", []))
     k, logs = run.new_attempt()
     # endpoints and requests are per attempt: nobody may find a previous attempt's servers
-    for d in (run.endpoints_dir, run.control_dir):
+    for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True, exist_ok=True)
     groups = job.get("groups") or ["orchestrator", "inference", "trainer"]
@@ -128,12 +131,74 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
         job["state"] = state or (COMPLETED if rc == 0 else FAILED)
         job["failure"] = None
         if rc != 0:
-            log = component_log(logs, component) if component else logs
-            job["failure"] = {"component": component or None, "rc": rc, "reason": reason, "log": str(log)}
+            if component == "watchdog":  # a stall: name the component that stalled
+                component, reason, where = stall_record(run, logs, reason)
+            else:
+                where = where_it_died(logs, component) if component else {"log": str(logs)}
+            job["failure"] = {"component": component or None, "rc": rc, "reason": reason, **where}
         _end_attempt(job, job_id, job["state"], reason)
     if rc != 0:
-        return f"prime-hpc: run failed: {(component + ' ') if component else ''}{reason}; see {job['failure']['log']}"
+        f = job["failure"]
+        node = f" on node {f['node']}" + (f" ({f['host']})" if f.get("host") else "") if f.get("node") is not None else ""
+        return f"prime-hpc: run failed: {(component + node + ' ') if component else ''}{reason}; see {f['log']}"
     return f"prime-hpc: run completed; logs in {logs}"
+
+
+def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:
+    """(component, reason, where) of the stall the watchdog found (control/stall.json)."""
+    try:
+        stall = read_json(run.control_dir / "stall.json")
+    except (OSError, ValueError):
+        return "watchdog", reason, {"node": None, "log": str(RunDir.component_log(logs, "watchdog"))}
+    node = stall.get("rank") if stall.get("component") == "inference" else None
+    return stall.get("component", "watchdog"), stall["reason"], {"node": node, "log": stall["log"],
+                                                                 "who": stall.get("who")}
+
+
+def lost(run: RunDir, component: str, rc: int) -> str:
+    """Record in the attempt that a server of the run is gone while the run goes on (its
+    heartbeat goes: the watchdog no longer waits for it)."""
+    logs = run.latest_logs.resolve()
+    entry = {"component": component, "rc": rc, "at": time.time(), **where_it_died(logs, component)}
+    group, _, node = component.rpartition("_")
+    try:
+        os.unlink(run.heartbeat(group, int(node)))
+    except (OSError, ValueError):
+        pass
+    with editing_job(run) as job:
+        if job.get("attempts"):
+            job["attempts"][-1].setdefault("lost", []).append(entry)
+    return f"prime-hpc: lost {component} (exit code {rc}); see {entry['log']}"
+
+
+SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.*)")
+
+
+def where_it_died(logs: Path, component: str) -> dict[str, Any]:
+    """Which node of `component` failed first, and the log to read: for a server of a set,
+    its own node; for the trainer (one step over its nodes), the first task srun reports as
+    failed (`trainer/srun.log`, one task per node); else node 0."""
+    node: Optional[int] = 0
+    host = None
+    if component.startswith("inference_"):
+        node = int(component.split("_")[1])
+        component = "inference"
+    elif component == "trainer":
+        try:
+            for line in (logs / "trainer" / "srun.log").read_text(errors="replace").splitlines():
+                m = SRUN_TASK_ERROR.search(line)
+                if m:
+                    host, node = m.group(1), int(m.group(2))
+                    break
+        except OSError:
+            pass
+    elif component not in ("router", "orchestrator"):
+        node = None
+    if component in ("trainer", "inference"):
+        log = RunDir.node_log(logs, component, node or 0)
+    else:
+        log = component_log(logs, component)
+    return {"node": node, "log": str(log), **({"host": host} if host else {})}
 
 
 def _end_attempt(job: dict, job_id: str, how: str, reason: str = "") -> None:
@@ -152,7 +217,7 @@ def component_log(logs, component: str):
     """The log to read first when `component` failed."""
     if component == "router":
         return RunDir.router_log(logs, 0)
-    if component.startswith("inference_"):  # a local "node"
+    if component.startswith("inference_"):  # one server of the set
         return RunDir.node_log(logs, "inference", int(component.split("_")[1]))
     return RunDir.component_log(logs, component)
 
@@ -288,7 +353,7 @@ def rendezvous() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.attempt")
-    p.add_argument("cmd", choices=("start", "end", "checkpoint", "requeue", "cause", "wait-for", "rendezvous"))
+    p.add_argument("cmd", choices=("start", "end", "lost", "checkpoint", "requeue", "cause", "wait-for", "rendezvous"))
     p.add_argument("output_dir", nargs="?")
     p.add_argument("--job-id", default="")
     p.add_argument("--rc", type=int, default=0)
@@ -307,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             print(start(run, a.job_id))
         elif a.cmd == "end":
             print(end(run, a.job_id, a.rc, a.component, a.reason, a.state), file=sys.stderr)
+        elif a.cmd == "lost":
+            print(lost(run, a.component, a.rc), file=sys.stderr)
         elif a.cmd == "checkpoint":
             request_checkpoint(run, a.reason)
         elif a.cmd == "requeue":

@@ -88,6 +88,7 @@ class Plan:
     address: Optional[str] = None  # cluster.address: every node's bind/publish address (None: its own)
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server
+    watchdog_argv: list[str] = field(default_factory=list)  # next to the job script; empty: no watchdog
 
     @property
     def run(self) -> RunDir:
@@ -268,6 +269,9 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
         signal_delay_s=int(c.signal_delay_s),
         address=c.address,
         router_argv=router,
+        watchdog_argv=_argv(py, "prime_hpc.launcher.watchdog", out, "--stall-timeout-s",
+                            f"{float(cfg.watchdog.stall_timeout_s):g}", "--ranks-per-node", str(nproc))
+        if mode == "run" and float(cfg.watchdog.stall_timeout_s) > 0 else [],
         # submitit runs the pickled head task from its folder (the SLURM path)
         head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),
     )

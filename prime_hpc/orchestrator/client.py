@@ -64,7 +64,8 @@ def make_client(base_url: str, key: Optional[str], coalesce: bool = True) -> Any
                 if not f.done():
                     f.set_result(_one_choice(response, i) if len(twins) > 1 else response)
 
-    return PolicyClient(AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", max_retries=2, timeout=3600))
+    # retried with backoff (~15 s in all): a restarting router or a server that just died
+    return PolicyClient(AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", max_retries=5, timeout=3600))
 
 
 def _one_choice(response: Any, i: int) -> Any:

@@ -26,7 +26,8 @@ from loguru import logger
 
 from prime_hpc import batch
 from prime_hpc.errors import UserError
-from prime_hpc.inference.client import Admin, api_key, discover, headers
+from prime_hpc.rundir import BEAT_S
+from prime_hpc.inference.client import Admin, api_key, discover, forget_worker, headers
 from prime_hpc.orchestrator import envs as envs_mod
 from prime_hpc.orchestrator.client import make_client
 from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
@@ -93,6 +94,7 @@ class Orchestrator:
         self.eval_slots: list[EnvSlot] = []
         self.sampler: Optional[EnvSampler] = None
         self.admin: Optional[Admin] = None
+        self.progress_at = time.time()  # the last group finished or step written (heartbeat)
         self.client: Any = None
         self.model = cfg["model"]["name"]
         self.metrics: Any = None
@@ -217,6 +219,15 @@ class Orchestrator:
                 self.policy = newest
             await asyncio.sleep(0.02)  # on-policy generation waits for each new policy
 
+    def server_lost(self, ep: Any, server: str, why: str) -> None:
+        """A server stopped answering: the run goes on with the others. The router is told
+        to stop sending to it (it would also find out by its own health checks)."""
+        left = len(self.admin.live) if self.admin is not None else 0
+        node = next((r.get("node") for r in ep.server_records if r.get("url") == server), "?")
+        logger.warning(f"inference server on node {node} ({server}) is gone ({why}); "
+                       f"{left} server(s) left; weight updates skip it from now on")
+        asyncio.get_running_loop().create_task(forget_worker(ep.router, server))
+
     # ------------------------------------------------------------------ eval
     async def evaluate(self, step: int) -> dict:
         k = int(self.o["eval"].get("rollouts_per_example") or 1)
@@ -285,6 +296,7 @@ class Orchestrator:
             "off_policy/spanning_rollouts": counts["spanning"],
             "filter/zero_variance_groups": counts["no reward variance"],
             "filter/invalid_groups": counts["too few valid rollouts"],
+            "inference/servers": len(self.admin.live) if self.admin is not None else 0,
             "progress/total_tokens": self.totals["tokens"],
             "progress/total_samples": self.totals["samples"],
             "progress/total_problems": self.totals["problems"],
@@ -299,6 +311,7 @@ class Orchestrator:
         when asked to (`prime_hpc.stopping`): after checkpointing the trainer's step if
         the supervisor wants a checkpoint."""
         self.relay_task = asyncio.create_task(self.relay())
+        beats = asyncio.create_task(self.heartbeat())
         step = start + 1
         try:
             while self.max_steps is None or step <= self.max_steps:
@@ -321,9 +334,21 @@ class Orchestrator:
             logger.info(f"last step written: {self.step} ({self.run.rollouts_done})")
         finally:
             self.relay_task.cancel()
+            beats.cancel()
             for t in self.inflight:
                 t.cancel()
-            await asyncio.gather(self.relay_task, *self.inflight, return_exceptions=True)
+            await asyncio.gather(self.relay_task, beats, *self.inflight, return_exceptions=True)
+            self.run.beat("orchestrator", 0, step=self.step, policy=self.policy, done=True)
+
+    async def heartbeat(self) -> None:
+        """`heartbeats/orchestrator_0` every `BEAT_S` from the event loop: the step, the
+        last time a group finished or a step was written (`progress_at`), and whether it
+        is only waiting for the trainer's weights (nothing generating), which the watchdog
+        does not count as a stall of its own."""
+        while True:
+            self.run.beat("orchestrator", 0, step=self.step, policy=self.policy, progress_at=self.progress_at,
+                          waiting_on=None if self.inflight else "trainer")
+            await asyncio.sleep(BEAT_S)
 
     async def fill_step(self, step: int) -> Optional["StepFill"]:
         """Collect `batch_size / group_size` accepted groups for `step`: keep generation
@@ -373,6 +398,8 @@ class Orchestrator:
             await asyncio.sleep(0.01)
             return []
         done, self.inflight = await asyncio.wait(self.inflight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            self.progress_at = time.time()
         return [d.result() for d in done]
 
     async def judge(self, step: int, group: list[Rollout], fill: "StepFill") -> None:
@@ -408,7 +435,7 @@ class Orchestrator:
         self.metrics.log(step, metrics)
         self.log_extras(step, kept)
         self.metrics.forward()  # the trainer's new rows, into the same W&B run
-        self.run.beat("orchestrator", 0, step=step, policy=self.policy)
+        self.progress_at = time.time()
         logger.info(f"step {step}: {len(samples)} samples, reward {metrics.get('reward/all/mean', 0):.3f}, "
                     f"policy {self.policy}, waited {fill.t_wait:.2f}s for weights")
 
@@ -504,7 +531,7 @@ class Orchestrator:
         nodes = int(self.cfg.get("inference_nodes") or 1)
         teacher = self.o["teacher"]["client"]
         ep = discover(self.run, nodes, timeout_s=3600, logs=self.logs)
-        self.admin = Admin(ep.servers)
+        self.admin = Admin(ep.servers, on_lost=lambda server, why: self.server_lost(ep, server, why))
         if self.o["training_mode"] == "sft":  # the teacher generates, the student trains on it
             self.client = make_client(teacher["base_url"], api_key(teacher.get("api_key_var") or ""))
             self.model = teacher.get("model") or self.model

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, is_stable, read_json, wait_for
+from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, is_stable, read_json, wait_for
 from prime_hpc.trainer import runner
 from prime_hpc.trainer.config import TrainerRunConfig
 
@@ -99,7 +99,9 @@ def train(cfg: TrainerRunConfig) -> None:
         while cfg.max_steps is None or step < cfg.max_steps:
             t0 = time.perf_counter()
             got = wait_for_rollouts(run, step + 1, cfg.trainer.rollout_timeout_s, producer_log,
-                                    on_wait=lambda: runner.beat(s, step, waiting_for=step + 1), stop=stop)
+                                    on_wait=lambda: runner.beat(s, step, progress=False, waiting_for=step + 1,
+                                                                       waiting_on="orchestrator"),
+                                    beat_every_s=BEAT_S, stop=stop)
             code, finished = runner.agreed_stop(s, stop, not_ready=got != "ready")
             if code != CONTINUE:
                 runner.stop_here(s, step, code, {"progress": progress})

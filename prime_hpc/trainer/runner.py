@@ -36,6 +36,10 @@ def main(run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: s
 
     args = parse_args(prog, description, argv)
     rank = int(os.environ.get("RANK", 0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: it does not outlive its agent
+        from prime_hpc.stopping import die_with_parent
+
+        die_with_parent()
     try:
         cfg = load_config(args.config)
         setup_logging(cfg.trainer.log.level, rank)
@@ -61,6 +65,7 @@ class Session:
     start_step: int  # last completed step (0 = base model)
     resumed: Optional[dict]  # state.json of the checkpoint resumed from
     num_params: int
+    progress_at: float = 0.0  # the last time this rank started or finished a step (heartbeat)
 
 
 @contextlib.contextmanager
@@ -212,8 +217,11 @@ def stop_here(s: Session, step: int, code: int, state: dict) -> None:
     beat(s, step, stopped=True)
 
 
-def beat(s: Session, step: int, **info: Any) -> None:
-    s.run.beat("trainer", s.env.rank, step=step, **info)
+def beat(s: Session, step: int, progress: bool = True, **info: Any) -> None:
+    """This rank's heartbeat; `progress`: it has just done something (started, a step)."""
+    if progress or not s.progress_at:
+        s.progress_at = time.time()
+    s.run.beat("trainer", s.env.rank, step=step, progress_at=s.progress_at, **info)
 
 
 def orchestrator_log() -> Optional[Path]:

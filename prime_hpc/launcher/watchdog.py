@@ -1,0 +1,121 @@
+"""`python -m prime_hpc.launcher.watchdog <output_dir> --stall-timeout-s T`: the run's
+stall watchdog, a service of the job script next to the supervisor (light imports).
+
+Every running component writes `heartbeats/<component>_<rank>` at least every `BEAT_S`
+from the loop that does its work (`RunDir.beat`). A component is stalled when
+
+- its heartbeat is older than T: the process is alive (the supervisor would have seen it
+  exit) but its loop no longer runs: stopped, deadlocked, stuck in a call; or
+- it still beats but has made no progress (`progress_at`: a step, a finished group) for
+  T while it was not only waiting for another component (`waiting_on`).
+
+Components that said they are done, and heartbeats of servers the run has lost, are not
+watched. On a stall the watchdog prints one line (component, how long it was silent, the
+last line of its log), writes `control/stall.json` for the supervisor's record, and
+exits 3; the supervisor then ends the job like any failed component.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from prime_hpc.rundir import RunDir, atomic_write_json
+
+POLL_S = 2.0
+STALLED = 3  # exit code
+
+
+def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[dict[str, Any]]:
+    """The worst stall among heartbeats {"trainer_0": {...}, ...}, or None."""
+    worst: Optional[dict[str, Any]] = None
+    for name, b in beats.items():
+        if b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):
+            continue
+        silent = now - float(b["time"])
+        why = "no heartbeat"
+        if silent <= timeout_s and isinstance(b.get("progress_at"), (int, float)) and not b.get("waiting_on"):
+            silent, why = now - float(b["progress_at"]), "no progress"
+        if silent > timeout_s and (worst is None or silent > worst["silent_s"]):
+            component, _, rank = name.rpartition("_")
+            worst = {"component": component, "rank": int(rank) if rank.isdigit() else 0, "silent_s": round(silent),
+                     "why": why, "step": b.get("step")}
+    return worst
+
+
+def read_beats(run: RunDir) -> dict[str, dict]:
+    out = {}
+    try:
+        names = os.listdir(run.heartbeats_dir)
+    except OSError:
+        return out
+    for n in names:
+        if n.startswith("."):
+            continue
+        try:
+            out[n] = json.loads((run.heartbeats_dir / n).read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def last_line(path: Path, max_bytes: int = 8192) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Path:
+    if component == "trainer":
+        return RunDir.node_log(logs, "trainer", rank // max(1, ranks_per_node))
+    if component == "inference":
+        return RunDir.node_log(logs, "inference", rank)
+    return RunDir.component_log(logs, component)
+
+
+def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, poll_s: float = POLL_S) -> int:
+    while True:
+        time.sleep(poll_s)
+        s = stalled(read_beats(run), timeout_s, time.time())
+        if s is None:
+            continue
+        log = stall_log(logs, s["component"], s["rank"], ranks_per_node)
+        who = s["component"] + (f" rank {s['rank']}" if s["component"] == "trainer" else
+                                f" node {s['rank']}" if s["component"] == "inference" else "")
+        what = "no heartbeat" if s["why"] == "no heartbeat" else "alive, but no progress"
+        reason = (f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g})"
+                  + (f" at step {s['step']}" if s.get("step") is not None else "")
+                  + f"; last line of its log: {last_line(log) or '(empty)'}")
+        atomic_write_json(run.control_dir / "stall.json", {**s, "who": who, "reason": reason, "log": str(log),
+                                                            "at": time.time()})
+        print(f"prime-hpc watchdog: {who} {reason}; see {log}", file=sys.stderr, flush=True)
+        return STALLED
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.watchdog")
+    p.add_argument("output_dir")
+    p.add_argument("--stall-timeout-s", type=float, required=True)
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    a = p.parse_args(argv)
+    if a.stall_timeout_s <= 0:
+        return 0
+    run = RunDir(a.output_dir)
+    logs = Path(os.environ.get("PRIME_HPC_LOGS") or run.latest_logs)
+    try:
+        return watch(run, a.stall_timeout_s, logs, a.ranks_per_node)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Faults on the real dev cluster: a component that cannot be replaced is killed (SIGKILL)
+or frozen (SIGSTOP) mid-run. The job must end soon, name the component, its node, its exit
+code and the log of the process that died, and leave no process of the run behind
+(children included, found by their parent chain). Losing one of several inference servers
+is survived: tests/test_slurm_rl.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from prime_hpc import jobs
+from prime_hpc.config import compose
+from prime_hpc.launcher import launch
+from prime_hpc.launcher.render import STOP_GRACE_S
+from prime_hpc.rundir import RunDir
+from tests.conftest import cli
+
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
+
+STALL_S = 15
+
+
+# ----------------------------------------------------------------------------- processes
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def run_processes(logs: Path) -> dict[int, int]:
+    """{pid: start time} of every process of the run: those the job script started (they
+    carry the attempt's PRIME_HPC_LOGS in their environment) and all their descendants."""
+    table = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (st := _stat(int(d))):
+            table[int(d)] = st
+    marker = f"PRIME_HPC_LOGS={logs}".encode()
+    roots = set()
+    for pid in table:
+        try:
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                roots.add(pid)
+        except OSError:
+            continue
+    found = set(roots)
+    grew = True
+    while grew:
+        grew = False
+        for pid, (ppid, _) in table.items():
+            if ppid in found and pid not in found:
+                found.add(pid)
+                grew = True
+    return {pid: table[pid][1] for pid in found}
+
+
+def still_alive(procs: dict[int, int]) -> list[str]:
+    out = []
+    for pid, start in procs.items():
+        st = _stat(pid)
+        if st and st[1] == start:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+            except OSError:
+                continue
+            out.append(f"{pid}: {cmd!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------- runs
+def start_run(tmp_path: Path, name: str, *overrides: str):
+    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/{name}", "max_steps=200",
+                   "orchestrator.batch_size=16", "orchestrator.eval.interval=0",
+                   f"watchdog.stall_timeout_s={STALL_S}", *overrides])
+    return launch.submit(cfg, [])
+
+
+def wait_for_step(run: RunDir, step: int, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(run.heartbeat("trainer", 0).read_text()).get("step", 0) >= step:
+                return
+        except (OSError, ValueError):
+            pass
+        job = jobs.read_job(run)
+        assert not job.get("ended_at"), f"the job ended before step {step}: {job.get('failure')}"
+        time.sleep(0.5)
+    raise AssertionError(f"no trainer step {step} within {timeout_s}s")
+
+
+def wait_ended(run: RunDir, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = jobs.read_job(run)
+        if job.get("ended_at"):
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"the job did not end within {timeout_s}s of the fault: {jobs.read_job(run)}")
+
+
+def victim_pid(run: RunDir, target: str) -> int:
+    if target == "trainer":
+        return int(json.loads(run.heartbeat("trainer", 0).read_text())["pid"])
+    if target == "orchestrator":
+        deadline = time.monotonic() + 60
+        while not run.heartbeat("orchestrator", 0).exists():
+            assert time.monotonic() < deadline, "the orchestrator never beat"
+            time.sleep(0.5)
+        return int(json.loads(run.heartbeat("orchestrator", 0).read_text())["pid"])
+    return int(json.loads(run.inference_endpoint(0).read_text())["pid"])
+
+
+FAULTS = [  # (what is done, to which component, what job.json must name)
+    ("kill", "trainer", "trainer"),
+    ("kill", "orchestrator", "orchestrator"),
+    ("kill", "inference", "inference_0"),
+    ("stop", "orchestrator", "orchestrator"),
+    ("stop", "trainer", "trainer"),
+]
+
+
+@pytest.mark.parametrize("how, target, named", FAULTS, ids=[f"{h}-{t}" for h, t, _ in FAULTS])
+def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tmp_path, how, target, named):
+    sub = start_run(tmp_path, f"{how}-{target}")
+    run = sub.ref.run
+    stopped = None
+    try:
+        wait_for_step(run, 2)
+        logs = run.latest_logs.resolve()
+        procs = run_processes(logs)
+        assert len(procs) >= 4, procs  # orchestrator, server, router, torchrun + rank, watchdog (at least)
+        pid = victim_pid(run, target)
+        assert pid in procs, (pid, procs)
+        t0 = time.time()
+        if how == "kill":
+            os.kill(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGSTOP)
+            stopped = pid
+        budget = (STALL_S + 10 if how == "stop" else 0) + 30 + STOP_GRACE_S
+        job = wait_ended(run, budget + 30)
+        assert launch.wait_done(sub, 120) == "FAILED", job
+        job = jobs.read_job(run)
+        ended_after = job["ended_at"] - t0
+        assert ended_after <= budget, f"the job took {ended_after:.0f}s to end (budget {budget}s)"
+        f = job["failure"]
+        assert f["component"] == named, f
+        if named.startswith("inference_"):
+            assert f["log"] == str(RunDir.node_log(logs, "inference", 0)), f
+        elif named == "trainer":
+            assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0, f
+        else:
+            assert f["log"] == str(RunDir.component_log(logs, named)), f
+        if how == "kill":
+            assert f["rc"] != 0 and f["reason"], f
+        else:
+            assert f["reason"].startswith("stalled: no heartbeat for "), f
+            assert "last line of its log: " in f["reason"] and "(empty)" not in f["reason"], f
+            silent = int(f["reason"].split(" for ")[1].split("s")[0])
+            assert STALL_S < silent <= STALL_S + 10, f
+        # status says the same, in one line
+        out = cli("status", str(run.root)).stdout
+        assert f"failed: {named}" in out and str(f["log"]) in out, out
+        deadline = time.monotonic() + 30  # SLURM's step cleanup may lag the job's end by a moment
+        while (left := still_alive(procs)) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not left, f"processes of the run outlived it: {left}"
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except OSError:
+                pass
+        subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
