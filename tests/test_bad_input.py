@@ -4,6 +4,9 @@ the fix, no traceback. Run in-process through the CLI's own `main`, as a user's 
 line would be (no SLURM, no servers)."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from prime_hpc.cli import main
@@ -61,6 +64,9 @@ BAD_OVERRIDES = [
     (["cluster.trainer.gpus_per_node=4"], "cluster.trainer.gpus_per_node"),  # on cluster.device=cpu
     (["cluster.orchestrator.nodes=2"], "cluster.orchestrator.nodes"),
     (["cluster.device=tpu"], "cluster.device"),
+    (["cluster.umask=999"], "cluster.umask"),
+    (["cluster.umask=rw-r-----"], "cluster.umask"),
+    (["watchdog.stall_timeout_s=-1"], "watchdog.stall_timeout_s"),
     (["max_steps=0"], "max_steps"),
     (["seq_len=0"], "seq_len"),
     (["async_level=0"], "async_level"),
@@ -107,6 +113,17 @@ def test_output_dirs_that_cannot_take_the_run(tmp_path, capsys):
     for extra in ([], ["--dry-run"]):
         assert "output_dir" in _reject(["submit", *RL, f"output_dir={dirty}", *extra], capsys)
         assert [p.name for p in dirty.iterdir()] == ["notes.txt"]
+    theirs = tmp_path / "theirs"  # another user's directory, even an empty one
+    theirs.mkdir()
+    if os.getuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    else:
+        theirs = Path("/usr/share")  # root's
+    before = sorted(theirs.iterdir())
+    for out in (theirs, theirs / "prime-hpc-run"):
+        line = _reject(["submit", *RL, f"output_dir={out}"], capsys)
+        assert "output_dir" in line and "not to you" in line, line
+    assert sorted(theirs.iterdir()) == before
 
 
 @pytest.mark.parametrize("command", [["status"], ["cancel"], ["tail", "--no-follow"], ["resume"], ["eval"]])

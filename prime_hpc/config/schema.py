@@ -22,8 +22,14 @@ class Rule:
     le: Optional[float] = None
     lt: Optional[float] = None
     choices: Optional[tuple] = None
+    pattern: Optional[str] = None  # a regular expression the whole value must match
+    example: Optional[str] = None  # shown with a pattern's error
 
     def violation(self, value: Any) -> Optional[str]:
+        if self.pattern is not None:
+            import re
+
+            return None if re.fullmatch(self.pattern, str(value)) else f"{value!r} is not valid; e.g. {self.example}"
         if self.choices is not None:
             return None if value in self.choices else f"unknown value {value!r}; choose from {', '.join(self.choices)}"
         lo = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
@@ -310,6 +316,8 @@ class ClusterConfig:
     # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
     signal_delay_s: int = ruled(120, ge=0)  # warning this long before the time limit: checkpoint, then requeue
     max_requeues: int = ruled(10, ge=0)  # time limits/preemptions a run is requeued through before it stops
+    umask: str = ruled("027", pattern="0?[0-7]{3}", example="027")  # what the run writes (run dir, logs,
+    # weights) is not readable by other users of the cluster; 022 shares it read-only
     orchestrator: GroupResources = field(default_factory=GroupResources)
     inference: GroupResources = field(default_factory=GroupResources)
     trainer: GroupResources = field(default_factory=GroupResources)

@@ -2,10 +2,13 @@
 render, hand to the backend, record the job. Shared by both backends."""
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -14,6 +17,7 @@ from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
 from prime_hpc.config.validate import validate
 from prime_hpc.errors import ConfigError, LaunchError
 from prime_hpc.config.pipeline import warmup_overrides
+from prime_hpc.inference.client import API_KEY_VAR
 from prime_hpc.launcher.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
@@ -50,6 +54,7 @@ def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) ->
     """A fresh run needs an empty output_dir (or clean_output_dir=true, or a resume).
     Only a run directory is ever wiped, and never while one of its jobs is alive."""
     run = RunDir(cfg.output_dir)
+    check_owner(run)
     if resume or run.is_fresh():
         return
     if dry_run:
@@ -70,6 +75,37 @@ def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) ->
         "output_dir",
         f"{run.root} is not empty{owner}; set clean_output_dir=true to wipe it or choose another output_dir",
     )
+
+
+def check_owner(run: RunDir) -> None:
+    """A run directory (or the first existing directory above it) must be this user's."""
+    path = run.root
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    uid = path.stat().st_uid
+    if uid != os.getuid():
+        try:
+            import pwd
+
+            who = pwd.getpwuid(uid).pw_name
+        except (ImportError, KeyError):
+            who = f"uid {uid}"
+        raise ConfigError("output_dir", f"{path} belongs to {who}, not to you; choose an output_dir of your own")
+
+
+@contextlib.contextmanager
+def job_api_key() -> Iterator[None]:
+    """The key every server of the job demands (`$INFERENCE_SERVER_API_KEY`): the user's,
+    or one made at random for this job. It reaches the job only through the environment
+    sbatch (or the local script) inherits from this process, never through a file."""
+    if os.environ.get(API_KEY_VAR):
+        yield
+        return
+    os.environ[API_KEY_VAR] = secrets.token_urlsafe(32)
+    try:
+        yield
+    finally:
+        os.environ.pop(API_KEY_VAR, None)
 
 
 def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
@@ -122,6 +158,15 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume:
            pipeline: Optional[dict] = None, sweep: Optional[dict] = None) -> Submitted:
     """Submit one job. `after`: jobs it starts after (a pipeline's warm-up, an earlier
     point of a sweep); `pipeline`, `sweep`: recorded in job.json to tie the jobs together."""
+    umask = os.umask(int(str(cfg.cluster.umask), 8))  # the run dir, and sbatch's output files
+    try:
+        return _submit(cfg, overrides, mode, resume, extra_env, after, pipeline, sweep)
+    finally:
+        os.umask(umask)
+
+
+def _submit(cfg: DictConfig, overrides: Sequence[str], mode: str, resume: bool, extra_env: Optional[dict[str, str]],
+            after: Sequence[After], pipeline: Optional[dict], sweep: Optional[dict]) -> Submitted:
     run, plan = prepare(cfg, mode, resume, extra_env, after=after)
     task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
     prior = jobs.read_job(run) if resume else {}
@@ -146,15 +191,16 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume:
     job_obj = None
     proc: dict = {}
     try:
-        if plan.backend == "slurm":
-            from prime_hpc.launcher import slurm
+        with job_api_key():
+            if plan.backend == "slurm":
+                from prime_hpc.launcher import slurm
 
-            job_obj = slurm.submit(plan, task)
-            job_id = job_obj.job_id
-        else:
-            from prime_hpc.launcher import local
+                job_obj = slurm.submit(plan, task)
+                job_id = job_obj.job_id
+            else:
+                from prime_hpc.launcher import local
 
-            job_id, proc = local.submit(plan, task)
+                job_id, proc = local.submit(plan, task)
     except BaseException:
         # nothing was submitted: leave the directory as fresh as it was
         if prior:

@@ -89,6 +89,7 @@ class Plan:
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server
     watchdog_argv: list[str] = field(default_factory=list)  # next to the job script; empty: no watchdog
+    umask: str = "027"  # of every process of the job
 
     @property
     def run(self) -> RunDir:
@@ -269,6 +270,7 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
         signal_delay_s=int(c.signal_delay_s),
         address=c.address,
         router_argv=router,
+        umask=str(c.umask),
         watchdog_argv=_argv(py, "prime_hpc.launcher.watchdog", out, "--stall-timeout-s",
                             f"{float(cfg.watchdog.stall_timeout_s):g}", "--ranks-per-node", str(nproc))
         if mode == "run" and float(cfg.watchdog.stall_timeout_s) > 0 else [],

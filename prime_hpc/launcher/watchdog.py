@@ -42,7 +42,7 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
             silent, why = now - float(b["progress_at"]), "no progress"
         if silent > timeout_s and (worst is None or silent > worst["silent_s"]):
             component, _, rank = name.rpartition("_")
-            worst = {"component": component, "rank": int(rank) if rank.isdigit() else 0, "silent_s": round(silent),
+            worst = {"component": component, "rank": int(rank) if rank.isdigit() else 0, "silent_s": int(silent),
                      "why": why, "step": b.get("step")}
     return worst
 

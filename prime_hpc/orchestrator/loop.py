@@ -166,6 +166,7 @@ class Orchestrator:
         try:
             outs = await slot.env.run_group([dict(row) for _ in range(n or self.group_size)], client, model,
                                             self.sampling_args(), state_columns=["trajectory", REWARD_ERROR])
+            self.progress_at = time.time()  # a group generated and scored (train or eval): progress
             return [from_output(o, slot.name, int(self.cfg["seq_len"])) for o in outs]
         except Exception as e:  # a crashed group is counted, never fatal
             logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
@@ -311,6 +312,7 @@ class Orchestrator:
         when asked to (`prime_hpc.stopping`): after checkpointing the trainer's step if
         the supervisor wants a checkpoint."""
         self.relay_task = asyncio.create_task(self.relay())
+        self.progress_at = time.time()
         beats = asyncio.create_task(self.heartbeat())
         step = start + 1
         try:
@@ -338,7 +340,7 @@ class Orchestrator:
             for t in self.inflight:
                 t.cancel()
             await asyncio.gather(self.relay_task, beats, *self.inflight, return_exceptions=True)
-            self.run.beat("orchestrator", 0, step=self.step, policy=self.policy, done=True)
+            self.beat(done=True)
 
     async def heartbeat(self) -> None:
         """`heartbeats/orchestrator_0` every `BEAT_S` from the event loop: the step, the
@@ -346,9 +348,12 @@ class Orchestrator:
         is only waiting for the trainer's weights (nothing generating), which the watchdog
         does not count as a stall of its own."""
         while True:
-            self.run.beat("orchestrator", 0, step=self.step, policy=self.policy, progress_at=self.progress_at,
-                          waiting_on=None if self.inflight else "trainer")
+            self.beat()
             await asyncio.sleep(BEAT_S)
+
+    def beat(self, **info: Any) -> None:
+        self.run.beat("orchestrator", 0, step=self.step, policy=self.policy, progress_at=self.progress_at,
+                      waiting_on=None if self.inflight else "trainer", **info)
 
     async def fill_step(self, step: int) -> Optional["StepFill"]:
         """Collect `batch_size / group_size` accepted groups for `step`: keep generation
@@ -398,8 +403,6 @@ class Orchestrator:
             await asyncio.sleep(0.01)
             return []
         done, self.inflight = await asyncio.wait(self.inflight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-        if done:
-            self.progress_at = time.time()
         return [d.result() for d in done]
 
     async def judge(self, step: int, group: list[Rollout], fill: "StepFill") -> None:
@@ -436,6 +439,7 @@ class Orchestrator:
         self.log_extras(step, kept)
         self.metrics.forward()  # the trainer's new rows, into the same W&B run
         self.progress_at = time.time()
+        self.beat()
         logger.info(f"step {step}: {len(samples)} samples, reward {metrics.get('reward/all/mean', 0):.3f}, "
                     f"policy {self.policy}, waited {fill.t_wait:.2f}s for weights")
 
