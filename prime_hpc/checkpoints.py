@@ -50,17 +50,30 @@ def resolve_resume_step(run: RunDir, requested: Optional[int], parts: Sequence[s
     raise UserError(f"ckpt.step={requested}: {where} in {run.checkpoints_dir} (needs {need}); {what}")
 
 
+def remove_marked(directory: Any) -> None:
+    """Delete a marked directory so that no moment of the deletion looks complete: the
+    marker goes first (a kill halfway leaves an unmarked leftover, which resume ignores)."""
+    import shutil
+    from pathlib import Path
+
+    from prime_hpc.rundir import STABLE
+
+    try:
+        (Path(directory) / STABLE).unlink()
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def rotate(run: RunDir, component: str, keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
     """Apply `rotation` to `component`'s complete parts; a step directory goes once every
     component has removed its part. Returns the steps whose part was removed."""
-    import shutil
-
     from prime_hpc.rundir import is_stable
 
     steps = [s for s in run.checkpoint_steps(component) if is_stable(run.checkpoint_part(s, component))]
     gone = rotation(steps, keep_last, keep_interval)
     for s in gone:
-        shutil.rmtree(run.checkpoint_part(s, component), ignore_errors=True)
+        remove_marked(run.checkpoint_part(s, component))
         try:
             run.checkpoint_step(s).rmdir()
         except OSError:

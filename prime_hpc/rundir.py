@@ -541,6 +541,8 @@ class RunDir:
         for parent in (self.rollouts_dir, self.weights_dir, self.checkpoints_dir):
             for s in _steps_in(parent, require_stable=False):
                 if s > step:
+                    for marker in sorted(_step_dir(parent, s).rglob(STABLE)):  # first: never half-deleted yet marked
+                        marker.unlink(missing_ok=True)
                     shutil.rmtree(_step_dir(parent, s), ignore_errors=True)
                     removed.append(_step_dir(parent, s))
         for path in sorted(self.metrics_dir.glob("*.jsonl")) if self.metrics_dir.is_dir() else []:

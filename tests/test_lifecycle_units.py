@@ -231,3 +231,33 @@ def test_lr_schedules_by_hand():
     cos = lr_factor(0, "cosine", total_steps=4)
     assert [round(cos(i), 4) for i in range(4)] == [0.8536, 0.5, 0.1464, 0.0]
     assert lr_factor(0, "cosine", total_steps=None)(10) == 1.0  # no max_steps: no decay
+
+
+def test_watchdog_tells_a_stall_from_a_wait():
+    from prime_hpc.launcher.watchdog import stalled
+
+    now = 1000.0
+    beats = {
+        "trainer_0": {"time": now - 2, "progress_at": now - 500, "waiting_on": "orchestrator", "step": 4},
+        "inference_1": {"time": now - 3},
+        "orchestrator_0": {"time": now - 1, "progress_at": now - 2, "waiting_on": None},
+    }
+    assert stalled(beats, 60, now) is None  # the trainer only waits; the others beat and progress
+    beats["orchestrator_0"]["progress_at"] = now - 90  # alive, generating, nothing finishes
+    assert stalled(beats, 60, now) == {"component": "orchestrator", "rank": 0, "silent_s": 90, "why": "no progress",
+                                       "step": None}
+    beats["inference_1"]["time"] = now - 200  # frozen: the longest silence is the one named
+    assert stalled(beats, 60, now)["component"] == "inference" and stalled(beats, 60, now)["rank"] == 1
+    done = {"trainer_0": {"time": now - 900, "done": True}, "orchestrator_0": {"time": now - 900, "stopped": True}}
+    assert stalled(done, 60, now) is None
+
+
+def test_a_failure_names_the_node_that_failed_first(tmp_path):
+    logs = tmp_path / "logs" / "attempt_0"
+    (logs / "trainer").mkdir(parents=True)
+    (logs / "trainer" / "srun.log").write_text("srun: error: node7: task 2: Killed\n"
+                                              "srun: error: node5: task 0: Terminated\n")
+    assert attempt.where_it_died(logs, "trainer") == {"node": 2, "host": "node7",
+                                                      "log": str(logs / "trainer" / "node_2.log")}
+    assert attempt.where_it_died(logs, "inference_3") == {"node": 3, "log": str(logs / "inference" / "node_3.log")}
+    assert attempt.where_it_died(logs, "orchestrator") == {"node": 0, "log": str(logs / "orchestrator.log")}

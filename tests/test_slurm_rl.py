@@ -88,8 +88,11 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
                 "trainer/node_0.log"):
         assert (logs / rel).is_file(), rel
     assert (logs / "inference.log").resolve() == (logs / "inference/node_0.log").resolve()
-    for path in run.root.rglob("*"):  # the key lives in the environment only
-        if path.is_file() and path.stat().st_size < 50_000_000:
+    for path in [run.root, *run.root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        assert path.stat().st_mode & 0o007 == 0, f"{path} is open to other users (cluster.umask=027)"
+        if path.is_file() and path.stat().st_size < 50_000_000:  # the key lives in the environment only
             assert KEY.encode() not in path.read_bytes(), path
 
 

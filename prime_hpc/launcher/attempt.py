@@ -150,9 +150,10 @@ def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:
         stall = read_json(run.control_dir / "stall.json")
     except (OSError, ValueError):
         return "watchdog", reason, {"node": None, "log": str(RunDir.component_log(logs, "watchdog"))}
-    node = stall.get("rank") if stall.get("component") == "inference" else None
-    return stall.get("component", "watchdog"), stall["reason"], {"node": node, "log": stall["log"],
-                                                                 "who": stall.get("who")}
+    component = stall.get("component", "watchdog")
+    if component == "inference":
+        component = f"inference_{stall.get('node', 0)}"  # as the supervisor names that server
+    return component, stall["reason"], {"node": stall.get("node"), "log": stall["log"], "who": stall.get("who")}
 
 
 def lost(run: RunDir, component: str, rc: int) -> str:

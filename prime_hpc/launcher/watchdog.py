@@ -95,8 +95,9 @@ def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, po
         reason = (f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g})"
                   + (f" at step {s['step']}" if s.get("step") is not None else "")
                   + f"; last line of its log: {last_line(log) or '(empty)'}")
+        node = s["rank"] // max(1, ranks_per_node) if s["component"] == "trainer" else s["rank"]
         atomic_write_json(run.control_dir / "stall.json", {**s, "who": who, "reason": reason, "log": str(log),
-                                                            "at": time.time()})
+                                                            "node": node, "at": time.time()})
         print(f"prime-hpc watchdog: {who} {reason}; see {log}", file=sys.stderr, flush=True)
         return STALLED
 

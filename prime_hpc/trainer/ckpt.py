@@ -21,18 +21,27 @@ so the resumed run continues bit for bit as the original would have.
 """
 from __future__ import annotations
 
-import shutil
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from prime_hpc import device as devices
-from prime_hpc.checkpoints import rotate
+from prime_hpc.checkpoints import remove_marked, rotate
 from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
 from prime_hpc.trainer.dist import DistEnv
 
 PART = "trainer"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, a directory that cannot be made);
+    the earlier checkpoints are untouched."""
+
+    def __init__(self, step: int, where: Any, cause: BaseException) -> None:
+        super().__init__(f"the checkpoint of step {step} could not be written to {where}: "
+                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
+                         "the earlier checkpoints are kept")
 
 
 class Checkpointer:
@@ -46,14 +55,25 @@ class Checkpointer:
         self.requested: list[int] = []  # steps a save was started for (async: maybe still writing)
 
     def save(self, step: int, engine: Any, state: dict) -> None:
-        """Write checkpoint `step` (`state`: progress and dataloader, JSON-able)."""
-        import torch.distributed.checkpoint as dcp
-
+        """Write checkpoint `step` (`state`: progress and dataloader, JSON-able); raises
+        `CheckpointWriteError` when the filesystem refuses it."""
         self.wait()
         self.requested.append(step)
+        try:
+            self._save(step, engine, state)
+        except (OSError, dist.DistBackendError) as e:
+            raise CheckpointWriteError(step, self.run.checkpoint_part(step, PART), e) from e
+        except Exception as e:  # DCP wraps the writers' errors in its own type
+            if type(e).__name__ != "CheckpointException":
+                raise
+            raise CheckpointWriteError(step, self.run.checkpoint_part(step, PART), e) from e
+
+    def _save(self, step: int, engine: Any, state: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
         d = self.run.checkpoint_part(step, PART)
         if self.env.is_main and d.exists():
-            shutil.rmtree(d)  # a leftover from an earlier attempt
+            remove_marked(d)  # a leftover from an earlier attempt
         dist.barrier()
         d.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = engine.state_dicts()
@@ -86,7 +106,10 @@ class Checkpointer:
             return
         step, fut = self._pending
         self._pending = None
-        fut.result()
+        try:
+            fut.result()
+        except Exception as e:
+            raise CheckpointWriteError(step, self.run.checkpoint_part(step, PART), e) from e
         self._finish(step)
 
     def _rotate(self) -> None:
