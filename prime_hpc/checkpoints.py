@@ -8,6 +8,16 @@ from prime_hpc.errors import UserError
 from prime_hpc.rundir import RunDir
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, a directory that cannot be made);
+    the earlier checkpoints are untouched."""
+
+    def __init__(self, step: int, where: Any, cause: BaseException) -> None:
+        super().__init__(f"the checkpoint of step {step} could not be written to {where}: "
+                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
+                         "the earlier checkpoints are kept")
+
+
 def _get(cfg: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key)
 

@@ -89,3 +89,45 @@ def test_an_unwritable_checkpoint_fails_in_one_line_and_keeps_the_earlier_ones(t
     assert "the checkpoint of step 3 could not be written" in last and str(run.checkpoint_step(3)) in last and "Traceback" not in last, last
     assert run.complete_checkpoint_steps(("trainer",)) == [1, 2]
     assert os.path.isfile(run.checkpoint_step(3))
+
+
+ORCHESTRATOR_SAVES = r"""
+import sys
+from prime_hpc.config.compose import compose, component_config
+from prime_hpc.orchestrator.loop import Orchestrator
+
+cfg = compose(["+experiment=reverse_text", f"output_dir={sys.argv[1]}", "ckpt.keep_last=2"])
+orch = Orchestrator(component_config(cfg, "orchestrator"))
+step = int(sys.argv[2])
+print("saving", flush=True)
+while True:
+    orch.snapshots[step] = {"step": step, "policy": step, "totals": {"tokens": step}, "sampler": {"pad": "x" * 200000}}
+    orch.save_checkpoint(step)
+    step += 1
+"""
+
+
+def test_an_orchestrator_killed_while_saving_its_state_leaves_only_loadable_parts(tmp_path):
+    import random
+    import sys
+
+    run = RunDir(tmp_path / "run")
+    rng = random.Random(3)
+    first = 1
+    for _ in range(KILLS):
+        proc = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR_SAVES, str(run.root), str(first)], env=child_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "saving", proc.stderr.read()
+            time.sleep(rng.uniform(0.05, 0.5))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        complete = run.complete_checkpoint_steps(("orchestrator",))
+        assert complete, "no complete orchestrator state after the kill"
+        for step in complete:  # every part resume could pick is whole
+            state = json.loads((run.checkpoint_part(step, "orchestrator") / "state.json").read_text())
+            assert state["step"] == step and len(state["sampler"]["pad"]) == 200000
+        first = max(run.checkpoint_steps("orchestrator")) + 1

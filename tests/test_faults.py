@@ -146,7 +146,11 @@ FAULTS = [  # (what is done, to which component, what job.json must name)
 
 
 @pytest.mark.parametrize("how, target, named", FAULTS, ids=[f"{h}-{t}" for h, t, _ in FAULTS])
-def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tmp_path, how, target, named):
+def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tmp_path, monkeypatch, how, target,
+                                                                              named):
+    tokens = {"WANDB_API_KEY": "wandb-token-7f3e9c1a", "HF_TOKEN": "hf_token_52b8d0e4"}
+    for var, value in tokens.items():  # in the submitting environment, as on a user's login node
+        monkeypatch.setenv(var, value)
     sub = start_run(tmp_path, f"{how}-{target}")
     run = sub.ref.run
     stopped = None
@@ -192,10 +196,12 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tm
         while (left := still_alive(procs)) and time.monotonic() < deadline:
             time.sleep(1)
         assert not left, f"processes of the run outlived it: {left}"
-        if key:
+        if key:  # no secret of the environment lands in a file of the run
             for path in run.root.rglob("*"):
                 if path.is_file() and path.stat().st_size < 50_000_000:
-                    assert key.encode() not in path.read_bytes(), path
+                    data = path.read_bytes()
+                    for secret in (key, *tokens.values()):
+                        assert secret.encode() not in data, (path, secret)
     finally:
         if stopped is not None:
             try:

@@ -20,6 +20,12 @@ from prime_hpc.rundir import mark_stable
 # --------------------------------------------------------------------------- unit: config → vLLM
 
 
+def _typed(d: dict):
+    from prime_hpc.config.component import InferenceRunConfig, typed
+
+    return typed(InferenceRunConfig, d, "test")
+
+
 def _cfg(**inf):
     base = {"model": {"name": "tiny"}, "dtype": "auto", "max_model_len": 128, "gpu_memory_utilization": 0.2,
             "tensor_parallel_size": 1, "data_parallel_size": None, "cpu_kvcache_space_gb": 3, "cpu_threads": None,
@@ -38,7 +44,7 @@ def test_vllm_args_pass_the_reference_knobs_through():
                data_parallel_size=4, extra_args=["--enforce-eager", "--max-num-seqs", "64"],
                model={"name": "tiny", "enable_auto_tool_choice": True, "tool_call_parser": "hermes",
                       "reasoning_parser": "qwen3"})
-    argv = srv.vllm_args(cfg, "/models/tiny", "10.0.0.5")
+    argv = srv.vllm_args(_typed(cfg), "/models/tiny", "10.0.0.5")
     assert _opt(argv, "--model") == "/models/tiny"
     assert _opt(argv, "--served-model-name") == "tiny"
     assert _opt(argv, "--host") == "10.0.0.5" and _opt(argv, "--port") == "0"
@@ -59,32 +65,32 @@ def test_vllm_args_pass_the_reference_knobs_through():
 def test_data_parallel_defaults_to_the_node_gpus_and_lora_enables_adapters():
     cfg = _cfg(tensor_parallel_size=2)
     cfg.update(device="cuda", gpus_per_node=8, lora={"enabled": True, "rank": 32})
-    argv = srv.vllm_args(cfg, "m", "h")
+    argv = srv.vllm_args(_typed(cfg), "m", "h")
     assert _opt(argv, "--data-parallel-size") == "4"
     assert _opt(argv, "--max-lora-rank") == "32" and "--enable-lora" in argv
-    cpu = srv.vllm_args(_cfg(), "m", "h")
+    cpu = srv.vllm_args(_typed(_cfg()), "m", "h")
     assert "--data-parallel-size" not in cpu and "--tool-call-parser" not in cpu
 
 
 def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    env = srv.engine_env(_cfg(cpu_kvcache_space_gb=3, cpu_threads=6))
+    env = srv.engine_env(_typed(_cfg(cpu_kvcache_space_gb=3, cpu_threads=6)))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["OMP_NUM_THREADS"] == "6"
     assert env["VLLM_TARGET_DEVICE"] == "cpu"
-    assert "OMP_NUM_THREADS" not in srv.engine_env(_cfg())
+    assert "OMP_NUM_THREADS" not in srv.engine_env(_typed(_cfg()))
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
-    assert srv.engine_env(_cfg())["OMP_NUM_THREADS"] == "4"
+    assert srv.engine_env(_typed(_cfg()))["OMP_NUM_THREADS"] == "4"
     gpu = _cfg()
     gpu["device"] = "cuda"
-    assert "VLLM_CPU_KVCACHE_SPACE" not in srv.engine_env(gpu)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in srv.engine_env(_typed(gpu))
     # pinned by the launcher: the engine's threads bind to exactly those cores
     monkeypatch.setenv("PRIME_HPC_CPUS", "1,3")
-    env = srv.engine_env(_cfg())
+    env = srv.engine_env(_typed(_cfg()))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,3" and env["OMP_NUM_THREADS"] == "2"
     # the compile cache lives in the run's shared cache, where a second start finds it
     monkeypatch.setenv("PRIME_HPC_CACHE", "/shared/cache")
-    assert srv.engine_env(_cfg())["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
-    assert srv.engine_env(gpu)["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
+    assert srv.engine_env(_typed(_cfg()))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
+    assert srv.engine_env(_typed(gpu))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
 
 
 def test_step_is_read_from_the_weights_dir():
@@ -375,10 +381,11 @@ def test_chat_and_completion_with_n_logprobs_and_token_ids(inference):
 def test_sampling_knobs_reach_vllm(inference):
     """What `orchestrator.sampling` asks for (prime_hpc.orchestrator.loop.sampling_args),
     sent as the orchestrator's client sends it: extras merged into the body."""
+    from prime_hpc.config.schema import SamplingConfig
     from prime_hpc.orchestrator.loop import sampling_args
 
     def ask(n: int = 4, **sampling) -> list[str]:
-        args = sampling_args({"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, **sampling})
+        args = sampling_args(SamplingConfig(**{"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, **sampling}))
         extra = args.pop("extra_body")
         out = _chat(inference.endpoints.router, _auth(inference), content="abcdefgh", n=n, **{**args, **extra})
         assert all(c["token_ids"] for c in out["choices"])  # the trainer's token ids still come back

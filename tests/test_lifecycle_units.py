@@ -16,6 +16,7 @@ from prime_hpc.errors import UserError
 from prime_hpc.launcher import attempt
 from prime_hpc.launcher.plan import group_cpus, group_env, job_groups, make_plan, one_host_cores
 from prime_hpc.net import address_env, node_address
+from prime_hpc.config.schema import EnvEntry
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot
 from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.orchestrator.rollouts import advantages
@@ -106,7 +107,7 @@ def test_one_host_runs_use_loopback_and_real_clusters_the_nodes_address(tmp_path
 
 # --------------------------------------------------------------------------- end of data
 def _slots(sizes):
-    return [EnvSlot(name=f"e{i}", entry={"id": f"e{i}", "ratio": 1.0}, env=None,
+    return [EnvSlot(name=f"e{i}", entry=EnvEntry(id=f"e{i}", ratio=1.0), env=None,
                     rows=[{"example_id": j} for j in range(n)]) for i, n in enumerate(sizes)]
 
 

@@ -16,6 +16,8 @@ import pytest
 from prime_hpc import batch
 from prime_hpc.config.compose import component_config, compose
 from prime_hpc.errors import UserError
+from prime_hpc.config.schema import EnvEntry
+from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
 from prime_hpc.checkpoints import is_due
 from prime_hpc.orchestrator.loop import Orchestrator
@@ -106,11 +108,11 @@ def test_pass_at_k_and_checkpoint_steps():
 
 def test_unknown_env_fails_with_one_line_naming_it():
     with pytest.raises(UserError) as e:
-        load_env({"id": "no_such_env_module", "args": {}})
+        load_env(EnvEntry(id="no_such_env_module", args={}))
     msg = str(e.value)
     assert "no_such_env_module" in msg and "\n" not in msg and "cannot be imported" in msg
     with pytest.raises(UserError) as e:
-        load_env({"id": "flaky_reverse", "args": {"fail_load": True}})
+        load_env(EnvEntry(id="flaky_reverse", args={"fail_load": True}))
     assert str(e.value) == ("train env 'flaky_reverse': load_environment() failed: "
                             "RuntimeError: cannot reach the task server")
 
@@ -118,8 +120,8 @@ def test_unknown_env_fails_with_one_line_naming_it():
 def test_several_envs_are_sampled_by_ratio_and_the_sampler_resumes():
     slots = []
     for name, ratio in (("a", 3.0), ("b", 1.0)):
-        env = load_env({"id": "reverse_text", "args": {"num_train_examples": 50, "num_eval_examples": 4}})
-        slots.append(EnvSlot(name=name, entry={"id": "reverse_text", "ratio": ratio}, env=env,
+        env = load_env(EnvEntry(id="reverse_text", args={"num_train_examples": 50, "num_eval_examples": 4}))
+        slots.append(EnvSlot(name=name, entry=EnvEntry(id="reverse_text", ratio=ratio), env=env,
                              rows=dataset_rows(env.get_dataset())))
     s = EnvSampler(slots, seed=3)
     picks = Counter(s.next()[0].name for _ in range(4000))
@@ -413,7 +415,8 @@ def test_sampling_config_becomes_the_request_arguments(tmp_path):
 
     def args(*overrides: str) -> dict:
         cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", *overrides])
-        return sampling_args(component_config(cfg, "orchestrator")["orchestrator"]["sampling"])
+        return sampling_args(typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "test")
+                             .orchestrator.sampling)
 
     plain = args()
     assert plain == {"temperature": 1.0, "top_p": 1.0, "logprobs": True, "max_tokens": 32,
@@ -437,10 +440,10 @@ def test_env_ids_as_users_write_them_pass_submit_and_load_alike(tmp_path):
     single.write_text((pkg / "__init__.py").read_text())
     for env_id in ("reverse_text", "reverse-text", "someone/reverse-text", str(pkg), str(single)):
         assert env_import_error(env_id) is None, env_id
-        env = load_env({"id": env_id, "args": {"num_train_examples": 20, "num_eval_examples": 4}})
+        env = load_env(EnvEntry(id=env_id, args={"num_train_examples": 20, "num_eval_examples": 4}))
         assert len(dataset_rows(env.get_dataset())) == 20, env_id
     for env_id in ("no-such-env", "someone/no_such_env", str(tmp_path)):
         err = env_import_error(env_id)
         assert err and ("tried" in err or "package directory" in err), err
         with pytest.raises(UserError, match="cannot be imported"):
-            load_env({"id": env_id, "args": {}})
+            load_env(EnvEntry(id=env_id, args={}))

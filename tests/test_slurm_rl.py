@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from prime_hpc import jobs
@@ -55,6 +56,13 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         assert [s["node"] for s in servers] == [0, 1]
         assert len({(s["host"], s["port"]) for s in servers}) == 2
         assert router["workers"] == [s["url"] for s in servers]
+        # the router demands the key on every route but /health, its own admin routes included
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.get(router["url"] + "/list_workers", timeout=30).status_code == 401
+        assert httpx.post(router["url"] + "/remove_worker", params={"url": servers[0]["url"]},
+                          timeout=30).status_code == 401
+        assert httpx.get(router["url"] + "/health", timeout=30).status_code == 200
+        assert httpx.get(router["url"] + "/v1/models", headers=auth, timeout=30).status_code == 200
 
         wait_for_step(run, 2)  # the router dies: it is started again, on the same address
         os.kill(router["pid"], signal.SIGKILL)

@@ -86,7 +86,7 @@ class PolicyGate:
                 self.cond.notify_all()
 
 
-def _key_ok(headers: list[tuple[bytes, bytes]], key_hash: bytes) -> bool:
+def key_ok(headers: list[tuple[bytes, bytes]], key_hash: bytes) -> bool:
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
@@ -95,7 +95,7 @@ def _key_ok(headers: list[tuple[bytes, bytes]], key_hash: bytes) -> bool:
     return False
 
 
-async def _send_json(send: Send, status: int, obj: Any) -> None:
+async def send_json(send: Send, status: int, obj: Any) -> None:
     body = json.dumps(obj).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
@@ -115,9 +115,9 @@ class GateMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         if self.key_hash is not None and scope.get("method") != "OPTIONS" and path not in OPEN_PATHS:
-            if not _key_ok(scope.get("headers", []), self.key_hash):
+            if not key_ok(scope.get("headers", []), self.key_hash):
                 if scope["type"] == "http":
-                    return await _send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
+                    return await send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
                 return None  # websocket: close without accepting
         if scope["type"] == "http" and scope.get("method") == "POST" and path in GENERATION_PATHS:
             async with self.gate.shared():

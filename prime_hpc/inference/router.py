@@ -6,7 +6,12 @@ It waits (at most `inference.startup_timeout_s`) until every server has publishe
 free here, waits for it to answer, publishes `endpoints/router.json`, and then lives as
 long as the router does (SIGTERM/SIGINT are passed on). A vllm-router that dies by itself
 is started again on the same port, in front of the servers that still answer, at most
-`MAX_RESTARTS` times; after that this process exits with its code and the job ends. The router forwards the client's
+`MAX_RESTARTS` times; after that this process exits with its code and the job ends.
+
+vllm-router checks no key on the requests it receives (its own routes, such as
+`/add_worker`, would be open to anyone on the network), so it listens on this node's
+loopback only, and the published address is a small proxy in this process (`KeyProxy`)
+that demands the job's key on every route but `/health` and forwards the rest as is. The router forwards the client's
 `Authorization` header, so the servers' API key check covers requests through it too.
 """
 from __future__ import annotations
@@ -19,13 +24,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from prime_hpc.net import free_port, node_address, url
-from prime_hpc.inference.client import wait_for_servers
+from prime_hpc.inference.client import api_key, wait_for_servers
+from prime_hpc.inference.gate import OPEN_PATHS, key_ok, send_json
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
+from prime_hpc.stopping import die_with_parent
 
 POLICY = "round_robin"
+LOOPBACK = "127.0.0.1"
 MAX_RESTARTS = 3  # a vllm-router that dies is started again at most this often per attempt
 
 
@@ -60,6 +68,71 @@ def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
     wait_for(ready, what=f"vllm-router at {base}/health", timeout_s=timeout_s, producer="vllm-router")
 
 
+class KeyProxy:
+    """ASGI app: the job's API key on every route but liveness, then the request as it
+    came (method, path, query, headers, body) to `upstream`, and the answer back streamed."""
+
+    def __init__(self, upstream: str, key: Optional[str]) -> None:
+        import hashlib
+
+        self.upstream = upstream
+        self.key_hash = hashlib.sha256(key.encode()).digest() if key else None
+        self.client: Any = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        import httpx
+
+        if scope["type"] != "http":
+            return
+        if self.key_hash is not None and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_PATHS \
+                and not key_ok(scope.get("headers", []), self.key_hash):
+            return await send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if self.client is None:
+            self.client = httpx.AsyncClient(base_url=self.upstream, timeout=None)
+        query = scope.get("query_string", b"").decode("latin-1")
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in HOP_HEADERS]
+        request = self.client.build_request(scope["method"], scope["path"] + (f"?{query}" if query else ""),
+                                            headers=headers, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:  # vllm-router restarting: the client retries
+            return await send_json(send, 503, {"error": f"the router is not answering: {type(e).__name__}"})
+        try:
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS]})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+
+HOP_HEADERS = (b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive")
+
+
+def serve_proxy(app: KeyProxy, host: str, port: int) -> Any:
+    """Serve `app` on host:port from a daemon thread; returns the uvicorn server."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                          access_log=False))
+    thread = threading.Thread(target=server.run, name="key-proxy", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the key proxy could not listen on {host}:{port}")
+        time.sleep(0.05)
+    return server
+
+
 def live_workers(urls: list[str]) -> list[str]:
     """The servers among `urls` that answer `/health` now."""
     import httpx
@@ -75,24 +148,34 @@ def live_workers(urls: list[str]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import yaml
+    from prime_hpc.config.component import InferenceRunConfig, load
+    from prime_hpc.errors import UserError
 
     p = argparse.ArgumentParser(prog="python -m prime_hpc.inference.router", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
     a = p.parse_args(argv)
-    with open(a.config) as f:
-        cfg = yaml.safe_load(f)
-    run = RunDir(cfg["output_dir"])
-    logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
-    timeout_s = float(cfg["inference"].get("startup_timeout_s") or 600)
     try:
-        servers = wait_for_servers(run, int(cfg.get("nodes") or 1), timeout_s, logs)
+        cfg = load(a.config, InferenceRunConfig, "inference")
+    except UserError as e:
+        print(f"prime-hpc router: {e}", file=sys.stderr, flush=True)
+        return 2
+    run = RunDir(cfg.output_dir)
+    logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
+    timeout_s = float(cfg.inference.startup_timeout_s)
+    try:
+        servers = wait_for_servers(run, cfg.nodes, timeout_s, logs)
     except WaitTimeout as e:
         print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         return 1
-    host = node_address(cfg.get("address"))
-    port, metrics_port = free_port(host), free_port(host)
+    host = node_address(cfg.address)
+    port, metrics_port = free_port(host), free_port(LOOPBACK)
+    inner = free_port(LOOPBACK)  # vllm-router itself: reachable from this node only, behind the key proxy
     workers = [s["url"] for s in servers]
+    try:
+        serve_proxy(KeyProxy(url(LOOPBACK, inner), api_key()), host, port)
+    except RuntimeError as e:
+        print(f"prime-hpc router: {e}", file=sys.stderr, flush=True)
+        return 1
     state: dict = {"proc": None, "stopping": False}
 
     def on_signal(sig: int, _frame: object) -> None:
@@ -104,18 +187,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(sig, on_signal)
     restarts = 0
     while True:
-        argv_ = router_argv(router_binary(), host, port, metrics_port, workers)
+        argv_ = router_argv(router_binary(), LOOPBACK, inner, metrics_port, workers)
         print("prime-hpc router: " + " ".join(argv_), flush=True)
-        proc = state["proc"] = subprocess.Popen(argv_)
+        proc = state["proc"] = subprocess.Popen(argv_, preexec_fn=die_with_parent)  # never outlives this process
         try:
-            wait_ready(proc, url(host, port), timeout_s=120)
+            wait_ready(proc, url(LOOPBACK, inner), timeout_s=120)
         except (WaitTimeout, RuntimeError) as e:
             proc.terminate()
             print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
             return 1
         atomic_write_json(run.router_endpoint, {
             "url": url(host, port), "host": host, "port": port, "metrics_port": metrics_port, "pid": proc.pid,
-            "policy": POLICY, "workers": workers, "restarts": restarts, "started_at": time.time()})
+            "router_url": url(LOOPBACK, inner), "policy": POLICY, "workers": workers, "restarts": restarts,
+            "started_at": time.time()})
         print(f"prime-hpc router: serving at {url(host, port)} in front of {len(workers)} server(s)", flush=True)
         rc = proc.wait()
         if state["stopping"] or restarts >= MAX_RESTARTS:

@@ -32,10 +32,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 from fastapi import Request
 
 from prime_hpc import device as devices
+from prime_hpc.config.component import InferenceRunConfig, load
+from prime_hpc.config.schema import InferenceConfig
+from prime_hpc.errors import UserError
 from prime_hpc.inference.client import API_KEY_VAR
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
@@ -45,9 +47,8 @@ from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
 
 
-def load_config(path: str) -> dict:
-    with open(path) as f:
-        return yaml.safe_load(f)
+def load_config(path: str) -> InferenceRunConfig:
+    return load(path, InferenceRunConfig, "inference")
 
 
 def node_rank() -> int:
@@ -58,58 +59,57 @@ def node_rank() -> int:
     return 0
 
 
-def data_parallel_size(inf: dict, gpus_per_node: int, device: str) -> int:
-    if inf.get("data_parallel_size"):
-        return int(inf["data_parallel_size"])
+def data_parallel_size(inf: InferenceConfig, gpus_per_node: int, device: str) -> int:
+    if inf.data_parallel_size:
+        return inf.data_parallel_size
     if device == "cuda" and gpus_per_node:
-        return max(1, gpus_per_node // int(inf.get("tensor_parallel_size") or 1))
+        return max(1, gpus_per_node // inf.tensor_parallel_size)
     return 1
 
 
-def vllm_args(cfg: dict, model_path: str, host: str) -> list[str]:
+def vllm_args(cfg: InferenceRunConfig, model_path: str, host: str) -> list[str]:
     """The vLLM server command line for this run (port 0: the kernel picks one)."""
-    inf = cfg["inference"]
-    m = inf["model"]
+    inf = cfg.inference
+    m = inf.model
     argv = [
         "--model", model_path,
-        "--served-model-name", cfg["model"]["name"],
+        "--served-model-name", cfg.model.name,
         "--host", host,
         "--port", "0",
-        "--dtype", str(inf.get("dtype") or "auto"),
-        "--gpu-memory-utilization", str(inf["gpu_memory_utilization"]),
-        "--tensor-parallel-size", str(inf.get("tensor_parallel_size") or 1),
-        "--seed", str(cfg.get("seed", 0)),
+        "--dtype", inf.dtype,
+        "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
+        "--tensor-parallel-size", str(inf.tensor_parallel_size),
+        "--seed", str(cfg.seed),
         # logprobs after temperature/top-k/top-p, i.e. of the distribution actually sampled
         # from: what the trainer's importance ratio compares against
         "--logprobs-mode", "processed_logprobs",
     ]
-    if inf.get("max_model_len"):
-        argv += ["--max-model-len", str(inf["max_model_len"])]
-    dp = data_parallel_size(inf, int(cfg.get("gpus_per_node") or 0), cfg.get("device", "cpu"))
+    if inf.max_model_len:
+        argv += ["--max-model-len", str(inf.max_model_len)]
+    dp = data_parallel_size(inf, cfg.gpus_per_node, cfg.device)
     if dp > 1:
         argv += ["--data-parallel-size", str(dp)]
-    if m.get("enable_auto_tool_choice"):
+    if m.enable_auto_tool_choice:
         argv.append("--enable-auto-tool-choice")
-    if m.get("tool_call_parser"):
-        argv += ["--tool-call-parser", m["tool_call_parser"]]
-    if m.get("reasoning_parser"):
-        argv += ["--reasoning-parser", m["reasoning_parser"]]
-    if cfg["model"].get("trust_remote_code"):
+    if m.tool_call_parser:
+        argv += ["--tool-call-parser", m.tool_call_parser]
+    if m.reasoning_parser:
+        argv += ["--reasoning-parser", m.reasoning_parser]
+    if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
-    lora = cfg.get("lora") or {}
-    if lora.get("enabled"):
-        argv += ["--enable-lora", "--max-lora-rank", str(lora.get("rank", 16))]
-    return argv + [str(a) for a in inf.get("extra_args") or []]
+    if cfg.lora.enabled:
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
+    return argv + [str(a) for a in inf.extra_args]
 
 
-def engine_env(cfg: dict) -> dict[str, str]:
+def engine_env(cfg: InferenceRunConfig) -> dict[str, str]:
     """What the engine needs in its environment on this device (CPU: KV cache space and
     threads from the config, or from the CPUs SLURM gave this task)."""
-    inf = cfg["inference"]
+    inf = cfg.inference
     cpu_ids = os.environ.get(devices.CPUS_VAR) or None  # the cores the launcher pinned this server to
-    threads = inf.get("cpu_threads") or (None if cpu_ids else int(os.environ["SLURM_CPUS_PER_TASK"])
+    threads = inf.cpu_threads or (None if cpu_ids else int(os.environ["SLURM_CPUS_PER_TASK"])
                                          if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit() else None)
-    env = devices.inference_env(cfg.get("device", "cpu"), inf.get("cpu_kvcache_space_gb"), threads, cpu_ids)
+    env = devices.inference_env(cfg.device, inf.cpu_kvcache_space_gb, threads, cpu_ids)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
 
@@ -122,13 +122,13 @@ def step_of(weight_dir: str) -> Optional[int]:
 class Server:
     """State shared by the added routes: the engine, the gate, what to publish."""
 
-    def __init__(self, cfg: dict, model_path: str, host: str) -> None:
+    def __init__(self, cfg: InferenceRunConfig, model_path: str, host: str) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.host = host
         self.port = 0
         self.node = node_rank()
-        self.run = RunDir(cfg["output_dir"])
+        self.run = RunDir(cfg.output_dir)
         self.gate = PolicyGate(step=0, weight_dir=None)
         self.engine: Any = None
         self.app: Any = None
@@ -145,7 +145,7 @@ class Server:
             "node": self.node,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
-            "model": self.cfg["model"]["name"],
+            "model": self.cfg.model.name,
             "policy_step": self.gate.step,
             "weight_dir": self.gate.weight_dir,
             "updated_at": time.time(),
@@ -211,7 +211,7 @@ class Server:
         name, path = body.get("lora_name"), body.get("lora_path")
         if not name or not path:
             return _error(400, "body needs 'lora_name' and 'lora_path'")
-        if not (self.cfg.get("lora") or {}).get("enabled"):
+        if not self.cfg.lora.enabled:
             return _error(409, "this server was started without LoRA (trainer.model.lora.enabled=false)")
         step = body.get("step", step_of(path))
         result: dict = {}
@@ -281,14 +281,14 @@ async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> N
             await asyncio.sleep(0.5)
     server.healthy = True
     server.publish()
-    print(f"prime-hpc inference: node {server.node} serving {server.cfg['model']['name']} at "
+    print(f"prime-hpc inference: node {server.node} serving {server.cfg.model.name} at "
           f"{url(server.host, server.port)}", flush=True)
     while True:  # heartbeat while serving
         server.run.beat("inference", server.node, policy_step=server.gate.step, in_flight=server.gate.active)
         await asyncio.sleep(BEAT_S)
 
 
-async def serve(cfg: dict, log: str) -> None:
+async def serve(cfg: InferenceRunConfig, log: str) -> None:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -298,8 +298,8 @@ async def serve(cfg: dict, log: str) -> None:
 
     from prime_hpc.model import resolve_model
 
-    model_path = resolve_model(cfg["model"]["name"], int(cfg["model"].get("seed", 0)))
-    host = node_address(cfg.get("address"))
+    model_path = resolve_model(cfg.model.name, cfg.model.seed)
+    host = node_address(cfg.address)
     server = Server(cfg, model_path, host)
     server.unpublish()
     argv = vllm_args(cfg, model_path, host)
@@ -312,7 +312,7 @@ async def serve(cfg: dict, log: str) -> None:
         async with build_async_engine_client(args) as engine:
             server.engine = engine
             hf = engine.model_config.hf_config
-            server.tied_on_cpu = cfg.get("device", "cpu") == "cpu" and bool(
+            server.tied_on_cpu = cfg.device == "cpu" and bool(
                 getattr(hf, "tie_word_embeddings", False))
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
@@ -322,7 +322,7 @@ async def serve(cfg: dict, log: str) -> None:
             app.add_middleware(GateMiddleware, gate=server.gate, api_key=os.environ.get(API_KEY_VAR) or None)
             await init_app_state(engine, app.state, args, tasks)
             publisher = asyncio.get_running_loop().create_task(
-                _publish_when_healthy(server, float(cfg["inference"].get("startup_timeout_s") or 600), log))
+                _publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log))
             shutdown = await serve_http(app, sock=sock, host=host, port=server.port,
                                         log_level=args.uvicorn_log_level,
                                         access_log=not args.disable_uvicorn_access_log)
@@ -339,7 +339,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.inference", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
     a = p.parse_args(argv)
-    cfg = load_config(a.config)
+    try:
+        cfg = load_config(a.config)
+    except UserError as e:
+        print(f"prime-hpc inference: {e}", file=sys.stderr, flush=True)
+        return 2
     node = node_rank()
     logs = os.environ.get("PRIME_HPC_LOGS")
     log = str(RunDir.node_log(Path(logs), "inference", node)) if logs else "this process's output"

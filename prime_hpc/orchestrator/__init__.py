@@ -14,25 +14,28 @@ from typing import Optional
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    import yaml
     from loguru import logger
 
+    from prime_hpc.checkpoints import CheckpointWriteError
+    from prime_hpc.config.component import OrchestratorRunConfig, load
     from prime_hpc.errors import UserError
     from prime_hpc.rundir import WaitTimeout
 
     p = argparse.ArgumentParser(prog="python -m prime_hpc.orchestrator")
     p.add_argument("--config", required=True, help="the run's configs/orchestrator.yaml")
     a = p.parse_args(argv)
-    with open(a.config) as f:
-        cfg = yaml.safe_load(f)
+    try:
+        cfg = load(a.config, OrchestratorRunConfig, "orchestrator")
+    except UserError as e:
+        raise SystemExit(f"prime-hpc orchestrator: {e}") from None
     logger.remove()
-    logger.add(sys.stdout, level=str(cfg["orchestrator"]["log"].get("level", "info")).upper(),
+    logger.add(sys.stdout, level=cfg.orchestrator.log.level.upper(),
                format="{time:HH:mm:ss} {level} orchestrator: {message}")
     from prime_hpc.orchestrator.loop import Orchestrator
 
     try:
         return asyncio.run(Orchestrator(cfg).main())
-    except (UserError, WaitTimeout) as e:
+    except (UserError, WaitTimeout, CheckpointWriteError) as e:
         lines = str(e).splitlines()
         if len(lines) > 1:  # a wait's log tail: keep it in our log, one line for the record
             print("\n".join(lines[1:]), file=sys.stderr)

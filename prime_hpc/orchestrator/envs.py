@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from prime_hpc.config.schema import EnvEntry
 from prime_hpc.errors import UserError
 
 REWARD_ERROR = "reward_error"  # state key set when a reward function raised
 CURRENT_ENV: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("prime_hpc_env", default=None)
 
 
-def env_name(entry: dict) -> str:
-    return entry.get("name") or str(entry["id"]).rstrip("/").split("/")[-1].removesuffix(".py")
+def env_name(entry: EnvEntry) -> str:
+    return entry.name or str(entry.id).rstrip("/").split("/")[-1].removesuffix(".py")
 
 
 def import_env_module(env_id: str):
@@ -45,9 +46,9 @@ def import_env_module(env_id: str):
     return module
 
 
-def load_env(entry: dict, kind: str = "train") -> Any:
+def load_env(entry: EnvEntry, kind: str = "train") -> Any:
     """`load_environment(**args)` of the entry's module; one-line UserError on failure."""
-    env_id = entry["id"]
+    env_id = entry.id
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
@@ -58,7 +59,7 @@ def load_env(entry: dict, kind: str = "train") -> Any:
         if load is None:
             raise UserError(f"{kind} env {env_id!r}: module {module.__name__} has no load_environment()")
         try:
-            env = load(**(entry.get("args") or {}))
+            env = load(**dict(entry.args))
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else ""
             raise UserError(f"{kind} env {env_id!r}: load_environment() failed: {type(e).__name__}: {first}") from None
@@ -140,7 +141,7 @@ class EnvLogRouter(logging.Handler):
 @dataclass
 class EnvSlot:
     name: str
-    entry: dict
+    entry: EnvEntry
     env: Any
     rows: list[dict]  # the env's formatted dataset (prompt, answer, example_id, info, task)
     order: list[int] = field(default_factory=list)
@@ -161,10 +162,10 @@ class EnvSampler:
         self.seed = seed
         self.epochs = epochs
         self.rng = random.Random(seed)
-        self.weights = [float(s.entry.get("ratio", 1.0)) for s in slots]
+        self.weights = [float(s.entry.ratio) for s in slots]
         for s in slots:
             if not s.rows:
-                raise UserError(f"env {s.entry['id']!r} has an empty dataset")
+                raise UserError(f"env {s.entry.id!r} has an empty dataset")
             self._shuffle(s)
 
     def _shuffle(self, s: EnvSlot) -> None:

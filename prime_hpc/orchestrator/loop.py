@@ -17,14 +17,16 @@ import os
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from loguru import logger
 
 from prime_hpc import batch
+from prime_hpc.config.component import OrchestratorRunConfig, typed
+from prime_hpc.config.schema import SamplingConfig
 from prime_hpc.errors import UserError
 from prime_hpc.rundir import BEAT_S
 from prime_hpc.inference.client import Admin, api_key, discover, forget_worker, headers
@@ -32,7 +34,7 @@ from prime_hpc.orchestrator import envs as envs_mod
 from prime_hpc.orchestrator.client import make_client
 from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
-from prime_hpc.checkpoints import is_due, resolve_resume_step, rotate
+from prime_hpc.checkpoints import CheckpointWriteError, is_due, resolve_resume_step, rotate
 from prime_hpc.rundir import CHECKPOINT_PARTS, STABLE, RunDir, atomic_write_json, mark_stable, read_json
 
 STATE_FILE = "state.json"
@@ -53,40 +55,42 @@ class StepFill:
 
 
 
-def sampling_args(s: Any) -> dict:
+def sampling_args(s: SamplingConfig) -> dict:
     """The OpenAI request's sampling arguments from `orchestrator.sampling`: the standard
     ones at the top level, vLLM's own (`top_k`, `min_p`, `repetition_penalty`, then
     `extra_body` verbatim) in the body's extras; token ids are always asked for."""
-    extra = dict(s.get("extra_body") or {})
-    if s.get("top_k"):
-        extra["top_k"] = int(s["top_k"])
-    if s.get("min_p"):
-        extra["min_p"] = float(s["min_p"])
-    if s.get("repetition_penalty", 1.0) != 1.0:
-        extra["repetition_penalty"] = float(s["repetition_penalty"])
+    extra = dict(s.extra_body)
+    if s.top_k:
+        extra["top_k"] = s.top_k
+    if s.min_p:
+        extra["min_p"] = s.min_p
+    if s.repetition_penalty != 1.0:
+        extra["repetition_penalty"] = s.repetition_penalty
     extra["return_token_ids"] = True  # the trainer needs them
-    args: dict = {"temperature": s["temperature"], "top_p": s["top_p"], "logprobs": True, "extra_body": extra}
-    if s.get("max_tokens"):
-        args["max_tokens"] = s["max_tokens"]
-    if s.get("stop"):
-        args["stop"] = list(s["stop"])
-    if s.get("seed") is not None:
-        args["seed"] = int(s["seed"])
+    args: dict = {"temperature": s.temperature, "top_p": s.top_p, "logprobs": True, "extra_body": extra}
+    if s.max_tokens:
+        args["max_tokens"] = s.max_tokens
+    if s.stop:
+        args["stop"] = list(s.stop)
+    if s.seed is not None:
+        args["seed"] = s.seed
     return args
 
 
 class Orchestrator:
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: "OrchestratorRunConfig | Mapping[str, Any]") -> None:
+        if not isinstance(cfg, OrchestratorRunConfig):
+            cfg = typed(OrchestratorRunConfig, cfg, "orchestrator config")
         self.cfg = cfg
-        self.o = cfg["orchestrator"]
-        self.run = RunDir(cfg["output_dir"])
+        self.o = cfg.orchestrator
+        self.run = RunDir(cfg.output_dir)
         self.logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
-        self.max_steps = cfg.get("max_steps")
+        self.max_steps = cfg.max_steps
         # sft mode: a teacher generates, the student's policy does not matter
-        self.k = 10**9 if self.o["training_mode"] == "sft" else int(cfg.get("async_level", 2))
-        self.group_size = int(self.o["group_size"])
-        self.groups_per_step = int(self.o["batch_size"]) // self.group_size
-        self.max_groups = max(1, int(self.o["max_concurrent"]) // self.group_size)
+        self.k = 10**9 if self.o.training_mode == "sft" else cfg.async_level
+        self.group_size = self.o.group_size
+        self.groups_per_step = self.o.batch_size // self.group_size
+        self.max_groups = max(1, self.o.max_concurrent // self.group_size)
         self.policy = 0
         self.step = 0  # last step written
         self.totals = {"tokens": 0, "samples": 0, "problems": 0}
@@ -96,7 +100,7 @@ class Orchestrator:
         self.admin: Optional[Admin] = None
         self.progress_at = time.time()  # the last group finished or step written (heartbeat)
         self.client: Any = None
-        self.model = cfg["model"]["name"]
+        self.model = cfg.model.name
         self.metrics: Any = None
         self.log_router: Optional[envs_mod.EnvLogRouter] = None
         self.update_log: list[dict] = []  # (for tests and metrics) every relay update
@@ -112,8 +116,8 @@ class Orchestrator:
     def load_envs(self, train: bool = True) -> None:
         """The eval envs, and (unless `train=False`) the train envs and their sampler."""
         seen = set()
-        kinds = [("train", self.o["env"], self.slots)] if train else []
-        for kind, entries, into in (*kinds, ("eval", self.o["eval"]["env"], self.eval_slots)):
+        kinds = [("train", self.o.env, self.slots)] if train else []
+        for kind, entries, into in (*kinds, ("eval", self.o.eval.env, self.eval_slots)):
             for entry in entries:
                 name = env_name(entry)
                 if (kind, name) in seen:
@@ -121,11 +125,11 @@ class Orchestrator:
                 seen.add((kind, name))
                 env = envs_mod.load_env(entry, kind)
                 ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(
-                    n=self.o["eval"].get("num_examples") or -1)
+                    n=self.o.eval.num_examples or -1)
                 into.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))
         if train:  # max_steps: null = until the train data is used once
             epochs = 1 if self.max_steps is None else None
-            self.sampler = EnvSampler(self.slots, int(self.cfg.get("seed", 0)), epochs)  # refuses an empty list
+            self.sampler = EnvSampler(self.slots, self.cfg.seed, epochs)  # refuses an empty list
         if self.logs is not None:
             files = {f"{kind}/{s.name}": self.run.env_log_dir(self.logs, kind, s.name) / "env_worker_0.log"
                      for kind, slots in (("train", self.slots), ("eval", self.eval_slots)) for s in slots}
@@ -133,10 +137,10 @@ class Orchestrator:
             import logging
 
             logging.getLogger("verifiers").addHandler(self.log_router)
-            logging.getLogger("verifiers").setLevel(str(self.o["log"].get("vf_level", "info")).upper())
+            logging.getLogger("verifiers").setLevel(self.o.log.vf_level.upper())
 
     def sampling_args(self) -> dict:
-        return sampling_args(self.o["sampling"])
+        return sampling_args(self.o.sampling)
 
     # ------------------------------------------------------------------ checkpoint
     def state(self, step: int) -> dict:
@@ -146,11 +150,13 @@ class Orchestrator:
     def save_checkpoint(self, step: int) -> None:
         """`checkpoints/step_<n>/orchestrator/` from the snapshot taken when step n was written."""
         d = self.run.checkpoint_part(step, "orchestrator")
-        d.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(d / STATE_FILE, {**self.snapshots[step], "saved_at": time.time()})
-        mark_stable(d, {"step": step})
-        ckpt = self.cfg.get("ckpt") or {}
-        rotate(self.run, "orchestrator", ckpt.get("keep_last"), ckpt.get("keep_interval"))
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(d / STATE_FILE, {**self.snapshots[step], "saved_at": time.time()})
+            mark_stable(d, {"step": step})
+        except OSError as e:
+            raise CheckpointWriteError(step, d, e) from e
+        rotate(self.run, "orchestrator", self.cfg.ckpt.keep_last, self.cfg.ckpt.keep_interval)
 
     def load_checkpoint(self, step: int) -> None:
         state = read_json(self.run.checkpoint_part(step, "orchestrator") / STATE_FILE)
@@ -167,7 +173,7 @@ class Orchestrator:
             outs = await slot.env.run_group([dict(row) for _ in range(n or self.group_size)], client, model,
                                             self.sampling_args(), state_columns=["trajectory", REWARD_ERROR])
             self.progress_at = time.time()  # a group generated and scored (train or eval): progress
-            return [from_output(o, slot.name, int(self.cfg["seq_len"])) for o in outs]
+            return [from_output(o, slot.name, self.cfg.seq_len) for o in outs]
         except Exception as e:  # a crashed group is counted, never fatal
             logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
             return [Rollout(env=slot.name, example_id=row.get("example_id"), reward=0.0, input_ids=[], loss_mask=[],
@@ -181,11 +187,11 @@ class Orchestrator:
         """opd: the teacher's log-probability of every token of each rollout."""
         import httpx
 
-        t = self.o["teacher"]["client"]
-        async with httpx.AsyncClient(timeout=600, headers=headers(api_key(t.get("api_key_var") or "") or "")) as c:
+        t = self.o.teacher.client
+        async with httpx.AsyncClient(timeout=600, headers=headers(api_key(t.api_key_var) or "")) as c:
             for r in group:
-                resp = await c.post(t["base_url"].rstrip("/") + "/completions", json={
-                    "model": t.get("model") or self.model, "prompt": r.input_ids, "max_tokens": 1,
+                resp = await c.post(t.base_url.rstrip("/") + "/completions", json={
+                    "model": t.model or self.model, "prompt": r.input_ids, "max_tokens": 1,
                     "prompt_logprobs": 0, "temperature": 1.0})
                 resp.raise_for_status()
                 plp = resp.json()["choices"][0].get("prompt_logprobs") or resp.json().get("prompt_logprobs")
@@ -231,7 +237,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ eval
     async def evaluate(self, step: int) -> dict:
-        k = int(self.o["eval"].get("rollouts_per_example") or 1)
+        k = self.o.eval.rollouts_per_example
         out: dict = {}
         for slot in self.eval_slots:
             sem = asyncio.Semaphore(self.max_groups)
@@ -328,7 +334,7 @@ class Orchestrator:
                 return
             if self._pending_eval is not None:
                 await self._pending_eval
-            ckpt = self.cfg.get("ckpt") or {}
+            ckpt = self.cfg.ckpt
             if self.step > start and self.step != self.max_steps and is_due(self.step, True, ckpt) \
                     and not is_due(self.step, False, ckpt):
                 self.save_checkpoint(self.step)  # the data ran out: the last step is the final one
@@ -409,13 +415,13 @@ class Orchestrator:
         """Accept a finished group for `step`, or count why it is dropped."""
         fill.finished += group
         fill.counts["judged"] += 1
-        v = judge_group(group, step, self.k, int(self.o["max_off_policy_steps"]),
-                        bool(self.o["online_difficulty_filtering"]), str(self.o.get("advantage", "mean")))
+        v = judge_group(group, step, self.k, self.o.max_off_policy_steps, self.o.online_difficulty_filtering,
+                        self.o.advantage)
         fill.counts["spanning"] += v.dropped_spanning
         if v.reason:
             fill.counts[v.reason] += 1
             return
-        if self.o["training_mode"] == "opd":
+        if self.o.training_mode == "opd":
             await self.add_teacher_logprobs(v.kept)
         fill.accepted.append(v.kept)
 
@@ -424,9 +430,9 @@ class Orchestrator:
         and the snapshot of this step's state (what a checkpoint of the step holds)."""
         kept = [r for g in fill.accepted for r in g]
         samples = [r.to_sample() for r in kept]
-        per_rank = batch.shard(samples, int(self.cfg["trainer_ranks"]), int(self.cfg["micro_batch_size"]))
-        info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o["training_mode"],
-                "temperature": float(self.o["sampling"]["temperature"])}
+        per_rank = batch.shard(samples, self.cfg.trainer_ranks, self.cfg.micro_batch_size)
+        info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o.training_mode,
+                "temperature": float(self.o.sampling.temperature)}
         batch.write_step(self.run, step, per_rank, info)
         self.step = step
         self.totals["samples"] += len(samples)
@@ -446,26 +452,26 @@ class Orchestrator:
     def log_extras(self, step: int, kept: list[Rollout]) -> None:
         """Every `wandb.log_extras.interval` steps: a table of sampled rollouts and
         histograms of the step's rewards and advantages (W&B only)."""
-        extras = (self.cfg.get("wandb") or {}).get("log_extras") or {}
-        every = int(extras.get("interval") or 0)
+        extras = self.cfg.wandb.log_extras
+        every = extras.interval
         if self.metrics.wandb is None or not every or step % every or not kept:
             return
-        if extras.get("samples", True):
-            n = max(1, round(len(kept) * float(extras.get("sample_ratio", 0.1))))
-            picked = random.Random(f"{self.cfg.get('seed', 0)}:{step}").sample(kept, min(n, len(kept)))
+        if extras.samples:
+            n = max(1, round(len(kept) * extras.sample_ratio))
+            picked = random.Random(f"{self.cfg.seed}:{step}").sample(kept, min(n, len(kept)))
             self.metrics.log_table(step, "samples", ["step", "env", "example_id", "prompt", "completion", "reward",
                                                      "advantage"],
                                    [[step, r.env, str(r.example_id), r.prompt_text, r.completion_text, r.reward,
                                      r.advantage] for r in picked])
-        if extras.get("distributions", True):
+        if extras.distributions:
             self.metrics.log_histograms(step, {"distributions/reward": [r.reward for r in kept],
                                                "distributions/advantage": [r.advantage for r in kept]})
 
     async def after_step(self, step: int) -> None:
         """Checkpoint when due; start the eval when due (in the background)."""
-        if is_due(step, step == self.max_steps, self.cfg.get("ckpt") or {}):
+        if is_due(step, step == self.max_steps, self.cfg.ckpt):
             self.save_checkpoint(step)
-        interval = int(self.o["eval"].get("interval") or 0)
+        interval = self.o.eval.interval
         if self.eval_slots and interval and step % interval == 0:
             if self._pending_eval is not None:
                 await self._pending_eval
@@ -528,30 +534,29 @@ class Orchestrator:
         from prime_hpc.stopping import Stop
 
         self.load_envs()
-        want = (self.cfg.get("ckpt") or {}).get("step")
-        start = resolve_resume_step(self.run, None if want is None else int(want), CHECKPOINT_PARTS)
+        start = resolve_resume_step(self.run, self.cfg.ckpt.step, CHECKPOINT_PARTS)
         if start is not None:
             self.load_checkpoint(start)
-        nodes = int(self.cfg.get("inference_nodes") or 1)
-        teacher = self.o["teacher"]["client"]
+        nodes = self.cfg.inference_nodes
+        teacher = self.o.teacher.client
         ep = discover(self.run, nodes, timeout_s=3600, logs=self.logs)
         self.admin = Admin(ep.servers, on_lost=lambda server, why: self.server_lost(ep, server, why))
-        if self.o["training_mode"] == "sft":  # the teacher generates, the student trains on it
-            self.client = make_client(teacher["base_url"], api_key(teacher.get("api_key_var") or ""))
-            self.model = teacher.get("model") or self.model
+        if self.o.training_mode == "sft":  # the teacher generates, the student trains on it
+            self.client = make_client(teacher.base_url, api_key(teacher.api_key_var))
+            self.model = teacher.model or self.model
         else:
             self.client = make_client(ep.openai_base_url, api_key())
         if start is not None and self.run.weights_step(start).exists():
             await self.admin.update_weights(self.run.weights_step(start), start)
             self.policy = start
-        self.metrics = MetricsLogger(self.run, "orchestrator", self.cfg.get("wandb"), run_name=self.cfg.get("name"),
-                                     config=self.cfg)
+        self.metrics = MetricsLogger(self.run, "orchestrator", self.cfg.wandb, run_name=self.cfg.name,
+                                     config=asdict(self.cfg))
         self.metrics.follow("trainer", start or 0)  # one W&B run: the trainer's rows go in through this logger
         logger.info(f"orchestrator: {len(self.slots)} train env(s), {len(self.eval_slots)} eval env(s), "
                     f"router {ep.router}, {len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
         self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
         try:
-            if start is None and self.eval_slots and self.o["eval"].get("at_start") and self.o["eval"].get("interval"):
+            if start is None and self.eval_slots and self.o.eval.at_start and self.o.eval.interval:
                 await self._eval_and_log(0)  # the base policy, before any update
             await self.loop(start or 0)
             if self.metrics.wandb is not None and self.stop_code is None:

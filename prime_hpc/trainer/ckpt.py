@@ -27,21 +27,11 @@ import torch
 import torch.distributed as dist
 
 from prime_hpc import device as devices
-from prime_hpc.checkpoints import remove_marked, rotate
+from prime_hpc.checkpoints import CheckpointWriteError, remove_marked, rotate
 from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
 from prime_hpc.trainer.dist import DistEnv
 
 PART = "trainer"
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, a directory that cannot be made);
-    the earlier checkpoints are untouched."""
-
-    def __init__(self, step: int, where: Any, cause: BaseException) -> None:
-        super().__init__(f"the checkpoint of step {step} could not be written to {where}: "
-                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
-                         "the earlier checkpoints are kept")
 
 
 class Checkpointer:

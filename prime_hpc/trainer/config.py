@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Optional
 
 from prime_hpc.config.schema import MISSING, CkptConfig, LogConfig, ModelConfig, TrainerConfig, WandbConfig
-from prime_hpc.errors import UserError
 
 
 @dataclass
@@ -30,25 +29,9 @@ class TrainerRunConfig:
 
 def load_config(path: str | Path) -> TrainerRunConfig:
     """Parse and type-check a trainer YAML; one-line `UserError` on a bad file or key."""
-    import yaml
-    from omegaconf import OmegaConf
+    from prime_hpc.config.component import load
 
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise UserError(f"cannot read trainer config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"trainer config {path} is not valid YAML: {e}") from None
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainerRunConfig), raw)
-        cfg = OmegaConf.to_object(merged)
-    except Exception as e:  # omegaconf raises many types, all meaning "bad config"
-        msg = str(e).split("\n")[0]
-        raise UserError(f"trainer config {path}: {msg}") from None
-    if cfg.output_dir == MISSING:
-        raise UserError(f"trainer config {path}: output_dir is missing")
-    return cfg  # type: ignore[return-value]
+    return load(path, TrainerRunConfig, "trainer")
 
 
 def parse_args(prog: str, description: str, argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ def main(run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: s
          argv: Optional[list[str]] = None) -> int:
     """Parse `--config`, run, and turn a user's mistake or a missing peer into one line on
     stderr (exit 2, resp. 1) instead of a traceback."""
-    from prime_hpc.trainer.ckpt import CheckpointWriteError
+    from prime_hpc.checkpoints import CheckpointWriteError
     from prime_hpc.trainer.config import load_config, parse_args
 
     args = parse_args(prog, description, argv)

@@ -1,0 +1,86 @@
+"""What each component process is started with, typed: `<run>/configs/<component>.yaml`
+(written at submit time by `prime_hpc.config.compose.component_config`) is loaded once, at
+the edge, into the dataclasses below (the trainer's: `prime_hpc.trainer.config`). Every
+field has its type and default in one place, the schema; a component reads attributes,
+never a dict with a default restated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Type, TypeVar
+
+from prime_hpc.config.schema import (MISSING, CkptConfig, InferenceConfig, LogConfig, ModelConfig,
+                                     OrchestratorConfig, WandbConfig)
+from prime_hpc.errors import UserError
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServedLoRA:
+    enabled: bool = False  # the trainer trains an adapter (trainer.model.lora.enabled)
+    rank: int = 16
+
+
+@dataclass
+class OrchestratorRunConfig:
+    name: str = "run"
+    output_dir: str = MISSING
+    max_steps: Optional[int] = None
+    seq_len: int = 2048
+    async_level: int = 2
+    seed: int = 42
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: str = "cpu"
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    trainer_ranks: int = 1  # one rollout file per trainer rank
+    micro_batch_size: int = 1
+    inference_nodes: int = 1  # servers to find in endpoints/
+    lora: ServedLoRA = field(default_factory=ServedLoRA)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    log: LogConfig = field(default_factory=LogConfig)  # only resolves defaults such as ${log.level}
+
+
+@dataclass
+class InferenceRunConfig:
+    name: str = "run"
+    output_dir: str = MISSING
+    seq_len: int = 2048
+    seed: int = 42
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: str = "cpu"
+    nodes: int = 1  # servers the router waits for
+    address: Optional[str] = None  # bind/publish address; None = the node's own
+    gpus_per_node: int = 0
+    lora: ServedLoRA = field(default_factory=ServedLoRA)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def typed(cls: Type[T], raw: Mapping[str, Any], what: str) -> T:
+    """`raw` (a component's config as a mapping) as `cls`; one-line `UserError` naming
+    `what` on a wrong type or an unknown key."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(raw)))
+    except Exception as e:  # omegaconf raises many types, all meaning "bad config"
+        raise UserError(f"{what}: {str(e).splitlines()[0]}") from None
+    if getattr(cfg, "output_dir", None) == MISSING:
+        raise UserError(f"{what}: output_dir is missing")
+    return cfg  # type: ignore[return-value]
+
+
+def load(path: str | Path, cls: Type[T], component: str) -> T:
+    """Parse and type-check `<run>/configs/<component>.yaml`."""
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise UserError(f"cannot read {component} config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{component} config {path} is not valid YAML: {e}") from None
+    return typed(cls, raw, f"{component} config {path}")
