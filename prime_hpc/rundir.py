@@ -14,7 +14,6 @@ lists the parent directory (readdir revalidates the directory) and opens the fil
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -50,21 +49,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@functools.lru_cache(maxsize=1)
+def _umask() -> int:
+    """This process's umask now (it may change: submit applies `cluster.umask`), read
+    without setting it where the kernel tells (/proc), which is safe with threads."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _file_mode() -> int:
     """0o666 minus the umask: what open() would give (mkstemp always gives 0o600, which
     would hide run files from teammates on the shared filesystem)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~_umask()
 
 
-@functools.lru_cache(maxsize=1)
 def _dir_mode() -> int:
     """0o777 minus the umask: what mkdir() would give."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o777 & ~mask
+    return 0o777 & ~_umask()
 
 
 def atomic_write_bytes(path: os.PathLike | str, data: bytes) -> Path:
@@ -108,6 +116,14 @@ def mark_stable(directory: os.PathLike | str, info: Optional[dict] = None) -> Pa
     directory = Path(directory)
     _fsync_dir(directory)
     return atomic_write_json(directory / STABLE, {"time": time.time(), **(info or {})})
+
+
+def stable_time(directory: os.PathLike | str) -> float:
+    """When `directory` was marked complete (its marker's time; now if it has none)."""
+    try:
+        return float(read_json(Path(directory) / STABLE).get("time", time.time()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return time.time()
 
 
 def is_stable(directory: os.PathLike | str) -> bool:

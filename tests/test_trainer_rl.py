@@ -16,7 +16,8 @@ RL = "prime_hpc.trainer.rl"
 TEXTS = ["abc", "hello", "xyzzy", "qwerty"]
 RL_METRICS = {"loss/mean", "entropy/mean", "mismatch_kl/mean", "masked_advantage_positive/mean",
               "masked_advantage_negative/mean", "optim/grad_norm", "optim/lr", "perf/throughput",
-              "perf/throughput_per_gpu", "time/step", "time/wait_for_batch", "time/save_ckpt"}
+              "perf/throughput_per_gpu", "time/step", "time/wait_for_batch", "time/save_ckpt",
+              "time/rollout_handoff", "time/read_batch"}
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -84,6 +85,7 @@ def test_rl_trainer_two_ranks(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert RL_METRICS <= r.keys(), RL_METRICS - r.keys()
+        assert r["time/rollout_handoff"] >= 0 and r["time/read_batch"] > 0
         assert "perf/mfu" not in r and "perf/peak_memory" not in r  # unknown on CPU
         assert 0 <= r["mismatch_kl/mean"] < 1e-6
         assert r["masked_advantage_positive/mean"] == 0 and r["masked_advantage_negative/mean"] == 0

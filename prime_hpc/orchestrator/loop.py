@@ -35,7 +35,7 @@ from prime_hpc.orchestrator.client import make_client
 from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
 from prime_hpc.checkpoints import CheckpointWriteError, is_due, resolve_resume_step, rotate
-from prime_hpc.rundir import CHECKPOINT_PARTS, STABLE, RunDir, atomic_write_json, mark_stable, read_json
+from prime_hpc.rundir import CHECKPOINT_PARTS, STABLE, RunDir, atomic_write_json, mark_stable, read_json, stable_time
 
 STATE_FILE = "state.json"
 LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
@@ -210,6 +210,7 @@ class Orchestrator:
             if newest is not None and newest > self.policy:
                 t0 = time.monotonic()
                 d = self.run.weights_step(newest)
+                handoff = max(0.0, time.time() - stable_time(d))  # written -> seen here
                 try:
                     serve = read_json(d / STABLE).get("serve")  # the marker holds the weights' metadata
                 except (OSError, ValueError):
@@ -221,7 +222,8 @@ class Orchestrator:
                     self.model = LORA_NAME
                 else:
                     await self.admin.update_weights(d, newest)
-                self.update_log.append({"step": newest, "seconds": time.monotonic() - t0, "at_step": self.step})
+                self.update_log.append({"step": newest, "seconds": time.monotonic() - t0, "handoff": handoff,
+                                        "at_step": self.step})
                 logger.info(f"inference now serves policy {newest} ({time.monotonic() - t0:.2f}s)")
                 self.policy = newest
             await asyncio.sleep(0.02)  # on-policy generation waits for each new policy
@@ -304,6 +306,9 @@ class Orchestrator:
             "filter/zero_variance_groups": counts["no reward variance"],
             "filter/invalid_groups": counts["too few valid rollouts"],
             "inference/servers": len(self.admin.live) if self.admin is not None else 0,
+            # the newest policy update: weights marked -> seen by the relay, and the update call to every server
+            "time/weight_handoff": self.update_log[-1]["handoff"] if self.update_log else 0.0,
+            "time/weight_update": self.update_log[-1]["seconds"] if self.update_log else 0.0,
             "progress/total_tokens": self.totals["tokens"],
             "progress/total_samples": self.totals["samples"],
             "progress/total_problems": self.totals["problems"],

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, is_stable, read_json, wait_for
+from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, is_stable, read_json, stable_time, wait_for
 from prime_hpc.trainer import runner
 from prime_hpc.trainer.config import TrainerRunConfig
 
@@ -110,9 +110,12 @@ def train(cfg: TrainerRunConfig) -> None:
                 logger.info(f"the orchestrator wrote its last rollouts before step {step + 1} ({run.rollouts_done})")
                 break
             step += 1
+            handoff = max(0.0, time.time() - stable_time(run.rollout_step(step)))  # written -> seen here
+            t_read = time.perf_counter()
             data = rollout_batch.read_rank(run, step, env.rank, timeout_s=cfg.trainer.rollout_timeout_s,
                                            producer_log=producer_log)
             t_wait = time.perf_counter() - t0
+            timers = {"time/rollout_handoff": handoff, "time/read_batch": time.perf_counter() - t_read}
             loss_fn = make_loss_fn(cfg.trainer.loss, step, str(data.info.get("mode", "rl")))
             result = s.engine.train_step(data.micro_batches, loss_fn,
                                          temperature=float(data.info.get("temperature", 1.0)))
@@ -126,7 +129,7 @@ def train(cfg: TrainerRunConfig) -> None:
             _, t_ckpt = runner.checkpoint_if_due(s, step, final, {"progress": progress})
             if env.is_main:
                 runner.prune_weights(run, step, cfg.async_level)
-            _log_step(s, step, result, time.perf_counter() - t0, t_wait, t_weights, t_ckpt, progress)
+            _log_step(s, step, result, time.perf_counter() - t0, t_wait, t_weights, t_ckpt, progress, timers)
             runner.beat(s, step)
         if step > s.start_step and cfg.ckpt.enabled and step not in s.ckpt.requested:
             s.ckpt.save(step, s.engine, {"progress": progress})  # stopped early at rollouts/DONE
@@ -138,7 +141,7 @@ def train(cfg: TrainerRunConfig) -> None:
 
 
 def _log_step(s: Any, step: int, result: Any, t_step: float, t_wait: float, t_weights: float, t_ckpt: float,
-              progress: dict) -> None:
+              progress: dict, timers: dict) -> None:
     from loguru import logger
 
     sums = result.sums
@@ -156,6 +159,7 @@ def _log_step(s: Any, step: int, result: Any, t_step: float, t_wait: float, t_we
         "time/save_ckpt": t_ckpt,
         "progress/num_tokens": progress["num_tokens"],
         "progress/num_samples": progress["num_samples"],
+        **timers,
     })
     if s.metrics is not None:
         s.metrics.log(step, m)
