@@ -125,7 +125,8 @@ def test_rl_stops_at_rollouts_done(tmp_path):
     atomic_write_json(run.rollouts_done, {"last_step": 0})
     proc = run_trainer(RL, config, nproc=1)
     assert proc.returncode == 0, explain(proc)
-    assert json.loads(run.heartbeat("trainer", 0).read_text()) | {"time": 0} == {"step": 0, "done": True, "time": 0}
+    beat = json.loads(run.heartbeat("trainer", 0).read_text())
+    assert beat["step"] == 0 and beat["done"] is True and beat["progress_at"] <= beat["time"]
     assert run.weight_steps() == []
 
 
