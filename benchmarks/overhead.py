@@ -88,6 +88,7 @@ def main() -> int:
     }
     weight_handoff = median(orch, "time/weight_handoff")
     weight_update = median(orch, "time/weight_update")
+    drain, load = median(orch, "time/weight_drain"), median(orch, "time/weight_load")
     machinery = sum(parts.values())
     final = max(int(p.name.split("_")[1]) for p in (run / "weights").glob("step_*"))
     copy_s, size = copy_fsync_s(run / "weights" / f"step_{final}")
@@ -107,6 +108,8 @@ def main() -> int:
     print()
     print(f"{'weight sync (publish+handoff+load)':34} {sync:8.3f} s   = {parts['weight publish']:.3f} + "
           f"{weight_handoff:.3f} + {weight_update:.3f}")
+    print(f"{'  of the update: drain, load':34} {drain:8.3f} s, {load:.3f} s (the slowest server's wait for its "
+          f"in-flight generations, then its load)")
     print(f"{'plain copy + fsync, same bytes':34} {copy_s:8.3f} s   ({size / 1e6:.1f} MB)")
     print(f"{'ratio':34} {sync / copy_s:8.2f} x   goal <= 2x")
     print()

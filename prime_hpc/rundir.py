@@ -75,9 +75,12 @@ def _dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
-def atomic_write_bytes(path: os.PathLike | str, data: bytes) -> Path:
+def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = True) -> Path:
     """Write `data` to `path` so that a reader sees either nothing, the old content, or
-    all of the new content: temp file in the same directory, fsync, `os.replace`."""
+    all of the new content: temp file in the same directory, fsync, `os.replace`.
+    `durable=False` skips the fsyncs (file and directory): for records that are rewritten
+    all the time and only advise (heartbeats, endpoints), where a crash of the node may
+    lose the latest version but never tears one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
@@ -86,7 +89,8 @@ def atomic_write_bytes(path: os.PathLike | str, data: bytes) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -94,16 +98,17 @@ def atomic_write_bytes(path: os.PathLike | str, data: bytes) -> Path:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
     return path
 
 
-def atomic_write_text(path: os.PathLike | str, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: os.PathLike | str, text: str, durable: bool = True) -> Path:
+    return atomic_write_bytes(path, text.encode(), durable)
 
 
-def atomic_write_json(path: os.PathLike | str, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+def atomic_write_json(path: os.PathLike | str, obj: Any, durable: bool = True) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", durable)
 
 
 def read_json(path: os.PathLike | str) -> Any:
@@ -365,7 +370,8 @@ class RunDir:
         by the loop that does the work, at least every `BEAT_S` while it runs; with
         `progress_at` (the last time it got something done) and `waiting_on` (the
         component it waits for, if it only waits), the watchdog tells a stall from a wait."""
-        atomic_write_json(self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info})
+        atomic_write_json(self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info},
+                          durable=False)
 
     # --- data plane
     @property

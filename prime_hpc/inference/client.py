@@ -80,6 +80,21 @@ class Admin:
         self.timeout_s = timeout_s
         self.lost: dict[str, str] = {}  # server URL -> why it was dropped
         self.on_lost = on_lost  # on_lost(url, why): called once per lost server
+        self._client: Any = None  # kept open: one connection per server, reused by every update
+        self._loop: Any = None  # the event loop it belongs to
+
+    def client(self) -> Any:
+        import httpx
+
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            self._client, self._loop = httpx.AsyncClient(timeout=self.timeout_s, headers=headers(self.key)), loop
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     @property
     def live(self) -> list[str]:
@@ -98,28 +113,29 @@ class Admin:
     async def _post_all(self, path: str, body: Optional[dict]) -> list[dict]:
         import httpx
 
-        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers(self.key)) as client:
-            async def one(base: str) -> dict:
-                try:
-                    r = await client.post(base + path, json=body or {})
-                except httpx.HTTPError as e:
-                    why = f"{type(e).__name__}: {e}"
-                    if isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException) \
-                            and await self._gone(client, base):
-                        return {"lost": why}
-                    raise InferenceError(f"{base}{path}: {why}") from None
-                if r.status_code != 200:
-                    try:
-                        detail = r.json().get("error", r.text)
-                    except ValueError:
-                        detail = r.text
-                    if isinstance(detail, dict):
-                        detail = detail.get("message", detail)
-                    raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {str(detail)[:300]}")
-                return r.json()
+        client = self.client()
 
-            live = self.live
-            results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
+        async def one(base: str) -> dict:
+            try:
+                r = await client.post(base + path, json=body or {})
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+                if isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException) \
+                        and await self._gone(client, base):
+                    return {"lost": why}
+                raise InferenceError(f"{base}{path}: {why}") from None
+            if r.status_code != 200:
+                try:
+                    detail = r.json().get("error", r.text)
+                except ValueError:
+                    detail = r.text
+                if isinstance(detail, dict):
+                    detail = detail.get("message", detail)
+                raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {str(detail)[:300]}")
+            return r.json()
+
+        live = self.live
+        results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
         for base, r in zip(live, results):
             if isinstance(r, dict) and set(r) == {"lost"}:
                 self.lost[base] = r["lost"]
@@ -143,10 +159,7 @@ class Admin:
         return await self._post_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "step": int(step)})
 
     async def policies(self) -> list[dict]:
-        import httpx
-
-        async with httpx.AsyncClient(timeout=30, headers=headers(self.key)) as client:
-            rs = await asyncio.gather(*(client.get(s + "/policy") for s in self.live))
+        rs = await asyncio.gather(*(self.client().get(s + "/policy", timeout=30) for s in self.live))
         return [r.json() for r in rs]
 
 

@@ -44,6 +44,7 @@ from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.net import node_address, url
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
 
+PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
 
 
@@ -133,6 +134,7 @@ class Server:
         self.engine: Any = None
         self.app: Any = None
         self.healthy = False
+        self.healthy_at: Optional[float] = None
         self.tied_on_cpu = False
         self.updates = 0
 
@@ -149,10 +151,12 @@ class Server:
             "policy_step": self.gate.step,
             "weight_dir": self.gate.weight_dir,
             "updated_at": time.time(),
+            "process_started_at": PROCESS_STARTED_AT,  # start-up = healthy_at - process_started_at
+            "healthy_at": self.healthy_at,
         }
 
     def publish(self) -> None:
-        atomic_write_json(self.run.inference_endpoint(self.node), self.endpoint())
+        atomic_write_json(self.run.inference_endpoint(self.node), self.endpoint(), durable=False)
 
     def unpublish(self) -> None:
         try:
@@ -279,7 +283,7 @@ async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> N
                       file=sys.stderr, flush=True)
                 os._exit(1)
             await asyncio.sleep(0.5)
-    server.healthy = True
+    server.healthy, server.healthy_at = True, time.time()
     server.publish()
     print(f"prime-hpc inference: node {server.node} serving {server.cfg.model.name} at "
           f"{url(server.host, server.port)}", flush=True)

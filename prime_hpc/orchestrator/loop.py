@@ -218,12 +218,15 @@ class Orchestrator:
                 if serve == "adapter" or (serve is None and not any(d.glob("*.safetensors"))
                                           and self.run.weights_adapter(newest).is_dir()):
                     # LoRA with save_adapter_separately: the servers keep the base model and load the adapter
-                    await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(newest), newest)
+                    answers = await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(newest), newest)
                     self.model = LORA_NAME
                 else:
-                    await self.admin.update_weights(d, newest)
-                self.update_log.append({"step": newest, "seconds": time.monotonic() - t0, "handoff": handoff,
-                                        "at_step": self.step})
+                    answers = await self.admin.update_weights(d, newest)
+                self.update_log.append({
+                    "step": newest, "seconds": time.monotonic() - t0, "handoff": handoff, "at_step": self.step,
+                    # the slowest server's wait for its in-flight generations, and its load
+                    "drain": max((float(a.get("drain_s", 0)) for a in answers), default=0.0),
+                    "load": max((float(a.get("load_s", 0)) for a in answers), default=0.0)})
                 logger.info(f"inference now serves policy {newest} ({time.monotonic() - t0:.2f}s)")
                 self.policy = newest
             await asyncio.sleep(0.02)  # on-policy generation waits for each new policy
@@ -309,6 +312,8 @@ class Orchestrator:
             # the newest policy update: weights marked -> seen by the relay, and the update call to every server
             "time/weight_handoff": self.update_log[-1]["handoff"] if self.update_log else 0.0,
             "time/weight_update": self.update_log[-1]["seconds"] if self.update_log else 0.0,
+            "time/weight_drain": self.update_log[-1]["drain"] if self.update_log else 0.0,
+            "time/weight_load": self.update_log[-1]["load"] if self.update_log else 0.0,
             "progress/total_tokens": self.totals["tokens"],
             "progress/total_samples": self.totals["samples"],
             "progress/total_problems": self.totals["problems"],
@@ -568,6 +573,7 @@ class Orchestrator:
                 await self.wait_for_trainer(self.step)  # its last rows belong to the same W&B run
         finally:
             self.metrics.close()
+            await self.admin.aclose()
             if self.log_router is not None:
                 self.log_router.close()
         return {"last_step": self.step, "policy": self.policy, **self.totals}
