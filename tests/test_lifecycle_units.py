@@ -41,9 +41,12 @@ def test_advantage_variants_by_hand():
 class _Window:
     """The attributes `Orchestrator.admission_limit` reads."""
 
-    def __init__(self, policy, k=2, groups_per_step=8, max_groups=32, max_steps=None):
+    def __init__(self, policy, k=2, groups_per_step=8, max_groups=32, max_steps=None, oversampling=1.0):
+        from types import SimpleNamespace
+
         self.policy, self.k, self.groups_per_step, self.max_groups, self.max_steps = (
             policy, k, groups_per_step, max_groups, max_steps)
+        self.o = SimpleNamespace(oversampling_factor=oversampling)
 
 
 def test_groups_are_admitted_only_as_far_as_the_async_window_can_use_them():
@@ -58,6 +61,9 @@ def test_groups_are_admitted_only_as_far_as_the_async_window_can_use_them():
     assert limit(_Window(policy=50, k=8), step=51, accepted=0, waiting=0) == 32
     # fully on-policy: only the current step
     assert limit(_Window(policy=4, k=1), step=5, accepted=2, waiting=1) == 5
+    # oversampling 1.5: half as many groups again, rounded up (8 x 1.5 = 12, less the 3 in hand)
+    assert limit(_Window(policy=4, k=1, oversampling=1.5), step=5, accepted=2, waiting=1) == 9
+    assert limit(_Window(policy=4, k=1, oversampling=1.3), step=5, accepted=0, waiting=0) == 11  # ceil(10.4)
 
 
 # --------------------------------------------------------------------------- placement

@@ -58,6 +58,23 @@ def test_zero_variance_groups_are_filtered_only_when_asked():
     assert v.reason is None and all(r.advantage == 0.0 for r in v.kept)
 
 
+def test_difficulty_filter_by_mean_reward_and_variance():
+    from types import SimpleNamespace
+
+    def verdict(rewards, lo=None, hi=None, var=0.0):
+        f = SimpleNamespace(min_reward=lo, max_reward=hi, min_reward_variance=var)
+        return judge_group([_r(x) for x in rewards], 1, 2, 8, False, "mean", f).reason
+
+    assert verdict([0.0, 0.0, 0.1, 0.0], lo=0.05) == "too hard"  # mean 0.025
+    assert verdict([0.0, 0.0, 0.2, 0.0], lo=0.05) is None  # mean 0.05: not below
+    assert verdict([1.0, 1.0, 0.9, 1.0], hi=0.95) == "too easy"  # mean 0.975
+    assert verdict([1.0, 0.9, 0.9, 1.0], hi=0.95) is None  # mean 0.95: not above
+    # population variance of 0, 0, 1, 1 is 0.25; of 0.4, 0.6, 0.4, 0.6 it is 0.01
+    assert verdict([0.0, 0.0, 1.0, 1.0], var=0.1) is None
+    assert verdict([0.4, 0.6, 0.4, 0.6], var=0.1) == "low reward variance"
+    assert verdict([0.4, 0.6, 0.4, 0.6]) is None  # the defaults keep everything
+
+
 def test_policy_lag_bound_and_spanning_rollouts():
     # step 5, async_level 2: policies 3.. are fine, 2 is stale
     assert judge_group([_r(1, (3,)), _r(0, (4,))], 5, 2, 8, False).reason is None

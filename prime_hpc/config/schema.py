@@ -206,6 +206,13 @@ class TeacherConfig:
 
 
 @dataclass
+class DifficultyFilterConfig:
+    min_reward: Optional[float] = None  # drop a group whose mean reward is below this (too hard); None = keep
+    max_reward: Optional[float] = None  # drop a group whose mean reward is above this (too easy); None = keep
+    min_reward_variance: float = ruled(0.0, ge=0)  # drop a group whose rewards vary less (population variance)
+
+
+@dataclass
 class OrchestratorModelConfig:
     name: str = "${model.name}"  # must agree with model.name
 
@@ -219,6 +226,9 @@ class OrchestratorConfig:
     max_concurrent: int = ruled(256, ge=1)  # in-flight generation requests
     training_mode: str = one_of("rl", "rl", "opd", "sft")
     online_difficulty_filtering: bool = False  # drop groups whose rewards have no variance
+    difficulty_filter: DifficultyFilterConfig = field(default_factory=DifficultyFilterConfig)
+    oversampling_factor: float = ruled(1.0, ge=1)  # admit this many times the groups the steps need, so a
+    # step stays full when filters drop groups (generation beyond that is wasted: it turns stale)
     advantage: str = one_of("mean", "mean", "std", "loo")  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -47,6 +47,13 @@ def check_fields(cfg: DictConfig) -> None:
     walk(RunConfig, cfg, "")
 
 
+def check_difficulty_filter(cfg: DictConfig) -> None:
+    f = cfg.orchestrator.difficulty_filter
+    if f.min_reward is not None and f.max_reward is not None and f.min_reward > f.max_reward:
+        raise ConfigError("orchestrator.difficulty_filter.min_reward",
+                          f"{f.min_reward} is above max_reward={f.max_reward}: every group would be dropped")
+
+
 def check_positive(cfg: DictConfig) -> None:
     if cfg.async_level < 1:
         raise ConfigError("async_level", f"must be >= 1 (got {cfg.async_level}); 1 is fully on-policy (step n "
@@ -281,6 +288,7 @@ def check_name(cfg: DictConfig) -> None:
 RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_name,
     check_fields,
+    check_difficulty_filter,
     check_positive,
     check_batch,
     check_lengths,

@@ -13,6 +13,7 @@ servers (each server drains, swaps and stamps completions with m).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import time
@@ -274,11 +275,13 @@ class Orchestrator:
         started now (under policy p) can train steps up to p + async_level, so only as many
         as those steps (not past `max_steps`) still need, minus the groups already accepted
         or waiting to be judged; at most `max_concurrent / group_size`. Generating more
-        would only produce groups that turn stale before a step can use them."""
+        would only produce groups that turn stale before a step can use them. With
+        `oversampling_factor` f > 1, f times as many: the filters' losses are made up
+        while the step fills."""
         last = self.policy + self.k
         if self.max_steps is not None:
             last = min(last, int(self.max_steps))
-        need = (last - step + 1) * self.groups_per_step - accepted - waiting
+        need = math.ceil((last - step + 1) * self.groups_per_step * self.o.oversampling_factor) - accepted - waiting
         return max(0, min(self.max_groups, need))
 
     def step_metrics(self, step: int, finished: list[Rollout], kept: list[Rollout], counts: dict,
@@ -308,6 +311,9 @@ class Orchestrator:
             "off_policy/spanning_rollouts": counts["spanning"],
             "filter/zero_variance_groups": counts["no reward variance"],
             "filter/invalid_groups": counts["too few valid rollouts"],
+            "filter/too_hard_groups": counts["too hard"],
+            "filter/too_easy_groups": counts["too easy"],
+            "filter/low_variance_groups": counts["low reward variance"],
             "inference/servers": len(self.admin.live) if self.admin is not None else 0,
             # the newest policy update: weights marked -> seen by the relay, and the update call to every server
             "time/weight_handoff": self.update_log[-1]["handoff"] if self.update_log else 0.0,
@@ -426,7 +432,7 @@ class Orchestrator:
         fill.finished += group
         fill.counts["judged"] += 1
         v = judge_group(group, step, self.k, self.o.max_off_policy_steps, self.o.online_difficulty_filtering,
-                        self.o.advantage)
+                        self.o.advantage, self.o.difficulty_filter)
         fill.counts["spanning"] += v.dropped_spanning
         if v.reason:
             fill.counts[v.reason] += 1

@@ -158,9 +158,10 @@ def advantages(rewards: list[float], kind: str = "mean") -> list[float]:
 
 
 def judge_group(group: list[Rollout], step: int, async_level: int, max_off_policy_steps: int,
-                filter_zero_variance: bool, advantage: str = "mean") -> GroupVerdict:
+                filter_zero_variance: bool, advantage: str = "mean", difficulty: Any = None) -> GroupVerdict:
     """Which rollouts of a finished group train step `step`, with their advantages
-    (`advantages` over the group's valid rollouts)."""
+    (`advantages` over the group's valid rollouts). `difficulty` (`orchestrator.
+    difficulty_filter`) drops groups by their valid rollouts' mean reward and variance."""
     v = GroupVerdict()
     valid = []
     for r in group:
@@ -181,6 +182,17 @@ def judge_group(group: list[Rollout], step: int, async_level: int, max_off_polic
     if filter_zero_variance and max(rewards) - min(rewards) == 0:
         v.reason = "no reward variance"
         return v
+    if difficulty is not None:
+        avg = sum(rewards) / len(rewards)
+        var = sum((x - avg) ** 2 for x in rewards) / len(rewards)
+        if difficulty.min_reward is not None and avg < difficulty.min_reward:
+            v.reason = "too hard"
+        elif difficulty.max_reward is not None and avg > difficulty.max_reward:
+            v.reason = "too easy"
+        elif var < difficulty.min_reward_variance:
+            v.reason = "low reward variance"
+        if v.reason:
+            return v
     for r, a in zip(valid, advantages(rewards, advantage)):
         r.advantage = a
     v.kept = valid
