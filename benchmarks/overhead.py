@@ -67,10 +67,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workdir", type=Path, default=Path("outputs/bench-overhead"))
+    ap.add_argument("overrides", nargs="*", help="more overrides for the run, e.g. inference.extra_args=[...]")
     a = ap.parse_args()
     run = a.workdir.resolve() / "rl"
     overrides = ["+experiment=reverse_text", "cluster=local", "warmup.experiment=null", "model.name=tiny",
-                 "name=bench_overhead", f"max_steps={a.steps}", "orchestrator.eval.interval=0"]
+                 "name=bench_overhead", f"max_steps={a.steps}", "orchestrator.eval.interval=0", *a.overrides]
     print(f"[overhead] {' '.join(overrides)}", flush=True)
     submit_and_wait(run, overrides, "overhead", a.steps)
     trainer = [r for r in read_jsonl(run / "metrics" / "trainer.jsonl") if r.get("step", 0) > SKIP_STEPS]

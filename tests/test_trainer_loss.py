@@ -23,7 +23,8 @@ def tensors():
 
 
 def cfg(**kw):
-    base = dict(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    base = dict(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0,
+                seq_clip_low=3e-4, seq_clip_high=4e-4)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -70,6 +71,39 @@ def test_cispo_clips_the_ratio_weight_but_keeps_every_token():
     assert out.sums["masked_positive"].item() == 1 and out.sums["masked_negative"].item() == 2
     out.loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-1.28 / 4, 0.8 / 4, 1.28 / 4, -2 / 4, 0.0], abs=1e-12)  # -w * A / 4
+
+
+def test_gspo_weighs_every_token_of_a_sequence_by_its_geometric_mean_ratio():
+    # two sequences of two loss tokens (+ one pad each); token ratios r = p / p_inf
+    p = [[0.5, 0.2, 0.3], [0.3, 0.6, 0.9]]
+    p_inf = [[0.25, 0.4, 0.3], [0.3, 0.6, 0.1]]  # row 0: r = 2, 0.5 -> s = sqrt(1) = 1; row 1: r = 1, 1 -> s = 1
+    lp = torch.tensor([[math.log(x) for x in row] for row in p], dtype=torch.float64, requires_grad=True)
+    ilp = torch.tensor([[math.log(x) for x in row] for row in p_inf], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    out = rl_loss(lp, ilp, adv, mask, cfg(type="gspo"), normalizer=4)
+    # s = 1 for both rows: the plain policy gradient, nothing masked (a token ratio of 2
+    # would be masked by dppo and clipped by cispo)
+    assert out.loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.2) - 2 * math.log(0.3) - 2 * math.log(0.6)) / 4,
+                                            abs=1e-12)
+    assert out.sums["masked_positive"].item() == 0 and out.sums["masked_negative"].item() == 0
+    out.loss.backward()
+    assert lp.grad.flatten().tolist() == pytest.approx([-0.25, -0.25, 0.0, 0.5, 0.5, 0.0], abs=1e-12)  # -s * A / 4
+
+    # row 0 moved up: r = 2, 2 -> s = 2 > 1 + 4e-4 with A > 0: masked; row 1: r = 0.5, 0.5 -> s = 0.5 < 1 - 3e-4
+    # with A < 0: masked too; with A of the other sign each keeps weight s
+    p = [[0.5, 0.2, 0.3], [0.3, 0.4, 0.9]]
+    p_inf = [[0.25, 0.1, 0.3], [0.6, 0.8, 0.1]]
+    lp = torch.tensor([[math.log(x) for x in row] for row in p], dtype=torch.float64, requires_grad=True)
+    ilp = torch.tensor([[math.log(x) for x in row] for row in p_inf], dtype=torch.float64)
+    out = rl_loss(lp, ilp, adv, mask, cfg(type="gspo"), normalizer=4)
+    assert out.loss.item() == 0.0
+    assert out.sums["masked_positive"].item() == 2 and out.sums["masked_negative"].item() == 2
+    flipped = -adv
+    out = rl_loss(lp, ilp, flipped, mask, cfg(type="gspo"), normalizer=4)
+    out.loss.backward()
+    assert lp.grad.flatten().tolist() == pytest.approx([2 * 1 / 4, 2 * 1 / 4, 0.0, -0.5 * 2 / 4, -0.5 * 2 / 4, 0.0],
+                                                       abs=1e-12)  # -s * A / 4 with A = -1 resp. +2
 
 
 def test_kl_term_adds_k3_with_its_gradient():

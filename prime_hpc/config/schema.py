@@ -109,11 +109,14 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    type: str = one_of("dppo", "dppo", "cispo")  # dppo (mask tokens whose probability moved too far) | cispo (clipped ratio)
+    type: str = one_of("dppo", "dppo", "cispo", "gspo")  # dppo (mask tokens whose probability moved too far) |
+    # cispo (clipped token ratio) | gspo (one ratio per sequence: the geometric mean of its token ratios)
     mask_low: float = ruled(0.2, ge=0)  # dppo: mask a token when p_trainer - p_inference < -mask_low (prob. space)
     mask_high: float = ruled(0.2, ge=0)  # dppo: mask a token when p_trainer - p_inference > mask_high
     clip_low: float = ruled(0.2, ge=0, lt=1)  # cispo: lower clip of the importance ratio (1 - clip_low)
     clip_high: float = ruled(0.28, ge=0)  # cispo: upper clip of the importance ratio (1 + clip_high)
+    seq_clip_low: float = ruled(3e-4, ge=0, lt=1)  # gspo: mask a sequence with A < 0 whose ratio is below 1 - this
+    seq_clip_high: float = ruled(4e-4, ge=0)  # gspo: mask a sequence with A > 0 whose ratio is above 1 + this
     kl_coef: float = ruled(0.0, ge=0)  # weight of the optional KL(inference || trainer) term (k3 estimator)
 
 

@@ -17,6 +17,12 @@ token weight `w` (so d loss / d lp = -w * A):
   are never masked: they are what the gradient corrects.
 - `cispo`: w = clip(r, 1 - clip_low, 1 + clip_high); every token keeps a gradient
   through lp, only its weight is clipped.
+- `gspo`: a sequence-level ratio. Each sample (row) gets s = exp(mean over its loss tokens
+  of (lp - ilp)), the geometric mean of its token ratios, and every one of its tokens
+  w = s * keep, where keep = 0 when s is already past the clip range in the advantage's
+  direction (A > 0 and s > 1 + seq_clip_high, or A < 0 and s < 1 - seq_clip_low), as
+  PPO's min() does for a whole sequence. Tokens are normalized like every loss here (by
+  the step's token count), not averaged per sequence first.
 - `k3_t = exp(lp - ilp) - (lp - ilp) - 1 >= 0`, the k3 estimator of KL(pi_inf || pi_trainer)
   on samples from pi_inf; it is also the `mismatch_kl` metric (always reported, added to
   the loss only with kl_coef > 0, and then with its gradient, pulling lp toward ilp).
@@ -37,7 +43,7 @@ from typing import Any
 
 import torch
 
-LOSS_TYPES = ("dppo", "cispo")
+LOSS_TYPES = ("dppo", "cispo", "gspo")
 MAX_LOG_RATIO = 20.0  # |lp - ilp| is clamped before exp() so the weight stays finite
 
 
@@ -81,7 +87,7 @@ def rl_loss(
     cfg: Any,
     normalizer: float,
 ) -> LossOutput:
-    """The RL objective of `cfg.type` (dppo | cispo); see the module docstring."""
+    """The RL objective of `cfg.type` (dppo | cispo | gspo); see the module docstring."""
     if cfg.type not in LOSS_TYPES:
         raise ValueError(f"unknown loss type {cfg.type!r}; choose from {', '.join(LOSS_TYPES)}")
     m = loss_mask.to(logprobs.dtype)
@@ -93,6 +99,13 @@ def rl_loss(
         masked_pos = pos & (delta > cfg.mask_high)
         masked_neg = neg & (delta < -cfg.mask_low)
         weight = ratio * (~(masked_pos | masked_neg)).to(ratio.dtype)
+    elif cfg.type == "gspo":
+        tokens = m.sum(-1, keepdim=True).clamp(min=1)
+        seq_log_ratio = (log_ratio.detach() * m).sum(-1, keepdim=True) / tokens
+        seq_ratio = torch.exp(seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)).expand_as(ratio)
+        masked_pos = pos & (seq_ratio > 1 + cfg.seq_clip_high)
+        masked_neg = neg & (seq_ratio < 1 - cfg.seq_clip_low)
+        weight = seq_ratio * (~(masked_pos | masked_neg)).to(ratio.dtype)
     else:
         weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
         clipped = weight != ratio
