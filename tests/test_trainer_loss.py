@@ -24,7 +24,7 @@ def tensors():
 
 def cfg(**kw):
     base = dict(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0,
-                seq_clip_low=3e-4, seq_clip_high=4e-4)
+                seq_clip_low=3e-4, seq_clip_high=4e-4, ref_kl_coef=0.0)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -104,6 +104,24 @@ def test_gspo_weighs_every_token_of_a_sequence_by_its_geometric_mean_ratio():
     out.loss.backward()
     assert lp.grad.flatten().tolist() == pytest.approx([2 * 1 / 4, 2 * 1 / 4, 0.0, -0.5 * 2 / 4, -0.5 * 2 / 4, 0.0],
                                                        abs=1e-12)  # -s * A / 4 with A = -1 resp. +2
+
+
+def test_reference_kl_adds_k3_of_the_frozen_policy_with_its_gradient():
+    lp, ilp, adv, mask = tensors()
+    ref = torch.tensor([[math.log(p) for p in [0.25, 0.25, 0.8, 0.2, 0.5]]], dtype=torch.float64)
+    plain = rl_loss(lp, ilp, adv, mask, cfg(), normalizer=4)
+    out = rl_loss(lp, ilp, adv, mask, cfg(ref_kl_coef=0.5), normalizer=4, ref_logprobs=ref)
+    # per loss token q = p_ref / p = 0.5, 1, 1, 2: k3 = q - log q - 1 (the padding token never counts)
+    ref_k3 = [0.5 + math.log(2) - 1, 0.0, 0.0, 2 - math.log(2) - 1]
+    assert out.sums["ref_kl"].item() == pytest.approx(sum(ref_k3), abs=1e-12)
+    assert out.loss.item() == pytest.approx(plain.loss.item() + 0.5 * sum(ref_k3) / 4, abs=1e-12)
+    lp.grad = None
+    out.loss.backward()
+    # d/d lp of 0.5 * (q - log q - 1) = 0.5 * (1 - q): on top of dppo's -w * A / 4
+    extra = [0.5 * (1 - q) / 4 for q in (0.5, 1.0, 1.0, 2.0)]
+    assert lp.grad[0].tolist() == pytest.approx([0.0 + extra[0], 0.0 + extra[1], 0.5 + extra[2], -0.5 + extra[3], 0.0],
+                                                abs=1e-12)
+    assert "ref_kl" not in rl_loss(lp, ilp, adv, mask, cfg(), normalizer=4, ref_logprobs=ref).sums  # coef 0: off
 
 
 def test_kl_term_adds_k3_with_its_gradient():

@@ -97,7 +97,11 @@ def test_rl_lora_trains_only_the_adapter(tmp_path):
     run, _ = _train(tmp_path, 2, ["trainer.model.lora.enabled=true", "trainer.model.lora.rank=4",
                                   "trainer.model.lora.alpha=8", "trainer.model.lora.target_modules=[q_proj,v_proj]",
                                   "trainer.model.ac.freq=2", "trainer.model.optimization_dtype=bfloat16",
-                                  "trainer.loss.type=cispo", "ckpt.weights.save_adapter_separately=true"])
+                                  "trainer.loss.type=cispo", "ckpt.weights.save_adapter_separately=true",
+                                  "trainer.loss.ref_kl_coef=0.5"])
+    # the KL to the frozen base: 0 while the adapter is still zero (step 1), then > 0
+    rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
+    assert rows[0]["ref_kl/mean"] < 1e-9 < rows[1]["ref_kl/mean"], rows
     base = _safetensors(Path(resolve_model("tiny")) / "model.safetensors")
     d = run.weights_step(2)
     merged = _safetensors(d / "model.safetensors")

@@ -117,6 +117,7 @@ class LossConfig:
     clip_high: float = ruled(0.28, ge=0)  # cispo: upper clip of the importance ratio (1 + clip_high)
     seq_clip_low: float = ruled(3e-4, ge=0, lt=1)  # gspo: mask a sequence with A < 0 whose ratio is below 1 - this
     seq_clip_high: float = ruled(4e-4, ge=0)  # gspo: mask a sequence with A > 0 whose ratio is above 1 + this
+    ref_kl_coef: float = ruled(0.0, ge=0)  # > 0: add this x KL(policy || the frozen initial policy), k3 per token
     kl_coef: float = ruled(0.0, ge=0)  # weight of the optional KL(inference || trainer) term (k3 estimator)
 
 

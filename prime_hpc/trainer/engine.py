@@ -66,17 +66,26 @@ class Engine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(
             optim_cfg.warmup_steps, optim_cfg.schedule, total_steps, optim_cfg.min_lr_ratio))
 
-    def forward(self, mb: dict, temperature: float = 1.0, with_entropy: bool = True):
+    def forward(self, mb: dict, temperature: float = 1.0, with_entropy: bool = True, model: Any = None):
+        """Per-token log-probabilities (and entropies) of `mb` under the policy, or under
+        `model` (the frozen reference) in the same precision."""
         d = self.env.device
         dtype = self.policy.autocast_dtype
         with torch.autocast(device_type=d.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = self.model(
+            out = (model or self.model)(
                 input_ids=mb["input_ids"].to(d),
                 attention_mask=mb["attention_mask"].to(d).long() if "attention_mask" in mb else None,
                 position_ids=mb["position_ids"].to(d) if "position_ids" in mb else None,
                 use_cache=False,
             )
         return token_logprobs(out.logits, mb["input_ids"].to(d), temperature, with_entropy)
+
+    @torch.no_grad()
+    def add_reference_logprobs(self, reference: Any, micro_batches: list[dict], temperature: float = 1.0) -> None:
+        """`ref_logprobs` of every micro-batch under the frozen `reference` model (every
+        rank calls it: a sharded reference runs collectives)."""
+        for mb in micro_batches:
+            mb["ref_logprobs"] = self.forward(mb, temperature, with_entropy=False, model=reference)[0].cpu()
 
     def _accumulate(self, micro_batches: list[dict], loss_fn: LossFn, temperature: float, train: bool) -> dict:
         """Forward (and backward when `train`) every micro-batch; local sums of the stats."""

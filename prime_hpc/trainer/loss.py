@@ -26,6 +26,10 @@ token weight `w` (so d loss / d lp = -w * A):
 - `k3_t = exp(lp - ilp) - (lp - ilp) - 1 >= 0`, the k3 estimator of KL(pi_inf || pi_trainer)
   on samples from pi_inf; it is also the `mismatch_kl` metric (always reported, added to
   the loss only with kl_coef > 0, and then with its gradient, pulling lp toward ilp).
+- with `ref_kl_coef` > 0 and the frozen initial policy's log-probabilities `ref`:
+  `+ ref_kl_coef * (exp(ref - lp) - (ref - lp) - 1)`, the k3 estimator of
+  KL(pi_trainer || pi_ref) on the (near on-policy) samples, with its gradient; reported as
+  `ref_kl`.
 
 Every sum is divided by `normalizer`, the step's loss-token count over all ranks (the
 caller all-reduces it), so micro-batches and ranks weigh each token equally.
@@ -86,6 +90,7 @@ def rl_loss(
     loss_mask: torch.Tensor,
     cfg: Any,
     normalizer: float,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> LossOutput:
     """The RL objective of `cfg.type` (dppo | cispo | gspo); see the module docstring."""
     if cfg.type not in LOSS_TYPES:
@@ -114,6 +119,10 @@ def rl_loss(
     per_token = -(weight * advantages * logprobs)
     if cfg.kl_coef:
         per_token = per_token + cfg.kl_coef * kl
+    ref_kl = None
+    if ref_logprobs is not None and getattr(cfg, "ref_kl_coef", 0.0):
+        ref_kl = torch.where(loss_mask, k3(ref_logprobs, logprobs), torch.zeros_like(logprobs))
+        per_token = per_token + cfg.ref_kl_coef * ref_kl
     total = (per_token * m).sum()
     sums = {
         "tokens": m.sum().detach(),
@@ -122,6 +131,8 @@ def rl_loss(
         "masked_positive": masked_pos.sum().to(logprobs.dtype),
         "masked_negative": masked_neg.sum().to(logprobs.dtype),
     }
+    if ref_kl is not None:
+        sums["ref_kl"] = ref_kl.detach().sum()
     return LossOutput(loss=total / normalizer, sums=sums)
 
 

@@ -168,6 +168,24 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
     return pol
 
 
+def build_reference(cfg: TrainerRunConfig, mesh: Any) -> nn.Module:
+    """The frozen initial policy for `trainer.loss.ref_kl_coef`: the run's base weights
+    (`model.name`, also on a resume; without LoRA), no gradients, in eval mode, sharded
+    across ranks like the policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = load_hf(cfg)[0]
+    model.requires_grad_(False)
+    model.to(mesh.device_type)
+    if mesh.size() > 1:
+        mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.trainer.model.optimization_dtype))
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.eval()
+    return model
+
+
 def clean_key(key: str) -> str:
     for p in WRAPPER_PREFIXES:
         key = key.replace(p, "")

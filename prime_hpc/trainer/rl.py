@@ -73,7 +73,8 @@ def make_loss_fn(loss_cfg: Any, step: int, mode: str = "rl"):
         if mode == "sft":
             out = sft_loss(lp, mb["loss_mask"], normalizer)
         else:
-            out = rl_loss(lp, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalizer)
+            out = rl_loss(lp, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalizer,
+                          ref_logprobs=mb.get("ref_logprobs"))
         rows = mb["loss_mask"].any(-1)
         lag = (step - 1 - mb["policy_steps"]).clamp(min=0)
         out.sums["off_policy_steps"] = (lag * rows).sum().float()
@@ -95,6 +96,11 @@ def train(cfg: TrainerRunConfig) -> None:
         step = s.start_step
         progress = dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0}))
         producer_log = runner.orchestrator_log()
+        reference = None
+        if cfg.trainer.loss.ref_kl_coef > 0:  # the frozen initial policy, for the KL penalty
+            from prime_hpc.trainer.model import build_reference
+
+            reference = build_reference(cfg, env.mesh)
         runner.beat(s, step)
         while cfg.max_steps is None or step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -117,8 +123,10 @@ def train(cfg: TrainerRunConfig) -> None:
             t_wait = time.perf_counter() - t0
             timers = {"time/rollout_handoff": handoff, "time/read_batch": time.perf_counter() - t_read}
             loss_fn = make_loss_fn(cfg.trainer.loss, step, str(data.info.get("mode", "rl")))
-            result = s.engine.train_step(data.micro_batches, loss_fn,
-                                         temperature=float(data.info.get("temperature", 1.0)))
+            temperature = float(data.info.get("temperature", 1.0))
+            if reference is not None:
+                s.engine.add_reference_logprobs(reference, data.micro_batches, temperature)
+            result = s.engine.train_step(data.micro_batches, loss_fn, temperature=temperature)
             t_weights = runner.save_weights(s, step)
             barrier()  # every rank has read its rollout file
             if env.is_main:
@@ -147,6 +155,8 @@ def _log_step(s: Any, step: int, result: Any, t_step: float, t_wait: float, t_we
     sums = result.sums
     tok = max(sums["tokens"], 1.0)
     m = runner.step_metrics(s, result, t_step, t_wait)
+    if "ref_kl" in sums:
+        m["ref_kl/mean"] = sums["ref_kl"] / tok
     if "mismatch_kl" in sums:  # not in training_mode=sft (teacher completions, NLL)
         m.update({
             "mismatch_kl/mean": sums["mismatch_kl"] / tok,
