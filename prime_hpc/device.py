@@ -40,13 +40,25 @@ def torch_device(device: str, local_rank: int = 0) -> Any:
     return torch.device("cpu")
 
 
-def core_count(cpu_ids: str) -> int:
-    """Number of cores in a list such as "0-3,8" (taskset/cpuset syntax)."""
-    n = 0
-    for part in cpu_ids.split(","):
+def id_list(spec: str) -> list[int]:
+    """The ids in a list such as "0-3,8" (taskset/cpuset syntax), for cores and GPUs."""
+    out: list[int] = []
+    for part in str(spec).split(","):
         lo, _, hi = part.strip().partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def core_count(cpu_ids: str) -> int:
+    """Number of cores in a list such as "0-3,8"."""
+    return len(id_list(cpu_ids))
+
+
+def visible_devices_env(device: str, gpu_ids: Optional[str]) -> dict[str, str]:
+    """What makes a process see only the accelerators `gpu_ids` of its node."""
+    if _check(device) == "cuda" and gpu_ids is not None:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in id_list(gpu_ids))}
+    return {}
 
 
 def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads: Optional[int] = None,

@@ -95,6 +95,31 @@ def test_groups_threads_and_pinning_follow_the_config(tmp_path):
     assert all(g.cpu_ids is None for g in make_plan(slurm).groups)  # a real cluster: SLURM binds
 
 
+def test_gpus_are_split_between_inference_and_trainer_on_one_node(tmp_path):
+    from prime_hpc.config.validate import validate
+    from prime_hpc.launcher.render import render_local
+
+    one_node = ["+experiment=reverse_text", "cluster=local", "cluster.device=cuda", f"output_dir={tmp_path}/a",
+                "cluster.inference.gpus_per_node=2", "cluster.trainer.gpus_per_node=4"]
+    plan = make_plan(compose(one_node), cores=[0, 1])
+    assert plan.group("inference").env["CUDA_VISIBLE_DEVICES"] == "0,1"  # the first GPUs ...
+    assert plan.group("trainer").env["CUDA_VISIBLE_DEVICES"] == "2,3,4,5"  # ... and the next, never shared
+    assert "CUDA_VISIBLE_DEVICES" not in plan.group("orchestrator").env
+    text = render_local(plan, "local-1")
+    assert "CUDA_VISIBLE_DEVICES=0,1" in text and "CUDA_VISIBLE_DEVICES=2,3,4,5" in text
+    # chosen by hand (validated: as many as gpus_per_node, no overlap), also on SLURM
+    chosen = compose([*one_node[:-2], "cluster.inference.gpus_per_node=2", "cluster.trainer.gpus_per_node=2",
+                      "cluster.inference.gpu_ids=6-7", "cluster.trainer.gpu_ids='0,3'"])
+    validate(chosen)
+    plan = make_plan(chosen, cores=[0, 1])
+    assert plan.group("inference").env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert plan.group("trainer").env["CUDA_VISIBLE_DEVICES"] == "0,3"
+    slurm = make_plan(compose(["+experiment=reverse_text", "cluster=slurm", f"output_dir={tmp_path}/b"]), cores=[0, 1])
+    assert all("CUDA_VISIBLE_DEVICES" not in g.env for g in slurm.groups)  # SLURM binds the allocation's GPUs
+    cpu = make_plan(compose(["+experiment=reverse_text", "cluster=local", f"output_dir={tmp_path}/c"]), cores=[0, 1])
+    assert all("CUDA_VISIBLE_DEVICES" not in g.env for g in cpu.groups)
+
+
 def test_one_host_runs_use_loopback_and_real_clusters_the_nodes_address(tmp_path, monkeypatch):
     monkeypatch.delenv("PRIME_HPC_NODE_ADDRESS", raising=False)
     for cluster in ("local", "dev"):

@@ -309,6 +309,9 @@ class GroupResources:
     nproc_per_node: Optional[int] = ruled(None, ge=1)  # trainer only: ranks per node (default gpus_per_node or 1)
     cpu_ids: Optional[str] = None  # cores the group's tasks are pinned to, e.g. "0-3"; None = what the
     # allocation binds (SLURM); "auto" = this group's share of this machine (one host: local, dev)
+    gpu_ids: Optional[str] = None  # cuda: the GPUs of a node this group's processes see (CUDA_VISIBLE_DEVICES),
+    # e.g. "0-3"; as many as gpus_per_node. None = what the allocation gives (SLURM); locally, inference takes
+    # the first GPUs of the machine and the trainer the next
 
 
 @dataclass
@@ -326,6 +329,7 @@ class ClusterConfig:
     python: Optional[str] = None  # interpreter on the nodes; None = the submitting one
     cache_dir: Optional[str] = "${oc.env:PRIME_HPC_CACHE,null}"  # shared caches (built models, the inference
     # compile cache) on a filesystem every node sees; null = <output_dir>/../.prime-hpc-cache
+    share_gpus: bool = False  # allow inference and trainer gpu_ids to overlap on one node
     address: Optional[str] = None  # what servers bind to and publish; None = each node's own address
     # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
     signal_delay_s: int = ruled(120, ge=0)  # warning this long before the time limit: checkpoint, then requeue

@@ -94,9 +94,39 @@ def check_lengths(cfg: DictConfig) -> None:
         )
 
 
+def check_gpu_ids(cfg: DictConfig) -> None:
+    """`cluster.<group>.gpu_ids`: a GPU list, on cuda, as many as `gpus_per_node`, and
+    inference and trainer apart unless `cluster.share_gpus`."""
+    from prime_hpc.device import id_list
+
+    c = cfg.cluster
+    ids: dict[str, set[int]] = {}
+    for name in ("orchestrator", "inference", "trainer"):
+        spec = c[name].gpu_ids
+        if spec is None:
+            continue
+        key = f"cluster.{name}.gpu_ids"
+        if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(spec)):
+            raise ConfigError(key, f"{spec!r} is not a GPU list; use e.g. 0-3 or 0,2")
+        if c.device != "cuda":
+            raise ConfigError(key, "GPU ids need cluster.device=cuda; set it to null")
+        got = id_list(spec)
+        if len(set(got)) != len(got):
+            raise ConfigError(key, f"{spec!r} names a GPU twice")
+        if len(got) != int(c[name].gpus_per_node):
+            raise ConfigError(key, f"{len(got)} GPU(s) but cluster.{name}.gpus_per_node={c[name].gpus_per_node}; "
+                                   "make them equal")
+        ids[name] = set(got)
+    both = ids.get("inference", set()) & ids.get("trainer", set())
+    if both and not c.share_gpus:
+        raise ConfigError("cluster.trainer.gpu_ids", f"GPU(s) {sorted(both)} are also inference's; give each its own "
+                                                     "or set cluster.share_gpus=true")
+
+
 def check_gpus(cfg: DictConfig) -> None:
     c = cfg.cluster
     groups = {"orchestrator": c.orchestrator, "inference": c.inference, "trainer": c.trainer}
+    check_gpu_ids(cfg)
     if c.device == "cpu":
         for name, g in groups.items():
             if g.gpus_per_node:

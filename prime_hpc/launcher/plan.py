@@ -14,7 +14,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from prime_hpc.config.compose import cache_root
-from prime_hpc.device import CACHE_VAR, CPUS_VAR, core_count
+from prime_hpc.device import CACHE_VAR, CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.net import address_env
 from prime_hpc.rundir import COMPONENTS, RunDir
 
@@ -173,15 +173,33 @@ def group_cpus(cfg: DictConfig, groups: list[str], cores: Optional[list[int]] = 
     return {name: (_id_list(auto[name]) if v == "auto" else v) for name, v in wanted.items()}
 
 
-def group_env(name: str, cpu_ids: Optional[str], cpus_per_task: int, nproc_per_node: int) -> dict[str, str]:
+def group_gpus(cfg: DictConfig, groups: list[str]) -> dict[str, Optional[str]]:
+    """The GPUs of a node each group sees (None: all its allocation gives). On cuda, a
+    local run (every group on this machine) without `gpu_ids` splits the machine's GPUs:
+    inference the first `gpus_per_node`, the trainer the next."""
+    c = cfg.cluster
+    out = {name: (c[name].gpu_ids if c.device == "cuda" else None) for name in groups}
+    if c.device == "cuda" and c.backend == "local" and all(out[g] is None for g in groups):
+        start = 0
+        for name in ("inference", "trainer"):
+            n = int(c[name].gpus_per_node) if name in groups else 0
+            if n:
+                out[name] = f"{start}-{start + n - 1}"
+                start += n
+    return out
+
+
+def group_env(name: str, cpu_ids: Optional[str], cpus_per_task: int, nproc_per_node: int, device: str = "cpu",
+              gpu_ids: Optional[str] = None) -> dict[str, str]:
     """Threads per process from the cores the group has: its pinned cores, else the CPUs
     SLURM gives each task; the trainer's are divided among its ranks on the node. The
-    orchestrator computes little and gets one thread."""
+    orchestrator computes little and gets one thread. On cuda, the group's GPUs."""
     cores = core_count(cpu_ids) if cpu_ids else cpus_per_task
     threads = 1 if name == "orchestrator" else max(1, cores // (nproc_per_node if name == "trainer" else 1))
     env = {"OMP_NUM_THREADS": str(threads)}
     if cpu_ids:
         env[CPUS_VAR] = cpu_ids
+    env.update(visible_devices_env(device, gpu_ids))
     return env
 
 
@@ -220,6 +238,7 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
     nproc = trainer_nproc_per_node(cfg)
     names = job_groups(cfg, mode)
     cpus = group_cpus(cfg, names, cores)
+    gpus = group_gpus(cfg, names)
     groups = []
     for i, name in enumerate(names):
         r = c[name]
@@ -234,7 +253,7 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
                 argv=argv[name],
                 service=(mode == "run" and name == "inference"),
                 cpu_ids=cpus[name],
-                env=group_env(name, cpus[name], int(r.cpus_per_task), nproc),
+                env=group_env(name, cpus[name], int(r.cpus_per_task), nproc, c.device, gpus[name]),
             )
         )
     env = {
