@@ -366,6 +366,25 @@ def test_eval_scores_saved_weights_of_a_run(tmp_path):
 
 
 @pytest.mark.vllm
+def test_eval_of_any_endpoint_on_any_env_writes_a_result_and_a_table(keyed, tmp_path):
+    from tests.conftest import cli
+
+    out = tmp_path / "ev"
+    r = cli("eval", f"client.base_url={keyed.endpoints.router}", "client.model=tiny", "env=reverse-text",
+            "rollouts=2", "examples=3", f"out={out}", timeout=300)  # a distribution name, as users write it
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((out / "eval.json").read_text())
+    assert set(result["metrics"]) == {"eval/reverse-text/avg@2", "eval/reverse-text/pass@2"}  # named as given
+    assert result["envs"] == ["reverse-text"] and result["rollouts_per_example"] == 2 and result["num_examples"] == 3
+    avg = result["metrics"]["eval/reverse-text/avg@2"]
+    assert 0.0 <= avg <= 1.0 and result["metrics"]["eval/reverse-text/pass@2"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    header, row = r.stdout.splitlines()[:2]
+    assert header.split() == ["ENV", "AVG@2", "PASS@2"] and row.split()[:2] == ["reverse-text", f"{avg:.3f}"]
+    bad = cli("eval", "model=tiny")  # no env: one line, nothing started
+    assert bad.returncode == 2 and "env=<id>" in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.vllm
 def test_opd_takes_teacher_logprobs_and_sft_trains_on_teacher_completions(keyed, tmp_path):
     """The session's servers double as the teacher (same tiny model): in opd the per-token
     advantages are log p_teacher - log p_student, ~0 here; in sft the teacher generates."""

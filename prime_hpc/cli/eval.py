@@ -6,13 +6,18 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    e = sub.add_parser("eval", help="score saved weights/step_N on the run's eval envs (starts an inference server)")
-    e.add_argument("target", help="job id, run name, output dir, or <run>/weights/step_N")
-    e.add_argument("args", nargs="*", help="steps=N,M (default: every saved step) and overrides of the run config")
+    e = sub.add_parser("eval", help="score saved weights/step_N on the run's eval envs, or any model or endpoint on "
+                                    "any envs (starts an inference server unless given one)")
+    e.add_argument("target", help="job id, run name, output dir, or <run>/weights/step_N; or model=<name|path> "
+                                  "(or client.base_url=<endpoint>) followed by env=<id>[,<id>...]")
+    e.add_argument("args", nargs="*", help="steps=N,M (default: every saved step) and overrides of the run config; "
+                                           "without a run: env=, rollouts=K, examples=N, client.model=, out=DIR")
     return e
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.orchestrator.evaluate import run_eval
+    from prime_hpc.orchestrator.evaluate import is_standalone, run_eval, run_standalone
 
+    if is_standalone(a.target):
+        return run_standalone([a.target, *a.args])
     return run_eval(a.target, a.args)

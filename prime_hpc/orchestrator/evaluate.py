@@ -7,16 +7,21 @@ It starts one inference server for the run's model on this machine (its files un
 `rollouts_per_example`) and writes `<run>/eval/step_<N>.json` with
 `eval/<env>/avg@k` and `eval/<env>/pass@k`. Overrides (`orchestrator.eval.num_examples=20`,
 `inference.dtype=float32`, ...) apply on top of the run's `config.yaml`.
+
+`prime-hpc eval model=<name|path> env=<id>[,<id>...]` (or `client.base_url=<endpoint>`
+instead of a model) scores any model or running endpoint on any env ids, without a run:
+see `run_standalone`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 from prime_hpc.errors import UserError
 from prime_hpc.rundir import RunDir, atomic_write_json
@@ -43,13 +48,51 @@ def parse_steps(value: str) -> list[int]:
         raise UserError(f"steps={value}: expected comma-separated step numbers, e.g. steps=10,20") from None
 
 
+@contextlib.contextmanager
+def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
+    """One inference server for `cfg.model.name` on this machine, its files under `edir`
+    (configs, endpoints, logs); yields its URL and stops it (and its process group)."""
+    from prime_hpc.config.compose import write_component_config
+    from prime_hpc.device import CACHE_VAR
+    from prime_hpc.inference.client import wait_for_servers
+    from prime_hpc.net import address_env
+
+    cfg.output_dir = str(edir.root)
+    cfg.cluster.inference.nodes = 1
+    inference_yaml = write_component_config(cfg, "inference")
+    log = edir.root / "logs" / "inference" / "node_0.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.unlink(edir.inference_endpoint(0))
+    except OSError:
+        pass
+    with open(log, "ab") as f:
+        server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
+                                   str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"), "PRIME_HPC_NODE_RANK": "0",
+                                       CACHE_VAR: cache, **address_env(cfg.cluster.address)},
+                                  start_new_session=True)
+    try:
+        print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
+        yield wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.root / "logs",
+                               alive=lambda: server.poll() is None)[0]["url"]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        try:
+            os.killpg(server.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def run_eval(target: str, args: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from prime_hpc.config.compose import cache_root, component_config, write_component_config
-    from prime_hpc.device import CACHE_VAR
-    from prime_hpc.inference.client import Admin, api_key, wait_for_servers
-    from prime_hpc.net import address_env
+    from prime_hpc.config.compose import cache_root, component_config
+    from prime_hpc.inference.client import Admin, api_key
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.loop import Orchestrator
 
@@ -72,26 +115,7 @@ def run_eval(target: str, args: list[str]) -> int:
     if not cfg.orchestrator.eval.env:
         raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
     edir = RunDir(run.eval_dir)
-    cache = cache_root(cfg)  # the run's: its compile cache is reused
-    cfg.output_dir = str(edir.root)
-    cfg.cluster.inference.nodes = 1
-    inference_yaml = write_component_config(cfg, "inference")
-    log = edir.root / "logs" / "inference" / "node_0.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.unlink(edir.inference_endpoint(0))
-    except OSError:
-        pass
-    with open(log, "ab") as f:
-        server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
-                                   str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"), "PRIME_HPC_NODE_RANK": "0",
-                                       CACHE_VAR: cache, **address_env(cfg.cluster.address)},
-                                  start_new_session=True)
-    try:
-        print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
-        url = wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.root / "logs",
-                               alive=lambda: server.poll() is None)[0]["url"]
+    with eval_server(cfg, edir, cache_root(cfg)) as url:  # the run's cache: its compile cache is reused
         orch = Orchestrator(component_config(cfg, "orchestrator"))
         orch.load_envs(train=False)
         orch.client = make_client(url + "/v1", api_key())
@@ -107,18 +131,78 @@ def run_eval(target: str, args: list[str]) -> int:
                 atomic_write_json(run.eval_result(step), row)
                 print("  ".join([f"step {step:>5}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
                 rows.append(row)
+            await admin.aclose()
             return rows
 
         asyncio.run(all_steps())
         print(f"prime-hpc eval: wrote {edir.root}/step_<n>.json for steps {steps}")
         return 0
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        try:
-            os.killpg(server.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
+
+
+STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model")
+
+
+def is_standalone(target: str) -> bool:
+    """`prime-hpc eval model=... env=...` rather than a job, run or weights dir."""
+    return "=" in target and target.split("=", 1)[0] in STANDALONE_KEYS and not Path(target).exists()
+
+
+def run_standalone(args: list[str]) -> int:
+    """`prime-hpc eval model=<name|path> env=<id>[,<id>...] [rollouts=K] [examples=N]
+    [client.base_url=URL [client.model=NAME]] [out=DIR] [overrides]`: any model (a server
+    is started for it) or any running OpenAI-compatible endpoint, on any env ids. Writes
+    `<out>/eval.json` and prints one row per env: avg@k and pass@k."""
+    from omegaconf import OmegaConf
+
+    from prime_hpc.config.compose import cache_root, compose, component_config
+    from prime_hpc.config.schema import EnvEntry
+    from prime_hpc.inference.client import api_key
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.envs import env_name
+    from prime_hpc.orchestrator.loop import Orchestrator
+
+    opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in STANDALONE_KEYS)
+    overrides = [a for a in args if a.split("=", 1)[0] not in STANDALONE_KEYS]
+    envs = [e for e in opts.get("env", "").split(",") if e]
+    if not envs:
+        raise UserError("env=<id>[,<id>...] is required: the environments to evaluate on")
+    if "model" not in opts and "client.base_url" not in opts:
+        raise UserError("give model=<name|path> (a server is started for it) or client.base_url=<endpoint>")
+    try:
+        k, n = int(opts.get("rollouts", 1)), int(opts.get("examples", 0)) or None
+    except ValueError:
+        raise UserError("rollouts=K and examples=N take whole numbers") from None
+    if k < 1 or (n is not None and n < 1):
+        raise UserError("rollouts=K and examples=N must be >= 1")
+    name = opts.get("model") or opts.get("client.model") or "served"
+    out = Path(opts.get("out") or Path("outputs") / "eval" / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = compose([f"model.name={name}" if "model" in opts else "model.name=tiny", f"output_dir={out}", *overrides])
+    cfg.orchestrator.eval.env = OmegaConf.create([{"id": e, "args": {}, "ratio": 1.0, "name": None} for e in envs])
+    cfg.orchestrator.eval.rollouts_per_example, cfg.orchestrator.eval.num_examples = k, n
+    edir = RunDir(out)
+    t0 = time.monotonic()
+
+    def evaluate(url: str, model: str, key: Optional[str]) -> dict:
+        orch = Orchestrator(component_config(cfg, "orchestrator"))
+        orch.load_envs(train=False)
+        orch.client, orch.model = make_client(url, key), model
+        return asyncio.run(orch.evaluate(0))
+
+    if "client.base_url" in opts:
+        base = opts["client.base_url"].rstrip("/")
+        metrics = evaluate(base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, api_key())
+        where = base
+    else:
+        edir.root.mkdir(parents=True, exist_ok=True)
+        with eval_server(cfg, edir, cache_root(cfg)) as url:
+            metrics = evaluate(url + "/v1", cfg.model.name, api_key())
+        where = "a server started for it"
+    result = {"model": name, "endpoint": where, "envs": envs, "rollouts_per_example": k, "num_examples": n,
+              "metrics": metrics, "time_s": round(time.monotonic() - t0, 1), "at": time.time()}
+    path = atomic_write_json(out / "eval.json", result)
+    print(f"{'ENV':24} {f'AVG@{k}':>8} {f'PASS@{k}':>8}")
+    for e in (env_name(EnvEntry(id=e)) for e in envs):
+        print(f"{e:24} {metrics.get(f'eval/{e}/avg@{k}', float('nan')):8.3f} "
+              f"{metrics.get(f'eval/{e}/pass@{k}', float('nan')):8.3f}")
+    print(f"prime-hpc eval: {name} on {', '.join(envs)} ({where}); wrote {path}")
+    return 0
