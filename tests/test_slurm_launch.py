@@ -206,7 +206,8 @@ def test_a_failing_component_ends_the_job_and_is_named(tmp_path):
     finally:
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True)
     failure = jobs.read_job(sub.ref.run)["failure"]
-    assert failure["component"] == "trainer" and failure["log"].endswith("trainer.log")
+    assert failure["component"] == "trainer" and failure["node"] == 0  # the node srun saw fail, and its own log
+    assert failure["log"].endswith("trainer/node_0.log") and failure["host"].startswith("node")
     assert set(sacct_states(sub.ref.job_id).values()) == {"FAILED"}
 
 

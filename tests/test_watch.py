@@ -229,7 +229,7 @@ def test_follow_exits_1_when_the_run_fails_in_its_job(work):
     # the trainer's own complaint, then the final state naming the failed component and its log
     assert re.search(r"^trainer\[0\] +\| .*dataset 'reverse_text:no_such_function': cannot import", out, re.M), out
     last = out.splitlines()[-1]
-    assert last.startswith(f"job {job_id} ended: FAILED (trainer:") and "trainer.log" in last
+    assert last.startswith(f"job {job_id} ended: FAILED (trainer:") and "trainer/node_0.log" in last
     job = jobs.read_job(run)
     assert job["state"] == "FAILED" and job["failure"]["component"] == "trainer"
 
