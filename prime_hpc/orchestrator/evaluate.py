@@ -152,8 +152,6 @@ def run_standalone(args: list[str]) -> int:
     [client.base_url=URL [client.model=NAME]] [out=DIR] [overrides]`: any model (a server
     is started for it) or any running OpenAI-compatible endpoint, on any env ids. Writes
     `<out>/eval.json` and prints one row per env: avg@k and pass@k."""
-    from omegaconf import OmegaConf
-
     from prime_hpc.config.compose import cache_root, compose, component_config
     from prime_hpc.config.schema import EnvEntry
     from prime_hpc.inference.client import api_key
@@ -177,7 +175,7 @@ def run_standalone(args: list[str]) -> int:
     name = opts.get("model") or opts.get("client.model") or "served"
     out = Path(opts.get("out") or Path("outputs") / "eval" / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = compose([f"model.name={name}" if "model" in opts else "model.name=tiny", f"output_dir={out}", *overrides])
-    cfg.orchestrator.eval.env = OmegaConf.create([{"id": e, "args": {}, "ratio": 1.0, "name": None} for e in envs])
+    cfg.orchestrator.eval.env = [EnvEntry(id=e) for e in envs]
     cfg.orchestrator.eval.rollouts_per_example, cfg.orchestrator.eval.num_examples = k, n
     edir = RunDir(out)
     t0 = time.monotonic()
