@@ -22,7 +22,7 @@ from tests.wandb_records import history_keys
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-RL_STEPS = 80  # the shipped run is longer (350 steps, lr decaying); here a constant lr
+RL_STEPS = 150  # the shipped run is longer (350 steps, lr decaying); here a constant lr
 
 
 def _rows(run: RunDir, component: str) -> list[dict]:
@@ -30,10 +30,22 @@ def _rows(run: RunDir, component: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _trend(ys: list[float]) -> tuple[float, float]:
+    """The rise of the least-squares line over the run and its t-statistic (slope / its
+    standard error): a noisy curve that really climbs has t well above 3."""
+    n = len(ys)
+    xm, ym = (n - 1) / 2, statistics.mean(ys)
+    sxx = sum((x - xm) ** 2 for x in range(n))
+    slope = sum((x - xm) * (y - ym) for x, y in enumerate(ys)) / sxx
+    resid = sum((y - ym - slope * (x - xm)) ** 2 for x, y in enumerate(ys))
+    stderr = (resid / (n - 2) / sxx) ** 0.5
+    return slope * (n - 1), slope / stderr if stderr else float("inf")
+
+
 def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     out = tmp_path / "run"
     r = cli("submit", "+experiment=reverse_text", "cluster=dev", f"output_dir={out}", f"max_steps={RL_STEPS}",
-            "trainer.optim.schedule=constant", "orchestrator.eval.interval=40",
+            "trainer.optim.schedule=constant", "orchestrator.eval.interval=75",
             "wandb.enabled=true", "wandb.offline=true", "wandb.log_extras.interval=20")
     assert r.returncode == 0, r.stderr
     rl, warm = RunDir(out), RunDir(out / "warmup")
@@ -71,12 +83,13 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     orch = [r for r in _rows(rl, "orchestrator") if "reward/all/mean" in r]
     trainer = _rows(rl, "trainer")
     assert [r["step"] for r in orch] == list(range(1, RL_STEPS + 1)) == [r["step"] for r in trainer]
-    first = statistics.mean(r["reward/all/mean"] for r in orch[:10])
-    last = statistics.mean(r["reward/all/mean"] for r in orch[-10:])
-    assert last >= first + 0.03, (first, last)
+    # a step's mean reward (64 samples at temperature 1) scatters by ~0.04: judge the trend
+    # of the whole run, a least-squares line, by its rise and how far it stands above noise
+    rise, t = _trend([r["reward/all/mean"] for r in orch])
+    assert rise >= 0.03 and t >= 3, (rise, t)
     assert max(r["mismatch_kl/mean"] for r in trainer) < 0.01
     evals = {r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r}
-    assert set(evals) == {0, 40, 80} and evals[80] > evals[0], evals
+    assert set(evals) == {0, 75, 150} and evals[150] > evals[0], evals
     # W&B (offline): one run holding both components' metrics, sampled rollouts and distributions
     (offline,) = rl.wandb_dir.rglob("offline-run-*")
     rows = history_keys(next(offline.glob("run-*.wandb")))
