@@ -57,6 +57,14 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- job.json
+def on_node(record: dict) -> str:
+    """The " on node N (host)" part of a failure or loss record that names its node (none
+    for an inference server, whose name already says which: `inference_1`)."""
+    if record.get("node") is None or str(record.get("component") or "").startswith("inference_"):
+        return ""
+    return f" on node {record['node']}" + (f" ({record['host']})" if record.get("host") else "")
+
+
 def read_job(run: RunDir) -> dict[str, Any]:
     try:
         return read_json(run.job_json)

@@ -373,6 +373,23 @@ class RunDir:
         atomic_write_json(self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info},
                           durable=False)
 
+    def beats(self, component: Optional[str] = None) -> dict[str, dict]:
+        """The heartbeats there are, {"trainer_0": {...}, ...} (of `component`'s ranks only
+        if given); unreadable ones (being replaced) are left out."""
+        out: dict[str, dict] = {}
+        try:
+            names = os.listdir(self.heartbeats_dir)
+        except OSError:
+            return out
+        for n in names:
+            if n.startswith(".") or (component and not n.startswith(component + "_")):
+                continue
+            try:
+                out[n] = json.loads((self.heartbeats_dir / n).read_text())
+            except (OSError, ValueError):
+                continue
+        return out
+
     # --- data plane
     @property
     def rollouts_dir(self) -> Path:

@@ -10,6 +10,8 @@ import socket
 import struct
 from pathlib import Path
 
+from tests import procs
+
 LISTEN, ESTABLISHED = "0A", "01"
 
 
@@ -31,18 +33,8 @@ def _loopback(addr: str) -> bool:
 
 def run_pids(output_dir: Path) -> dict[int, str]:
     """{pid: command line} of the processes of the run in `output_dir`."""
-    needle = f"PRIME_HPC_OUTPUT_DIR={output_dir}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            if needle in env:
-                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-    return found
+    return {pid: cmd for pid in procs.with_env(f"PRIME_HPC_OUTPUT_DIR={output_dir}")
+            if (cmd := procs.cmdline(pid, limit=4096)) is not None}
 
 
 def run_sockets(output_dir: Path) -> dict:

@@ -19,6 +19,7 @@ from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S
 from prime_hpc.rundir import RunDir
+from tests import procs
 from tests.conftest import cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
@@ -27,50 +28,18 @@ STALL_S = 15
 
 
 # ----------------------------------------------------------------------------- processes
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time) of a live process."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), int(fields[19])
-
-
 def run_processes(logs: Path) -> dict[int, int]:
     """{pid: start time} of every process of the run: those the job script started (they
     carry the attempt's PRIME_HPC_LOGS in their environment) and all their descendants."""
-    table = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit() and (st := _stat(int(d))):
-            table[int(d)] = st
-    marker = f"PRIME_HPC_LOGS={logs}".encode()
-    roots = set()
-    for pid in table:
-        try:
-            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                roots.add(pid)
-        except OSError:
-            continue
-    found = set(roots)
-    grew = True
-    while grew:
-        grew = False
-        for pid, (ppid, _) in table.items():
-            if ppid in found and pid not in found:
-                found.add(pid)
-                grew = True
-    return {pid: table[pid][1] for pid in found}
+    now = procs.table()
+    return {pid: now[pid][1] for pid in procs.descendants(procs.with_env(f"PRIME_HPC_LOGS={logs}", now), now)}
 
 
-def still_alive(procs: dict[int, int]) -> list[str]:
+def still_alive(started: dict[int, int]) -> list[str]:
     out = []
-    for pid, start in procs.items():
-        st = _stat(pid)
-        if st and st[1] == start:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
-            except OSError:
-                continue
+    for pid, start in started.items():
+        st = procs.stat(pid)
+        if st and st[1] == start and (cmd := procs.cmdline(pid)) is not None:
             out.append(f"{pid}: {cmd!r}")
     return out
 

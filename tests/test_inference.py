@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from prime_hpc.inference import server as srv
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.rundir import mark_stable
+from tests import procs
 
 # --------------------------------------------------------------------------- unit: config → vLLM
 
@@ -263,23 +263,8 @@ def _chat(base, key_headers, content="abcd", **kw):
 
 def _cpu_seconds_of_tree(pid: int) -> float:
     """User + system CPU time of `pid` and every process below it (by parent chain)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    tree, total, grew = {pid}, 0.0, True
-    while grew:
-        grew = False
-        for p, (ppid, _) in parents.items():
-            if ppid in tree and p not in tree:
-                tree.add(p)
-                grew = True
-    return sum(parents[p][1] for p in tree if p in parents)
+    now = procs.table()
+    return sum(now[p][2] for p in procs.descendants([pid], now) if p in now)
 
 
 @pytest.mark.vllm

@@ -19,6 +19,7 @@ from prime_hpc import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, is_stable
+from tests import procs
 from tests.conftest import cli
 from tests.test_faults import run_processes, still_alive, wait_for_step
 
@@ -73,7 +74,7 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         wait_for_step(run, 4)  # one server dies: the run goes on with the other
         logs = run.latest_logs.resolve()
         server1 = {pid: start for pid, start in run_processes(logs).items()
-                   if pid == servers[1]["pid"] or _descends(pid, servers[1]["pid"])}
+                   if pid == servers[1]["pid"] or procs.descends(pid, servers[1]["pid"])}
         os.kill(servers[1]["pid"], signal.SIGKILL)
         assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
     finally:
@@ -102,17 +103,3 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         assert path.stat().st_mode & 0o007 == 0, f"{path} is open to other users (cluster.umask=027)"
         if path.is_file() and path.stat().st_size < 50_000_000:  # the key lives in the environment only
             assert KEY.encode() not in path.read_bytes(), path
-
-
-def _descends(pid: int, ancestor: int) -> bool:
-    from tests.test_faults import _stat
-
-    seen = 0
-    while pid > 1 and seen < 64:
-        st = _stat(pid)
-        if st is None:
-            return False
-        pid, seen = st[0], seen + 1
-        if pid == ancestor:
-            return True
-    return False

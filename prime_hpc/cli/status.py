@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, Optional
@@ -31,15 +30,7 @@ def ago(t: Optional[float]) -> str:
 def heartbeat(run: Any, component: str) -> Optional[dict]:
     """The newest heartbeat of any rank/node of `component`."""
     best = None
-    try:
-        names = [n for n in os.listdir(run.heartbeats_dir) if n.startswith(component + "_")]
-    except FileNotFoundError:
-        names = []
-    for n in names:
-        try:
-            info = json.loads((run.heartbeats_dir / n).read_text())
-        except (OSError, ValueError):
-            continue
+    for info in run.beats(component).values():
         if best is None or info.get("time", 0) > best.get("time", 0):
             best = info
     return best
@@ -77,14 +68,8 @@ def _max_steps(run: Any) -> Optional[int]:
         return None
 
 
-def where(record: dict) -> str:
-    """The " on node N (host)" part of a failure or loss record that names its node."""
-    if record.get("node") is None or str(record.get("component", "")).startswith("inference_"):
-        return ""
-    return f" on node {record['node']}" + (f" ({record['host']})" if record.get("host") else "")
-
-
 def format_job(s: dict[str, Any]) -> list[str]:
+    from prime_hpc import jobs
     from prime_hpc.vitals import format_vitals
 
     attempts = s["attempts"]
@@ -106,12 +91,12 @@ def format_job(s: dict[str, Any]) -> list[str]:
     if s["mode"] != "doctor" and (s["vitals"]["trainer_step"] is not None or s["vitals"]["orchestrator_step"]):
         out += format_vitals(s["vitals"], s["kind"])
     for lost in (attempts[-1].get("lost") or []) if attempts else []:
-        out.append(f"lost: {lost['component']}{where(lost)} exited with code {lost['rc']} at "
+        out.append(f"lost: {lost['component']}{jobs.on_node(lost)} exited with code {lost['rc']} at "
                    f"{time.strftime('%H:%M:%S', time.localtime(lost['at']))}; the run went on without it; "
                    f"see {lost.get('log')}")
     if s["failure"]:
         f = s["failure"]
-        out.append(f"failed: {f.get('component') or 'job'}{where(f)} {f.get('reason', '')}; see {f.get('log')}")
+        out.append(f"failed: {f.get('component') or 'job'}{jobs.on_node(f)} {f.get('reason', '')}; see {f.get('log')}")
     return out
 
 

@@ -86,13 +86,26 @@ class PolicyGate:
                 self.cond.notify_all()
 
 
-def key_ok(headers: list[tuple[bytes, bytes]], key_hash: bytes) -> bool:
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer":
-                return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), key_hash)
-    return False
+class ApiKey:
+    """The API key a server demands on every route but liveness (`OPEN_PATHS`) and CORS
+    preflight; none configured = open. Only its hash is kept."""
+
+    def __init__(self, key: Optional[str]) -> None:
+        self.key_hash = hashlib.sha256(key.encode()).digest() if key else None
+
+    def allows(self, scope: Scope) -> bool:
+        if self.key_hash is None or scope.get("method") == "OPTIONS" or scope.get("path", "") in OPEN_PATHS:
+            return True
+        for name, value in scope.get("headers", []):
+            if name.lower() == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.key_hash)
+        return False
+
+    @staticmethod
+    async def refuse(send: Send) -> None:
+        await send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
 
 
 async def send_json(send: Send, status: int, obj: Any) -> None:
@@ -108,17 +121,16 @@ class GateMiddleware:
     def __init__(self, app: Callable, gate: PolicyGate, api_key: Optional[str] = None) -> None:
         self.app = app
         self.gate = gate
-        self.key_hash = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        self.key = ApiKey(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        if self.key_hash is not None and scope.get("method") != "OPTIONS" and path not in OPEN_PATHS:
-            if not key_ok(scope.get("headers", []), self.key_hash):
-                if scope["type"] == "http":
-                    return await send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
-                return None  # websocket: close without accepting
+        if not self.key.allows(scope):
+            if scope["type"] == "http":
+                return await self.key.refuse(send)
+            return None  # websocket: close without accepting
         if scope["type"] == "http" and scope.get("method") == "POST" and path in GENERATION_PATHS:
             async with self.gate.shared():
                 return await self.app(scope, receive, _Stamper(send, self.gate.step))

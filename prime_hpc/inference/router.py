@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from prime_hpc.net import free_port, node_address, url
 from prime_hpc.inference.client import api_key, wait_for_servers
-from prime_hpc.inference.gate import OPEN_PATHS, key_ok, send_json
+from prime_hpc.inference.gate import ApiKey, send_json
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
 from prime_hpc.stopping import die_with_parent
 
@@ -73,10 +73,8 @@ class KeyProxy:
     came (method, path, query, headers, body) to `upstream`, and the answer back streamed."""
 
     def __init__(self, upstream: str, key: Optional[str]) -> None:
-        import hashlib
-
         self.upstream = upstream
-        self.key_hash = hashlib.sha256(key.encode()).digest() if key else None
+        self.key = ApiKey(key)
         self.client: Any = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -84,9 +82,8 @@ class KeyProxy:
 
         if scope["type"] != "http":
             return
-        if self.key_hash is not None and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_PATHS \
-                and not key_ok(scope.get("headers", []), self.key_hash):
-            return await send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
+        if not self.key.allows(scope):
+            return await self.key.refuse(send)
         body, more = b"", True
         while more:
             message = await receive()

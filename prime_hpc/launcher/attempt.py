@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.errors import UserError
-from prime_hpc.jobs import (CANCELLED, COMPLETED, FAILED, FINAL_STATES, REQUEUED, RUNNING, editing_job, read_job)
+from prime_hpc.jobs import (CANCELLED, COMPLETED, FAILED, FINAL_STATES, REQUEUED, RUNNING, editing_job, on_node,
+                           read_job)
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text, read_json
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
@@ -139,8 +140,7 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
         _end_attempt(job, job_id, job["state"], reason)
     if rc != 0:
         f = job["failure"]
-        node = f" on node {f['node']}" + (f" ({f['host']})" if f.get("host") else "") if f.get("node") is not None else ""
-        return f"prime-hpc: run failed: {(component + node + ' ') if component else ''}{reason}; see {f['log']}"
+        return f"prime-hpc: run failed: {(component + on_node(f) + ' ') if component else ''}{reason}; see {f['log']}"
     return f"prime-hpc: run completed; logs in {logs}"
 
 

@@ -17,7 +17,6 @@ exits 3; the supervisor then ends the job like any failed component.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -47,22 +46,6 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
     return worst
 
 
-def read_beats(run: RunDir) -> dict[str, dict]:
-    out = {}
-    try:
-        names = os.listdir(run.heartbeats_dir)
-    except OSError:
-        return out
-    for n in names:
-        if n.startswith("."):
-            continue
-        try:
-            out[n] = json.loads((run.heartbeats_dir / n).read_text())
-        except (OSError, ValueError):
-            continue
-    return out
-
-
 def last_line(path: Path, max_bytes: int = 8192) -> str:
     try:
         with open(path, "rb") as f:
@@ -85,7 +68,7 @@ def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Pat
 def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, poll_s: float = POLL_S) -> int:
     while True:
         time.sleep(poll_s)
-        s = stalled(read_beats(run), timeout_s, time.time())
+        s = stalled(run.beats(), timeout_s, time.time())
         if s is None:
             continue
         log = stall_log(logs, s["component"], s["rank"], ranks_per_node)
