@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from prime_hpc import jobenv
 from prime_hpc.launcher.attempt import component_log
 from prime_hpc.net import node_address
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
@@ -162,7 +163,7 @@ def _node_rank(group: str) -> int:
         return int(os.environ.get("RANK", 0))
     if group == "router":
         return 0
-    return int(os.environ.get("PRIME_HPC_NODE_RANK", os.environ.get("SLURM_NODEID", 0)))
+    return jobenv.node_rank()
 
 
 def write_report(run: RunDir, group: str, rank: int, checks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,12 +180,9 @@ def write_report(run: RunDir, group: str, rank: int, checks: list[dict[str, Any]
 
 
 def run_node(run: RunDir, group: str) -> int:
-    if os.environ.get("PRIME_HPC_FAULT_INJECT") == group:  # fault-injection tests: this group crashes
-        print(f"prime-hpc: injected fault in {group}", file=sys.stderr)
-        return 3
     rank = _node_rank(group)
     run.beat(group, rank, phase="preflight")
-    device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
+    device = jobenv.device()
     report = write_report(run, group, rank, node_checks(run, group, rank, device))
     print(json.dumps(report, indent=2))
     return 0  # a failed check is in the report; the head's verdict decides the job's exit
@@ -233,7 +231,7 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
     try:
         atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": server.address,
                                                "port": server.port})
-        device = os.environ.get("PRIME_HPC_DEVICE", "cpu")
+        device = jobenv.device()
         write_report(run, "orchestrator", 0, node_checks(run, "orchestrator", 0, device))
         reports = {"orchestrator": [read_json(run.preflight_report("orchestrator", 0))]}
         logs = run.latest_logs

@@ -13,6 +13,7 @@ import os
 import socket
 from typing import Optional
 
+LOOPBACK = "127.0.0.1"
 ADDRESS_VAR = "PRIME_HPC_NODE_ADDRESS"  # override when the heuristics pick the wrong interface
 
 
@@ -55,7 +56,7 @@ def node_address(configured: Optional[str] = None) -> str:
                 return addr
         except OSError:
             continue
-    return "127.0.0.1"
+    return LOOPBACK
 
 
 def address_env(address: Optional[str]) -> dict[str, str]:

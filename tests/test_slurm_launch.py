@@ -196,10 +196,9 @@ def test_scancel_of_a_running_job_is_recorded_by_the_job_itself(tmp_path, cancel
 
 
 def test_a_failing_component_ends_the_job_and_is_named(tmp_path):
-    """The trainer group crashes (an injected fault); the others are stopped at once and
-    job.json names the trainer and its log."""
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
-                   "cluster.env_setup=[\"export PRIME_HPC_FAULT_INJECT=trainer\"]"])
+    """The trainer group cannot start (pinned to a core its node does not have: taskset
+    fails); the others are stopped at once and job.json names the trainer and its log."""
+    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", "cluster.trainer.cpu_ids=63"])
     sub = launch.submit(cfg, [], mode="doctor")
     try:
         assert launch.wait_done(sub, 300) == "FAILED"

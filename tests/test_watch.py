@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from prime_hpc import jobs
+from prime_hpc.net import LOOPBACK, free_port
 from prime_hpc.rundir import RunDir
 from tests.conftest import REPO, cli
 
@@ -92,12 +92,6 @@ def sacct(job_id: str, fields: str = "State") -> str:
 
 def trainer_rows(run: RunDir) -> list[dict]:
     return [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +280,7 @@ def unreachable_conf(tmp: Path) -> Path:
     show = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
     (conf,) = re.findall(r"^SLURM_CONF\s*=\s*(\S+)", show, re.M)
     text = Path(conf).read_text()
-    for key, value in (("SlurmctldPort", free_port()), ("AccountingStoragePort", free_port()),
+    for key, value in (("SlurmctldPort", free_port(LOOPBACK)), ("AccountingStoragePort", free_port(LOOPBACK)),
                        ("MessageTimeout", 2)):
         text, n = re.subn(rf"^{key}=.*$", f"{key}={value}", text, flags=re.M)
         if not n:

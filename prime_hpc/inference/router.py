@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc.net import free_port, node_address, url
+from prime_hpc import jobenv
+from prime_hpc.net import LOOPBACK, free_port, node_address, url
 from prime_hpc.inference.client import api_key, wait_for_servers
 from prime_hpc.inference.gate import ApiKey, send_json
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
 from prime_hpc.stopping import die_with_parent
 
 POLICY = "round_robin"
-LOOPBACK = "127.0.0.1"
 MAX_RESTARTS = 3  # a vllm-router that dies is started again at most this often per attempt
 
 
@@ -157,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"prime-hpc router: {e}", file=sys.stderr, flush=True)
         return 2
     run = RunDir(cfg.output_dir)
-    logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
+    logs = jobenv.logs_dir()
     timeout_s = float(cfg.inference.startup_timeout_s)
     try:
         servers = wait_for_servers(run, cfg.nodes, timeout_s, logs)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from prime_hpc import jobenv
 from prime_hpc.rundir import RunDir, atomic_write_json
 
 POLL_S = 2.0
@@ -94,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.stall_timeout_s <= 0:
         return 0
     run = RunDir(a.output_dir)
-    logs = Path(os.environ.get("PRIME_HPC_LOGS") or run.latest_logs)
+    logs = jobenv.logs_dir() or run.latest_logs
     try:
         return watch(run, a.stall_timeout_s, logs, a.ranks_per_node)
     except KeyboardInterrupt:

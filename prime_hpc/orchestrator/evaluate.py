@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from prime_hpc import jobenv
 from prime_hpc.errors import UserError
 from prime_hpc.rundir import RunDir, atomic_write_json
 
@@ -69,7 +70,7 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
     with open(log, "ab") as f:
         server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
                                    str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PRIME_HPC_LOGS": str(edir.root / "logs"), "PRIME_HPC_NODE_RANK": "0",
+                                  env={**os.environ, jobenv.LOGS_VAR: str(edir.root / "logs"), jobenv.NODE_RANK_VAR: "0",
                                        CACHE_VAR: cache, **address_env(cfg.cluster.address)},
                                   start_new_session=True)
     try:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from prime_hpc import device as devices
+from prime_hpc.net import LOOPBACK, free_port
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def process_group(device_kind: str) -> Iterator[DistEnv]:
 
     if "RANK" not in os.environ:  # plain `python -m ...`: a group of one
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port(LOOPBACK)))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     dev = devices.torch_device(device_kind, local)
     dist.init_process_group(backend=devices.dist_backend(device_kind))
@@ -44,14 +45,6 @@ def process_group(device_kind: str) -> Iterator[DistEnv]:
         yield DistEnv(rank=rank, world_size=world, local_rank=local, device_kind=device_kind, device=dev, mesh=mesh)
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def all_reduce_sum(values: list[float] | torch.Tensor, env: DistEnv) -> torch.Tensor:

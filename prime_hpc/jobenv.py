@@ -1,0 +1,38 @@
+"""What the launcher tells every process of a job through its environment, read in one
+place. The job scripts (sbatch_templates/) and the local launcher set these variables;
+components read them here and nowhere else.
+
+- `PRIME_HPC_LOGS`: this attempt's log directory (`<output_dir>/logs/attempt_<n>`);
+- `PRIME_HPC_NODE_RANK`: the node's index within its group, set per inference server
+  (each server is a SLURM step of its own, where `SLURM_NODEID` is 0) and read before
+  `SLURM_NODEID`;
+- `PRIME_HPC_DEVICE`: `cpu` or `cuda`, the run's device (`cluster.device`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+LOGS_VAR = "PRIME_HPC_LOGS"
+NODE_RANK_VAR = "PRIME_HPC_NODE_RANK"
+DEVICE_VAR = "PRIME_HPC_DEVICE"
+
+
+def logs_dir() -> Optional[Path]:
+    """This attempt's log directory, if the process runs inside a job."""
+    value = os.environ.get(LOGS_VAR)
+    return Path(value) if value else None
+
+
+def node_rank() -> int:
+    """This node's index within its group (0 outside a job)."""
+    for var in (NODE_RANK_VAR, "SLURM_NODEID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def device() -> str:
+    """The run's device, as the launcher chose it (`cpu` outside a job)."""
+    return os.environ.get(DEVICE_VAR) or "cpu"
