@@ -53,6 +53,7 @@ BAD_OVERRIDES = [
     (["orchestrator.difficulty_filter.min_reward=0.9", "orchestrator.difficulty_filter.max_reward=0.1"],
      "orchestrator.difficulty_filter.min_reward"),
     (["orchestrator.training_mode=bogus"], "orchestrator.training_mode"),
+    (["orchestrator.trajectory_strategy=tree"], "orchestrator.trajectory_strategy"),
     (["orchestrator.env.0.ratio=-1"], "orchestrator.env.0.ratio"),
     (["orchestrator.env.0.id=no_such_env_pkg"], "orchestrator.env.0.id"),
     (["inference.gpu_memory_utilization=0"], "inference.gpu_memory_utilization"),

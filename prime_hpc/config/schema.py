@@ -233,6 +233,9 @@ class OrchestratorConfig:
     difficulty_filter: DifficultyFilterConfig = field(default_factory=DifficultyFilterConfig)
     oversampling_factor: float = ruled(1.0, ge=1)  # admit this many times the groups the steps need, so a
     # step stays full when filters drop groups (generation beyond that is wasted: it turns stale)
+    # interleaved: a multi-turn rollout is one sample (each turn's prompt must extend the tokens so far)
+    # | branching: a new sample where it does not (chat templates that drop earlier reasoning, e.g. Qwen3's)
+    trajectory_strategy: str = one_of("interleaved", "interleaved", "branching")
     advantage: str = one_of("mean", "mean", "std", "loo")  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)

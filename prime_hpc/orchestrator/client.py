@@ -9,6 +9,11 @@
   halves generation time on small models (docs/benchmarks.md). Each rollout still gets
   its own choice, as if it had asked alone. Later turns of multi-turn rollouts differ
   and go alone.
+- A full context ends a rollout as truncated, never as an error. Before a later turn is
+  requested, a rollout whose last turn already reached `max_context` tokens (the run's
+  seq_len) stops there; and a turn whose prompt leaves no room for a single token (vLLM
+  answers 400 "max_tokens must be at least 1") counts like any other over-long prompt.
+  Both raise verifiers' OverlongPromptError, which ends the rollout with `is_truncated`.
 """
 from __future__ import annotations
 
@@ -17,11 +22,26 @@ import json
 from typing import Any, Optional
 
 COALESCE_WINDOW_S = 0.002  # how long the first of identical requests waits for its twins
+# vLLM's answer when the prompt fills the context exactly (it clamps max_tokens to what is left: 0)
+NO_ROOM_PHRASES = ("max_tokens must be at least 1", "max_completion_tokens must be at least 1")
 
 
-def make_client(base_url: str, key: Optional[str], coalesce: bool = True) -> Any:
-    from openai import AsyncOpenAI
+def context_used(state: Any) -> int:
+    """Tokens of the rollout's last turn (prompt + completion); 0 before the first."""
+    trajectory = (state or {}).get("trajectory") if isinstance(state, dict) else None
+    if not trajectory:
+        return 0
+    tokens = trajectory[-1].get("tokens") if isinstance(trajectory[-1], dict) else None
+    if not tokens:
+        return 0
+    get = tokens.get if isinstance(tokens, dict) else (lambda k: getattr(tokens, k, None))
+    return len(get("prompt_ids") or []) + len(get("completion_ids") or [])
+
+
+def make_client(base_url: str, key: Optional[str], coalesce: bool = True, max_context: Optional[int] = None) -> Any:
+    from openai import AsyncOpenAI, BadRequestError
     from verifiers.clients import OpenAIChatCompletionsClient
+    from verifiers.errors import OverlongPromptError
 
     class PolicyClient(OpenAIChatCompletionsClient):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -37,8 +57,20 @@ def make_client(base_url: str, key: Optional[str], coalesce: bool = True) -> Any
 
         async def get_native_response(self, prompt: Any, model: str, sampling_args: Any, tools: Any = None,
                                       **kwargs: Any) -> Any:
+            state = kwargs.pop("state", None)  # the rollout's state: not part of the request
+            used = context_used(state)
+            if max_context is not None and used >= max_context:
+                raise OverlongPromptError(f"the context is full: the last turn used {used} of {max_context} tokens")
+            try:
+                return await self._request(prompt, model, sampling_args, tools, **kwargs)
+            except BadRequestError as e:
+                text = (getattr(e.response, "text", "") or str(e)).lower()
+                if any(p in text for p in NO_ROOM_PHRASES):
+                    raise OverlongPromptError(f"the prompt fills the context: {text[:200]}") from e
+                raise
+
+        async def _request(self, prompt: Any, model: str, sampling_args: Any, tools: Any, **kwargs: Any) -> Any:
             args = dict(sampling_args or {})
-            kwargs.pop("state", None)  # the rollout's state: not part of the request
             if not coalesce or kwargs or args.get("n", 1) != 1:
                 return await super().get_native_response(prompt, model, sampling_args, tools, **kwargs)
             key = json.dumps([prompt, model, args, tools], sort_keys=True, default=str)

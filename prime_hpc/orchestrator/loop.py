@@ -174,7 +174,7 @@ class Orchestrator:
             outs = await slot.env.run_group([dict(row) for _ in range(n or self.group_size)], client, model,
                                             self.sampling_args(), state_columns=["trajectory", REWARD_ERROR])
             self.progress_at = time.time()  # a group generated and scored (train or eval): progress
-            return [from_output(o, slot.name, self.cfg.seq_len) for o in outs]
+            return [from_output(o, slot.name, self.cfg.seq_len, self.o.trajectory_strategy) for o in outs]
         except Exception as e:  # a crashed group is counted, never fatal
             logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
             return [Rollout(env=slot.name, example_id=row.get("example_id"), reward=0.0, input_ids=[], loss_mask=[],
@@ -185,12 +185,13 @@ class Orchestrator:
             CURRENT_ENV.reset(token)
 
     async def add_teacher_logprobs(self, group: list[Rollout]) -> None:
-        """opd: the teacher's log-probability of every token of each rollout."""
+        """opd: the teacher's log-probability of every token of each rollout (of each of its
+        samples, when branched)."""
         import httpx
 
         t = self.o.teacher.client
         async with httpx.AsyncClient(timeout=600, headers=headers(api_key(t.api_key_var) or "")) as c:
-            for r in group:
+            for r in (seq for rollout in group for seq in rollout.sequences()):
                 resp = await c.post(t.base_url.rstrip("/") + "/completions", json={
                     "model": t.model or self.model, "prompt": r.input_ids, "max_tokens": 1,
                     "prompt_logprobs": 0, "temperature": 1.0})
@@ -293,12 +294,13 @@ class Orchestrator:
         for scope, rs in (("all", finished), *sorted(by_env.items())):
             if not rs:
                 continue
-            lens = [len(r.input_ids) for r in rs]
+            lens = [len(seq.input_ids) for r in rs for seq in r.sequences()]  # per sample
             m[f"reward/{scope}/mean"] = mean(r.reward for r in rs)
             m[f"seq_len/{scope}/mean"] = mean(lens)
             m[f"seq_len/{scope}/max"] = max(lens)
             m[f"is_truncated/{scope}/mean"] = mean(float(r.is_truncated) for r in rs)
             m[f"num_turns/{scope}/mean"] = mean(r.num_turns for r in rs)
+            m[f"samples_per_rollout/{scope}/mean"] = mean(1 + len(r.branches) for r in rs)  # > 1: branching
             m[f"empty_rollouts/{scope}"] = mean(float(r.empty and not r.error) for r in rs)
             m[f"errored_rollouts/{scope}"] = mean(float(bool(r.error)) for r in rs)
         lags = [step - r.oldest_policy for r in kept]
@@ -445,7 +447,7 @@ class Orchestrator:
         """`rollouts/step_<n>/` (one file per trainer rank), totals, metrics, heartbeat,
         and the snapshot of this step's state (what a checkpoint of the step holds)."""
         kept = [r for g in fill.accepted for r in g]
-        samples = [r.to_sample() for r in kept]
+        samples = [s for r in kept for s in r.to_samples()]
         per_rank = batch.shard(samples, self.cfg.trainer_ranks, self.cfg.micro_batch_size)
         info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o.training_mode,
                 "temperature": float(self.o.sampling.temperature)}
@@ -558,10 +560,10 @@ class Orchestrator:
         ep = discover(self.run, nodes, timeout_s=3600, logs=self.logs)
         self.admin = Admin(ep.servers, on_lost=lambda server, why: self.server_lost(ep, server, why))
         if self.o.training_mode == "sft":  # the teacher generates, the student trains on it
-            self.client = make_client(teacher.base_url, api_key(teacher.api_key_var))
+            self.client = make_client(teacher.base_url, api_key(teacher.api_key_var), max_context=self.cfg.seq_len)
             self.model = teacher.model or self.model
         else:
-            self.client = make_client(ep.openai_base_url, api_key())
+            self.client = make_client(ep.openai_base_url, api_key(), max_context=self.cfg.seq_len)
         if start is not None and self.run.weights_step(start).exists():
             await self.admin.update_weights(self.run.weights_step(start), start)
             self.policy = start

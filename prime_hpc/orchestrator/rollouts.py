@@ -2,6 +2,14 @@
 the policy steps that produced each turn, group-relative advantages, filtering and the
 policy-lag rules. Pure functions (no I/O), unit-tested with hand-computed values.
 
+Trajectories (`orchestrator.trajectory_strategy`): a multi-turn rollout's turns each carry
+their prompt and completion tokens. `interleaved` concatenates them into one sample, which
+needs every turn's prompt to extend the tokens so far (the chat template re-renders earlier
+turns token for token); a turn that does not is an error. `branching` starts a new sample
+there instead (templates that drop earlier reasoning, such as Qwen3's): a rollout becomes
+one sample per branch, each with its first turn's full prompt as context, all with the
+rollout's advantage.
+
 Policy-lag rules (step n, `async_level` k, `max_off_policy_steps` m):
 - a rollout is *stale* for step n when the oldest policy that produced any of its turns
   is older than n - k: its group is dropped;
@@ -14,6 +22,7 @@ from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any, Optional
 
+from prime_hpc import window
 from prime_hpc.batch import Sample
 from prime_hpc.orchestrator.envs import REWARD_ERROR
 
@@ -22,6 +31,19 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     if isinstance(obj, dict):
         return obj.get(key, default)
     return getattr(obj, key, default)
+
+
+TRAJECTORY_STRATEGIES = ("interleaved", "branching")
+
+
+@dataclass
+class Branch:
+    """One further sample of a branched rollout (token-aligned lists)."""
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    teacher_logprobs: Optional[list[float]] = None
+    token_advantages: Optional[list[float]] = None
 
 
 @dataclass
@@ -42,6 +64,7 @@ class Rollout:
     teacher_logprobs: Optional[list[float]] = None
     prompt_text: str = ""  # the last prompt message (for sample tables)
     completion_text: str = ""  # what the model answered, every turn
+    branches: list[Branch] = field(default_factory=list)  # samples after the first (branching)
 
     @property
     def oldest_policy(self) -> int:
@@ -53,32 +76,44 @@ class Rollout:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(self.loss_mask)
+        return sum(self.loss_mask) + sum(sum(b.loss_mask) for b in self.branches)
+
+    def sequences(self) -> list["Rollout | Branch"]:
+        """This rollout's token sequences: itself (the first), then its further branches."""
+        return [self, *self.branches]
 
     def to_sample(self) -> Sample:
         return Sample(input_ids=self.input_ids, loss_mask=self.loss_mask, inference_logprobs=self.logprobs,
                       advantage=self.advantage, policy_step=self.oldest_policy, env=self.env, reward=self.reward,
                       teacher_logprobs=self.teacher_logprobs, token_advantages=self.token_advantages)
 
+    def to_samples(self) -> list[Sample]:
+        """One sample per branch (one in all unless branched), each with the rollout's advantage."""
+        return [self.to_sample()] + [
+            Sample(input_ids=b.input_ids, loss_mask=b.loss_mask, inference_logprobs=b.logprobs,
+                   advantage=self.advantage, policy_step=self.oldest_policy, env=self.env, reward=self.reward,
+                   teacher_logprobs=b.teacher_logprobs, token_advantages=b.token_advantages)
+            for b in self.branches]
 
-def from_output(out: dict, env: str, seq_len: int) -> Rollout:
+
+def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved") -> Rollout:
     """One verifiers RolloutOutput (with the `trajectory` state column) → a Rollout.
 
-    Turns are concatenated: each turn's prompt must extend the tokens so far (the chat
-    template re-renders earlier turns identically); the new prompt tokens are context
-    (no loss), the completion tokens are trained. Longer than `seq_len` → cut and marked
-    truncated."""
+    Each turn's new prompt tokens are context (no loss), its completion tokens are trained.
+    A turn whose prompt extends the tokens so far continues the current sample; one that
+    does not is an error (`interleaved`) or starts a new sample with its whole prompt
+    (`branching`). A sample longer than `seq_len` is cut and the rollout marked truncated
+    (so is one that ended because the context was full: verifiers' `is_truncated`)."""
+    if strategy not in TRAJECTORY_STRATEGIES:
+        raise ValueError(f"unknown trajectory strategy {strategy!r}; choose from {', '.join(TRAJECTORY_STRATEGIES)}")
     error = out.get("error")
     error_text = None
     if error:
         error_text = str(_get(error, "error_chain_repr") or _get(error, "message") or error)
     if out.get(REWARD_ERROR):
         error_text = error_text or str(out[REWARD_ERROR])
-    ids: list[int] = []
-    mask: list[bool] = []
-    lps: list[float] = []
+    seqs: list[Branch] = []
     steps: list[int] = []
-    turns = 0
     truncated = bool(out.get("is_truncated"))
     for t in out.get("trajectory") or []:
         tokens = _get(t, "tokens")
@@ -86,34 +121,39 @@ def from_output(out: dict, env: str, seq_len: int) -> Rollout:
             continue
         prompt, completion = list(_get(tokens, "prompt_ids") or []), list(_get(tokens, "completion_ids") or [])
         comp_lps = list(_get(tokens, "completion_logprobs") or [])
-        if ids and prompt[: len(ids)] != ids:
-            error_text = error_text or "turn tokens do not extend the previous turns (chat template rewrites history)"
+        cur = seqs[-1] if seqs else None
+        if cur is not None and prompt[: len(cur.input_ids)] == cur.input_ids:
+            new_prompt = prompt[len(cur.input_ids):]
+        elif cur is None or strategy == "branching":
+            cur, new_prompt = Branch(), prompt
+            seqs.append(cur)
+        else:
+            error_text = error_text or ("turn tokens do not extend the previous turns (the chat template rewrites "
+                                        "history; orchestrator.trajectory_strategy=branching trains such rollouts)")
             break
-        new_prompt = prompt[len(ids):] if ids else prompt
-        ids += new_prompt
-        mask += [False] * len(new_prompt)
-        lps += [0.0] * len(new_prompt)
-        ids += completion
-        mask += [True] * len(completion)
-        lps += (comp_lps + [0.0] * len(completion))[: len(completion)]
+        cur.input_ids += new_prompt + completion
+        cur.loss_mask += [False] * len(new_prompt) + [True] * len(completion)
+        cur.logprobs += [0.0] * len(new_prompt) + (comp_lps + [0.0] * len(completion))[: len(completion)]
         response = _get(t, "response")
         step = _get(response, "policy_step")
         steps.append(int(step) if step is not None else 0)
-        turns += 1
         truncated = truncated or bool(_get(tokens, "is_truncated"))
     empty_response = bool(error_text) and "EmptyModelResponseError" in error_text
     if empty_response:  # the model answered nothing: an empty rollout, not an error
         error_text = None
-    if len(ids) > seq_len:
-        ids, mask, lps = ids[:seq_len], mask[:seq_len], lps[:seq_len]
-        truncated = True
-    if not ids and not error_text and not empty_response:
+    for b in seqs:
+        if len(b.input_ids) > seq_len:
+            b.input_ids, b.loss_mask, b.logprobs = b.input_ids[:seq_len], b.loss_mask[:seq_len], b.logprobs[:seq_len]
+            truncated = True
+    if not seqs and not error_text and not empty_response:
         error_text = "no token ids in the rollout (the server must return token ids and logprobs)"
-    empty = sum(mask) == 0
-    return Rollout(env=env, example_id=out.get("example_id"), reward=float(out.get("reward") or 0.0), input_ids=ids,
-                   loss_mask=mask, logprobs=lps, policy_steps=steps, num_turns=turns, is_truncated=truncated,
-                   error=error_text, empty=empty, prompt_text=_text(out.get("prompt"), last_only=True),
-                   completion_text=_text(out.get("completion")))
+    first = seqs[0] if seqs else Branch()
+    r = Rollout(env=env, example_id=out.get("example_id"), reward=float(out.get("reward") or 0.0),
+                input_ids=first.input_ids, loss_mask=first.loss_mask, logprobs=first.logprobs, policy_steps=steps,
+                num_turns=len(steps), is_truncated=truncated, error=error_text, branches=seqs[1:],
+                prompt_text=_text(out.get("prompt"), last_only=True), completion_text=_text(out.get("completion")))
+    r.empty = r.completion_tokens == 0
+    return r
 
 
 def _text(messages: Any, last_only: bool = False) -> str:
@@ -172,7 +212,7 @@ def judge_group(group: list[Rollout], step: int, async_level: int, max_off_polic
             v.dropped_spanning += 1
             continue
         valid.append(r)
-    if any(r.oldest_policy < step - async_level for r in valid):
+    if any(window.is_stale(r.oldest_policy, step, async_level) for r in valid):
         v.reason = "stale"
         return v
     if len(valid) < 2:
@@ -199,9 +239,9 @@ def judge_group(group: list[Rollout], step: int, async_level: int, max_off_polic
     return v
 
 
-def opd_token_advantages(r: Rollout) -> list[float]:
+def opd_token_advantages(r: "Rollout | Branch") -> list[float]:
     """On-policy distillation: per completion token, log p_teacher - log p_student (the
-    student's sampling logprob); 0 on context tokens."""
+    student's sampling logprob); 0 on context tokens (of one sequence of a rollout)."""
     assert r.teacher_logprobs is not None
     return [(t - s) if m else 0.0 for t, s, m in zip(r.teacher_logprobs, r.logprobs, r.loss_mask)]
 
