@@ -1,0 +1,132 @@
+"""RL with the multi-turn tool environment (examples/word_lookup) as one het job on the dev
+cluster: one inference node, the tiny model, a seq_len small enough that some rollouts fill
+their context. Reads the rollout batches back and checks them token by token: only the
+model's turns are trained, every tool message is context, samples hold several model
+turns, and a rollout that fills its context is a (truncated) sample, never an error."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from prime_hpc import batch, jobs
+from prime_hpc.config import compose
+from prime_hpc.launcher import launch
+from prime_hpc.rundir import RunDir
+
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
+
+SEQ_LEN = 144  # the second turn's prompt (~125-140 tokens) leaves less room than max_tokens
+MAX_TOKENS = 16
+TOOL_RESULT = re.compile(r"^(not found|[a-z]+ = \d+)$")
+
+
+def _keep_rollouts(run: RunDir, kept: RunDir, sub) -> None:
+    """Until the job ends: hard-link every complete `rollouts/step_<n>` into `kept` (the
+    trainer deletes a step once trained; the links keep the files)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + 900
+    while not jobs.read_job(run).get("ended_at"):
+        assert time.monotonic() < deadline, f"the job did not end in 900 s; see {run.latest_logs}"
+        for step in run.rollout_steps():
+            if step in seen:
+                continue
+            src, dst = run.rollout_step(step), kept.rollout_step(step)
+            try:
+                dst.mkdir(parents=True, exist_ok=True)
+                for f in sorted(src.iterdir()):
+                    os.link(f, dst / f.name)
+                seen.add(step)
+            except FileNotFoundError:  # trained and removed meanwhile
+                pass
+        time.sleep(0.05)
+    assert launch.wait_done(sub, 300) == "COMPLETED", jobs.read_job(run)
+
+
+def _runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of True."""
+    out, start = [], None
+    for i, m in enumerate(mask + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def _messages(tokens: list[str], mask: list[bool]) -> list[tuple[str, int, int]]:
+    """(role, content start, content end) of each ChatML message `<|im_start|>role\\n...<|im_end|>`
+    the template rendered (a header the model generated itself is trained: not one)."""
+    out = []
+    for i, t in enumerate(tokens):
+        if t != "<|im_start|>" or mask[i] or "\n" not in tokens[i:]:
+            continue
+        nl = tokens.index("\n", i)
+        role = "".join(tokens[i + 1:nl])
+        end = next((j for j in range(nl + 1, len(tokens)) if tokens[j] in ("<|im_end|>", "<|endoftext|>")),
+                   len(tokens))
+        out.append((role, nl + 1, end))
+    return out
+
+
+def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
+    from prime_hpc.model.tiny import build_tokenizer
+
+    cfg = compose(["+experiment=word_lookup", "cluster=dev", f"output_dir={tmp_path}/run", "max_steps=4",
+                   f"seq_len={SEQ_LEN}", f"orchestrator.sampling.max_tokens={MAX_TOKENS}",
+                   "orchestrator.batch_size=16", "trainer.micro_batch_size=16"])
+    sub = launch.submit(cfg, [])
+    run, kept = sub.ref.run, RunDir(tmp_path / "kept")
+    try:
+        _keep_rollouts(run, kept, sub)
+    finally:
+        subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
+
+    rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["errored_rollouts/all"] == 0.0 for r in rows), [r["errored_rollouts/all"] for r in rows]
+    assert max(r["num_turns/all/mean"] for r in rows) > 1.5
+    assert max(r["is_truncated/all/mean"] for r in rows) > 0  # some rollouts filled their context
+
+    tok = build_tokenizer()
+    steps = kept.rollout_steps()
+    assert steps, "no rollout step was kept"
+    multi_turn = tool_results = full = 0
+    for step in steps:
+        for mb in batch.read_rank(kept, step, 0, timeout_s=5).micro_batches:
+            for row in range(mb["input_ids"].shape[0]):
+                n = int(mb["attention_mask"][row].sum())
+                ids = mb["input_ids"][row, :n].tolist()
+                mask = mb["loss_mask"][row, :n].tolist()
+                if not any(mask):
+                    continue  # rank padding
+                tokens = tok.convert_ids_to_tokens(ids)
+                trained = _runs(mask)
+                for start, end in trained:  # each trained run is one model turn, right after its header
+                    assert "".join(tokens[max(0, start - 11):start]) == "<|im_start|>assistant\n", tokens[:start]
+                    assert tokens[end - 1] in ("<|im_end|>", "<|endoftext|>") or end - start == MAX_TOKENS \
+                        or end == n, tokens[start:end]
+                    assert (mb["inference_logprobs"][row, start:end] < 0).all()  # sampled tokens have logprobs
+                starts = {s for s, _ in trained}
+                for role, start, end in _messages(tokens, mask):
+                    if role == "assistant" and start in starts:
+                        continue
+                    assert not any(mask[start - 1:end + 1]), (role, "".join(tokens[start:end]))
+                    if role == "tool":
+                        text = "".join(tokens[start:end])
+                        assert TOOL_RESULT.match(text), text
+                        tool_results += 1
+                multi_turn += len(trained) > 1
+                full += n == SEQ_LEN and mask[-1]  # its last turn was cut by the full context
+                assert n <= SEQ_LEN
+    assert multi_turn > 0, "no sample holds more than one model turn"
+    assert tool_results > 0, "no tool message in any sample"
+    assert full > 0, "no sample reached the context limit"
+    log = (run.latest_logs.resolve() / "orchestrator.log").read_text()
+    assert "group failed" not in log
