@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from statistics import mean
 from typing import Any, Mapping, Optional
 
 from loguru import logger
 
-from prime_hpc import batch
+from prime_hpc import batch, jobenv, window
 from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.config.schema import SamplingConfig
 from prime_hpc.errors import UserError
@@ -85,7 +83,7 @@ class Orchestrator:
         self.cfg = cfg
         self.o = cfg.orchestrator
         self.run = RunDir(cfg.output_dir)
-        self.logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
+        self.logs = jobenv.logs_dir()
         self.max_steps = cfg.max_steps
         # sft mode: a teacher generates, the student's policy does not matter
         self.k = 10**9 if self.o.training_mode == "sft" else cfg.async_level
@@ -279,7 +277,7 @@ class Orchestrator:
         would only produce groups that turn stale before a step can use them. With
         `oversampling_factor` f > 1, f times as many: the filters' losses are made up
         while the step fills."""
-        last = self.policy + self.k
+        last = window.last_trainable(self.policy, self.k)
         if self.max_steps is not None:
             last = min(last, int(self.max_steps))
         need = math.ceil((last - step + 1) * self.groups_per_step * self.o.oversampling_factor) - accepted - waiting
@@ -389,7 +387,7 @@ class Orchestrator:
             self.check_relay()
             if await self.stop_decided():
                 return None
-            recent = self.policy >= step - self.k
+            recent = not window.is_stale(self.policy, step, self.k)
             self.admit(step, len(fill.accepted), len(pending) + len(self.carry))
             left = self.sampler.remaining()
             if left is not None and len(fill.accepted) + len(pending) + len(self.carry) + len(self.inflight) + left \
