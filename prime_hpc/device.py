@@ -80,6 +80,10 @@ def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads
     # (vLLM picks its in-process executor at world size 1): one Python start fewer (~10 s
     # of a server's ~33 s start on 2 cores), and no shared-memory queue between the two
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # and that engine process forked from the API server, which has imported vLLM and
+    # torch already, instead of spawned (vLLM's CPU platform forces spawn; the API server
+    # has run no OpenMP work before the fork): another ~10 s of importing saved per start
+    env["PRIME_HPC_VLLM_FORK"] = "1"
     # with several workers, an idle one would poll its message queue for 1 s after each
     # batch, on the cores the trainer or the next generation needs (inference/vllm_plugin.py)
     env["PRIME_HPC_VLLM_SPIN_S"] = "0"
@@ -115,11 +119,56 @@ def peak_flops(device: str, local_rank: int = 0) -> Optional[float]:
         return None
     import torch
 
-    name = torch.cuda.get_device_name(local_rank)
+    return peak_flops_of(torch.cuda.get_device_name(local_rank))
+
+
+def peak_flops_of(device_name: str) -> Optional[float]:
+    """Peak dense bf16 FLOP/s of the accelerator called `device_name` (as torch names it,
+    e.g. "NVIDIA H100 80GB HBM3"), or None when it is not in the table."""
     for key in sorted(_PEAK_FLOPS_BF16, key=len, reverse=True):
-        if key in name:
+        if key in device_name:
             return _PEAK_FLOPS_BF16[key]
     return None
+
+
+def accelerator_name(device: str, local_rank: int = 0) -> str:
+    """What a process computes on, for reports ("cpu" on CPU)."""
+    if _check(device) != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(local_rank)
+
+
+def inference_device_name(device: str) -> str:
+    """The accelerator an inference server computes on, asked without initialising CUDA
+    in the asking process (vLLM's platform query, NVML on NVIDIA); "cpu" on CPU."""
+    if _check(device) != "cuda":
+        return "cpu"
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.get_device_name(0))
+    except Exception:  # an unknown platform: no name, so no MFU
+        return "unknown"
+
+
+# FLOPs of a dense transformer per token, the usual approximation (attention's share
+# ignored): a forward pass is 2 x parameters, a training step (forward + backward) 6 x.
+def train_flops_per_token(params: int) -> float:
+    return 6.0 * params
+
+
+def inference_flops_per_token(params: int) -> float:
+    return 2.0 * params
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation: achieved FLOP/s of one device over its peak (None when the
+    peak is unknown, e.g. on CPU)."""
+    if not peak:
+        return None
+    return tokens_per_s_per_device * flops_per_token / peak
 
 
 def reset_peak_memory(device: str) -> None:

@@ -435,6 +435,15 @@ class RunDir:
         return self.eval_dir / f"step_{int(step)}.json"
 
     @property
+    def bench_json(self) -> Path:
+        """A bench run's results (`prime_hpc.bench`): every benched part, merged."""
+        return self.root / "bench.json"
+
+    def bench_part(self, part: str) -> Path:
+        """One part's results (trainer | inference), written by that component."""
+        return self.root / "bench" / f"{part}.json"
+
+    @property
     def checkpoints_dir(self) -> Path:
         return self.root / "checkpoints"
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Type, TypeVar
 
-from prime_hpc.config.schema import (MISSING, CkptConfig, InferenceConfig, LogConfig, ModelConfig,
+from prime_hpc.config.schema import (MISSING, BenchConfig, CkptConfig, InferenceConfig, LogConfig, ModelConfig,
                                      OrchestratorConfig, WandbConfig)
 from prime_hpc.errors import UserError
 
@@ -40,6 +40,7 @@ class OrchestratorRunConfig:
     lora: ServedLoRA = field(default_factory=ServedLoRA)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     log: LogConfig = field(default_factory=LogConfig)  # only resolves defaults such as ${log.level}
+    bench: BenchConfig = field(default_factory=BenchConfig)  # mode set: a bench run (prime_hpc.orchestrator.bench)
 
 
 @dataclass

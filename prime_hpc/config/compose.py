@@ -269,6 +269,17 @@ def write_component_config(cfg: DictConfig, component: str) -> Path:
     return path
 
 
+def bench_section(cfg: DictConfig) -> dict:
+    """`bench` as the components get it: its nulls replaced by the run's own values (the
+    shape a bench measures is the configured one unless set)."""
+    b = OmegaConf.to_container(cfg.bench, resolve=True)
+    o = cfg.orchestrator
+    b["samples_per_step"] = b["samples_per_step"] or int(o.batch_size)
+    b["group_size"] = b["group_size"] or int(o.group_size)
+    b["completion_len"] = b["completion_len"] or o.sampling.max_tokens
+    return b
+
+
 def component_config(cfg: DictConfig, component: str) -> dict:
     """What `component` is started with: its own sub-tree plus the run-level values it
     needs, copied in explicitly (a component never reads another component's config)."""
@@ -283,10 +294,11 @@ def component_config(cfg: DictConfig, component: str) -> dict:
         "device": cfg.cluster.device,
         "ckpt": OmegaConf.to_container(cfg.ckpt, resolve=True),
         "wandb": OmegaConf.to_container(cfg.wandb, resolve=True),
+        "bench": bench_section(cfg),
     }
     own = OmegaConf.to_container(cfg[component], resolve=True)
     if component == "inference":
-        for k in ("ckpt", "wandb", "max_steps", "async_level"):
+        for k in ("ckpt", "wandb", "max_steps", "async_level", "bench"):
             run_level.pop(k)
         lora = cfg.trainer.model.lora
         run_level["nodes"] = int(cfg.cluster.inference.nodes)  # servers the router waits for

@@ -267,6 +267,25 @@ class InferenceConfig:
     startup_timeout_s: int = ruled(600, ge=1)
 
 
+# ----------------------------------------------------------------------------- bench
+BENCH_MODES = ("all", "trainer", "inference")
+
+
+@dataclass
+class BenchConfig:
+    """A bench run (`prime-hpc submit ... --bench`): the run's own config and placement, on
+    synthetic data, for a fixed number of steps; results in `<output_dir>/bench.json`."""
+
+    mode: Optional[str] = ruled(None, choices=BENCH_MODES)  # null = a training run | all | trainer (fake
+    # batches of the configured shape) | inference (fixed prompts through the servers, no env)
+    steps: int = ruled(5, ge=1)  # measured steps
+    warmup_steps: int = ruled(1, ge=0)  # steps run first and not counted (compilation, caches)
+    samples_per_step: Optional[int] = ruled(None, ge=1)  # rl: rollouts per step; null = orchestrator.batch_size
+    group_size: Optional[int] = ruled(None, ge=1)  # completions per prompt; null = orchestrator.group_size
+    completion_len: Optional[int] = ruled(None, ge=1)  # tokens of every completion (EOS ignored);
+    # null = orchestrator.sampling.max_tokens, or half of seq_len when that is null too
+
+
 # ----------------------------------------------------------------------------- run-level
 @dataclass
 class WeightsCkptConfig:
@@ -377,3 +396,4 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)

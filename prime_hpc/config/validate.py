@@ -221,6 +221,8 @@ def check_models(cfg: DictConfig) -> None:
 def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None = None) -> None:
     """Every env id must be importable (installed package, or a module on the path)."""
     importable = importable or env_import_error
+    if cfg.bench.mode is not None:  # a bench generates from fixed prompts: no env is loaded
+        return
     o = cfg.orchestrator
     if cfg.trainer.type == "rl" and not o.env:
         raise ConfigError("orchestrator.env", "no training environment; add env=<name> or +experiment=<name>")
@@ -286,6 +288,22 @@ def check_ckpt(cfg: DictConfig) -> None:
         raise ConfigError("wandb.project", "set a project name when wandb.enabled=true")
 
 
+def check_bench(cfg: DictConfig) -> None:
+    b = cfg.bench
+    if b.mode is None:
+        return
+    if cfg.trainer.type == "sft" and b.mode == "inference":
+        raise ConfigError("bench.mode", "an SFT run has no inference to benchmark; use --bench trainer")
+    group = b.group_size or cfg.orchestrator.group_size
+    samples = b.samples_per_step or cfg.orchestrator.batch_size
+    if cfg.trainer.type == "rl" and samples % group:
+        raise ConfigError("bench.samples_per_step", f"{samples} is not a multiple of the group size {group}; "
+                                                    f"set it to a multiple, e.g. {max(group, samples - samples % group)}")
+    if b.completion_len is not None and b.completion_len >= cfg.seq_len:
+        raise ConfigError("bench.completion_len", f"{b.completion_len} leaves no prompt token within "
+                                                  f"seq_len={cfg.seq_len}; set it below seq_len")
+
+
 def check_output_dir(cfg: DictConfig) -> None:
     """output_dir must be (or be creatable as) a writable directory. Probed for real with
     a temporary directory in the nearest existing ancestor, removed at once."""
@@ -331,6 +349,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_trainer,
     check_ckpt,
     check_envs,
+    check_bench,
     check_output_dir,
 )
 

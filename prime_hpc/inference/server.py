@@ -137,6 +137,7 @@ class Server:
         self.healthy_at: Optional[float] = None
         self.tied_on_cpu = False
         self.updates = 0
+        self.device_name = devices.inference_device_name(cfg.device)
 
     # ------------------------------------------------------------------ publishing
     def endpoint(self) -> dict:
@@ -153,6 +154,8 @@ class Server:
             "updated_at": time.time(),
             "process_started_at": PROCESS_STARTED_AT,  # start-up = healthy_at - process_started_at
             "healthy_at": self.healthy_at,
+            "device_name": self.device_name,  # what it computes on, and on how many devices (bench MFU)
+            "devices": max(1, int(self.cfg.gpus_per_node)),
         }
 
     def publish(self) -> None:

@@ -128,9 +128,14 @@ def trainer_ranks(cfg: DictConfig) -> int:
 def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:
     """The components a job runs, in het-group order: an RL run all three; an SFT run only
     the trainer (a plain job, not a het job); a preflight the run's groups plus the head
-    that collects the reports."""
+    that collects the reports; a bench (`bench.mode`) the groups it measures."""
     if cfg.trainer.type == "sft":
         return ["orchestrator", "trainer"] if mode == "doctor" else ["trainer"]
+    bench = cfg.bench.mode if mode == "run" else None  # a bench runs only what it measures
+    if bench == "trainer":
+        return ["trainer"]
+    if bench == "inference":
+        return ["orchestrator", "inference"]
     return list(COMPONENTS)
 
 

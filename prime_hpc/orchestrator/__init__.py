@@ -34,6 +34,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from prime_hpc.orchestrator.loop import Orchestrator
 
     try:
+        if cfg.bench.mode is not None:  # a bench run: fixed prompts, no environment
+            from prime_hpc.orchestrator import bench
+
+            return asyncio.run(bench.run(cfg))
         return asyncio.run(Orchestrator(cfg).main())
     except (UserError, WaitTimeout, CheckpointWriteError) as e:
         lines = str(e).splitlines()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from prime_hpc.config.schema import MISSING, CkptConfig, LogConfig, ModelConfig, TrainerConfig, WandbConfig
+from prime_hpc.config.schema import MISSING, BenchConfig, CkptConfig, LogConfig, ModelConfig, TrainerConfig, WandbConfig
 
 
 @dataclass
@@ -25,6 +25,7 @@ class TrainerRunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     log: LogConfig = field(default_factory=LogConfig)  # only resolves defaults such as ${log.level}
+    bench: BenchConfig = field(default_factory=BenchConfig)  # mode set: a bench run (prime_hpc.trainer.bench)
 
 
 def load_config(path: str | Path) -> TrainerRunConfig:

@@ -171,8 +171,5 @@ def param_count(policy: Policy) -> int:
 
 
 def mfu(tokens_per_s_per_device: float, params: int, peak: Optional[float]) -> Optional[float]:
-    """Model FLOPs utilisation with the 6 * params * tokens approximation (None if the
-    peak is unknown)."""
-    if not peak:
-        return None
-    return 6.0 * params * tokens_per_s_per_device / peak
+    """Training MFU of a rank (`prime_hpc.device` holds the FLOPs estimate and the peaks)."""
+    return devices.mfu(tokens_per_s_per_device, devices.train_flops_per_token(params), peak)

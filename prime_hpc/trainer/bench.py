@@ -1,0 +1,151 @@
+"""The trainer of a bench run (`bench.mode` all or trainer; `prime_hpc.bench`): the real
+session and step (`runner.session`, `Engine.train_step` with the run's loss, micro-batching
+and sharding) on synthetic batches of the configured shape, instead of waiting for rollouts.
+
+RL: `bench.samples_per_step` samples of `seq_len` tokens, random token ids within the
+vocabulary, the loss mask over the last `bench.completion_len` tokens, random advantages
+and inference log-probabilities, split over the ranks and into micro-batches of
+`trainer.micro_batch_size` by the orchestrator's own `prime_hpc.batch.shard`.
+SFT: `trainer.data.batch_size // trainer.data.seq_len` packed rows of `trainer.data.seq_len`
+tokens, split and collated by `prime_hpc.trainer.sft_data` as a real step is.
+
+Each rank builds the same step from the same seed and takes its share, as it would read its
+file. With `bench.mode=all` it starts once the inference part is measured (one after the
+other: on a shared host neither measures the other's load). Runs `bench.warmup_steps` uncounted steps, then `bench.steps` measured ones (step time:
+forward, backward and optimizer, synchronised; no weights are written), logs each to
+`metrics/trainer.jsonl`, and rank 0 writes `bench/trainer.json` (and `bench.json` when the
+trainer is the only part benched).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from prime_hpc import bench
+from prime_hpc.trainer import runner
+from prime_hpc.trainer.config import TrainerRunConfig
+
+
+def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:
+    """This rank's micro-batches of one synthetic RL step."""
+    import torch
+
+    from prime_hpc.batch import Sample, shard
+
+    b = cfg.bench
+    n, seq = int(b.samples_per_step), int(cfg.seq_len)
+    completion = bench.completion_len(b.completion_len, seq)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (n, seq), generator=g).tolist()
+    logprobs = (-torch.rand(n, seq, generator=g) * 4).tolist()
+    adv = torch.randn(n, generator=g).tolist()
+    mask = [False] * (seq - completion) + [True] * completion
+    samples = [Sample(input_ids=ids[i], loss_mask=list(mask), inference_logprobs=logprobs[i], advantage=adv[i])
+               for i in range(n)]
+    return shard(samples, world, int(cfg.trainer.micro_batch_size))[rank]
+
+
+def sft_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:
+    """This rank's micro-batches of one synthetic SFT step (one sample per packed row)."""
+    import torch
+
+    from prime_hpc.trainer import sft_data
+
+    d = cfg.trainer.data
+    seq = int(d.seq_len)
+    rows_per_rank = math.ceil(max(1, int(d.batch_size) // seq) / world)
+    completion = bench.completion_len(cfg.bench.completion_len, seq)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (rows_per_rank * world, seq), generator=g).tolist()
+    mask = [False] * (seq - completion) + [True] * completion
+    rows = sft_data.pack([(row, list(mask)) for row in ids], seq)
+    mine = sft_data.split_rows(rows, rank, world, rows_per_rank)
+    return sft_data.micro_batches(mine, int(cfg.trainer.micro_batch_size), pad_id=0)
+
+
+def loss_for(cfg: TrainerRunConfig) -> Any:
+    if cfg.trainer.type == "sft":
+        from prime_hpc.trainer.loss import sft_loss
+
+        return lambda lp, mb, normalizer: sft_loss(lp, mb["loss_mask"], normalizer)
+    from prime_hpc.trainer.rl import make_loss_fn
+
+    return make_loss_fn(cfg.trainer.loss, step=1, mode="rl")
+
+
+def shape(cfg: TrainerRunConfig, world: int) -> dict:
+    t = cfg.trainer
+    if t.type == "sft":
+        return {"type": "sft", "rows": max(1, int(t.data.batch_size) // int(t.data.seq_len)),
+                "seq_len": int(t.data.seq_len), "micro_batch_size": int(t.micro_batch_size), "ranks": world}
+    return {"type": "rl", "samples": int(cfg.bench.samples_per_step), "seq_len": int(cfg.seq_len),
+            "completion_len": bench.completion_len(cfg.bench.completion_len, int(cfg.seq_len)),
+            "micro_batch_size": int(t.micro_batch_size), "ranks": world}
+
+
+def wait_for_inference(s: Any) -> None:
+    """Bench `all`: the trainer's steps start once the inference part is measured, so on a
+    shared host (cores, GPUs) neither part's figures include the other's load (nor the
+    servers' start)."""
+    from loguru import logger
+
+    from prime_hpc.rundir import wait_for
+
+    part = s.run.bench_part("inference")
+    last = [time.monotonic()]
+
+    def ready() -> bool:
+        if time.monotonic() - last[0] >= 5.0:
+            runner.beat(s, 0, progress=False, waiting_on="orchestrator")
+            last[0] = time.monotonic()
+        return part.exists()
+
+    logger.info(f"bench: waiting for the inference part ({part}) before measuring the trainer")
+    wait_for(ready, what=str(part), timeout_s=24 * 3600, producer="orchestrator",
+             producer_log=runner.orchestrator_log())
+
+
+def run(cfg: TrainerRunConfig) -> None:
+    from loguru import logger
+
+    from prime_hpc import device as devices
+
+    b = cfg.bench
+    parts = ("trainer",) if cfg.trainer.type == "sft" else ()
+    with runner.session(cfg, parts) as s:
+        env = s.env
+        vocab = int(s.policy.hf_config.vocab_size)
+        make = sft_batch if cfg.trainer.type == "sft" else rl_batch
+        loss_fn = loss_for(cfg)
+        times, tokens, samples = [], [], []
+        total = int(b.warmup_steps) + int(b.steps)
+        runner.beat(s, 0)
+        if b.mode == "all" and cfg.trainer.type == "rl":
+            wait_for_inference(s)
+        for step in range(1, total + 1):
+            mbs = make(cfg, vocab, env.rank, env.world_size, seed=cfg.seed + step)
+            t0 = time.perf_counter()
+            result = s.engine.train_step(mbs, loss_fn)
+            t = time.perf_counter() - t0
+            measured = step > int(b.warmup_steps)
+            if measured:
+                times.append(t)
+                tokens.append(result.sums["num_tokens"])
+                samples.append(result.sums["num_samples"])
+            if s.metrics is not None:
+                s.metrics.log(step, {**runner.step_metrics(s, result, t, 0.0), "bench/measured": float(measured)})
+            logger.info(f"bench step {step}/{total}{'' if measured else ' (warm-up)'}: {t:.3f}s, "
+                        f"{result.sums['num_tokens'] / t:.0f} tok/s")
+            runner.beat(s, step)
+        if env.is_main:
+            result = bench.summarize(
+                times, tokens, samples, devices.train_flops_per_token(s.num_params), s.num_params, env.world_size,
+                devices.accelerator_name(cfg.device, env.local_rank), devices.peak_flops(cfg.device, env.local_rank),
+                shape=shape(cfg, env.world_size))
+            bench.write_part(s.run, "trainer", result)
+            if b.mode == "trainer" or cfg.trainer.type == "sft":
+                bench.merge(s.run, bench.header(b.mode, cfg.name, cfg.device, b.steps, b.warmup_steps))
+            logger.info(f"bench: trainer {result['step_time_s']:.3f}s per step (median), "
+                        f"{result['tokens_per_s']:.0f} tok/s; {s.run.bench_part('trainer')}")
+        runner.beat(s, total, done=True)
