@@ -78,6 +78,10 @@ BAD_OVERRIDES = [
     (["wandb.log_extras.sample_ratio=0"], "wandb.log_extras.sample_ratio"),
     (["log.level=verbose"], "log.level"),
     (["model.name=/nonexistent/model"], "model.name"),
+    (["bench.mode=foo"], "bench.mode"),
+    (["bench.steps=0"], "bench.steps"),
+    (["bench.mode=all", "bench.samples_per_step=60"], "bench.samples_per_step"),
+    (["bench.mode=inference", "bench.completion_len=80"], "bench.completion_len"),
 ]
 
 
@@ -105,6 +109,15 @@ def test_unknown_group_option_and_misplaced_option(tmp_path, capsys):
     assert "cluster=nope" in _reject(["submit", *RL, f"output_dir={out}", "cluster=nope"], capsys)
     assert "--bogus" in _reject(["submit", *RL, f"output_dir={out}", "--bogus"], capsys)
     assert not out.exists()
+
+
+def test_bad_bench_requests(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert "--bench foo" in _reject(["submit", *RL, f"output_dir={out}", "--bench", "foo"], capsys)
+    assert "bench.mode" in _reject(["submit", "+experiment=reverse_text_sft", f"output_dir={out}",
+                                    "--bench", "inference"], capsys)
+    assert "-m" in _reject(["submit", "-m", *RL, f"output_dir={out}", "--bench", "trainer"], capsys)
+    assert not out.exists() and not (tmp_path / "run-bench").exists()
 
 
 def test_output_dirs_that_cannot_take_the_run(tmp_path, capsys):

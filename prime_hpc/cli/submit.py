@@ -1,13 +1,13 @@
-"""`prime-hpc submit [overrides] [-m] [--dry-run] [-f] [--max-parallel K]`."""
+"""`prime-hpc submit [overrides] [-m] [--dry-run] [-f] [--max-parallel K] [--bench [PART]]`."""
 from __future__ import annotations
 
 import argparse
 import copy
 import secrets
 import sys
-from typing import Any
+from typing import Any, Optional
 
-from prime_hpc.errors import UserError
+from prime_hpc.errors import LaunchError, UserError
 
 
 class _HelpWithGroups(argparse.Action):
@@ -22,6 +22,26 @@ class _HelpWithGroups(argparse.Action):
         parser.epilog = groups_help()
         parser.print_help()
         parser.exit()
+
+
+BENCH_MODES = ("all", "trainer", "inference")  # = prime_hpc.config.schema.BENCH_MODES (not imported: cheap CLI)
+BENCH_SUFFIX = "-bench"  # a bench runs in <output_dir>-bench, named <name>-bench: the run's own stays free
+
+
+class _Bench(argparse.Action):
+    """`--bench [all|trainer|inference]`: the part is optional, so an override right after
+    the flag (`--bench +experiment=x`) is an override, not a part."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest=dest, nargs="?", const="all", default=None, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
+                 option_string: Any = None) -> None:
+        if value is not None and value not in BENCH_MODES:
+            if "=" in value or value.startswith(("+", "~")):
+                namespace.bench_overrides = [*getattr(namespace, "bench_overrides", []), value]
+                value = "all"
+        setattr(namespace, self.dest, value)  # an unknown part is refused by run_bench, in one line
 
 
 def groups_help() -> str:
@@ -54,6 +74,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="then follow the run's logs until it ends (Ctrl-C stops following, not the run)")
     s.add_argument("--max-parallel", type=int, default=None, metavar="K",
                    help="sweep: at most K points at a time (each point waits for the one K before it to end)")
+    s.add_argument("--bench", action=_Bench, metavar="PART",
+                   help="benchmark instead of training: the run's config and placement on synthetic data for "
+                        "bench.steps steps, then a table (bench.json); PART: all (default), trainer (fake batches "
+                        "of the configured shape), inference (fixed prompts, no env)")
     s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=reverse_text max_steps=50")
     return s
 
@@ -134,6 +158,9 @@ def run(a: argparse.Namespace) -> int:
 
     if a.cfg or a.info:
         return show(a)
+    a.overrides = [*getattr(a, "bench_overrides", []), *a.overrides]
+    if a.bench or any(o.lstrip("+").startswith("bench.mode=") for o in a.overrides):
+        return run_bench(a)
     if a.max_parallel is not None and a.max_parallel < 1:
         raise UserError(f"--max-parallel {a.max_parallel}: give at least 1")
     composed = compose_all(a.overrides, a.multirun)
@@ -187,3 +214,93 @@ def _report(subs: list, sweep: Any) -> None:
         print(f"  output dir: {ref.output_dir}")
     ref = subs[-1].ref
     print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}", file=sys.stdout)
+
+
+def bench_config(overrides: list[str], mode: Optional[str]) -> Any:
+    """The run a bench measures: the composed run itself (config, placement, model), with
+    `bench.mode` set, in `<output_dir>-bench`; no warm-up (the shape is what is measured,
+    not the weights), no checkpoints, no W&B. A previous bench in that directory is
+    replaced."""
+    import yaml
+
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.validate import validate
+    from prime_hpc.rundir import RunDir
+
+    extra = [f"bench.mode={mode}"] if mode else []
+    cfg = compose([*overrides, *extra, "warmup.experiment=null", "wandb.enabled=false", "ckpt.enabled=false",
+                   "ckpt.interval=null", "ckpt.step=null"])
+    cfg.name = f"{cfg.name}{BENCH_SUFFIX}"
+    cfg.output_dir = f"{cfg.output_dir}{BENCH_SUFFIX}"
+    run = RunDir(cfg.output_dir)
+    try:
+        earlier = yaml.safe_load(run.config_yaml.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        earlier = {}
+    if (earlier.get("bench") or {}).get("mode"):
+        cfg.clean_output_dir = True
+    validate(cfg)
+    return cfg
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    """Submit a bench run, wait for it (or follow it with -f), print its table."""
+    from prime_hpc.launcher import launch
+
+    if a.bench is not None and a.bench not in BENCH_MODES:
+        raise UserError(f"--bench {a.bench}: unknown part; choose from {', '.join(BENCH_MODES)} "
+                        f"(or --bench alone: all of them)")
+    if a.multirun or a.max_parallel:
+        raise UserError("--bench measures one run; drop -m / --max-parallel (or sweep with bench.mode=... and read "
+                        "each run's bench.json)")
+    cfg = bench_config(a.overrides, a.bench)
+    launch.check_fresh(cfg, dry_run=a.dry_run)
+    if a.dry_run:
+        run_dir, plan = launch.prepare(cfg, "run", dry_run=True)
+        print(f"dry run: nothing submitted; wrote {run_dir.config_yaml} and {run_dir.sbatch_script(plan.kind)}")
+        return 0
+    sub = launch.submit(cfg, a.overrides)
+    ref = sub.ref
+    print(f"submitted bench job {ref.job_id} ({ref.name}, {cfg.bench.mode}: {', '.join(sub.plan.group_names)}, "
+          f"{ref.backend}): {cfg.bench.warmup_steps} warm-up + {cfg.bench.steps} measured step(s)")
+    print(f"  output dir: {ref.output_dir}")
+    try:
+        state = _follow_bench(ref, a.follow)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; the bench goes on (prime-hpc status {ref.job_id}); "
+              f"results: {ref.run.bench_json}", file=sys.stderr)
+        return 130
+    return print_bench(ref, state)
+
+
+def _follow_bench(ref: Any, follow: bool) -> str:
+    """Until the bench job ends; its final state."""
+    import time
+
+    from prime_hpc import jobs
+    from prime_hpc.cli.tail import follow_ref, state_fn
+
+    if follow:
+        follow_ref(ref)
+    state = state_fn(ref)
+    while True:
+        st, _ = state()
+        if st in jobs.FINAL_STATES:
+            return st
+        time.sleep(1.0)
+
+
+def print_bench(ref: Any, state: str) -> int:
+    from prime_hpc import bench, jobs
+    from prime_hpc.rundir import read_json
+
+    try:
+        results = read_json(ref.run.bench_json)
+    except (OSError, ValueError):
+        results = None
+    if state != jobs.COMPLETED or results is None:
+        raise LaunchError(f"bench job {ref.job_id} ended {state} without results; see prime-hpc tail {ref.job_id} "
+                        f"--no-follow (logs: {ref.run.latest_logs})")
+    print(bench.table(results))
+    print(f"results: {ref.run.bench_json}")
+    return 0

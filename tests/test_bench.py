@@ -1,0 +1,133 @@
+"""Bench runs (`prime-hpc submit ... --bench`): the FLOPs/MFU arithmetic with hand-computed
+values, what a bench job runs, and one real bench of the reverse_text recipe on this
+machine (inference and trainer, no environment)."""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+import pytest
+
+from prime_hpc import bench
+from prime_hpc import device as devices
+from tests.conftest import cli
+
+RL = ["+experiment=reverse_text"]
+
+
+# ----------------------------------------------------------------------------- arithmetic
+def test_flops_per_token_and_mfu_by_hand():
+    assert devices.train_flops_per_token(1_000_000) == 6_000_000
+    assert devices.inference_flops_per_token(1_000_000) == 2_000_000
+    # 7B trained at 1000 tokens/s on one H100: 6 * 7e9 * 1000 / 989e12 = 0.042467...
+    assert devices.mfu(1000.0, devices.train_flops_per_token(7_000_000_000), 989e12) == pytest.approx(0.0424671, rel=1e-5)
+    # generating 5000 tokens/s with 8B on an A100: 2 * 8e9 * 5000 / 312e12 = 0.25641...
+    assert devices.mfu(5000.0, devices.inference_flops_per_token(8_000_000_000), 312e12) == pytest.approx(0.2564103,
+                                                                                                           rel=1e-6)
+    assert devices.mfu(1000.0, 6e9, None) is None  # CPU: the peak is unknown, so is the MFU
+    assert devices.peak_flops("cpu") is None
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA L40S", 362e12),  # not the L4's 121e12: the longest matching key wins
+    ("NVIDIA L4", 121e12),
+    ("NVIDIA B200", 2250e12),
+    ("Tesla T4", None),
+])
+def test_peak_flops_by_device_name(name, peak):
+    assert devices.peak_flops_of(name) == peak
+
+
+def test_summarize_by_hand():
+    r = bench.summarize([0.5, 0.4, 0.6], tokens=[1000, 1000, 1000], samples=[10, 10, 10],
+                        flops_per_token=6e6, params=1_000_000, devices_used=2, device_name="NVIDIA X",
+                        peak_flops_per_device=1e12, shape={"seq_len": 100})
+    assert r["step_time_s"] == 0.5  # median
+    assert r["tokens_per_s"] == 2000.0 and r["samples_per_s"] == 20.0
+    assert r["mfu"] == pytest.approx(1000 * 6e6 / 1e12)  # 2000 tok/s over 2 devices
+    # inference: throughput counts generated tokens, the FLOPs count prompts (once per group) too
+    r = bench.summarize([0.25], tokens=[800], samples=[16], flops_per_token=2e6, params=1_000_000, devices_used=1,
+                        device_name="NVIDIA X", peak_flops_per_device=1e12, flops_tokens=[1000])
+    assert r["tokens_per_s"] == 3200.0 and r["mfu"] == pytest.approx(4000 * 2e6 / 1e12)
+    unknown = bench.summarize([1.0], [10], [1], 6.0, 1, 1, "cpu", None)
+    assert unknown["mfu"] is None
+    text = bench.table({**bench.header("trainer", "x", "cpu", 1, 0), "trainer": unknown})
+    assert "peak unknown (cpu)" in text and "inference" not in text
+
+
+def test_completion_len_defaults_to_half_of_seq_len_and_leaves_a_prompt_token():
+    assert bench.completion_len(32, 80) == 32
+    assert bench.completion_len(None, 80) == 40
+    assert bench.completion_len(500, 80) == 79
+
+
+def test_safetensors_params_reads_the_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
+    assert bench.safetensors_params(tmp_path) == 17
+    assert bench.safetensors_params(tmp_path / "nothing") is None
+
+
+# ----------------------------------------------------------------------------- what a bench runs
+@pytest.mark.parametrize("mode, groups", [("all", ["orchestrator", "inference", "trainer"]),
+                                          ("trainer", ["trainer"]),
+                                          ("inference", ["orchestrator", "inference"])])
+def test_a_bench_runs_only_the_groups_it_measures(mode, groups, tmp_path):
+    from prime_hpc.cli.submit import bench_config
+    from prime_hpc.launcher.plan import make_plan
+    from prime_hpc.launcher.render import render_local, render_sbatch
+
+    cfg = bench_config([*RL, f"output_dir={tmp_path}/run"], mode)
+    assert cfg.output_dir == f"{tmp_path}/run-bench" and cfg.name == "reverse_text-bench"
+    assert cfg.warmup.experiment is None and not cfg.ckpt.enabled and not cfg.wandb.enabled
+    plan = make_plan(cfg)
+    assert plan.group_names == groups
+    for script in (render_sbatch(plan), render_local(plan, "local-x")):
+        assert ("torch.distributed.run" in script) == ("trainer" in groups)
+        assert ("prime_hpc.inference" in script) == ("inference" in groups)
+
+
+# ----------------------------------------------------------------------------- a real bench
+def test_bench_reverse_text_locally_without_an_env(tmp_path):
+    """`--bench` (both parts) of the reverse_text recipe on cluster=local, with a train env
+    id that does not exist: the table and bench.json agree, and their figures with each
+    other; the trainer ran warm-up + measured steps of the configured shape."""
+    out = tmp_path / "run"
+    r = cli("submit", *RL, "cluster=local", f"output_dir={out}", "--bench", "bench.steps=2",
+            "orchestrator.env.0.id=no_such_env_pkg", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run = out.parent / "run-bench"
+    assert not out.exists()  # the run's own directory stays free
+    res = json.loads((run / "bench.json").read_text())
+    assert res["mode"] == "all" and res["steps"] == 2 and res["warmup_steps"] == 1
+    tr, inf = res["trainer"], res["inference"]
+    # the configured shape: 64 samples of seq_len 80 (trainer), 8 prompts x 8 completions of 32 tokens
+    assert tr["samples_per_step"] == 64 and tr["tokens_per_step"] == 64 * 80
+    assert inf["samples_per_step"] == 64 and inf["tokens_per_step"] == 64 * 32
+    for part in (tr, inf):
+        assert len(part["step_times_s"]) == 2 and all(t > 0 for t in part["step_times_s"])
+        assert part["step_time_s"] == pytest.approx(statistics.median(part["step_times_s"]), rel=1e-4)
+        assert part["tokens_per_s"] == pytest.approx(part["tokens_per_step"] / part["step_time_s"])
+        assert part["samples_per_s"] == pytest.approx(part["samples_per_step"] / part["step_time_s"])
+        assert part["params"] > 0 and part["mfu"] is None and part["peak_flops_per_device"] is None  # CPU
+    # the printed table shows the same figures
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^\s+(trainer|inference)\s+([\d.]+) s\s+([\d,]+)\s+([\d,.]+)\s+peak unknown", r.stdout, re.M)}
+    assert set(rows) == {"trainer", "inference"}, r.stdout
+    for name, part in (("trainer", tr), ("inference", inf)):
+        step, tok_s, _ = rows[name]
+        assert float(step) == pytest.approx(part["step_time_s"], abs=1e-3)
+        assert float(tok_s.replace(",", "")) == pytest.approx(part["tokens_per_s"], abs=1)
+    # the trainer ran 1 warm-up + 2 measured steps, each a full step of the real engine
+    rows = [json.loads(line) for line in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["bench/measured"] for row in rows] == [0.0, 1.0, 1.0]
+    assert all(row["perf/throughput"] > 0 and row["optim/grad_norm"] > 0 for row in rows)
+    # nothing of a training run: no rollouts, no weights, no checkpoints; the job completed
+    assert not any((run / d).exists() and any((run / d).iterdir()) for d in ("rollouts", "weights", "checkpoints"))
+    assert json.loads((run / "job.json").read_text())["state"] == "COMPLETED"
