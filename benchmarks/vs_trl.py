@@ -5,7 +5,7 @@ same start weights, with the same batch, prompts and reward (below). From the re
 root:
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 100] [--model DIR] [--workdir DIR]
-                                          [--trl-venv DIR] [--trl-threads N] [--only SIDE]
+                                          [--trl-venv DIR] [--trl-threads N] [--only SIDE] [OVERRIDE ...]
 
 1. Start weights. Without `--model`, prime-hpc's own SFT warm-up
    (`+experiment=reverse_text_sft` with the `warmup.overrides` of
@@ -363,9 +363,10 @@ def warm_up(run: Path) -> None:
     submit_and_wait(run, overrides, "sft")
 
 
-def run_prime_hpc(run: Path, model: str, steps: int) -> dict:
+def run_prime_hpc(run: Path, model: str, steps: int, extra: list[str]) -> dict:
     overrides = ["+experiment=reverse_text", "cluster=local", "warmup.experiment=null", "name=vs_trl_rl",
-                 f"model.name={model}", f"max_steps={steps}", "orchestrator.eval.interval=0", f"seed={RUN_SEED}"]
+                 f"model.name={model}", f"max_steps={steps}", "orchestrator.eval.interval=0", f"seed={RUN_SEED}",
+                 *extra]
     print(f"[prime-hpc] {' '.join(overrides)}", flush=True)
     submit_and_wait(run, overrides, "prime-hpc", steps)
     trainer = sorted((r for r in read_jsonl(run / "metrics" / "trainer.jsonl") if r.get("step", 0) >= 1),
@@ -448,6 +449,7 @@ def main() -> int:
                     help="torch threads of the TRL process (default: every core)")
     ap.add_argument("--only", choices=["prime-hpc", "trl"], default=None, help="run one side only")
     ap.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="more overrides of the prime-hpc run (e.g. async_level=2)")
     a = ap.parse_args()
     if a.trl_worker:
         return trl_worker(a.trl_worker, a.model, a.steps, a.trl_threads)
@@ -472,7 +474,7 @@ def main() -> int:
 
     results: dict[str, dict] = {}
     if a.only != "trl":
-        results["prime-hpc"] = run_prime_hpc(workdir / "rl", model, a.steps)
+        results["prime-hpc"] = run_prime_hpc(workdir / "rl", model, a.steps, a.overrides)
     if a.only != "prime-hpc":
         results["TRL"] = run_trl(trl_python, workdir / "trl", model, a.steps, a.trl_threads)
     report(results, model, a.steps, venv_s)

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 
+from prime_hpc import jobenv
 from prime_hpc import device as devices
 from prime_hpc.config.component import InferenceRunConfig, load
 from prime_hpc.config.schema import InferenceConfig
@@ -50,14 +51,6 @@ UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generati
 
 def load_config(path: str) -> InferenceRunConfig:
     return load(path, InferenceRunConfig, "inference")
-
-
-def node_rank() -> int:
-    """This server's node index within the inference group (SLURM step or local launcher)."""
-    for var in ("PRIME_HPC_NODE_RANK", "SLURM_NODEID"):  # one step per server: SLURM_NODEID is 0 in each
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 def data_parallel_size(inf: InferenceConfig, gpus_per_node: int, device: str) -> int:
@@ -128,7 +121,7 @@ class Server:
         self.model_path = model_path
         self.host = host
         self.port = 0
-        self.node = node_rank()
+        self.node = jobenv.node_rank()
         self.run = RunDir(cfg.output_dir)
         self.gate = PolicyGate(step=0, weight_dir=None)
         self.engine: Any = None
@@ -351,9 +344,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as e:
         print(f"prime-hpc inference: {e}", file=sys.stderr, flush=True)
         return 2
-    node = node_rank()
-    logs = os.environ.get("PRIME_HPC_LOGS")
-    log = str(RunDir.node_log(Path(logs), "inference", node)) if logs else "this process's output"
+    node = jobenv.node_rank()
+    logs = jobenv.logs_dir()
+    log = str(RunDir.node_log(logs, "inference", node)) if logs else "this process's output"
     os.environ.update(engine_env(cfg))
     os.environ[SERVER_PID_VAR] = str(os.getpid())  # vLLM's own processes die with this one
     try:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from prime_hpc import jobenv
 from prime_hpc.config.compose import cache_root
 from prime_hpc.device import CACHE_VAR, CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.net import address_env
@@ -263,7 +264,7 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
         )
     env = {
         "PRIME_HPC_OUTPUT_DIR": out,
-        "PRIME_HPC_DEVICE": c.device,
+        jobenv.DEVICE_VAR: c.device,
         "PYTHONUNBUFFERED": "1",
     }
     env.update(address_env(c.address))

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
+from prime_hpc import jobenv
 from prime_hpc.errors import UserError
 from prime_hpc.rundir import RunDir, WaitTimeout
+from prime_hpc.window import prunable
 
 if TYPE_CHECKING:  # the heavy modules are imported inside the functions
     from prime_hpc.trainer.config import TrainerRunConfig
@@ -140,13 +142,13 @@ def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
 
 
 def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
-    """Rank 0, after writing `weights/step_<step>`: remove `weights/step_k` for
-    k < step - async_level - 1 unless step k has a trainer checkpoint (the orchestrator
-    only ever loads recent policies; checkpointed ones stay for resume and serving)."""
+    """Rank 0, after writing `weights/step_<step>`: remove the weights no step can use any
+    more (`window.prunable`) unless their step has a trainer checkpoint (checkpointed
+    policies stay for resume and serving)."""
     keep = set(run.checkpoint_steps("trainer"))
     removed = []
     for k in run.weight_steps(stable_only=False):
-        if k < step - async_level - 1 and k not in keep:
+        if prunable(k, step, async_level) and k not in keep:
             shutil.rmtree(run.weights_step(k), ignore_errors=True)
             removed.append(k)
     return removed
@@ -234,5 +236,5 @@ def beat(s: Session, step: int, progress: bool = True, **info: Any) -> None:
 
 def orchestrator_log() -> Optional[Path]:
     """`$PRIME_HPC_LOGS/orchestrator.log` (this attempt's), if the launcher said where."""
-    logs = os.environ.get("PRIME_HPC_LOGS")
-    return RunDir.component_log(Path(logs), "orchestrator") if logs else None
+    logs = jobenv.logs_dir()
+    return RunDir.component_log(logs, "orchestrator") if logs else None
