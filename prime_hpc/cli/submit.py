@@ -230,6 +230,8 @@ def bench_config(overrides: list[str], mode: Optional[str]) -> Any:
     extra = [f"bench.mode={mode}"] if mode else []
     cfg = compose([*overrides, *extra, "warmup.experiment=null", "wandb.enabled=false", "ckpt.enabled=false",
                    "ckpt.interval=null", "ckpt.step=null"])
+    if cfg.trainer.type == "sft" and cfg.bench.mode == "all":
+        cfg.bench.mode = "trainer"  # an SFT run is only a trainer
     cfg.name = f"{cfg.name}{BENCH_SUFFIX}"
     cfg.output_dir = f"{cfg.output_dir}{BENCH_SUFFIX}"
     run = RunDir(cfg.output_dir)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from omegaconf import DictConfig
 
@@ -160,9 +160,26 @@ def check_gpus(cfg: DictConfig) -> None:
         )
 
 
-def check_slurm(cfg: DictConfig) -> None:
-    from prime_hpc.launcher.slurm import minutes  # light: no SLURM needed
+def minutes(slurm_time: str) -> Optional[int]:
+    """A SLURM time limit in minutes (None = unlimited). Formats: M, M:S, H:M:S, D-H,
+    D-H:M, D-H:M:S, UNLIMITED/infinite. Raises ValueError otherwise."""
+    text = slurm_time.strip()
+    if text.lower() in ("unlimited", "infinite"):
+        return None
+    days, dash, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]  # ValueError on garbage
+    if any(p < 0 for p in parts) or not 1 <= len(parts) <= 3:
+        raise ValueError(slurm_time)
+    if dash:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:
+        h, (m, s) = 0, (parts + [0])[:2]
+    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
 
+
+def check_slurm(cfg: DictConfig) -> None:
     c = cfg.cluster
     try:
         limit = minutes(c.time)
@@ -260,7 +277,7 @@ def check_sft(cfg: DictConfig) -> None:
     t = cfg.trainer
     if t.type != "sft":
         return
-    if not t.data.name:
+    if not t.data.name and cfg.bench.mode is None:  # a bench trains on synthetic rows
         raise ConfigError("trainer.data.name", "an SFT run needs a dataset; set it to a HF dataset name, a local "
                                                "path or module:function")
     if t.data.batch_size < t.data.seq_len:

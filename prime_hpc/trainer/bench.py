@@ -145,7 +145,7 @@ def run(cfg: TrainerRunConfig) -> None:
                 shape=shape(cfg, env.world_size))
             bench.write_part(s.run, "trainer", result)
             if b.mode == "trainer" or cfg.trainer.type == "sft":
-                bench.merge(s.run, bench.header(b.mode, cfg.name, cfg.device, b.steps, b.warmup_steps))
+                bench.merge(s.run, bench.header("trainer", cfg.name, cfg.device, b.steps, b.warmup_steps))
             logger.info(f"bench: trainer {result['step_time_s']:.3f}s per step (median), "
                         f"{result['tokens_per_s']:.0f} tok/s; {s.run.bench_part('trainer')}")
         runner.beat(s, total, done=True)
