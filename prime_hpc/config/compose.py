@@ -228,6 +228,17 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*axes)]
 
 
+def trainer_nproc_per_node(cfg: DictConfig) -> int:
+    """Trainer ranks per node: `nproc_per_node`, else one per GPU (one on CPU)."""
+    c = cfg.cluster
+    return int(c.trainer.nproc_per_node or (c.trainer.gpus_per_node if c.device == "cuda" else 1))
+
+
+def trainer_ranks(cfg: DictConfig) -> int:
+    """The trainer's data-parallel world size (one rollout file per rank)."""
+    return int(cfg.cluster.trainer.nodes) * trainer_nproc_per_node(cfg)
+
+
 def cache_root(cfg: DictConfig) -> str:
     """The shared cache of a run (`cluster.cache_dir`, default next to the run)."""
     return str(Path(cfg.cluster.cache_dir or Path(cfg.output_dir).parent / ".prime-hpc-cache").expanduser().absolute())
@@ -306,8 +317,6 @@ def component_config(cfg: DictConfig, component: str) -> dict:
         run_level["gpus_per_node"] = int(cfg.cluster.inference.gpus_per_node)
         run_level["lora"] = {"enabled": bool(lora.enabled), "rank": int(lora.rank)}
     if component == "orchestrator":
-        from prime_hpc.launcher.plan import trainer_ranks
-
         run_level["trainer_ranks"] = trainer_ranks(cfg)  # one rollout file per rank
         run_level["micro_batch_size"] = int(cfg.trainer.micro_batch_size)
         run_level["inference_nodes"] = int(cfg.cluster.inference.nodes)

@@ -14,7 +14,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from prime_hpc import jobenv
-from prime_hpc.config.compose import cache_root
+from prime_hpc.config.compose import cache_root, trainer_nproc_per_node
 from prime_hpc.device import CACHE_VAR, CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.net import address_env
 from prime_hpc.rundir import COMPONENTS, RunDir
@@ -114,16 +114,6 @@ def slurm_job_name(name: str) -> str:
     """SLURM job names are shown everywhere and parsed by tools: keep [A-Za-z0-9._-]."""
     cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).strip("_")
     return (cleaned or "run")[:64]
-
-
-def trainer_nproc_per_node(cfg: DictConfig) -> int:
-    c = cfg.cluster
-    return int(c.trainer.nproc_per_node or (c.trainer.gpus_per_node if c.device == "cuda" else 1))
-
-
-def trainer_ranks(cfg: DictConfig) -> int:
-    """The trainer's data-parallel world size (one rollout file per rank)."""
-    return int(cfg.cluster.trainer.nodes) * trainer_nproc_per_node(cfg)
 
 
 def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:

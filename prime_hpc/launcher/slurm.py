@@ -13,29 +13,11 @@ from typing import Any, Optional
 import submitit
 from submitit.slurm.slurm import SlurmJob, SlurmInfoWatcher
 
+from prime_hpc.config.validate import minutes
 from prime_hpc.errors import LaunchError
 from prime_hpc.launcher.slurm_state import ACTIVE, aggregate, squeue_components  # the light state queries
 from prime_hpc.launcher.plan import GROUP_NAMES, Plan
 from prime_hpc.launcher.render import render_sbatch
-
-def minutes(slurm_time: str) -> Optional[int]:
-    """A SLURM time limit in minutes (None = unlimited). Formats: M, M:S, H:M:S, D-H,
-    D-H:M, D-H:M:S, UNLIMITED/infinite. Raises ValueError otherwise."""
-    text = slurm_time.strip()
-    if text.lower() in ("unlimited", "infinite"):
-        return None
-    days, dash, rest = text.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]  # ValueError on garbage
-    if any(p < 0 for p in parts) or not 1 <= len(parts) <= 3:
-        raise ValueError(slurm_time)
-    if dash:
-        h, m, s = (parts + [0, 0])[:3]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        h, (m, s) = 0, (parts + [0])[:2]
-    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
-
 
 class HetSlurmJob(SlurmJob):
     """A job of a run: a het job, whose state is the aggregate of its components
