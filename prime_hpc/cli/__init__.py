@@ -11,7 +11,7 @@ import importlib
 import sys
 from typing import Optional
 
-COMMANDS = ("submit", "resume", "status", "list", "tail", "cancel", "plot", "eval", "doctor")
+COMMANDS = ("submit", "resume", "status", "list", "tail", "cancel", "plot", "eval", "doctor", "completion")
 TAKES_OVERRIDES = ("submit", "doctor", "resume")  # extra words are Hydra overrides
 
 USAGE_EXAMPLES = """examples:
@@ -23,6 +23,8 @@ USAGE_EXAMPLES = """examples:
   prime-hpc status JOB --watch        prime-hpc plot JOB... -o curves.png       prime-hpc tail JOB
   prime-hpc list      prime-hpc cancel JOB      prime-hpc eval JOB steps=10,20
   prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster
+  prime-hpc submit +experiment=reverse_text --bench         benchmark the run's trainer and inference (bench.json)
+  eval "$(prime-hpc completion bash)"                        TAB-complete commands, options, groups and keys
 JOB is a SLURM job id, a run name, an output dir, or a sweep id."""
 
 
