@@ -220,7 +220,8 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
             "trainer": [],
         }
         router = _argv(py, "prime_hpc.inference.router", "--config", str(run.component_config("inference")))
-        trainer_module = f"prime_hpc.trainer.{cfg.trainer.type}"
+        # a bench run's trainer: the real step on synthetic batches (its own entry point)
+        trainer_module = "prime_hpc.trainer.bench" if cfg.bench.mode else f"prime_hpc.trainer.{cfg.trainer.type}"
         trainer_args = ["--config", str(run.component_config("trainer"))]
     else:
         argv = {

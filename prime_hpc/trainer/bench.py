@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Optional
 
 from prime_hpc import bench
 from prime_hpc.trainer import runner
@@ -149,3 +149,12 @@ def run(cfg: TrainerRunConfig) -> None:
             logger.info(f"bench: trainer {result['step_time_s']:.3f}s per step (median), "
                         f"{result['tokens_per_s']:.0f} tok/s; {s.run.bench_part('trainer')}")
         runner.beat(s, total, done=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return runner.main(run, "python -m prime_hpc.trainer.bench",
+                       "Bench trainer: the run's trainer step on synthetic batches (bench.*).", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -46,10 +46,6 @@ def main(run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: s
     try:
         cfg = load_config(args.config)
         setup_logging(cfg.trainer.log.level, rank)
-        if cfg.bench.mode is not None:  # a bench run: synthetic batches instead of the real data
-            from prime_hpc.trainer import bench
-
-            run_fn = bench.run
         run_fn(cfg)
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
