@@ -35,7 +35,7 @@ def wall_times(argv: list[str], runs: int) -> list[float]:
 
 def newest_job() -> str | None:
     sys.path.insert(0, str(REPO))
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
 
     recent = jobs.recent(1)
     return recent[0].job_id if recent else None

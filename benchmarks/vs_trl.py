@@ -321,7 +321,7 @@ def submit_and_wait(run: Path, overrides: list[str], what: str, max_steps: int |
     """Submit (locally: detached) unless `run` already holds a COMPLETED job, then poll
     job.json until the job ends (asking `prime-hpc status`, which notices a dead job,
     every ~30 s)."""
-    from prime_hpc.jobs import FINAL_STATES
+    from prime_hpc.rundir.jobs import FINAL_STATES
 
     if job_state(run) == "COMPLETED":
         print(f"[{what}] reusing the finished run in {run}", flush=True)

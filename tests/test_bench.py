@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from prime_hpc import bench
-from prime_hpc import device as devices
+from prime_hpc.rundir import bench
+from prime_hpc.core import device as devices
 from tests.conftest import cli
 
 RL = ["+experiment=reverse_text"]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from prime_hpc import jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.rundir import RunDir
 from tests.conftest import HOSTILE, REPO, cli, hydra_quote
 

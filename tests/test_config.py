@@ -7,7 +7,7 @@ import pytest
 
 from prime_hpc.config import compose
 from prime_hpc.config.validate import validate
-from prime_hpc.errors import ConfigError, UserError
+from prime_hpc.core.errors import ConfigError, UserError
 from tests.conftest import REPO, cli
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc import jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S

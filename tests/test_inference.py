@@ -333,7 +333,7 @@ def test_endpoints_are_published_with_real_addresses(inference):
     assert [r["node"] for r in recs] == [0, 1]
     assert len({(r["host"], r["port"]) for r in recs}) == 2  # two servers, one host, distinct ports
     assert all(r["model"] == "tiny" and r["policy_step"] == 0 for r in recs)
-    from prime_hpc.net import node_address
+    from prime_hpc.core.net import node_address
 
     assert all(r["host"] == node_address() and r["url"] == f"http://{r['host']}:{r['port']}" for r in recs)
     router = json.loads(inference.run.router_endpoint.read_text())
@@ -509,7 +509,7 @@ def test_router_spreads_requests_and_survives_a_dead_server(inference, tmp_path)
         import subprocess
 
         from prime_hpc.inference.router import router_argv, router_binary, wait_ready
-        from prime_hpc.net import free_port, node_address, url
+        from prime_hpc.core.net import free_port, node_address, url
 
         host = node_address()
         port = free_port(host)

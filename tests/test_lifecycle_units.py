@@ -12,16 +12,16 @@ import pytest
 import yaml
 
 from prime_hpc.config.compose import compose, override, recorded_config
-from prime_hpc.errors import UserError
-from prime_hpc.launcher import attempt
+from prime_hpc.core.errors import UserError
+from prime_hpc.job import attempt
 from prime_hpc.launcher.plan import group_cpus, group_env, job_groups, make_plan, one_host_cores
-from prime_hpc.net import address_env, node_address
+from prime_hpc.core.net import address_env, node_address
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot
 from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.orchestrator.rollouts import advantages
 from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable, truncate_jsonl
-from prime_hpc import stopping
+from prime_hpc.runtime import stopping
 
 
 # --------------------------------------------------------------------------- advantages
@@ -266,7 +266,7 @@ def test_lr_schedules_by_hand():
 
 
 def test_watchdog_tells_a_stall_from_a_wait():
-    from prime_hpc.launcher.watchdog import stalled
+    from prime_hpc.job.watchdog import stalled
 
     now = 1000.0
     beats = {

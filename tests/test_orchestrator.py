@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc import batch
+from prime_hpc.rundir import batch
 from prime_hpc.config.compose import component_config, compose
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
-from prime_hpc.checkpoints import is_due
+from prime_hpc.rundir.checkpoints import is_due
 from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, pass_at_k
 from prime_hpc.rundir import RunDir, mark_stable

@@ -1,4 +1,4 @@
-"""`prime_hpc.plot` on synthetic metrics files, without a cluster: reading and merging the
+"""`prime_hpc.watch.plot` on synthetic metrics files, without a cluster: reading and merging the
 JSON lines, the panels built from them, and the PNG of one run and of two runs overlaid."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from prime_hpc import plot
+from prime_hpc.watch import plot
 from prime_hpc.rundir import RunDir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -180,7 +180,7 @@ def test_a_run_without_metrics_still_plots_and_no_runs_is_an_error(tmp_path):
 
 
 def test_importing_the_module_does_not_import_matplotlib():
-    code = "import sys, prime_hpc.plot; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
+    code = "import sys, prime_hpc.watch.plot; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from prime_hpc.config import compose
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.launcher.plan import make_plan, slurm_job_name
 from prime_hpc.launcher.render import render_local, render_sbatch
 
@@ -105,7 +105,7 @@ def test_a_thousand_hostile_values_render_inert_scripts(tmp_path):
             strangers = [c for c in calls if c[0] == "CMD" and c[1] not in ALLOWED]
             assert not strangers, (value, strangers)
             py = [c[1:] for c in calls if c[0] == "PY"]
-            starts = [a for a in py if a[:4] == ["-m", "prime_hpc.launcher.attempt", "start", out]]
+            starts = [a for a in py if a[:4] == ["-m", "prime_hpc.job.attempt", "start", out]]
             assert starts, (value, py)  # the output dir reached the interpreter as one exact argument
             launched = [c for c in calls if c[0] == "CMD" and str(python) in c]
             assert launched, (value, calls)  # ...and so did the interpreter's own path

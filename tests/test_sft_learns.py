@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from prime_hpc import jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.rundir import RunDir
 from tests.conftest import cli
 

@@ -10,11 +10,10 @@ import os
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from prime_hpc import batch, jobs
+from prime_hpc.rundir import batch, jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from prime_hpc import jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.rundir import RunDir
 from tests.conftest import cli
 from tests.netcheck import run_sockets

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from prime_hpc import jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, is_stable

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc import tail
-from prime_hpc.jobs import update_job
+from prime_hpc.watch import tail
+from prime_hpc.rundir.jobs import update_job
 from prime_hpc.rundir import RunDir
 
 ACCESS = 'INFO:     127.0.0.1:54321 - "POST /v1/chat/completions HTTP/1.1" 200 OK'

@@ -1,5 +1,5 @@
 """The RL trainer for real: torchrun with 2 gloo ranks, FSDP2, the tiny model, and rollout
-files written by a stand-in orchestrator with `prime_hpc.batch` (sampled from the policy
+files written by a stand-in orchestrator with `prime_hpc.rundir.batch` (sampled from the policy
 the trainer just wrote, so the trainer and "inference" policies agree)."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir, is_stable, mark_stable
 from tests.trainer_support import trainer_yaml
 
@@ -29,7 +29,7 @@ from tests.trainer_support import trainer_yaml
     ],
 )
 def test_rotation_keeps_exactly_the_expected_steps(steps, keep_last, keep_interval, deleted):
-    from prime_hpc.checkpoints import rotation
+    from prime_hpc.rundir.checkpoints import rotation
 
     assert rotation(steps, keep_last, keep_interval) == deleted
 
@@ -37,7 +37,7 @@ def test_rotation_keeps_exactly_the_expected_steps(steps, keep_last, keep_interv
 def test_checkpoint_schedule():
     from types import SimpleNamespace as NS
 
-    from prime_hpc.checkpoints import is_due
+    from prime_hpc.rundir.checkpoints import is_due
 
     off = NS(enabled=False, interval=None)
     assert not any(is_due(s, s == 5, off) for s in range(1, 6))
@@ -55,7 +55,7 @@ def _ckpt(run: RunDir, step: int, parts=("trainer", "orchestrator"), stable=True
 
 
 def test_resume_step_resolution(tmp_path):
-    from prime_hpc.checkpoints import resolve_resume_step
+    from prime_hpc.rundir.checkpoints import resolve_resume_step
 
     run = RunDir(tmp_path)
     rl, sft = ("trainer", "orchestrator"), ("trainer",)
@@ -319,7 +319,7 @@ def test_stream_resumes_at_the_same_sample_and_reshuffles_per_epoch():
 
 # ----------------------------------------------------------------------------- metrics, config
 def test_metrics_logger_writes_one_json_line_per_step(tmp_path):
-    from prime_hpc.metrics import MetricsLogger, run_id
+    from prime_hpc.runtime.metrics import MetricsLogger, run_id
 
     run = RunDir(tmp_path)
     with MetricsLogger(run, "trainer") as m:
@@ -354,7 +354,7 @@ def test_trainer_config_round_trips_from_the_launcher_yaml(tmp_path):
 def test_orchestrator_logger_forwards_only_the_trainer_rows_w_and_b_lacks(tmp_path):
     """The RL run's one W&B run gets the trainer's rows through the orchestrator's logger:
     complete lines only, and after a resume only the rows past the resume step."""
-    from prime_hpc.metrics import MetricsLogger
+    from prime_hpc.runtime.metrics import MetricsLogger
 
     run = RunDir(tmp_path)
     with MetricsLogger(run, "trainer", wandb_writer=False) as t:

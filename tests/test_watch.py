@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc import jobs
-from prime_hpc.net import LOOPBACK, free_port
+from prime_hpc.rundir import jobs
+from prime_hpc.core.net import LOOPBACK, free_port
 from prime_hpc.rundir import RunDir
 from tests.conftest import REPO, cli
 
@@ -360,7 +360,7 @@ def test_a_finished_sweep_in_status_and_plot(work, tmp_path, monkeypatch):
     assert out.read_bytes()[:8] == PNG_MAGIC
 
     # the figure `plot` draws: its legend names each point by its swept value
-    from prime_hpc import plot
+    from prime_hpc.watch import plot
     from prime_hpc.cli.plot import runs_of
 
     monkeypatch.setenv("PRIME_HPC_STATE_DIR", work.env["PRIME_HPC_STATE_DIR"])

@@ -1,5 +1,5 @@
 """The async window's arithmetic, by hand (async_level k = 2)."""
-from prime_hpc import window
+from prime_hpc.rundir import window
 
 
 def test_step_n_uses_policies_from_n_minus_k():

@@ -1,6 +1,6 @@
 """Helpers for the trainer tests: the trainer's YAML as the launcher writes it, torchrun in
 a subprocess, and a stand-in orchestrator that writes real rollout files (sampled from a
-real policy, scored with the reverse-text reward) through `prime_hpc.batch`."""
+real policy, scored with the reverse-text reward) through `prime_hpc.rundir.batch`."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
-from prime_hpc import batch
+from prime_hpc.rundir import batch
 from prime_hpc.config.compose import compose, write_component_config
 from prime_hpc.rundir import RunDir, wait_stable
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from prime_hpc.errors import LaunchError, UserError
+    from prime_hpc.core.errors import LaunchError, UserError
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

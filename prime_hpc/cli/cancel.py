@@ -12,7 +12,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import state
 
     # a sweep's last points first: cancelling a point must not release the one that waits for it

@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(a: argparse.Namespace) -> int:
     from prime_hpc.config import compose
-    from prime_hpc.doctor import format_table
+    from prime_hpc.job.preflight import format_table
     from prime_hpc.launcher import launch
     from prime_hpc.rundir import read_json
 
@@ -39,8 +39,8 @@ def run(a: argparse.Namespace) -> int:
         launch.cancel(sub.ref)
         raise
     if not run.preflight_summary.exists():
-        from prime_hpc.doctor import collect
-        from prime_hpc.jobs import read_job
+        from prime_hpc.job.preflight import collect
+        from prime_hpc.rundir.jobs import read_job
 
         failure = read_job(run).get("failure") or {}
         log = failure.get("log") or (run.latest_logs if run.latest_logs.exists() else run.batch_log(sub.ref.job_id))

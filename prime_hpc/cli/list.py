@@ -15,7 +15,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
 
     refs = jobs.recent(a.n)
     if not refs:
@@ -51,13 +51,11 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _row(r: Any, job: dict, live: dict, indent: str, swept: str) -> tuple:
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
 
     state = live.get(r.job_id) or job.get("state", "?")
     if r.backend == "local" and state not in jobs.FINAL_STATES:
-        from prime_hpc.launcher import local
-
-        state = local.state(r.run)
+        state = jobs.local_state(r.run)
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted_at))
     kind = f"{job.get('kind', r.kind)}/{r.backend}" + ("/doctor" if r.mode == "doctor" else "")
     return (indent + r.job_id, r.name, state, kind, when, r.output_dir + (f"  [{swept}]" if swept else ""))
@@ -67,7 +65,7 @@ def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:
     """SLURM's states of these jobs, and a note when SLURM could not be asked."""
     if not refs or not shutil.which("squeue"):
         return {}, ""
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
     from prime_hpc.launcher.slurm_state import live_states as ask
 
     states, note = ask({r.job_id: len(jobs.job_groups(records[r.output_dir])) for r in refs})

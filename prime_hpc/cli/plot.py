@@ -17,7 +17,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def runs_of(names: list[str]) -> list[tuple[str, Any]]:
     """(legend label, run dir) for every job named; a sweep point's label is its swept values."""
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
 
     out = []
     for name in names:
@@ -30,7 +30,7 @@ def runs_of(names: list[str]) -> list[tuple[str, Any]]:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.plot import plot_runs
+    from prime_hpc.watch.plot import plot_runs
 
     runs = runs_of(a.jobs)
     out = Path(a.output) if a.output else runs[0][1].root / "plot.png"

@@ -15,7 +15,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import launch
 
     ref = jobs.resolve(a.job)

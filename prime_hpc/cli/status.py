@@ -38,10 +38,10 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import state
     from prime_hpc.launcher.slurm_state import aggregate
-    from prime_hpc.vitals import vitals
+    from prime_hpc.watch.vitals import vitals
 
     job = jobs.read_job(ref.run)
     groups, note = state.group_states(ref)
@@ -69,8 +69,8 @@ def _max_steps(run: Any) -> Optional[int]:
 
 
 def format_job(s: dict[str, Any]) -> list[str]:
-    from prime_hpc import jobs
-    from prime_hpc.vitals import format_vitals
+    from prime_hpc.rundir import jobs
+    from prime_hpc.watch.vitals import format_vitals
 
     attempts = s["attempts"]
     requeues = f", {s['requeues']} requeue(s)" if s["requeues"] else ""
@@ -120,7 +120,7 @@ def sweep_lines(refs: list, statuses: list[dict]) -> list[str]:
 
 def snapshot(name: Optional[str]) -> tuple[list[str], Any]:
     """(lines, json object) for a job, a pipeline or a sweep."""
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import state
 
     if name:

@@ -7,7 +7,7 @@ import secrets
 import sys
 from typing import Any, Optional
 
-from prime_hpc.errors import LaunchError, UserError
+from prime_hpc.core.errors import LaunchError, UserError
 
 
 class _HelpWithGroups(argparse.Action):
@@ -279,7 +279,7 @@ def _follow_bench(ref: Any, follow: bool) -> str:
     """Until the bench job ends; its final state."""
     import time
 
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
     from prime_hpc.cli.tail import follow_ref, state_fn
 
     if follow:
@@ -293,7 +293,7 @@ def _follow_bench(ref: Any, follow: bool) -> str:
 
 
 def print_bench(ref: Any, state: str) -> int:
-    from prime_hpc import bench, jobs
+    from prime_hpc.rundir import bench, jobs
     from prime_hpc.rundir import read_json
 
     try:

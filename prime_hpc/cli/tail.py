@@ -1,5 +1,5 @@
 """`prime-hpc tail JOB [--component C]... [--rank R|all] [--all] [--no-follow] [-n N]`:
-follow every log of the job's current attempt until it ends (see prime_hpc/tail.py)."""
+follow every log of the job's current attempt until it ends (see prime_hpc/watch/tail.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ SLURM_CHECK_S = 30.0  # how often a follow asks SLURM whether a job ended withou
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from prime_hpc.tail import COMPONENTS, parse_rank
+    from prime_hpc.watch.tail import COMPONENTS, parse_rank
 
     t = sub.add_parser("tail", help="follow every log of a job until it ends (exit 0 if it completed)")
     t.add_argument("job", help="job id, run name or output dir")
@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def state_fn(ref: Any):
     """The job's state as its own record says, and, for a job that could end without
     recording it (its supervisor killed), SLURM's or the process table's now and then."""
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import state as job_states
 
     last = [0.0]
@@ -44,13 +44,13 @@ def state_fn(ref: Any):
 
 
 def follow_ref(ref: Any, **opts: Any) -> int:
-    from prime_hpc.tail import follow
+    from prime_hpc.watch.tail import follow
 
     return follow(ref.run, state_fn=state_fn(ref), **opts)
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
 
     ref = jobs.resolve(a.job)
     return follow_ref(ref, components=a.component, rank=a.rank, show_all=a.show_all, once=a.no_follow,

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Type, TypeVar
 
 from prime_hpc.config.schema import (MISSING, BenchConfig, CkptConfig, InferenceConfig, LogConfig, ModelConfig,
                                      OrchestratorConfig, WandbConfig)
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from prime_hpc.errors import ConfigError, UserError
+from prime_hpc.core.errors import ConfigError, UserError
 
 SCHEMA_NAME = "prime_hpc_schema"
 

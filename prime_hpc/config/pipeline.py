@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from prime_hpc.config.compose import cache_root, compose, finish, override
-from prime_hpc.errors import ConfigError
+from prime_hpc.core.errors import ConfigError
 
 WARMUP_DIR = "warmup"
 

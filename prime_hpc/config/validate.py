@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from omegaconf import DictConfig
 
-from prime_hpc.errors import ConfigError
+from prime_hpc.core.errors import ConfigError
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
     node: Any = cfg
@@ -97,7 +97,7 @@ def check_lengths(cfg: DictConfig) -> None:
 def check_gpu_ids(cfg: DictConfig) -> None:
     """`cluster.<group>.gpu_ids`: a GPU list, on cuda, as many as `gpus_per_node`, and
     inference and trainer apart unless `cluster.share_gpus`."""
-    from prime_hpc.device import id_list
+    from prime_hpc.core.device import id_list
 
     c = cfg.cluster
     ids: dict[str, set[int]] = {}

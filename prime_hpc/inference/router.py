@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc import jobenv
-from prime_hpc.net import LOOPBACK, free_port, node_address, url
+from prime_hpc.core import jobenv
+from prime_hpc.core.net import LOOPBACK, free_port, node_address, url
 from prime_hpc.inference.client import api_key, wait_for_servers
 from prime_hpc.inference.gate import ApiKey, send_json
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
-from prime_hpc.stopping import die_with_parent
+from prime_hpc.runtime.stopping import die_with_parent
 
 POLICY = "round_robin"
 MAX_RESTARTS = 3  # a vllm-router that dies is started again at most this often per attempt
@@ -146,7 +146,7 @@ def live_workers(urls: list[str]) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from prime_hpc.config.component import InferenceRunConfig, load
-    from prime_hpc.errors import UserError
+    from prime_hpc.core.errors import UserError
 
     p = argparse.ArgumentParser(prog="python -m prime_hpc.inference.router", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")

@@ -34,15 +34,15 @@ from typing import Any, Optional
 
 from fastapi import Request
 
-from prime_hpc import jobenv
-from prime_hpc import device as devices
+from prime_hpc.core import jobenv
+from prime_hpc.core import device as devices
 from prime_hpc.config.component import InferenceRunConfig, load
 from prime_hpc.config.schema import InferenceConfig
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.inference.client import API_KEY_VAR
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
-from prime_hpc.net import node_address, url
+from prime_hpc.core.net import node_address, url
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts

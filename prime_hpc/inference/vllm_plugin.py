@@ -1,7 +1,7 @@
 """A vLLM general plugin (entry point group `vllm.general_plugins`), loaded by vLLM in each
 of its processes: the API server, the engine core and every worker.
 
-What it changes, only when the variable is set (`prime_hpc.device.inference_env` sets it
+What it changes, only when the variable is set (`prime_hpc.core.device.inference_env` sets it
 on CPU):
 
 - `PRIME_HPC_VLLM_SPIN_S`: how long a process waiting on vLLM's shared-memory message
@@ -43,7 +43,7 @@ def _fork_engine() -> None:
     its parent-death signal at the fork itself."""
     from vllm.platforms import cpu
 
-    from prime_hpc.stopping import die_with_parent
+    from prime_hpc.runtime.stopping import die_with_parent
 
     os.register_at_fork(after_in_child=die_with_parent)
 
@@ -60,7 +60,7 @@ def _fork_engine() -> None:
 def register() -> None:
     server = os.environ.get(SERVER_PID_VAR, "")
     if server.isdigit() and int(server) != os.getpid():
-        from prime_hpc.stopping import die_with_parent
+        from prime_hpc.runtime.stopping import die_with_parent
 
         die_with_parent()
     if os.environ.get(FORK_VAR) == "1" and server == str(os.getpid()):

@@ -12,13 +12,13 @@ from typing import Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from prime_hpc import jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
 from prime_hpc.config.validate import validate
-from prime_hpc.errors import ConfigError, LaunchError
+from prime_hpc.core.errors import ConfigError, LaunchError
 from prime_hpc.config.pipeline import warmup_overrides
 from prime_hpc.inference.client import API_KEY_VAR
-from prime_hpc.launcher.head import HeadTask
+from prime_hpc.job.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text
@@ -45,9 +45,7 @@ def active_job(run: RunDir) -> Optional[str]:
         from prime_hpc.launcher.slurm_state import squeue_components
 
         return ids[-1] if squeue_components(ids[-1:]) else None
-    from prime_hpc.launcher import local
-
-    return ids[-1] if local.supervisor_alive(job) else None
+    return ids[-1] if jobs.supervisor_alive(job) else None
 
 
 def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) -> None:
@@ -246,7 +244,7 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
     recorded config plus `overrides` (`ckpt.step` defaults to -1, the latest complete
     checkpoint). Refuses while a job of the run is alive or when the step is not a
     complete checkpoint (naming the complete ones)."""
-    from prime_hpc.checkpoints import resolve_resume_step
+    from prime_hpc.rundir.checkpoints import resolve_resume_step
     from prime_hpc.config.compose import recorded_config
 
     run = ref.run

@@ -6,9 +6,9 @@ import os
 import secrets
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
-from prime_hpc.jobs import FINAL_STATES, read_job
+from prime_hpc.rundir.jobs import read_job, start_time, supervisor_alive
 from prime_hpc.rundir import RunDir, atomic_write_text
 
 if TYPE_CHECKING:
@@ -35,32 +35,6 @@ def submit(plan: "Plan", task: Any) -> tuple[str, dict]:
             start_new_session=True,  # its own process group: cancel ends exactly this run
         )
     return job_id, {"pid": proc.pid, "pid_start": start_time(proc.pid)}
-
-
-def start_time(pid: int) -> Optional[str]:
-    """The kernel's start time of `pid` (tells a reused pid from ours); None if gone or a
-    zombie (exited, not yet reaped by its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
-def supervisor_alive(job: dict) -> bool:
-    pid, started = job.get("pid"), job.get("pid_start")
-    return bool(pid) and started is not None and start_time(int(pid)) == started
-
-
-def state(run: RunDir) -> str:
-    job = read_job(run)
-    recorded = job.get("state", "UNKNOWN")
-    if recorded in FINAL_STATES:
-        return recorded
-    if supervisor_alive(job):  # pending only while it waits for the job it starts after (a warm-up)
-        return "PENDING" if recorded == "PENDING" and (job.get("pipeline") or {}).get("warmup") else "RUNNING"
-    return "FAILED" if recorded in ("RUNNING", "PENDING") else recorded
 
 
 def cancel(run: RunDir) -> None:

@@ -13,10 +13,10 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from prime_hpc import jobenv
+from prime_hpc.core import jobenv
 from prime_hpc.config.compose import cache_root, trainer_nproc_per_node
-from prime_hpc.device import CACHE_VAR, CPUS_VAR, core_count, visible_devices_env
-from prime_hpc.net import address_env
+from prime_hpc.core.device import CACHE_VAR, CPUS_VAR, core_count, visible_devices_env
+from prime_hpc.core.net import address_env
 from prime_hpc.rundir import COMPONENTS, RunDir
 
 MODES = ("run", "doctor")
@@ -226,11 +226,11 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
     else:
         argv = {
             "orchestrator": [],
-            "inference": _argv(py, "prime_hpc.doctor", "node", "--group", "inference", "--output-dir", out),
+            "inference": _argv(py, "prime_hpc.job.preflight", "node", "--group", "inference", "--output-dir", out),
             "trainer": [],
         }
-        router = _argv(py, "prime_hpc.doctor", "node", "--group", "router", "--output-dir", out)
-        trainer_module = "prime_hpc.doctor"
+        router = _argv(py, "prime_hpc.job.preflight", "node", "--group", "router", "--output-dir", out)
+        trainer_module = "prime_hpc.job.preflight"
         trainer_args = ["node", "--group", "trainer", "--output-dir", out]
     nproc = trainer_nproc_per_node(cfg)
     names = job_groups(cfg, mode)
@@ -287,7 +287,7 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
         address=c.address,
         router_argv=router,
         umask=str(c.umask),
-        watchdog_argv=_argv(py, "prime_hpc.launcher.watchdog", out, "--stall-timeout-s",
+        watchdog_argv=_argv(py, "prime_hpc.job.watchdog", out, "--stall-timeout-s",
                             f"{float(cfg.watchdog.stall_timeout_s):g}", "--ranks-per-node", str(nproc))
         if mode == "run" and float(cfg.watchdog.stall_timeout_s) > 0 else [],
         # submitit runs the pickled head task from its folder (the SLURM path)

@@ -9,8 +9,9 @@ import shlex
 from functools import lru_cache
 from pathlib import Path
 
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.launcher.plan import Plan
+from prime_hpc.rundir import RunDir
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch_templates"
 # How long components get to exit (e.g. finish a checkpoint) before SIGKILL, and how long a
@@ -53,7 +54,7 @@ def checkpoint_budget_s(signal_delay_s: int) -> int:
 
 
 def _render(template: str, plan: Plan, **extra: object) -> str:
-    return _env().get_template(template).render(plan=plan, grace_s=STOP_GRACE_S,
+    return _env().get_template(template).render(plan=plan, grace_s=STOP_GRACE_S, layout=RunDir, LOGS="$LOGS",
                                                 checkpoint_budget_s=checkpoint_budget_s(plan.signal_delay_s), **extra)
 
 

@@ -14,7 +14,7 @@ import submitit
 from submitit.slurm.slurm import SlurmJob, SlurmInfoWatcher
 
 from prime_hpc.config.validate import minutes
-from prime_hpc.errors import LaunchError
+from prime_hpc.core.errors import LaunchError
 from prime_hpc.launcher.slurm_state import ACTIVE, aggregate, squeue_components  # the light state queries
 from prime_hpc.launcher.plan import GROUP_NAMES, Plan
 from prime_hpc.launcher.render import render_sbatch

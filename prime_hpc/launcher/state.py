@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from prime_hpc import jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.rundir import RunDir
 
 
@@ -39,9 +39,7 @@ def group_states(ref: jobs.JobRef) -> tuple[dict[str, str], Optional[str]]:
         if len(states) < len(groups):  # not (or no longer) known to SLURM: what the job recorded
             return {g: states.get(g) or job.get("state", "UNKNOWN") for g in groups}, None
         return states, None
-    from prime_hpc.launcher import local
-
-    st = local.state(ref.run)
+    st = jobs.local_state(ref.run)
     return {g: st for g in groups}, None
 
 

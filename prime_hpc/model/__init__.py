@@ -30,12 +30,13 @@ def resolve_model(name: str, seed: int = 0) -> str:
 
     path = Path(name).expanduser()
     if name.startswith(("/", "./", "../", "~")) and not path.exists():  # a path, not a hub id: never fetched
-        from prime_hpc.errors import UserError
+        from prime_hpc.core.errors import UserError
 
         raise UserError(f"model.name={name}: no such directory")
-    if path.is_dir() and not (path / "config.json").exists() and (path / "weights").is_dir():
-        from prime_hpc.errors import UserError
-        from prime_hpc.rundir import RunDir
+    from prime_hpc.rundir import RunDir
+
+    if path.is_dir() and not (path / "config.json").exists() and RunDir(path).weights_dir.is_dir():
+        from prime_hpc.core.errors import UserError
 
         steps = RunDir(path).weight_steps()
         if not steps:

@@ -16,9 +16,9 @@ from typing import Optional
 def main(argv: Optional[list[str]] = None) -> dict:
     from loguru import logger
 
-    from prime_hpc.checkpoints import CheckpointWriteError
+    from prime_hpc.rundir.checkpoints import CheckpointWriteError
     from prime_hpc.config.component import OrchestratorRunConfig, load
-    from prime_hpc.errors import UserError
+    from prime_hpc.core.errors import UserError
     from prime_hpc.rundir import WaitTimeout
 
     p = argparse.ArgumentParser(prog="python -m prime_hpc.orchestrator")

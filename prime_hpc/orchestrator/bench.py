@@ -1,4 +1,4 @@
-"""The orchestrator of a bench run (`bench.mode` all or inference; `prime_hpc.bench`): fixed
+"""The orchestrator of a bench run (`bench.mode` all or inference; `prime_hpc.rundir.bench`): fixed
 prompts sent to the run's inference servers through the router by the orchestrator's own
 client (`make_client`: one request with `n` completions per group) with the run's sampling
 arguments; no environment is loaded.
@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 from loguru import logger
 
-from prime_hpc import bench
-from prime_hpc import device as devices
+from prime_hpc.rundir import bench
+from prime_hpc.core import device as devices
 from prime_hpc.config.component import OrchestratorRunConfig
 from prime_hpc.rundir import RunDir, read_json
 

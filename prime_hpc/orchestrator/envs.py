@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.config.schema import EnvEntry
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 
 REWARD_ERROR = "reward_error"  # state key set when a reward function raised
 CURRENT_ENV: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("prime_hpc_env", default=None)

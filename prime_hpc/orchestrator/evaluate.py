@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from prime_hpc import jobenv
-from prime_hpc.errors import UserError
+from prime_hpc.core import jobenv
+from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir, atomic_write_json
 
 
@@ -32,12 +32,13 @@ def target_run(target: str) -> tuple[RunDir, Optional[int]]:
     """The run a target names, and the step when it names one weights dir."""
     path = Path(target).expanduser()
     if path.is_dir() and (path / "config.json").exists():
-        if path.parent.name != "weights" or not path.name.startswith("step_"):
+        found = RunDir.of_weights_step(path)
+        if found is None:
             raise UserError(f"{path}: a weights dir must be <run>/weights/step_<n> (the run's config names the eval envs)")
-        return RunDir(path.parent.parent), int(path.name[5:])
+        return found
     if path.is_dir() and RunDir(path).config_yaml.exists():  # a run directory (submitted or not)
         return RunDir(path), None
-    from prime_hpc import jobs
+    from prime_hpc.rundir import jobs
 
     return jobs.resolve(target).run, None
 
@@ -54,14 +55,14 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
     """One inference server for `cfg.model.name` on this machine, its files under `edir`
     (configs, endpoints, logs); yields its URL and stops it (and its process group)."""
     from prime_hpc.config.compose import write_component_config
-    from prime_hpc.device import CACHE_VAR
+    from prime_hpc.core.device import CACHE_VAR
     from prime_hpc.inference.client import wait_for_servers
-    from prime_hpc.net import address_env
+    from prime_hpc.core.net import address_env
 
     cfg.output_dir = str(edir.root)
     cfg.cluster.inference.nodes = 1
     inference_yaml = write_component_config(cfg, "inference")
-    log = edir.root / "logs" / "inference" / "node_0.log"
+    log = RunDir.node_log(edir.logs_root, "inference", 0)
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.unlink(edir.inference_endpoint(0))
@@ -70,12 +71,12 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
     with open(log, "ab") as f:
         server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
                                    str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
-                                  env={**os.environ, jobenv.LOGS_VAR: str(edir.root / "logs"), jobenv.NODE_RANK_VAR: "0",
+                                  env={**os.environ, jobenv.LOGS_VAR: str(edir.logs_root), jobenv.NODE_RANK_VAR: "0",
                                        CACHE_VAR: cache, **address_env(cfg.cluster.address)},
                                   start_new_session=True)
     try:
         print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
-        yield wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.root / "logs",
+        yield wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.logs_root,
                                alive=lambda: server.poll() is None)[0]["url"]
     finally:
         server.terminate()

@@ -23,17 +23,18 @@ from typing import Any, Mapping, Optional
 
 from loguru import logger
 
-from prime_hpc import batch, jobenv, window
+from prime_hpc.core import jobenv
+from prime_hpc.rundir import batch, window
 from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.config.schema import SamplingConfig
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import BEAT_S
 from prime_hpc.inference.client import Admin, api_key, discover, forget_worker, headers
 from prime_hpc.orchestrator import envs as envs_mod
 from prime_hpc.orchestrator.client import make_client
 from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
-from prime_hpc.checkpoints import CheckpointWriteError, is_due, resolve_resume_step, rotate
+from prime_hpc.rundir.checkpoints import CheckpointWriteError, is_due, resolve_resume_step, rotate
 from prime_hpc.rundir import CHECKPOINT_PARTS, STABLE, RunDir, atomic_write_json, mark_stable, read_json, stable_time
 
 STATE_FILE = "state.json"
@@ -108,7 +109,7 @@ class Orchestrator:
         self.carry: list[list[Rollout]] = []  # finished groups beyond the step being filled
         self.snapshots: dict[int, dict] = {}  # step -> state right after writing it (for checkpoints)
         self.relay_task: Any = None
-        self.stop: Any = None  # prime_hpc.stopping.Stop, installed by main()
+        self.stop: Any = None  # prime_hpc.runtime.stopping.Stop, installed by main()
         self.stop_code: Optional[int] = None
 
     # ------------------------------------------------------------------ setup
@@ -130,7 +131,7 @@ class Orchestrator:
             epochs = 1 if self.max_steps is None else None
             self.sampler = EnvSampler(self.slots, self.cfg.seed, epochs)  # refuses an empty list
         if self.logs is not None:
-            files = {f"{kind}/{s.name}": self.run.env_log_dir(self.logs, kind, s.name) / "env_worker_0.log"
+            files = {f"{kind}/{s.name}": self.run.env_worker_log(self.logs, kind, s.name)
                      for kind, slots in (("train", self.slots), ("eval", self.eval_slots)) for s in slots}
             self.log_router = envs_mod.EnvLogRouter(files)
             import logging
@@ -331,7 +332,7 @@ class Orchestrator:
     async def loop(self, start: int) -> None:
         """Fill and write steps start+1 .. max_steps (or until the train data is used once
         when max_steps is null), then write `rollouts/DONE`. Stops early, without DONE,
-        when asked to (`prime_hpc.stopping`): after checkpointing the trainer's step if
+        when asked to (`prime_hpc.runtime.stopping`): after checkpointing the trainer's step if
         the supervisor wants a checkpoint."""
         self.relay_task = asyncio.create_task(self.relay())
         self.progress_at = time.time()
@@ -501,7 +502,7 @@ class Orchestrator:
     async def stop_decided(self) -> bool:
         """Whether to stop now (`self.stop_code` says how); waits briefly after a SIGTERM
         for the supervisor's decision."""
-        from prime_hpc.stopping import CONTINUE
+        from prime_hpc.runtime.stopping import CONTINUE
 
         if self.stop is None or not self.stop.pending():
             return False
@@ -526,7 +527,7 @@ class Orchestrator:
     async def stop_now(self) -> None:
         """Asked to stop: on CHECKPOINT wait for the step the trainer saves and save this
         component's part of it (from that step's snapshot)."""
-        from prime_hpc.stopping import CHECKPOINT, checkpointed_step
+        from prime_hpc.runtime.stopping import CHECKPOINT, checkpointed_step
 
         if self.stop_code != CHECKPOINT:
             logger.info(f"stopping at step {self.step} (SIGTERM)")
@@ -546,8 +547,8 @@ class Orchestrator:
             logger.warning(f"no state kept for step {saved} (kept: {sorted(self.snapshots)}); not checkpointed")
 
     async def main(self) -> dict:
-        from prime_hpc.metrics import MetricsLogger
-        from prime_hpc.stopping import Stop
+        from prime_hpc.runtime.metrics import MetricsLogger
+        from prime_hpc.runtime.stopping import Stop
 
         self.load_envs()
         start = resolve_resume_step(self.run, self.cfg.ckpt.step, CHECKPOINT_PARTS)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any, Optional
 
-from prime_hpc import window
-from prime_hpc.batch import Sample
+from prime_hpc.rundir import window
+from prime_hpc.rundir.batch import Sample
 from prime_hpc.orchestrator.envs import REWARD_ERROR
 
 

@@ -1,11 +1,11 @@
-"""The trainer of a bench run (`bench.mode` all or trainer; `prime_hpc.bench`): the real
+"""The trainer of a bench run (`bench.mode` all or trainer; `prime_hpc.rundir.bench`): the real
 session and step (`runner.session`, `Engine.train_step` with the run's loss, micro-batching
 and sharding) on synthetic batches of the configured shape, instead of waiting for rollouts.
 
 RL: `bench.samples_per_step` samples of `seq_len` tokens, random token ids within the
 vocabulary, the loss mask over the last `bench.completion_len` tokens, random advantages
 and inference log-probabilities, split over the ranks and into micro-batches of
-`trainer.micro_batch_size` by the orchestrator's own `prime_hpc.batch.shard`.
+`trainer.micro_batch_size` by the orchestrator's own `prime_hpc.rundir.batch.shard`.
 SFT: `trainer.data.batch_size // trainer.data.seq_len` packed rows of `trainer.data.seq_len`
 tokens, split and collated by `prime_hpc.trainer.sft_data` as a real step is.
 
@@ -22,7 +22,7 @@ import math
 import time
 from typing import Any, Optional
 
-from prime_hpc import bench
+from prime_hpc.rundir import bench
 from prime_hpc.trainer import runner
 from prime_hpc.trainer.config import TrainerRunConfig
 
@@ -31,7 +31,7 @@ def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed
     """This rank's micro-batches of one synthetic RL step."""
     import torch
 
-    from prime_hpc.batch import Sample, shard
+    from prime_hpc.rundir.batch import Sample, shard
 
     b = cfg.bench
     n, seq = int(b.samples_per_step), int(cfg.seq_len)
@@ -109,7 +109,7 @@ def wait_for_inference(s: Any) -> None:
 def run(cfg: TrainerRunConfig) -> None:
     from loguru import logger
 
-    from prime_hpc import device as devices
+    from prime_hpc.core import device as devices
 
     b = cfg.bench
     parts = ("trainer",) if cfg.trainer.type == "sft" else ()

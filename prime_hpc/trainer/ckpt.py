@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from prime_hpc import device as devices
-from prime_hpc.checkpoints import CheckpointWriteError, remove_marked, rotate
+from prime_hpc.core import device as devices
+from prime_hpc.rundir.checkpoints import CheckpointWriteError, remove_marked, rotate
 from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
 from prime_hpc.trainer.dist import DistEnv
 

@@ -1,6 +1,6 @@
 """The trainer's process group: torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT or a c10d rendezvous), or a one-rank group when started without
-torchrun. The backend comes from `prime_hpc.device` (gloo on CPU, NCCL on GPU)."""
+torchrun. The backend comes from `prime_hpc.core.device` (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +11,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from prime_hpc import device as devices
-from prime_hpc.net import LOOPBACK, free_port
+from prime_hpc.core import device as devices
+from prime_hpc.core.net import LOOPBACK, free_port
 
 
 @dataclass(frozen=True)

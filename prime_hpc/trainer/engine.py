@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from prime_hpc import device as devices
+from prime_hpc.core import device as devices
 from prime_hpc.trainer.dist import DistEnv, all_reduce_sum
 from prime_hpc.trainer.loss import LossOutput, token_logprobs
 from prime_hpc.trainer.model import Policy
@@ -171,5 +171,5 @@ def param_count(policy: Policy) -> int:
 
 
 def mfu(tokens_per_s_per_device: float, params: int, peak: Optional[float]) -> Optional[float]:
-    """Training MFU of a rank (`prime_hpc.device` holds the FLOPs estimate and the peaks)."""
+    """Training MFU of a rank (`prime_hpc.core.device` holds the FLOPs estimate and the peaks)."""
     return devices.mfu(tokens_per_s_per_device, devices.train_flops_per_token(params), peak)

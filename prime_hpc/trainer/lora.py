@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 
 PEFT_PREFIX = "base_model.model."
 

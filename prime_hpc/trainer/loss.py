@@ -1,7 +1,7 @@
 """Training objectives as pure functions of per-token tensors (no model, no process group).
 
 All tensors are [B, T] and aligned to `input_ids` (position t is about token t, see
-`prime_hpc.batch`). Per token: trainer log-probability `lp`, inference log-probability
+`prime_hpc.rundir.batch`). Per token: trainer log-probability `lp`, inference log-probability
 `ilp`, advantage `A`, loss mask `m`; importance ratio `r = exp(lp - ilp)`; probabilities
 `p = exp(lp)`, `p_inf = exp(ilp)`.
 

@@ -6,7 +6,7 @@ lm_head), with `MixedPrecisionPolicy(param_dtype=optimization_dtype,
 reduce_dtype=reduce_dtype)`. With a single rank there is nothing to shard: the model stays
 a plain module (FSDP's bookkeeping would only cost time) and `optimization_dtype` is
 applied with autocast instead. Master weights and optimizer state stay float32. The same
-code runs on CPU (gloo) and GPU (NCCL); only `prime_hpc.device` knows the difference.
+code runs on CPU (gloo) and GPU (NCCL); only `prime_hpc.core.device` knows the difference.
 
 Weights layout (`weights/step_<n>/`, `STABLE` last), loadable with
 `AutoModelForCausalLM.from_pretrained` and by vLLM:
@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir, publish_dir, staging_dir
 from prime_hpc.trainer import lora as lora_mod
 from prime_hpc.trainer.config import TrainerRunConfig

@@ -2,7 +2,7 @@
 
 Step n (n = 1, 2, ...; policy 0 is the base model, resume from N continues at N+1):
 
-1. wait for `rollouts/step_n/STABLE` and read this rank's `rank_<r>.pt` (`prime_hpc.batch`);
+1. wait for `rollouts/step_n/STABLE` and read this rank's `rank_<r>.pt` (`prime_hpc.rundir.batch`);
    give up after `trainer.rollout_timeout_s` naming the orchestrator's log; stop cleanly
    when `rollouts/DONE` says the orchestrator wrote its last step before n;
 2. forward/backward every micro-batch with the objective of `trainer.loss`
@@ -86,8 +86,8 @@ def make_loss_fn(loss_cfg: Any, step: int, mode: str = "rl"):
 def train(cfg: TrainerRunConfig) -> None:
     from loguru import logger
 
-    from prime_hpc import batch as rollout_batch
-    from prime_hpc.stopping import CONTINUE, Stop
+    from prime_hpc.rundir import batch as rollout_batch
+    from prime_hpc.runtime.stopping import CONTINUE, Stop
     from prime_hpc.trainer.dist import barrier
 
     with runner.session(cfg, CHECKPOINT_PARTS) as s:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
-from prime_hpc import jobenv
-from prime_hpc.errors import UserError
+from prime_hpc.core import jobenv
+from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir, WaitTimeout
-from prime_hpc.window import prunable
+from prime_hpc.rundir.window import prunable
 
 if TYPE_CHECKING:  # the heavy modules are imported inside the functions
     from prime_hpc.trainer.config import TrainerRunConfig
@@ -34,13 +34,13 @@ def main(run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: s
          argv: Optional[list[str]] = None) -> int:
     """Parse `--config`, run, and turn a user's mistake or a missing peer into one line on
     stderr (exit 2, resp. 1) instead of a traceback."""
-    from prime_hpc.checkpoints import CheckpointWriteError
+    from prime_hpc.rundir.checkpoints import CheckpointWriteError
     from prime_hpc.trainer.config import load_config, parse_args
 
     args = parse_args(prog, description, argv)
     rank = int(os.environ.get("RANK", 0))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: it does not outlive its agent
-        from prime_hpc.stopping import die_with_parent
+        from prime_hpc.runtime.stopping import die_with_parent
 
         die_with_parent()
     try:
@@ -81,8 +81,8 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
     import torch
     from loguru import logger
 
-    from prime_hpc.metrics import MetricsLogger
-    from prime_hpc.checkpoints import resolve_resume_step
+    from prime_hpc.runtime.metrics import MetricsLogger
+    from prime_hpc.rundir.checkpoints import resolve_resume_step
     from prime_hpc.trainer.ckpt import Checkpointer
     from prime_hpc.trainer.dist import process_group
     from prime_hpc.trainer.engine import Engine, param_count
@@ -152,7 +152,7 @@ def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
 
 def checkpoint_if_due(s: Session, step: int, final: bool, state: dict) -> tuple[bool, float]:
     """Save a checkpoint when `ckpt` says so: (saved?, seconds spent)."""
-    from prime_hpc.checkpoints import is_due
+    from prime_hpc.rundir.checkpoints import is_due
 
     s.ckpt.poll()
     if not is_due(step, final, s.cfg.ckpt):
@@ -164,7 +164,7 @@ def checkpoint_if_due(s: Session, step: int, final: bool, state: dict) -> tuple[
 
 def step_metrics(s: Session, result: Any, t_step: float, t_wait: float) -> dict[str, Any]:
     """Optimizer and performance metrics of one step (`result`: engine.StepResult)."""
-    from prime_hpc import device as devices
+    from prime_hpc.core import device as devices
     from prime_hpc.trainer.engine import mfu
 
     sums = result.sums
@@ -193,9 +193,9 @@ def step_metrics(s: Session, result: Any, t_step: float, t_wait: float) -> dict[
 
 def agreed_stop(s: Session, stop: Any, not_ready: bool = False) -> tuple[int, bool]:
     """What every rank does next, agreed over the process group (one small all-reduce):
-    the strongest stop decision of any rank (`prime_hpc.stopping`: CONTINUE, EXIT,
+    the strongest stop decision of any rank (`prime_hpc.runtime.stopping`: CONTINUE, EXIT,
     CHECKPOINT), and whether any rank found no more data (`not_ready`)."""
-    from prime_hpc import stopping
+    from prime_hpc.runtime import stopping
     from prime_hpc.trainer.dist import all_reduce_max
 
     code = stop.decision() if stop.pending() else stopping.CONTINUE
@@ -208,7 +208,7 @@ def stop_here(s: Session, step: int, code: int, state: dict) -> None:
     tell the orchestrator which step that is (`control/checkpointed.json`)."""
     from loguru import logger
 
-    from prime_hpc import stopping
+    from prime_hpc.runtime import stopping
     from prime_hpc.rundir import atomic_write_json
 
     if code == stopping.CHECKPOINT:

@@ -27,7 +27,7 @@ PARTS = ("trainer",)  # an SFT checkpoint step is complete without an orchestrat
 
 
 def load_samples(data_cfg: Any, tokenizer: Any, loss_mask: Any) -> list:
-    from prime_hpc.errors import UserError
+    from prime_hpc.core.errors import UserError
     from prime_hpc.trainer import sft_data
 
     if not data_cfg.name:
@@ -61,8 +61,8 @@ def _nll(lp, mb, normalizer):
 def train(cfg: TrainerRunConfig) -> None:
     from loguru import logger
 
-    from prime_hpc.errors import UserError
-    from prime_hpc.stopping import CONTINUE, Stop
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.runtime.stopping import CONTINUE, Stop
     from prime_hpc.trainer import sft_data
     from prime_hpc.trainer.model import load_tokenizer
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -28,9 +28,9 @@ import json
 import statistics
 import struct
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from prime_hpc import device as devices
+from prime_hpc.core import device as devices
 from prime_hpc.rundir import RunDir, atomic_write_json, read_json
 
 PARTS = ("trainer", "inference")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from prime_hpc.errors import UserError
+from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from prime_hpc.errors import JobNotFound
+from prime_hpc.core.errors import JobNotFound
 from prime_hpc.rundir import RunDir, atomic_write_json, read_json
 
 # job.json "state" values (SLURM's vocabulary where it has one)
@@ -173,3 +173,31 @@ def resolve(name: str) -> JobRef:
             return ref
     hint = f"; known: {', '.join(r.job_id + ' (' + r.name + ')' for r in refs[:5])}" if refs else ""
     raise JobNotFound(f"no job {name!r} (give a SLURM job id, a run name or an output dir){hint}")
+
+
+# ----------------------------------------------------------------------------- local jobs (cluster=local)
+def start_time(pid: int) -> Optional[str]:
+    """The kernel's start time of `pid` (tells a reused pid from ours); None if gone or a
+    zombie (exited, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def supervisor_alive(job: dict) -> bool:
+    pid, started = job.get("pid"), job.get("pid_start")
+    return bool(pid) and started is not None and start_time(int(pid)) == started
+
+
+def local_state(run: RunDir) -> str:
+    """A local job's state: its record, checked against its supervising script being alive."""
+    job = read_job(run)
+    recorded = job.get("state", "UNKNOWN")
+    if recorded in FINAL_STATES:
+        return recorded
+    if supervisor_alive(job):  # pending only while it waits for the job it starts after (a warm-up)
+        return "PENDING" if recorded == "PENDING" and (job.get("pipeline") or {}).get("warmup") else "RUNNING"
+    return "FAILED" if recorded in ("RUNNING", "PENDING") else recorded

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
-from prime_hpc.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
+from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 from prime_hpc.rundir import RunDir
 
 COMPONENTS = ("orchestrator", "inference", "router", "trainer", "envs")
@@ -165,12 +165,12 @@ def _indexed(directory: Path, prefix: str) -> list[int]:
 def _env_sources(logs: Path) -> list[Source]:
     """Every env worker log under `envs/<kind>/<env>/`, train envs first."""
     out = []
-    for kind in sorted(_listdir(logs / "envs"), key=lambda k: (k != "train", k)):
-        for env in _listdir(logs / "envs" / kind):
-            directory = RunDir.env_log_dir(logs, kind, env)
-            for w in _indexed(directory, "env_worker_"):
+    root = RunDir.env_logs_root(logs)
+    for kind in sorted(_listdir(root), key=lambda k: (k != "train", k)):
+        for env in _listdir(root / kind):
+            for w in _indexed(RunDir.env_log_dir(logs, kind, env), "env_worker_"):
                 label = f"env:{kind}/{env}" + (f"[{w}]" if w else "")
-                out.append(Source(directory / f"env_worker_{w}.log", label))
+                out.append(Source(RunDir.env_worker_log(logs, kind, env, w), label))
     return out
 
 
@@ -183,13 +183,13 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
         found.append(Source(orchestrator, "orchestrator"))
     if "inference" in components:
         found += [Source(RunDir.node_log(logs, "inference", i), f"inference[{i}]")
-                  for i in _indexed(logs / "inference", "node_")]
+                  for i in _indexed(RunDir.group_log_dir(logs, "inference"), "node_")]
     if "router" in components:
         found += [Source(RunDir.router_log(logs, i), "router" if i == 0 else f"router[{i}]")
-                  for i in _indexed(logs / "inference", "router_")]
+                  for i in _indexed(RunDir.group_log_dir(logs, "inference"), "router_")]
     if "trainer" in components:
         found += [Source(RunDir.node_log(logs, "trainer", i), f"torchrun[{i}]", node=i)
-                  for i in _indexed(logs / "trainer", "node_")]
+                  for i in _indexed(RunDir.group_log_dir(logs, "trainer"), "node_")]
     if "envs" in components:
         found += _env_sources(logs)
     return found

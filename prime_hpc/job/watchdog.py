@@ -1,4 +1,4 @@
-"""`python -m prime_hpc.launcher.watchdog <output_dir> --stall-timeout-s T`: the run's
+"""`python -m prime_hpc.job.watchdog <output_dir> --stall-timeout-s T`: the run's
 stall watchdog, a service of the job script next to the supervisor (light imports).
 
 Every running component writes `heartbeats/<component>_<rank>` at least every `BEAT_S`
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc import jobenv
+from prime_hpc.core import jobenv
 from prime_hpc.rundir import RunDir, atomic_write_json
 
 POLL_S = 2.0
@@ -80,14 +80,14 @@ def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, po
                   + (f" at step {s['step']}" if s.get("step") is not None else "")
                   + f"; last line of its log: {last_line(log) or '(empty)'}")
         node = s["rank"] // max(1, ranks_per_node) if s["component"] == "trainer" else s["rank"]
-        atomic_write_json(run.control_dir / "stall.json", {**s, "who": who, "reason": reason, "log": str(log),
+        atomic_write_json(run.stall_record, {**s, "who": who, "reason": reason, "log": str(log),
                                                             "node": node, "at": time.time()})
         print(f"prime-hpc watchdog: {who} {reason}; see {log}", file=sys.stderr, flush=True)
         return STALLED
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.watchdog")
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.job.watchdog")
     p.add_argument("output_dir")
     p.add_argument("--stall-timeout-s", type=float, required=True)
     p.add_argument("--ranks-per-node", type=int, default=1)

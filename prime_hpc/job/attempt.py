@@ -1,6 +1,6 @@
 """Runtime helpers the job script calls (light imports: a few calls per attempt).
 
-  python -m prime_hpc.launcher.attempt <command> <output_dir> --job-id ID [options]
+  python -m prime_hpc.job.attempt <command> <output_dir> --job-id ID [options]
 
   start       new log tree logs/attempt_<k>/ (+ logs/latest); on a restart (requeue) or a
               resume, pick the checkpoint to continue from and clear what came after it;
@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc.errors import UserError
-from prime_hpc.jobs import (CANCELLED, COMPLETED, FAILED, FINAL_STATES, REQUEUED, RUNNING, editing_job, on_node,
-                           read_job)
+from prime_hpc.core.errors import UserError
+from prime_hpc.rundir.jobs import (CANCELLED, COMPLETED, FAILED, FINAL_STATES, REQUEUED, RUNNING, editing_job, local_state,
+                           on_node, read_job)
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text, read_json
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
@@ -93,7 +93,7 @@ def resume_point(run: RunDir, restarted: bool) -> Optional[int]:
     is none; otherwise the configured `ckpt.step` (a resume) is honoured. Everything after
     that step (rollouts, weights, checkpoints, metrics rows) is cleared first, and the
     resolved step is written into the components' configs, so they agree on it."""
-    from prime_hpc.checkpoints import resolve_resume_step
+    from prime_hpc.rundir.checkpoints import resolve_resume_step
 
     trainer = _component_yaml(run, "trainer") or {}
     parts = ("trainer",) if (trainer.get("trainer") or {}).get("type") == "sft" else CHECKPOINT_PARTS
@@ -147,7 +147,7 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
 def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:
     """(component, reason, where) of the stall the watchdog found (control/stall.json)."""
     try:
-        stall = read_json(run.control_dir / "stall.json")
+        stall = read_json(run.stall_record)
     except (OSError, ValueError):
         return "watchdog", reason, {"node": None, "log": str(RunDir.component_log(logs, "watchdog"))}
     component = stall.get("component", "watchdog")
@@ -186,7 +186,7 @@ def where_it_died(logs: Path, component: str) -> dict[str, Any]:
         component = "inference"
     elif component == "trainer":
         try:
-            for line in (logs / "trainer" / "srun.log").read_text(errors="replace").splitlines():
+            for line in RunDir.srun_log(logs, "trainer").read_text(errors="replace").splitlines():
                 m = SRUN_TASK_ERROR.search(line)
                 if m:
                     host, node = m.group(1), int(m.group(2))
@@ -322,10 +322,8 @@ def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0, any_
     """Block until the run in `before` ended; 0 if it completed (or, with `any_end`,
     however it ended). Otherwise this job fails without starting anything, naming the
     earlier job and its failure."""
-    from prime_hpc.launcher import local
-
     while True:
-        state = local.state(before)
+        state = local_state(before)
         if state in FINAL_STATES:
             break
         time.sleep(poll_s)
@@ -346,14 +344,14 @@ def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0, any_
 # ----------------------------------------------------------------------------- rendezvous
 def rendezvous() -> str:
     """This node's address (the run's) and a port that is free there right now."""
-    from prime_hpc.net import free_port, node_address
+    from prime_hpc.core.net import free_port, node_address
 
     host = node_address()
     return f"{host}:{free_port(host)}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.attempt")
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.job.attempt")
     p.add_argument("cmd", choices=("start", "end", "lost", "checkpoint", "requeue", "cause", "wait-for", "rendezvous"))
     p.add_argument("output_dir", nargs="?")
     p.add_argument("--job-id", default="")

@@ -1,6 +1,6 @@
 """The head task: what het group 0 runs. On SLURM it is the callable submitit pickles and
 runs (`python -m submitit.core._submit`), so submitit tracks it and keeps its result;
-locally it runs as `python -m prime_hpc.launcher.head`. Checkpoint and requeue at a time
+locally it runs as `python -m prime_hpc.job.head`. Checkpoint and requeue at a time
 limit are the job script's (sbatch_templates/_functions.sh.j2): submitit's own protocol
 handles one process that checkpoints itself, not a job of several groups, nor an SFT job
 without a head."""
@@ -30,7 +30,7 @@ class HeadTask:
         signal.signal(signal.SIGTERM, _exit_on_term)
         run = RunDir(self.output_dir)
         if self.mode == "doctor":
-            from prime_hpc.doctor import run_head
+            from prime_hpc.job.preflight import run_head
 
             summary = run_head(run, self.expected)
             if not summary["ok"]:
@@ -42,14 +42,14 @@ class HeadTask:
 
     def argv(self, python: str) -> list[str]:
         """The local equivalent of submitit's command for this task."""
-        args = [python, "-u", "-m", "prime_hpc.launcher.head", self.mode, self.output_dir]
+        args = [python, "-u", "-m", "prime_hpc.job.head", self.mode, self.output_dir]
         for group, n in self.expected.items():
             args += ["--expect", f"{group}={n}"]
         return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prime_hpc.launcher.head")
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.job.head")
     p.add_argument("mode", choices=("run", "doctor"))
     p.add_argument("output_dir")
     p.add_argument("--expect", action="append", default=[], help="group=N reports to wait for (doctor)")

@@ -5,7 +5,7 @@ port opened by the head group; the trainer group also runs a collective over its
 group (gloo on CPU, NCCL on GPU) under the same torchrun/rendezvous the trainer uses.
 
   head (group 0):  run_head()  -> preflight/head.json, waits for every report, report.json
-  nodes (1, 2):    python -m prime_hpc.doctor node --group inference|trainer --output-dir D
+  nodes (1, 2):    python -m prime_hpc.job.preflight node --group inference|trainer --output-dir D
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from prime_hpc import jobenv
-from prime_hpc.launcher.attempt import component_log
-from prime_hpc.net import node_address
+from prime_hpc.core import jobenv
+from prime_hpc.job.attempt import component_log
+from prime_hpc.core.net import node_address
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
 
 IMPORTS = {
@@ -126,7 +126,7 @@ def _collective(device: str) -> str:
     import torch
     import torch.distributed as dist
 
-    from prime_hpc import device as devices
+    from prime_hpc.core import device as devices
 
     backend = devices.dist_backend(device)
     dist.init_process_group(backend=backend)
@@ -284,7 +284,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prime_hpc.doctor")
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.job.preflight")
     sub = p.add_subparsers(dest="cmd", required=True)
     n = sub.add_parser("node")
     n.add_argument("--group", choices=("inference", "router", "trainer"), required=True)

@@ -1,0 +1,3 @@
+"""What every component process (orchestrator, inference, trainer) uses while it runs, on
+top of the run directory: the stop and checkpoint requests of `control/` and dying with its
+parent (`stopping`), the metrics files and their W&B forwarding (`metrics`)."""
