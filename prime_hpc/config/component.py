@@ -1,8 +1,9 @@
 """What each component process is started with, typed: `<run>/configs/<component>.yaml`
 (written at submit time by `prime_hpc.config.compose.component_config`) is loaded once, at
 the edge, into the dataclasses below (the trainer's: `prime_hpc.trainer.config`). Every
-field has its type and default in one place, the schema; a component reads attributes,
-never a dict with a default restated."""
+field has its type and default in one place, the schema: the run-level values here have no
+default of their own (`MISSING`: a config file without one is refused), and a component
+reads attributes, never a dict with a default restated."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,25 +19,25 @@ T = TypeVar("T")
 
 @dataclass
 class ServedLoRA:
-    enabled: bool = False  # the trainer trains an adapter (trainer.model.lora.enabled)
-    rank: int = 16
+    enabled: bool = MISSING  # the trainer trains an adapter (trainer.model.lora.enabled)
+    rank: int = MISSING
 
 
 @dataclass
 class OrchestratorRunConfig:
-    name: str = "run"
+    name: str = MISSING
     output_dir: str = MISSING
-    max_steps: Optional[int] = None
-    seq_len: int = 2048
-    async_level: int = 2
-    seed: int = 42
+    max_steps: Optional[int] = MISSING
+    seq_len: int = MISSING
+    async_level: int = MISSING
+    seed: int = MISSING
     model: ModelConfig = field(default_factory=ModelConfig)
-    device: str = "cpu"
+    device: str = MISSING
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    trainer_ranks: int = 1  # one rollout file per trainer rank
-    micro_batch_size: int = 1
-    inference_nodes: int = 1  # servers to find in endpoints/
+    trainer_ranks: int = MISSING  # one rollout file per trainer rank
+    micro_batch_size: int = MISSING
+    inference_nodes: int = MISSING  # servers to find in endpoints/
     lora: ServedLoRA = field(default_factory=ServedLoRA)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     log: LogConfig = field(default_factory=LogConfig)  # only resolves defaults such as ${log.level}
@@ -45,15 +46,15 @@ class OrchestratorRunConfig:
 
 @dataclass
 class InferenceRunConfig:
-    name: str = "run"
+    name: str = MISSING
     output_dir: str = MISSING
-    seq_len: int = 2048
-    seed: int = 42
+    seq_len: int = MISSING
+    seed: int = MISSING
     model: ModelConfig = field(default_factory=ModelConfig)
-    device: str = "cpu"
-    nodes: int = 1  # servers the router waits for
-    address: Optional[str] = None  # bind/publish address; None = the node's own
-    gpus_per_node: int = 0
+    device: str = MISSING
+    nodes: int = MISSING  # servers the router waits for
+    address: Optional[str] = MISSING  # bind/publish address; None = the node's own
+    gpus_per_node: int = MISSING
     lora: ServedLoRA = field(default_factory=ServedLoRA)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     log: LogConfig = field(default_factory=LogConfig)

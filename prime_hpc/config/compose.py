@@ -320,5 +320,5 @@ def component_config(cfg: DictConfig, component: str) -> dict:
         run_level["trainer_ranks"] = trainer_ranks(cfg)  # one rollout file per rank
         run_level["micro_batch_size"] = int(cfg.trainer.micro_batch_size)
         run_level["inference_nodes"] = int(cfg.cluster.inference.nodes)
-        run_level["lora"] = {"enabled": bool(cfg.trainer.model.lora.enabled)}
+        run_level["lora"] = {"enabled": bool(cfg.trainer.model.lora.enabled), "rank": int(cfg.trainer.model.lora.rank)}
     return {**run_level, component: own}

@@ -120,7 +120,7 @@ def run_eval(target: str, args: list[str]) -> int:
     with eval_server(cfg, edir, cache_root(cfg)) as url:  # the run's cache: its compile cache is reused
         orch = Orchestrator(component_config(cfg, "orchestrator"))
         orch.load_envs(train=False)
-        orch.client = make_client(url + "/v1", api_key())
+        orch.use_server(make_client(url + "/v1", api_key()))
         admin = Admin([url])
 
         async def all_steps() -> list[dict]:
@@ -185,7 +185,7 @@ def run_standalone(args: list[str]) -> int:
     def evaluate(url: str, model: str, key: Optional[str]) -> dict:
         orch = Orchestrator(component_config(cfg, "orchestrator"))
         orch.load_envs(train=False)
-        orch.client, orch.model = make_client(url, key), model
+        orch.use_server(make_client(url, key), model)
         return asyncio.run(orch.evaluate(0))
 
     if "client.base_url" in opts:

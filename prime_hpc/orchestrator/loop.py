@@ -113,6 +113,12 @@ class Orchestrator:
         self.stop_code: Optional[int] = None
 
     # ------------------------------------------------------------------ setup
+    def use_server(self, client: Any, model: Optional[str] = None) -> None:
+        """Generate through `client` (an OpenAI-compatible client of a server or router),
+        asking for `model` (default: the run's model name)."""
+        self.client = client
+        self.model = model or self.model
+
     def load_envs(self, train: bool = True) -> None:
         """The eval envs, and (unless `train=False`) the train envs and their sampler."""
         seen = set()

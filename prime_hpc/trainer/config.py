@@ -1,6 +1,7 @@
 """What a trainer process is started with: `<run>/configs/trainer.yaml`, i.e.
 `prime_hpc.config.compose.component_config(cfg, "trainer")` — the trainer's own sub-tree
-plus the run-level values it needs. Loaded once, at the edge, into typed dataclasses."""
+plus the run-level values it needs. Loaded once, at the edge, into typed dataclasses; the
+run-level values have no default here (the schema's is the one default)."""
 from __future__ import annotations
 
 import argparse
@@ -13,14 +14,14 @@ from prime_hpc.config.schema import MISSING, BenchConfig, CkptConfig, LogConfig,
 
 @dataclass
 class TrainerRunConfig:
-    name: str = "run"
+    name: str = MISSING
     output_dir: str = MISSING
-    max_steps: Optional[int] = None  # absolute target step
-    seq_len: int = 2048
-    async_level: int = 2
-    seed: int = 42
+    max_steps: Optional[int] = MISSING  # absolute target step; None = until the data ends
+    seq_len: int = MISSING
+    async_level: int = MISSING
+    seed: int = MISSING
     model: ModelConfig = field(default_factory=ModelConfig)
-    device: str = "cpu"  # cpu | cuda
+    device: str = MISSING  # cpu | cuda
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
