@@ -20,11 +20,6 @@ def _check(device: str) -> str:
     return device
 
 
-def current() -> str:
-    """The device the launcher chose for this run (exported to every component)."""
-    return _check(os.environ.get("PRIME_HPC_DEVICE", "cpu"))
-
-
 def dist_backend(device: str) -> str:
     """torch.distributed backend: NCCL on GPUs, gloo on CPU."""
     return "nccl" if _check(device) == "cuda" else "gloo"

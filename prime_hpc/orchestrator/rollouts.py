@@ -85,14 +85,14 @@ class Rollout:
     def to_sample(self) -> Sample:
         return Sample(input_ids=self.input_ids, loss_mask=self.loss_mask, inference_logprobs=self.logprobs,
                       advantage=self.advantage, policy_step=self.oldest_policy, env=self.env, reward=self.reward,
-                      teacher_logprobs=self.teacher_logprobs, token_advantages=self.token_advantages)
+                      token_advantages=self.token_advantages)
 
     def to_samples(self) -> list[Sample]:
         """One sample per branch (one in all unless branched), each with the rollout's advantage."""
         return [self.to_sample()] + [
             Sample(input_ids=b.input_ids, loss_mask=b.loss_mask, inference_logprobs=b.logprobs,
                    advantage=self.advantage, policy_step=self.oldest_policy, env=self.env, reward=self.reward,
-                   teacher_logprobs=b.teacher_logprobs, token_advantages=b.token_advantages)
+                   token_advantages=b.token_advantages)
             for b in self.branches]
 
 

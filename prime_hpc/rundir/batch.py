@@ -14,7 +14,6 @@ Per rank, a file holds a list of micro-batches of right-padded tensors (shape [B
     advantages          float32  the sample's advantage on every token, or its per-token
                                  advantages (distillation); 0 on pads
     inference_logprobs  float32  log p_inference(input_ids[t] | input_ids[:t]); 0 where unknown
-    teacher_logprobs    float32  (optional, training_mode=opd) same alignment as above
     policy_steps        int64    [B] policy step that generated each sample
 
 Position t of every per-token tensor refers to token `input_ids[t]`: the trainer compares
@@ -44,7 +43,6 @@ class Sample:
     inference_logprobs: list[float]
     advantage: float
     policy_step: int = 0
-    teacher_logprobs: Optional[list[float]] = None
     env: str = ""
     reward: float = 0.0
     token_advantages: Optional[list[float]] = None  # per token (e.g. distillation); overrides `advantage`
@@ -52,9 +50,8 @@ class Sample:
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         lens = {len(self.loss_mask), len(self.inference_logprobs)}
-        for extra in (self.teacher_logprobs, self.token_advantages):
-            if extra is not None:
-                lens.add(len(extra))
+        if self.token_advantages is not None:
+            lens.add(len(self.token_advantages))
         if lens != {n}:
             raise ValueError(f"sample fields have different lengths: input_ids {n}, others {sorted(lens)}")
 
@@ -74,7 +71,7 @@ class RolloutBatch:
         return int(sum(int(mb["loss_mask"].sum()) for mb in self.micro_batches))
 
 
-def _empty_micro_batch(with_teacher: bool) -> dict[str, Any]:
+def _empty_micro_batch() -> dict[str, Any]:
     import torch
 
     mb = {
@@ -85,8 +82,6 @@ def _empty_micro_batch(with_teacher: bool) -> dict[str, Any]:
         "inference_logprobs": torch.zeros(1, 1),
         "policy_steps": torch.zeros(1, dtype=torch.long),
     }
-    if with_teacher:
-        mb["teacher_logprobs"] = torch.zeros(1, 1)
     return mb
 
 
@@ -97,7 +92,6 @@ def collate(samples: list[Sample]) -> dict[str, Any]:
     if not samples:
         raise ValueError("collate needs at least one sample")
     b, t = len(samples), max(len(s) for s in samples)
-    with_teacher = samples[0].teacher_logprobs is not None
     mb = {
         "input_ids": torch.zeros(b, t, dtype=torch.long),
         "attention_mask": torch.zeros(b, t, dtype=torch.bool),
@@ -106,8 +100,6 @@ def collate(samples: list[Sample]) -> dict[str, Any]:
         "inference_logprobs": torch.zeros(b, t),
         "policy_steps": torch.tensor([s.policy_step for s in samples], dtype=torch.long),
     }
-    if with_teacher:
-        mb["teacher_logprobs"] = torch.zeros(b, t)
     for i, s in enumerate(samples):
         n = len(s)
         mb["input_ids"][i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
@@ -118,8 +110,6 @@ def collate(samples: list[Sample]) -> dict[str, Any]:
         else:
             mb["advantages"][i, :n] = float(s.advantage)
         mb["inference_logprobs"][i, :n] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
-        if with_teacher:
-            mb["teacher_logprobs"][i, :n] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
     return mb
 
 
@@ -136,14 +126,13 @@ def shard(samples: list[Sample], ranks: int, micro_batch_size: int) -> list[list
         r = min(range(ranks), key=lambda i: (load[i], len(per_rank[i])))
         per_rank[r].append(s)
         load[r] += len(s)
-    with_teacher = any(s.teacher_logprobs is not None for s in samples)
     out = []
     for share in per_rank:
         mbs = [collate(share[i : i + micro_batch_size]) for i in range(0, len(share), micro_batch_size)]
         out.append(mbs)
     n = max(len(m) for m in out)
     for mbs in out:
-        mbs.extend(_empty_micro_batch(with_teacher) for _ in range(n - len(mbs)))
+        mbs.extend(_empty_micro_batch() for _ in range(n - len(mbs)))
     return out
 
 
