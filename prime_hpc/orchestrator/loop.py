@@ -82,15 +82,15 @@ class Orchestrator:
         if not isinstance(cfg, OrchestratorRunConfig):
             cfg = typed(OrchestratorRunConfig, cfg, "orchestrator config")
         self.cfg = cfg
-        self.o = cfg.orchestrator
+        self.ocfg = cfg.orchestrator
         self.run = RunDir(cfg.output_dir)
         self.logs = jobenv.logs_dir()
         self.max_steps = cfg.max_steps
         # sft mode: a teacher generates, the student's policy does not matter
-        self.k = 10**9 if self.o.training_mode == "sft" else cfg.async_level
-        self.group_size = self.o.group_size
-        self.groups_per_step = self.o.batch_size // self.group_size
-        self.max_groups = max(1, self.o.max_concurrent // self.group_size)
+        self.async_level = 10**9 if self.ocfg.training_mode == "sft" else cfg.async_level
+        self.group_size = self.ocfg.group_size
+        self.groups_per_step = self.ocfg.batch_size // self.group_size
+        self.max_groups = max(1, self.ocfg.max_concurrent // self.group_size)
         self.policy = 0
         self.step = 0  # last step written
         self.totals = {"tokens": 0, "samples": 0, "problems": 0}
@@ -122,8 +122,8 @@ class Orchestrator:
     def load_envs(self, train: bool = True) -> None:
         """The eval envs, and (unless `train=False`) the train envs and their sampler."""
         seen = set()
-        kinds = [("train", self.o.env, self.slots)] if train else []
-        for kind, entries, into in (*kinds, ("eval", self.o.eval.env, self.eval_slots)):
+        kinds = [("train", self.ocfg.env, self.slots)] if train else []
+        for kind, entries, into in (*kinds, ("eval", self.ocfg.eval.env, self.eval_slots)):
             for entry in entries:
                 name = env_name(entry)
                 if (kind, name) in seen:
@@ -131,7 +131,7 @@ class Orchestrator:
                 seen.add((kind, name))
                 env = envs_mod.load_env(entry, kind)
                 ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(
-                    n=self.o.eval.num_examples or -1)
+                    n=self.ocfg.eval.num_examples or -1)
                 into.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))
         if train:  # max_steps: null = until the train data is used once
             epochs = 1 if self.max_steps is None else None
@@ -143,10 +143,10 @@ class Orchestrator:
             import logging
 
             logging.getLogger("verifiers").addHandler(self.log_router)
-            logging.getLogger("verifiers").setLevel(self.o.log.vf_level.upper())
+            logging.getLogger("verifiers").setLevel(self.ocfg.log.vf_level.upper())
 
     def sampling_args(self) -> dict:
-        return sampling_args(self.o.sampling)
+        return sampling_args(self.ocfg.sampling)
 
     # ------------------------------------------------------------------ checkpoint
     def state(self, step: int) -> dict:
@@ -179,7 +179,7 @@ class Orchestrator:
             outs = await slot.env.run_group([dict(row) for _ in range(n or self.group_size)], client, model,
                                             self.sampling_args(), state_columns=["trajectory", REWARD_ERROR])
             self.progress_at = time.time()  # a group generated and scored (train or eval): progress
-            return [from_output(o, slot.name, self.cfg.seq_len, self.o.trajectory_strategy) for o in outs]
+            return [from_output(o, slot.name, self.cfg.seq_len, self.ocfg.trajectory_strategy) for o in outs]
         except Exception as e:  # a crashed group is counted, never fatal
             logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
             return [Rollout(env=slot.name, example_id=row.get("example_id"), reward=0.0, input_ids=[], loss_mask=[],
@@ -194,7 +194,7 @@ class Orchestrator:
         samples, when branched)."""
         import httpx
 
-        t = self.o.teacher.client
+        t = self.ocfg.teacher.client
         async with httpx.AsyncClient(timeout=600, headers=headers(api_key(t.api_key_var) or "")) as c:
             for r in (seq for rollout in group for seq in rollout.sequences()):
                 resp = await c.post(t.base_url.rstrip("/") + "/completions", json={
@@ -249,7 +249,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ eval
     async def evaluate(self, step: int) -> dict:
-        k = self.o.eval.rollouts_per_example
+        k = self.ocfg.eval.rollouts_per_example
         out: dict = {}
         for slot in self.eval_slots:
             sem = asyncio.Semaphore(self.max_groups)
@@ -284,10 +284,10 @@ class Orchestrator:
         would only produce groups that turn stale before a step can use them. With
         `oversampling_factor` f > 1, f times as many: the filters' losses are made up
         while the step fills."""
-        last = window.last_trainable(self.policy, self.k)
+        last = window.last_trainable(self.policy, self.async_level)
         if self.max_steps is not None:
             last = min(last, int(self.max_steps))
-        need = math.ceil((last - step + 1) * self.groups_per_step * self.o.oversampling_factor) - accepted - waiting
+        need = math.ceil((last - step + 1) * self.groups_per_step * self.ocfg.oversampling_factor) - accepted - waiting
         return max(0, min(self.max_groups, need))
 
     def step_metrics(self, step: int, finished: list[Rollout], kept: list[Rollout], counts: dict,
@@ -394,7 +394,7 @@ class Orchestrator:
             self.check_relay()
             if await self.stop_decided():
                 return None
-            recent = not window.is_stale(self.policy, step, self.k)
+            recent = not window.is_stale(self.policy, step, self.async_level)
             self.admit(step, len(fill.accepted), len(pending) + len(self.carry))
             left = self.sampler.remaining()
             if left is not None and len(fill.accepted) + len(pending) + len(self.carry) + len(self.inflight) + left \
@@ -438,13 +438,13 @@ class Orchestrator:
         """Accept a finished group for `step`, or count why it is dropped."""
         fill.finished += group
         fill.counts["judged"] += 1
-        v = judge_group(group, step, self.k, self.o.max_off_policy_steps, self.o.online_difficulty_filtering,
-                        self.o.advantage, self.o.difficulty_filter)
+        v = judge_group(group, step, self.async_level, self.ocfg.max_off_policy_steps, self.ocfg.online_difficulty_filtering,
+                        self.ocfg.advantage, self.ocfg.difficulty_filter)
         fill.counts["spanning"] += v.dropped_spanning
         if v.reason:
             fill.counts[v.reason] += 1
             return
-        if self.o.training_mode == "opd":
+        if self.ocfg.training_mode == "opd":
             await self.add_teacher_logprobs(v.kept)
         fill.accepted.append(v.kept)
 
@@ -454,8 +454,8 @@ class Orchestrator:
         kept = [r for g in fill.accepted for r in g]
         samples = [s for r in kept for s in r.to_samples()]
         per_rank = batch.shard(samples, self.cfg.trainer_ranks, self.cfg.micro_batch_size)
-        info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.o.training_mode,
-                "temperature": float(self.o.sampling.temperature)}
+        info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.ocfg.training_mode,
+                "temperature": float(self.ocfg.sampling.temperature)}
         batch.write_step(self.run, step, per_rank, info)
         self.step = step
         self.totals["samples"] += len(samples)
@@ -494,7 +494,7 @@ class Orchestrator:
         """Checkpoint when due; start the eval when due (in the background)."""
         if is_due(step, step == self.max_steps, self.cfg.ckpt):
             self.save_checkpoint(step)
-        interval = self.o.eval.interval
+        interval = self.ocfg.eval.interval
         if self.eval_slots and interval and step % interval == 0:
             if self._pending_eval is not None:
                 await self._pending_eval
@@ -561,14 +561,14 @@ class Orchestrator:
         if start is not None:
             self.load_checkpoint(start)
         nodes = self.cfg.inference_nodes
-        teacher = self.o.teacher.client
+        teacher = self.ocfg.teacher.client
         ep = discover(self.run, nodes, timeout_s=3600, logs=self.logs)
         self.admin = Admin(ep.servers, on_lost=lambda server, why: self.server_lost(ep, server, why))
-        if self.o.training_mode == "sft":  # the teacher generates, the student trains on it
-            self.client = make_client(teacher.base_url, api_key(teacher.api_key_var), max_context=self.cfg.seq_len)
-            self.model = teacher.model or self.model
+        if self.ocfg.training_mode == "sft":  # the teacher generates, the student trains on it
+            self.use_server(make_client(teacher.base_url, api_key(teacher.api_key_var), max_context=self.cfg.seq_len),
+                            teacher.model)
         else:
-            self.client = make_client(ep.openai_base_url, api_key(), max_context=self.cfg.seq_len)
+            self.use_server(make_client(ep.openai_base_url, api_key(), max_context=self.cfg.seq_len))
         if start is not None and self.run.weights_step(start).exists():
             await self.admin.update_weights(self.run.weights_step(start), start)
             self.policy = start
@@ -579,7 +579,7 @@ class Orchestrator:
                     f"router {ep.router}, {len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
         self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
         try:
-            if start is None and self.eval_slots and self.o.eval.at_start and self.o.eval.interval:
+            if start is None and self.eval_slots and self.ocfg.eval.at_start and self.ocfg.eval.interval:
                 await self._eval_and_log(0)  # the base policy, before any update
             await self.loop(start or 0)
             if self.metrics.wandb is not None and self.stop_code is None:

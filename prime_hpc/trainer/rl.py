@@ -84,68 +84,113 @@ def make_loss_fn(loss_cfg: Any, step: int, mode: str = "rl"):
 
 
 def train(cfg: TrainerRunConfig) -> None:
+    """Steps start+1 .. max_steps (or until `rollouts/DONE`), each read top to bottom:
+    wait for the batch, read it, train on it, publish the weights, checkpoint, log."""
     from loguru import logger
 
-    from prime_hpc.rundir import batch as rollout_batch
     from prime_hpc.runtime.stopping import CONTINUE, Stop
-    from prime_hpc.trainer.dist import barrier
 
     with runner.session(cfg, CHECKPOINT_PARTS) as s:
-        run, env = s.run, s.env
-        stop = Stop(run)
+        stop = Stop(s.run)
         step = s.start_step
         progress = dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0}))
         producer_log = runner.orchestrator_log()
-        reference = None
-        if cfg.trainer.loss.ref_kl_coef > 0:  # the frozen initial policy, for the KL penalty
-            from prime_hpc.trainer.model import build_reference
-
-            reference = build_reference(cfg, env.mesh)
+        reference = _reference_policy(cfg, s.env)
         runner.beat(s, step)
         while cfg.max_steps is None or step < cfg.max_steps:
             t0 = time.perf_counter()
-            got = wait_for_rollouts(run, step + 1, cfg.trainer.rollout_timeout_s, producer_log,
-                                    on_wait=lambda: runner.beat(s, step, progress=False, waiting_for=step + 1,
-                                                                       waiting_on="orchestrator"),
-                                    beat_every_s=BEAT_S, stop=stop)
+            got = _wait_for_batch(s, stop, step + 1, producer_log)
             code, finished = runner.agreed_stop(s, stop, not_ready=got != "ready")
             if code != CONTINUE:
                 runner.stop_here(s, step, code, {"progress": progress})
                 return
             if finished:
-                logger.info(f"the orchestrator wrote its last rollouts before step {step + 1} ({run.rollouts_done})")
+                logger.info(f"the orchestrator wrote its last rollouts before step {step + 1} ({s.run.rollouts_done})")
                 break
             step += 1
-            handoff = max(0.0, time.time() - stable_time(run.rollout_step(step)))  # written -> seen here
-            t_read = time.perf_counter()
-            data = rollout_batch.read_rank(run, step, env.rank, timeout_s=cfg.trainer.rollout_timeout_s,
-                                           producer_log=producer_log)
+            data, timers = _read_batch(s, step, producer_log)
             t_wait = time.perf_counter() - t0
-            timers = {"time/rollout_handoff": handoff, "time/read_batch": time.perf_counter() - t_read}
-            loss_fn = make_loss_fn(cfg.trainer.loss, step, str(data.info.get("mode", "rl")))
-            temperature = float(data.info.get("temperature", 1.0))
-            if reference is not None:
-                s.engine.add_reference_logprobs(reference, data.micro_batches, temperature)
-            result = s.engine.train_step(data.micro_batches, loss_fn, temperature=temperature)
-            t_weights = runner.save_weights(s, step)
-            barrier()  # every rank has read its rollout file
-            if env.is_main:
-                rollout_batch.remove_step(run, step)
-            progress["num_tokens"] += int(result.sums["num_tokens"])
-            progress["num_samples"] += int(result.sums["num_samples"])
-            final = cfg.max_steps is not None and step == cfg.max_steps
-            _, t_ckpt = runner.checkpoint_if_due(s, step, final, {"progress": progress})
-            if env.is_main:
-                runner.prune_weights(run, step, cfg.async_level)
+            result = _train_on(s, data, step, reference)
+            t_weights = _publish(s, step)
+            t_ckpt = _checkpoint_and_prune(s, step, result, progress)
             _log_step(s, step, result, time.perf_counter() - t0, t_wait, t_weights, t_ckpt, progress, timers)
             runner.beat(s, step)
-        if step > s.start_step and cfg.ckpt.enabled and step not in s.ckpt.requested:
-            s.ckpt.save(step, s.engine, {"progress": progress})  # stopped early at rollouts/DONE
-        s.ckpt.wait()
-        if env.is_main:  # a background save may have rotated a checkpoint away just now
-            runner.prune_weights(s.run, step, cfg.async_level)
-        runner.beat(s, step, done=True)
+        _finish(s, step, progress)
         logger.info(f"done at step {step}")
+
+
+def _reference_policy(cfg: TrainerRunConfig, env: Any) -> Any:
+    """The frozen initial policy for the KL penalty (`trainer.loss.ref_kl_coef` > 0), else None."""
+    if cfg.trainer.loss.ref_kl_coef <= 0:
+        return None
+    from prime_hpc.trainer.model import build_reference
+
+    return build_reference(cfg, env.mesh)
+
+
+def _wait_for_batch(s: Any, stop: Any, step: int, producer_log: Any) -> str:
+    """Wait for step `step`'s rollouts ("ready"), the orchestrator's end ("done") or a stop
+    request ("stop"), beating as waiting on the orchestrator."""
+    return wait_for_rollouts(s.run, step, s.cfg.trainer.rollout_timeout_s, producer_log,
+                             on_wait=lambda: runner.beat(s, step - 1, progress=False, waiting_for=step,
+                                                         waiting_on="orchestrator"),
+                             beat_every_s=BEAT_S, stop=stop)
+
+
+def _read_batch(s: Any, step: int, producer_log: Any) -> tuple[Any, dict]:
+    """This rank's rollout file of `step`, and the hand-off timers."""
+    from prime_hpc.rundir import batch as rollout_batch
+
+    handoff = max(0.0, time.time() - stable_time(s.run.rollout_step(step)))  # written -> seen here
+    t_read = time.perf_counter()
+    data = rollout_batch.read_rank(s.run, step, s.env.rank, timeout_s=s.cfg.trainer.rollout_timeout_s,
+                                   producer_log=producer_log)
+    return data, {"time/rollout_handoff": handoff, "time/read_batch": time.perf_counter() - t_read}
+
+
+def _train_on(s: Any, data: Any, step: int, reference: Any) -> Any:
+    """One optimizer step on the batch, with the objective its info asks for."""
+    loss_fn = make_loss_fn(s.cfg.trainer.loss, step, str(data.info.get("mode", "rl")))
+    temperature = float(data.info.get("temperature", 1.0))
+    if reference is not None:
+        s.engine.add_reference_logprobs(reference, data.micro_batches, temperature)
+    return s.engine.train_step(data.micro_batches, loss_fn, temperature=temperature)
+
+
+def _publish(s: Any, step: int) -> float:
+    """Write `weights/step_<step>`; once every rank has read its rollouts, rank 0 removes
+    them. Seconds spent writing the weights."""
+    from prime_hpc.rundir import batch as rollout_batch
+    from prime_hpc.trainer.dist import barrier
+
+    t_weights = runner.save_weights(s, step)
+    barrier()  # every rank has read its rollout file
+    if s.env.is_main:
+        rollout_batch.remove_step(s.run, step)
+    return t_weights
+
+
+def _checkpoint_and_prune(s: Any, step: int, result: Any, progress: dict) -> float:
+    """Count the step's progress, checkpoint when due, drop weights no step can use any
+    more. Seconds spent checkpointing."""
+    progress["num_tokens"] += int(result.sums["num_tokens"])
+    progress["num_samples"] += int(result.sums["num_samples"])
+    final = s.cfg.max_steps is not None and step == s.cfg.max_steps
+    _, t_ckpt = runner.checkpoint_if_due(s, step, final, {"progress": progress})
+    if s.env.is_main:
+        runner.prune_weights(s.run, step, s.cfg.async_level)
+    return t_ckpt
+
+
+def _finish(s: Any, step: int, progress: dict) -> None:
+    """After the last step: its checkpoint if the data ended early, background saves done,
+    weights pruned, the heartbeat says done."""
+    if step > s.start_step and s.cfg.ckpt.enabled and step not in s.ckpt.requested:
+        s.ckpt.save(step, s.engine, {"progress": progress})  # stopped early at rollouts/DONE
+    s.ckpt.wait()
+    if s.env.is_main:  # a background save may have rotated a checkpoint away just now
+        runner.prune_weights(s.run, step, s.cfg.async_level)
+    runner.beat(s, step, done=True)
 
 
 def _log_step(s: Any, step: int, result: Any, t_step: float, t_wait: float, t_weights: float, t_ckpt: float,
