@@ -94,7 +94,7 @@ def start_inference(root: Path, nodes: int = 2, key: Optional[str] = API_KEY, ov
     extra = {"INFERENCE_SERVER_API_KEY": key} if key else {}
     for node in range(nodes):
         inf.start(f"inference/node_{node}", [sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
-                  PRIME_HPC_NODE_RANK=str(node), PRIME_HPC_NUM_NODES=str(nodes), **extra)
+                  PRIME_HPC_NODE_RANK=str(node), **extra)
     inf.start("inference/router_0", [sys.executable, "-u", "-m", "prime_hpc.inference.router", "--config", str(config)],
               **extra)
     try:

@@ -10,6 +10,7 @@ import socket
 import struct
 from pathlib import Path
 
+from prime_hpc.rundir import RunDir
 from tests import procs
 
 LISTEN, ESTABLISHED = "0A", "01"
@@ -32,9 +33,11 @@ def _loopback(addr: str) -> bool:
 
 
 def run_pids(output_dir: Path) -> dict[int, str]:
-    """{pid: command line} of the processes of the run in `output_dir`."""
-    return {pid: cmd for pid in procs.with_env(f"PRIME_HPC_OUTPUT_DIR={output_dir}")
-            if (cmd := procs.cmdline(pid, limit=4096)) is not None}
+    """{pid: command line} of the processes of the run in `output_dir` (they carry their
+    attempt's log directory in their environment) and their children."""
+    now = procs.table()
+    roots = procs.with_env(f"PRIME_HPC_LOGS={RunDir(output_dir).logs_root}/", now, prefix=True)
+    return {pid: cmd for pid in procs.descendants(roots, now) if (cmd := procs.cmdline(pid, limit=4096)) is not None}
 
 
 def run_sockets(output_dir: Path) -> dict:

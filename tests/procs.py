@@ -53,13 +53,15 @@ def descends(pid: int, ancestor: int) -> bool:
     return False
 
 
-def with_env(entry: str, procs: Optional[dict] = None) -> set[int]:
-    """The processes whose environment holds `entry` ("NAME=value")."""
+def with_env(entry: str, procs: Optional[dict] = None, prefix: bool = False) -> set[int]:
+    """The processes whose environment holds `entry` ("NAME=value"; with `prefix`, an
+    entry that starts with it)."""
     needle = entry.encode()
     out = set()
     for pid in (table() if procs is None else procs):
         try:
-            if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if any(e.startswith(needle) for e in entries) if prefix else needle in entries:
                 out.add(pid)
         except OSError:
             continue

@@ -88,14 +88,14 @@ def test_golden_script_is_a_three_group_het_job():
 def test_hostile_values_survive_quoting(tmp_path):
     out = tmp_path / HOSTILE
     cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={hydra_quote(str(out))}",
-                   f"name={hydra_quote(HOSTILE)}"])
+                   f"name={hydra_quote(HOSTILE)}", f"cluster.cache_dir={hydra_quote(str(out))}"])
     plan = make_plan(cfg, python="/opt/venv/bin/python")
     plan.head_argv = [plan.python, "-m", "x", str(plan.run.submitit_dir)]
     for text in (render_sbatch(plan), render_local(plan, "local-1")):
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
         # the exported values, evaluated by bash, are exactly the originals
         exports = "\n".join(ln for ln in text.splitlines() if ln.startswith("export "))
-        env = subprocess.run(["bash", "-c", exports + '\nprintf %s "$PRIME_HPC_OUTPUT_DIR"'], capture_output=True,
+        env = subprocess.run(["bash", "-c", exports + '\nprintf %s "$PRIME_HPC_CACHE"'], capture_output=True,
                              text=True, cwd=tmp_path, check=True)
         assert env.stdout == str(out)
     assert not (tmp_path / "PWNED").exists()

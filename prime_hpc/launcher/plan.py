@@ -254,7 +254,6 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
             )
         )
     env = {
-        "PRIME_HPC_OUTPUT_DIR": out,
         jobenv.DEVICE_VAR: c.device,
         "PYTHONUNBUFFERED": "1",
     }
