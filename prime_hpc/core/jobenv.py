@@ -6,7 +6,9 @@ components read them here and nowhere else.
 - `PRIME_HPC_NODE_RANK`: the node's index within its group, set per inference server
   (each server is a SLURM step of its own, where `SLURM_NODEID` is 0) and read before
   `SLURM_NODEID`;
-- `PRIME_HPC_DEVICE`: `cpu` or `cuda`, the run's device (`cluster.device`).
+- `PRIME_HPC_DEVICE`: `cpu` or `cuda`, the run's device (`cluster.device`);
+- `PRIME_HPC_CACHE`: the run's shared cache (`cluster.cache_dir`: built models, compile
+  caches); also honoured outside a job.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Optional
 LOGS_VAR = "PRIME_HPC_LOGS"
 NODE_RANK_VAR = "PRIME_HPC_NODE_RANK"
 DEVICE_VAR = "PRIME_HPC_DEVICE"
+CACHE_VAR = "PRIME_HPC_CACHE"
 
 
 def logs_dir() -> Optional[Path]:
@@ -36,3 +39,9 @@ def node_rank() -> int:
 def device() -> str:
     """The run's device, as the launcher chose it (`cpu` outside a job)."""
     return os.environ.get(DEVICE_VAR) or "cpu"
+
+
+def cache_dir() -> Optional[Path]:
+    """The shared cache directory, if one is set."""
+    value = os.environ.get(CACHE_VAR)
+    return Path(value) if value else None

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from prime_hpc.core import jobenv
 from prime_hpc.config.compose import cache_root, trainer_nproc_per_node
-from prime_hpc.core.device import CACHE_VAR, CPUS_VAR, core_count, visible_devices_env
+from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env
 from prime_hpc.rundir import COMPONENTS, RunDir
 
@@ -258,7 +258,7 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
         "PYTHONUNBUFFERED": "1",
     }
     env.update(address_env(c.address))
-    env[CACHE_VAR] = cache_root(cfg)
+    env[jobenv.CACHE_VAR] = cache_root(cfg)
     if c.backend == "slurm":
         env["SUBMITIT_EXECUTOR"] = "slurm"  # the head task runs under submitit's job environment
     name = cfg.name if mode == "run" else f"{cfg.name}-doctor"

@@ -230,8 +230,9 @@ def _make_readable(path: Path) -> None:
 
 def default_cache_root() -> Path:
     """``$PRIME_HPC_CACHE/models`` if set, else ``~/.cache/prime-hpc/models``."""
-    base = os.environ.get("PRIME_HPC_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "prime-hpc"
+    from prime_hpc.core import jobenv
+
+    root = jobenv.cache_dir() or Path.home() / ".cache" / "prime-hpc"
     return root / "models"
 
 

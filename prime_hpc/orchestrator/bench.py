@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 from loguru import logger
 
-from prime_hpc.rundir import bench
-from prime_hpc.core import device as devices
 from prime_hpc.config.component import OrchestratorRunConfig
-from prime_hpc.rundir import RunDir, read_json
+from prime_hpc.core import device as devices
+from prime_hpc.core import jobenv
+from prime_hpc.rundir import RunDir, bench, read_json
 
 TRAINER_PART_TIMEOUT_S = 3600.0  # mode all: how long the orchestrator waits for the trainer's part
 
@@ -130,12 +130,9 @@ async def run(cfg: OrchestratorRunConfig) -> dict:
     from prime_hpc.inference.client import api_key, discover
     from prime_hpc.orchestrator.client import make_client
 
-    import os
-    from pathlib import Path
-
     b, o = cfg.bench, cfg.orchestrator
     run_dir = RunDir(cfg.output_dir)
-    logs = Path(os.environ["PRIME_HPC_LOGS"]) if os.environ.get("PRIME_HPC_LOGS") else None
+    logs = jobenv.logs_dir()
     ep = discover(run_dir, cfg.inference_nodes, timeout_s=3600, logs=logs)
     client = make_client(ep.openai_base_url, api_key())
     completion = bench.completion_len(b.completion_len, int(cfg.seq_len))

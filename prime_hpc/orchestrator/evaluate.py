@@ -55,7 +55,7 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
     """One inference server for `cfg.model.name` on this machine, its files under `edir`
     (configs, endpoints, logs); yields its URL and stops it (and its process group)."""
     from prime_hpc.config.compose import write_component_config
-    from prime_hpc.core.device import CACHE_VAR
+    from prime_hpc.core.jobenv import CACHE_VAR
     from prime_hpc.inference.client import wait_for_servers
     from prime_hpc.core.net import address_env
 
