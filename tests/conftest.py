@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,40 @@ os.environ.setdefault("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
 
 # Shell-hostile path fragments (spaces, quotes, command separators, substitutions).
 HOSTILE = "we ird 'q\" ; echo PWNED $(touch PWNED) `x` & y"
+
+
+# ----------------------------------------------------------------------------- the dev cluster
+_STARTED = pytest.StashKey[bool]()
+
+
+def _cluster_answers() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Integration tests need the dev cluster: when it is not running, start it for this
+    session (and stop it at the end); a cluster that was already up is left alone."""
+    if not any(Path(str(item.fspath)).parent.name == "integration" for item in session.items):
+        return
+    if _cluster_answers():
+        return
+    print("\n[tests] the dev cluster is not running: starting it (tools/dev-cluster start)", flush=True)
+    r = subprocess.run([str(REPO / "tools" / "dev-cluster"), "start"], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"[tests] could not start the dev cluster (exit {r.returncode}): {(r.stderr or r.stdout).strip()}",
+              flush=True)
+        return
+    session.config.stash[_STARTED] = True
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.stash.get(_STARTED, False):
+        subprocess.run([str(REPO / "tools" / "dev-cluster"), "stop"], capture_output=True, text=True)
 
 
 @pytest.fixture(autouse=True)

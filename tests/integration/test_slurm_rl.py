@@ -21,7 +21,7 @@ from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, is_stable
 from tests import procs
 from tests.conftest import cli
-from tests.test_faults import run_processes, still_alive, wait_for_step
+from tests.runs import run_processes, still_alive, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 

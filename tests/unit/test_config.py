@@ -1,4 +1,5 @@
-"""Composition of every experiment, each validation rule, and the CLI's one-line errors."""
+"""Composition of every experiment and each validation rule (the CLI's one-line errors
+for the same mistakes: tests/integration/test_config_cli.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 from prime_hpc.config import compose
 from prime_hpc.config.validate import validate
 from prime_hpc.core.errors import ConfigError, UserError
-from tests.conftest import REPO, cli
+from tests.conftest import REPO
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
@@ -128,30 +129,3 @@ def test_composition_errors_are_one_line(override, needle):
         compose(["+experiment=reverse_text", override])
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
-
-
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["trainer.optim.lrr=1"],
-        ["orchestrator.batch_size=60"],
-        ["+experiment=nope"],
-        ["orchestrator.env.0.id=no_such_env_pkg"],
-    ],
-)
-def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args):
-    out = tmp_path / "run"
-    for command in (["submit"], ["submit", "--dry-run"], ["doctor"]):
-        r = cli(*command, "+experiment=reverse_text", f"output_dir={out}", *args)
-        assert r.returncode == 2, r.stderr
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("prime-hpc: error: "), r.stderr
-        assert "Traceback" not in r.stderr
-        assert not out.exists()
-
-
-def test_sweep_with_one_bad_point_submits_nothing(tmp_path):
-    out = tmp_path / "sweep"
-    r = cli("submit", "-m", "+experiment=reverse_text", f"output_dir={out}", "orchestrator.batch_size=64,60")
-    assert r.returncode == 2 and "orchestrator.batch_size" in r.stderr
-    assert not out.exists()

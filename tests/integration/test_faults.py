@@ -2,7 +2,7 @@
 or frozen (SIGSTOP) mid-run. The job must end soon, name the component, its node, its exit
 code and the log of the process that died, and leave no process of the run behind
 (children included, found by their parent chain). Losing one of several inference servers
-is survived: tests/test_slurm_rl.py."""
+is survived: tests/integration/test_slurm_rl.py."""
 from __future__ import annotations
 
 import json
@@ -19,29 +19,14 @@ from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S
 from prime_hpc.rundir import RunDir
-from tests import procs
 from tests.conftest import cli
+from tests.runs import run_processes, still_alive, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 STALL_S = 15
 
 
-# ----------------------------------------------------------------------------- processes
-def run_processes(logs: Path) -> dict[int, int]:
-    """{pid: start time} of every process of the run: those the job script started (they
-    carry the attempt's PRIME_HPC_LOGS in their environment) and all their descendants."""
-    now = procs.table()
-    return {pid: now[pid][1] for pid in procs.descendants(procs.with_env(f"PRIME_HPC_LOGS={logs}", now), now)}
-
-
-def still_alive(started: dict[int, int]) -> list[str]:
-    out = []
-    for pid, start in started.items():
-        st = procs.stat(pid)
-        if st and st[1] == start and (cmd := procs.cmdline(pid)) is not None:
-            out.append(f"{pid}: {cmd!r}")
-    return out
 
 
 # ----------------------------------------------------------------------------- runs
@@ -50,20 +35,6 @@ def start_run(tmp_path: Path, name: str, *overrides: str):
                    "orchestrator.batch_size=16", "orchestrator.eval.interval=0",
                    f"watchdog.stall_timeout_s={STALL_S}", *overrides])
     return launch.submit(cfg, [])
-
-
-def wait_for_step(run: RunDir, step: int, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if json.loads(run.heartbeat("trainer", 0).read_text()).get("step", 0) >= step:
-                return
-        except (OSError, ValueError):
-            pass
-        job = jobs.read_job(run)
-        assert not job.get("ended_at"), f"the job ended before step {step}: {job.get('failure')}"
-        time.sleep(0.5)
-    raise AssertionError(f"no trainer step {step} within {timeout_s}s")
 
 
 def wait_ended(run: RunDir, timeout_s: float) -> dict:

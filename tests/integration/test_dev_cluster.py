@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEV_CLUSTER = REPO / "tools" / "dev-cluster"
 HINT = "start the dev cluster first: `tools/dev-cluster start` (as root)"
 # Generous bound on how long a tiny het job may take from submission to a COMPLETED record

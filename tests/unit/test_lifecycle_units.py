@@ -44,9 +44,9 @@ class _Window:
     def __init__(self, policy, k=2, groups_per_step=8, max_groups=32, max_steps=None, oversampling=1.0):
         from types import SimpleNamespace
 
-        self.policy, self.k, self.groups_per_step, self.max_groups, self.max_steps = (
+        self.policy, self.async_level, self.groups_per_step, self.max_groups, self.max_steps = (
             policy, k, groups_per_step, max_groups, max_steps)
-        self.o = SimpleNamespace(oversampling_factor=oversampling)
+        self.ocfg = SimpleNamespace(oversampling_factor=oversampling)
 
 
 def test_groups_are_admitted_only_as_far_as_the_async_window_can_use_them():

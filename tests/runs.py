@@ -1,0 +1,40 @@
+"""Helpers for tests that run a job: its processes (found by environment and parent chain,
+never by command line) and its progress."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from prime_hpc.rundir import RunDir, jobs
+from tests import procs
+
+
+def run_processes(logs: Path) -> dict[int, int]:
+    """{pid: start time} of every process of the run: those the job script started (they
+    carry the attempt's PRIME_HPC_LOGS in their environment) and all their descendants."""
+    now = procs.table()
+    return {pid: now[pid][1] for pid in procs.descendants(procs.with_env(f"PRIME_HPC_LOGS={logs}", now), now)}
+
+
+def still_alive(started: dict[int, int]) -> list[str]:
+    out = []
+    for pid, start in started.items():
+        st = procs.stat(pid)
+        if st and st[1] == start and (cmd := procs.cmdline(pid)) is not None:
+            out.append(f"{pid}: {cmd!r}")
+    return out
+
+
+def wait_for_step(run: RunDir, step: int, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(run.heartbeat("trainer", 0).read_text()).get("step", 0) >= step:
+                return
+        except (OSError, ValueError):
+            pass
+        job = jobs.read_job(run)
+        assert not job.get("ended_at"), f"the job ended before step {step}: {job.get('failure')}"
+        time.sleep(0.5)
+    raise AssertionError(f"no trainer step {step} within {timeout_s}s")

@@ -1,0 +1,241 @@
+"""Inference without vLLM: the config → vLLM arguments and engine environment, and the
+policy gate and API key, driven through the ASGI layer directly."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from prime_hpc.inference import server as srv
+from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
+
+
+# --------------------------------------------------------------------------- unit: config → vLLM
+
+
+def _typed(d: dict):
+    from prime_hpc.config.component import InferenceRunConfig, typed
+
+    return typed(InferenceRunConfig, d, "test")
+
+
+def _cfg(**inf):
+    base = {"model": {"name": "tiny"}, "dtype": "auto", "max_model_len": 128, "gpu_memory_utilization": 0.2,
+            "tensor_parallel_size": 1, "data_parallel_size": None, "cpu_kvcache_space_gb": 3, "cpu_threads": None,
+            "extra_args": [], "startup_timeout_s": 60}
+    base.update(inf)
+    return {"name": "r", "output_dir": "/tmp/x", "seed": 7, "seq_len": 128, "address": None, "model": {"name": "tiny", "seed": 0},
+            "device": "cpu", "nodes": 1, "gpus_per_node": 0, "lora": {"enabled": False, "rank": 8}, "inference": base}
+
+
+def _opt(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_vllm_args_pass_the_reference_knobs_through():
+    cfg = _cfg(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.5, tensor_parallel_size=2,
+               data_parallel_size=4, extra_args=["--enforce-eager", "--max-num-seqs", "64"],
+               model={"name": "tiny", "enable_auto_tool_choice": True, "tool_call_parser": "hermes",
+                      "reasoning_parser": "qwen3"})
+    argv = srv.vllm_args(_typed(cfg), "/models/tiny", "10.0.0.5")
+    assert _opt(argv, "--model") == "/models/tiny"
+    assert _opt(argv, "--served-model-name") == "tiny"
+    assert _opt(argv, "--host") == "10.0.0.5" and _opt(argv, "--port") == "0"
+    assert _opt(argv, "--dtype") == "bfloat16"
+    assert _opt(argv, "--max-model-len") == "4096"
+    assert _opt(argv, "--gpu-memory-utilization") == "0.5"
+    assert _opt(argv, "--tensor-parallel-size") == "2"
+    assert _opt(argv, "--data-parallel-size") == "4"
+    assert "--enable-auto-tool-choice" in argv
+    assert _opt(argv, "--tool-call-parser") == "hermes"
+    assert _opt(argv, "--reasoning-parser") == "qwen3"
+    assert _opt(argv, "--seed") == "7"
+    assert _opt(argv, "--logprobs-mode") == "processed_logprobs"
+    assert argv[-3:] == ["--enforce-eager", "--max-num-seqs", "64"]
+    assert "--enable-lora" not in argv
+
+
+def test_data_parallel_defaults_to_the_node_gpus_and_lora_enables_adapters():
+    cfg = _cfg(tensor_parallel_size=2)
+    cfg.update(device="cuda", gpus_per_node=8, lora={"enabled": True, "rank": 32})
+    argv = srv.vllm_args(_typed(cfg), "m", "h")
+    assert _opt(argv, "--data-parallel-size") == "4"
+    assert _opt(argv, "--max-lora-rank") == "32" and "--enable-lora" in argv
+    cpu = srv.vllm_args(_typed(_cfg()), "m", "h")
+    assert "--data-parallel-size" not in cpu and "--tool-call-parser" not in cpu
+
+
+def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch):
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    env = srv.engine_env(_typed(_cfg(cpu_kvcache_space_gb=3, cpu_threads=6)))
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["OMP_NUM_THREADS"] == "6"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert "OMP_NUM_THREADS" not in srv.engine_env(_typed(_cfg()))
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    assert srv.engine_env(_typed(_cfg()))["OMP_NUM_THREADS"] == "4"
+    gpu = _cfg()
+    gpu["device"] = "cuda"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in srv.engine_env(_typed(gpu))
+    # pinned by the launcher: the engine's threads bind to exactly those cores
+    monkeypatch.setenv("PRIME_HPC_CPUS", "1,3")
+    env = srv.engine_env(_typed(_cfg()))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,3" and env["OMP_NUM_THREADS"] == "2"
+    # the compile cache lives in the run's shared cache, where a second start finds it
+    monkeypatch.setenv("PRIME_HPC_CACHE", "/shared/cache")
+    assert srv.engine_env(_typed(_cfg()))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
+    assert srv.engine_env(_typed(gpu))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
+
+
+def test_step_is_read_from_the_weights_dir():
+    assert srv.step_of("/run/weights/step_12") == 12
+    assert srv.step_of("/run/weights/step_3/") == 3
+    assert srv.step_of("/models/qwen") is None
+
+
+# --------------------------------------------------------------------------- unit: the gate
+
+
+class FakeModel:
+    """An ASGI app standing in for vLLM: a generation takes until its event is set."""
+
+    def __init__(self):
+        self.release: dict[str, asyncio.Event] = {}
+
+    async def __call__(self, scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        name = json.loads(body or b"{}").get("name", "")
+        if scope["path"].startswith("/v1/"):
+            ev = self.release.setdefault(name, asyncio.Event())
+            await ev.wait()
+        if scope["path"] == "/v1/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
+        out = json.dumps({"name": name}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+
+def _gated(step=0, api_key=None):
+    """A fake model behind the gate: (model, gate, app)."""
+    model = FakeModel()
+    gate = PolicyGate(step=step)
+    return model, gate, GateMiddleware(model, gate, api_key=api_key)
+
+
+async def _call(app, path, body=None, headers=(), method="POST"):
+    raw = json.dumps(body or {}).encode()
+    sent = []
+    done = False
+
+    async def receive():
+        nonlocal done
+        if done:
+            await asyncio.sleep(3600)
+        done = True
+        return {"type": "http.request", "body": raw}
+
+    async def send(m):
+        sent.append(m)
+
+    await app({"type": "http", "method": method, "path": path, "headers": list(headers)}, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    hdrs = {k.decode(): v.decode() for k, v in start["headers"]}
+    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if "content-length" in hdrs:
+        assert int(hdrs["content-length"]) == len(content)
+    return start["status"], hdrs, content
+
+
+def test_api_key_guards_every_route_but_health():
+    async def main():
+        model, _, app = _gated(api_key="s3cret")
+        for e in ("a", "b"):
+            model.release.setdefault(e, asyncio.Event()).set()
+        assert (await _call(app, "/v1/chat/completions", {"name": "a"}))[0] == 401
+        assert (await _call(app, "/update_weights"))[0] == 401
+        assert (await _call(app, "/pause"))[0] == 401
+        wrong = [(b"authorization", b"Bearer nope")]
+        assert (await _call(app, "/v1/chat/completions", {"name": "a"}, wrong))[0] == 401
+        ok = [(b"authorization", b"Bearer s3cret")]
+        assert (await _call(app, "/v1/chat/completions", {"name": "b"}, ok))[0] == 200
+        assert (await _call(app, "/health", method="GET"))[0] == 200
+        open_app = GateMiddleware(model, PolicyGate(), api_key=None)
+        assert (await _call(open_app, "/v1/chat/completions", {"name": "a"}))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_completions_carry_the_policy_step_that_produced_them():
+    async def main():
+        model, gate, app = _gated(step=4)
+        model.release.setdefault("x", asyncio.Event()).set()
+        status, hdrs, body = await _call(app, "/v1/completions", {"name": "x"})
+        assert status == 200 and hdrs["x-policy-step"] == "4"
+        assert json.loads(body) == {"name": "x", "policy_step": 4}
+        model.release.setdefault("s", asyncio.Event()).set()
+        status, hdrs, body = await _call(app, "/v1/stream", {"name": "s"})  # not a generation path: untouched
+        assert "x-policy-step" not in hdrs
+
+    asyncio.run(main())
+
+
+def test_an_update_waits_for_in_flight_generations_and_holds_back_new_ones():
+    async def main():
+        model, gate, app = _gated(step=0)
+        for n in ("old1", "old2", "new"):
+            model.release[n] = asyncio.Event()
+        old1 = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "old1"}))
+        old2 = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "old2"}))
+        await asyncio.sleep(0.05)
+        assert gate.active == 2
+        updated = asyncio.Event()
+
+        async def update():
+            async with gate.exclusive(timeout_s=30):
+                gate.step = 1
+            updated.set()
+
+        upd = asyncio.create_task(update())
+        await asyncio.sleep(0.05)
+        new = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "new"}))
+        model.release["new"].set()  # would finish at once if it were admitted
+        await asyncio.sleep(0.05)
+        assert not updated.is_set() and not new.done()  # update waits for old1/old2; new waits for the update
+        model.release["old1"].set()
+        await asyncio.sleep(0.05)
+        assert not updated.is_set()
+        model.release["old2"].set()
+        r_old1, r_old2, r_new = await old1, await old2, await new
+        assert updated.is_set()
+        assert [json.loads(r[2])["policy_step"] for r in (r_old1, r_old2, r_new)] == [0, 0, 1]
+        await upd
+
+    asyncio.run(main())
+
+
+def test_an_update_that_cannot_drain_gives_up_and_changes_nothing():
+    async def main():
+        model, gate, app = _gated(step=2)
+        model.release["stuck"] = asyncio.Event()
+        stuck = asyncio.create_task(_call(app, "/v1/completions", {"name": "stuck"}))
+        await asyncio.sleep(0.05)
+        with pytest.raises(UpdateTimeout, match="1 generation request"):
+            async with gate.exclusive(timeout_s=0.1):
+                gate.step = 3
+        assert gate.step == 2
+        model.release["later"] = asyncio.Event()
+        model.release["later"].set()
+        assert (await _call(app, "/v1/completions", {"name": "later"}))[0] == 200  # not blocked afterwards
+        model.release["stuck"].set()
+        await stuck
+
+    asyncio.run(main())

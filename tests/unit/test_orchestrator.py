@@ -1,0 +1,186 @@
+"""Orchestrator rules without a server: advantages and filtering, the policy-lag rules,
+environments and sampling by ratio, sampling arguments, environment ids."""
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from prime_hpc.config.compose import component_config, compose
+from prime_hpc.core.errors import UserError
+from prime_hpc.config.schema import EnvEntry
+from prime_hpc.config.component import OrchestratorRunConfig, typed
+from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
+from prime_hpc.rundir.checkpoints import is_due
+from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, pass_at_k
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS / "envs"))
+
+
+def _r(reward, policy=(0,), error=None, n=3, env="e"):
+    return Rollout(env=env, example_id=0, reward=reward, input_ids=[1] * n, loss_mask=[False] + [True] * (n - 1),
+                   logprobs=[0.0] * n, policy_steps=list(policy), num_turns=len(policy), is_truncated=False,
+                   error=error)
+
+
+# --------------------------------------------------------------------------- pure rules
+
+
+def test_advantages_are_reward_minus_group_mean():
+    g = [_r(1.0), _r(0.0), _r(0.5), _r(0.5)]
+    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=True)
+    assert v.reason is None
+    assert [r.advantage for r in v.kept] == [0.5, -0.5, 0.0, 0.0]
+
+
+def test_errored_rollouts_leave_the_group_and_the_baseline():
+    g = [_r(1.0), _r(0.0, error="boom"), _r(0.0), _r(0.5)]
+    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False)
+    assert v.errored == 1 and len(v.kept) == 3
+    assert [round(r.advantage, 6) for r in v.kept] == [0.5, -0.5, 0.0]  # mean of 1, 0, 0.5
+
+
+def test_zero_variance_groups_are_filtered_only_when_asked():
+    g = [_r(1.0) for _ in range(4)]
+    assert judge_group(g, 1, 2, 8, True).reason == "no reward variance"
+    v = judge_group(g, 1, 2, 8, False)
+    assert v.reason is None and all(r.advantage == 0.0 for r in v.kept)
+
+
+def test_difficulty_filter_by_mean_reward_and_variance():
+    from types import SimpleNamespace
+
+    def verdict(rewards, lo=None, hi=None, var=0.0):
+        f = SimpleNamespace(min_reward=lo, max_reward=hi, min_reward_variance=var)
+        return judge_group([_r(x) for x in rewards], 1, 2, 8, False, "mean", f).reason
+
+    assert verdict([0.0, 0.0, 0.1, 0.0], lo=0.05) == "too hard"  # mean 0.025
+    assert verdict([0.0, 0.0, 0.2, 0.0], lo=0.05) is None  # mean 0.05: not below
+    assert verdict([1.0, 1.0, 0.9, 1.0], hi=0.95) == "too easy"  # mean 0.975
+    assert verdict([1.0, 0.9, 0.9, 1.0], hi=0.95) is None  # mean 0.95: not above
+    # population variance of 0, 0, 1, 1 is 0.25; of 0.4, 0.6, 0.4, 0.6 it is 0.01
+    assert verdict([0.0, 0.0, 1.0, 1.0], var=0.1) is None
+    assert verdict([0.4, 0.6, 0.4, 0.6], var=0.1) == "low reward variance"
+    assert verdict([0.4, 0.6, 0.4, 0.6]) is None  # the defaults keep everything
+
+
+def test_policy_lag_bound_and_spanning_rollouts():
+    # step 5, async_level 2: policies 3.. are fine, 2 is stale
+    assert judge_group([_r(1, (3,)), _r(0, (4,))], 5, 2, 8, False).reason is None
+    assert judge_group([_r(1, (2,)), _r(0, (4,))], 5, 2, 8, False).reason == "stale"
+    # a rollout whose turns came from policies 3 and 6 spans 4 policies: dropped when m=3
+    v = judge_group([_r(1, (3, 6)), _r(0, (4,)), _r(0.5, (4,))], 6, 3, 3, False)
+    assert v.dropped_spanning == 1 and len(v.kept) == 2
+
+
+def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
+    out = {"example_id": 7, "reward": 0.75, "is_truncated": False, "trajectory": [
+        {"tokens": {"prompt_ids": [1, 2], "completion_ids": [3, 4], "completion_logprobs": [-0.1, -0.2]},
+         "response": {"policy_step": 4}},
+        {"tokens": {"prompt_ids": [1, 2, 3, 4, 5], "completion_ids": [6], "completion_logprobs": [-0.3]},
+         "response": {"policy_step": 5}},
+    ]}
+    r = from_output(out, "env", seq_len=100)
+    assert r.input_ids == [1, 2, 3, 4, 5, 6]
+    assert r.loss_mask == [False, False, True, True, False, True]
+    assert r.logprobs == [0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    assert r.policy_steps == [4, 5] and r.num_turns == 2 and r.error is None
+    cut = from_output(out, "env", seq_len=4)
+    assert cut.input_ids == [1, 2, 3, 4] and cut.is_truncated
+
+
+def test_an_empty_answer_is_an_empty_rollout_not_an_error():
+    r = from_output({"reward": 0.0, "error": {"error_chain_repr": "EmptyModelResponseError('no content')"},
+                     "trajectory": []}, "e", 10)
+    assert r.empty and r.error is None
+
+
+def test_reward_errors_and_missing_tokens_are_errors():
+    r = from_output({"reward": 0.0, "reward_error": "reward: ValueError: x", "trajectory": []}, "e", 10)
+    assert r.error.startswith("reward: ValueError")
+    r = from_output({"reward": 0.0, "trajectory": [{"tokens": None}]}, "e", 10)
+    assert "no token ids" in r.error
+
+
+def test_pass_at_k_and_checkpoint_steps():
+    assert pass_at_k([0.2, 1.0]) == 1.0 and pass_at_k([0.99, 0.5]) == 0.0
+    ck = {"enabled": True, "interval": 5}
+    assert [s for s in range(1, 13) if is_due(s, s == 12, ck)] == [5, 10, 12]
+    assert not any(is_due(s, s == 12, {"enabled": False, "interval": None}) for s in range(1, 13))
+
+
+# --------------------------------------------------------------------------- envs
+
+
+def test_unknown_env_fails_with_one_line_naming_it():
+    with pytest.raises(UserError) as e:
+        load_env(EnvEntry(id="no_such_env_module", args={}))
+    msg = str(e.value)
+    assert "no_such_env_module" in msg and "\n" not in msg and "cannot be imported" in msg
+    with pytest.raises(UserError) as e:
+        load_env(EnvEntry(id="flaky_reverse", args={"fail_load": True}))
+    assert str(e.value) == ("train env 'flaky_reverse': load_environment() failed: "
+                            "RuntimeError: cannot reach the task server")
+
+
+def test_several_envs_are_sampled_by_ratio_and_the_sampler_resumes():
+    slots = []
+    for name, ratio in (("a", 3.0), ("b", 1.0)):
+        env = load_env(EnvEntry(id="reverse_text", args={"num_train_examples": 50, "num_eval_examples": 4}))
+        slots.append(EnvSlot(name=name, entry=EnvEntry(id="reverse_text", ratio=ratio), env=env,
+                             rows=dataset_rows(env.get_dataset())))
+    s = EnvSampler(slots, seed=3)
+    picks = Counter(s.next()[0].name for _ in range(4000))
+    assert abs(picks["a"] / 4000 - 0.75) < 0.03, picks
+    state = json.loads(json.dumps(s.state()))  # JSON round trip, as in a checkpoint
+    expected = [(sl.name, row["example_id"]) for sl, row in (s.next() for _ in range(60))]
+    s2 = EnvSampler(slots, seed=3)
+    s2.load_state(state)
+    assert [(sl.name, row["example_id"]) for sl, row in (s2.next() for _ in range(60))] == expected
+    # every example of an env is used once per epoch
+    s3 = EnvSampler(slots[1:], seed=0)
+    assert sorted(row["example_id"] for _, row in (s3.next() for _ in range(50))) == list(range(50))
+
+
+# --------------------------------------------------------------------------- sampling
+def test_sampling_config_becomes_the_request_arguments(tmp_path):
+    from prime_hpc.orchestrator.loop import sampling_args
+
+    def args(*overrides: str) -> dict:
+        cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", *overrides])
+        return sampling_args(typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "test")
+                             .orchestrator.sampling)
+
+    plain = args()
+    assert plain == {"temperature": 1.0, "top_p": 1.0, "logprobs": True, "max_tokens": 32,
+                     "extra_body": {"return_token_ids": True}}
+    full = args("orchestrator.sampling.top_k=5", "orchestrator.sampling.min_p=0.05",
+                "orchestrator.sampling.repetition_penalty=1.1", "orchestrator.sampling.stop=[zz,'</a>']",
+                "orchestrator.sampling.seed=7", "+orchestrator.sampling.extra_body.presence_penalty=0.5",
+                "+orchestrator.sampling.extra_body.return_token_ids=false")
+    assert full["stop"] == ["zz", "</a>"] and full["seed"] == 7
+    assert full["extra_body"] == {"presence_penalty": 0.5, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+                                  "return_token_ids": True}  # the trainer's token ids are never turned off
+
+
+# --------------------------------------------------------------------------- environment ids
+def test_env_ids_as_users_write_them_pass_submit_and_load_alike(tmp_path):
+    """One resolver: what the submit-time check accepts, the orchestrator loads."""
+    from prime_hpc.config.validate import env_import_error
+
+    pkg = Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "reverse_text"
+    single = tmp_path / "my_reverse.py"  # a module file
+    single.write_text((pkg / "__init__.py").read_text())
+    for env_id in ("reverse_text", "reverse-text", "someone/reverse-text", str(pkg), str(single)):
+        assert env_import_error(env_id) is None, env_id
+        env = load_env(EnvEntry(id=env_id, args={"num_train_examples": 20, "num_eval_examples": 4}))
+        assert len(dataset_rows(env.get_dataset())) == 20, env_id
+    for env_id in ("no-such-env", "someone/no_such_env", str(tmp_path)):
+        err = env_import_error(env_id)
+        assert err and ("tried" in err or "package directory" in err), err
+        with pytest.raises(UserError, match="cannot be imported"):
+            load_env(EnvEntry(id=env_id, args={}))
