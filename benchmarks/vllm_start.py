@@ -2,11 +2,12 @@
 with an empty compile cache, then again with the cache the first start left, measured in
 one run, from the process start to its endpoint record (what the orchestrator waits for).
 
-    .venv/bin/python benchmarks/vllm_start.py [--starts 2] [--experiment reverse_text]
+    .venv/bin/python benchmarks/vllm_start.py [--starts 2] [--engine fork,spawn] [--experiment reverse_text]
 
 Each start gets a fresh run directory; all starts share one fresh cache root
 (`$PRIME_HPC_CACHE`, as the nodes of a run share `cluster.cache_dir`), so start 1 is cold
-and the others warm. The table gives each start's seconds, the engine's own
+and the others warm; each way of starting the engine process (`--engine`) gets a cache
+root of its own. The table gives each start's seconds, the engine's own
 initialisation (vLLM's "init engine ... took" line) and the ratio to the cold start.
 Extra `key=value` arguments are overrides of the composed run.
 """
@@ -26,7 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def start_once(root: Path, cache: Path, overrides: list[str], experiment: str) -> tuple[float, float | None]:
+def start_once(root: Path, cache: Path, overrides: list[str], experiment: str,
+               extra_env: dict | None = None) -> tuple[float, float | None]:
     from prime_hpc.config.compose import compose, write_component_config
     from prime_hpc.rundir import RunDir
 
@@ -37,7 +39,7 @@ def start_once(root: Path, cache: Path, overrides: list[str], experiment: str) -
     (logs / "inference").mkdir(parents=True, exist_ok=True)
     log = logs / "inference" / "node_0.log"
     env = {**os.environ, "PRIME_HPC_CACHE": str(cache), "PRIME_HPC_LOGS": str(logs), "PRIME_HPC_NODE_RANK": "0",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": str(REPO)}
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": str(REPO), **(extra_env or {})}
     t0 = time.monotonic()
     with open(log, "wb") as f:
         p = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
@@ -65,19 +67,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--experiment", default="reverse_text")
+    ap.add_argument("--engine", default="fork,spawn",
+                    help="how the API server starts its engine process, each with a fresh cache: fork (the "
+                         "default of prime-hpc on CPU), spawn (vLLM's own)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="vllm-start-") as tmp:
-        cache = Path(tmp) / "cache"
-        rows = []
-        for i in range(a.starts):
-            s, engine = start_once(Path(tmp) / f"run{i}", cache, a.overrides, a.experiment)
-            rows.append((f"start {i + 1} ({'cold' if i == 0 else 'warm'} cache)", s, engine))
-            print(f"{rows[-1][0]}: {s:.1f} s", flush=True)
-    cold = rows[0][1]
-    print(f"\n{'start':<24}{'s':>8}{'engine init s':>16}{'x cold':>9}")
-    for name, s, engine in rows:
-        print(f"{name:<24}{s:>8.1f}{(f'{engine:.1f}' if engine is not None else '-'):>16}{s / cold:>9.2f}")
+    rows = []
+    for engine_start in a.engine.split(","):
+        env = {"PRIME_HPC_VLLM_FORK": "1" if engine_start == "fork" else "0"}
+        with tempfile.TemporaryDirectory(prefix="vllm-start-") as tmp:
+            cache = Path(tmp) / "cache"
+            first = None
+            for i in range(a.starts):
+                s, engine = start_once(Path(tmp) / f"run{i}", cache, a.overrides, a.experiment, env)
+                first = first or s
+                rows.append((f"{engine_start}: start {i + 1} ({'cold' if i == 0 else 'warm'})", s, engine, s / first))
+                print(f"{rows[-1][0]}: {s:.1f} s", flush=True)
+    print(f"\n{'start':<26}{'s':>8}{'engine init s':>16}{'x cold':>9}")
+    for name, s, engine, ratio in rows:
+        print(f"{name:<26}{s:>8.1f}{(f'{engine:.1f}' if engine is not None else '-'):>16}{ratio:>9.2f}")
     print(f"(goal: a warm start at most 0.5x the cold one; {os.cpu_count()} cores)")
     return 0
 

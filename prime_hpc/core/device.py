@@ -6,6 +6,7 @@ Importing this module is cheap (torch is imported inside the functions).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
@@ -78,7 +79,8 @@ def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads
     # and that engine process forked from the API server, which has imported vLLM and
     # torch already, instead of spawned (vLLM's CPU platform forces spawn; the API server
     # has run no OpenMP work before the fork): another ~10 s of importing saved per start
-    env["PRIME_HPC_VLLM_FORK"] = "1"
+    # (`PRIME_HPC_VLLM_FORK=0` in the submitting environment keeps vLLM's spawn)
+    env["PRIME_HPC_VLLM_FORK"] = "0" if os.environ.get("PRIME_HPC_VLLM_FORK") == "0" else "1"
     # with several workers, an idle one would poll its message queue for 1 s after each
     # batch, on the cores the trainer or the next generation needs (inference/vllm_plugin.py)
     env["PRIME_HPC_VLLM_SPIN_S"] = "0"
