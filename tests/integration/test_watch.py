@@ -197,7 +197,9 @@ def test_cancel_of_a_sweep_cancels_every_point(work):
         assert f"cancelled job {job_id}" in c.stdout
     for job_id in ids:
         wait_for(f"sacct to record job {job_id} cancelled", lambda: sacct(job_id).startswith("CANCELLED"), 60)
-    assert [jobs.read_job(p)["state"] for p in points] == ["CANCELLED", "CANCELLED"]
+    # job.json is the job's own record, written as its script ends (after SLURM's record)
+    wait_for("job.json to record both points cancelled",
+             lambda: [jobs.read_job(p)["state"] for p in points] == ["CANCELLED", "CANCELLED"], 60)
     # the waiting point was cancelled before the running one: it never started
     # (sacct gives a job cancelled while pending a Start time, the cancel's; it has no node)
     assert sacct(ids[1], "NodeList") == "None assigned"
