@@ -18,6 +18,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("PRIME_HPC_CACHE", str(Path.home() / ".cache" / "prime-hpc"))
 # Every "node" is this machine: everything stays on loopback.
 os.environ.setdefault("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
+# The tests' own environments (tests/envs), and the bundled ones from the source tree when
+# they are not installed (`tools/setup` installs them with -e).
+sys.path.insert(0, str(REPO / "tests" / "envs"))
+sys.path += [str(p) for p in sorted((REPO / "examples").iterdir()) if p.is_dir()]
 
 # Shell-hostile path fragments (spaces, quotes, command separators, substitutions).
 HOSTILE = "we ird 'q\" ; echo PWNED $(touch PWNED) `x` & y"

@@ -6,28 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from prime_hpc.rundir import batch
 from prime_hpc.config.compose import component_config, compose
 from prime_hpc.core.errors import UserError
 from prime_hpc.orchestrator.loop import Orchestrator
-from prime_hpc.orchestrator.rollouts import Rollout
-from prime_hpc.rundir import RunDir, mark_stable
-
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS / "envs"))
-
-
-def _r(reward, policy=(0,), error=None, n=3, env="e"):
-    return Rollout(env=env, example_id=0, reward=reward, input_ids=[1] * n, loss_mask=[False] + [True] * (n - 1),
-                   logprobs=[0.0] * n, policy_steps=list(policy), num_turns=len(policy), is_truncated=False,
-                   error=error)
+from prime_hpc.rundir import RunDir, batch, mark_stable
 
 
 # --------------------------------------------------------------------------- real loop

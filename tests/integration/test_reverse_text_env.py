@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-try:
-    import reverse_text
-except ImportError:  # not pip-installed (-e examples/reverse_text): use the source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "reverse_text"))
-    import reverse_text
-
+import reverse_text  # noqa: E402
 from reverse_text import lcs_ratio  # noqa: E402
 
 

@@ -3,7 +3,6 @@ environments and sampling by ratio, sampling arguments, environment ids."""
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,8 +16,6 @@ from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_
 from prime_hpc.rundir.checkpoints import is_due
 from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, pass_at_k
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS / "envs"))
 
 
 def _r(reward, policy=(0,), error=None, n=3, env="e"):

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-try:
-    import reverse_text
-except ImportError:  # not pip-installed (-e examples/reverse_text): use the source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "reverse_text"))
-    import reverse_text
-
+import reverse_text  # noqa: E402
 import verifiers as vf  # noqa: E402
 
 from reverse_text import lcs_length, lcs_ratio, lcs_reward  # noqa: E402

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-try:
-    import word_lookup
-except ImportError:  # not pip-installed (-e examples/word_lookup): use the source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "word_lookup"))
-    import word_lookup
+import word_lookup
 
 from word_lookup import NOT_FOUND, correct_answer, lookup, looked_up, make_dictionary, parse_answer, parse_query  # noqa: E402
 
