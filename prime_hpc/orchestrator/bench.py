@@ -129,11 +129,12 @@ async def wait_for_trainer(run_dir: RunDir, step: int) -> None:
 async def run(cfg: OrchestratorRunConfig) -> dict:
     from prime_hpc.inference.client import api_key, discover
     from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.loop import SERVERS_WAIT_S
 
     b, o = cfg.bench, cfg.orchestrator
     run_dir = RunDir(cfg.output_dir)
     logs = jobenv.logs_dir()
-    ep = discover(run_dir, cfg.inference_nodes, timeout_s=3600, logs=logs)
+    ep = discover(run_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=logs)
     client = make_client(ep.openai_base_url, api_key())
     completion = bench.completion_len(b.completion_len, int(cfg.seq_len))
     group_size = int(b.group_size)

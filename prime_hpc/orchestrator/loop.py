@@ -42,6 +42,7 @@ LORA_NAME = "policy"  # served name of the run's adapter when only adapters are 
 SNAPSHOTS_KEPT = 32  # recent steps whose state is kept (the trainer is at most async_level behind)
 CHECKPOINT_WAIT_S = 120.0  # asked to checkpoint: how long to wait for the trainer's step
 TRAINER_WAIT_S = 300.0  # at the end, with W&B: how long to wait for the trainer's last metrics
+SERVERS_WAIT_S = 3600.0  # at the start: how long to wait for the inference servers and the router to publish
 
 
 @dataclass
@@ -562,7 +563,7 @@ class Orchestrator:
             self.load_checkpoint(start)
         nodes = self.cfg.inference_nodes
         teacher = self.ocfg.teacher.client
-        ep = discover(self.run, nodes, timeout_s=3600, logs=self.logs)
+        ep = discover(self.run, nodes, timeout_s=SERVERS_WAIT_S, logs=self.logs)
         self.admin = Admin(ep.servers, on_lost=lambda server, why: self.server_lost(ep, server, why))
         if self.ocfg.training_mode == "sft":  # the teacher generates, the student trains on it
             self.use_server(make_client(teacher.base_url, api_key(teacher.api_key_var), max_context=self.cfg.seq_len),
