@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from prime_hpc.core.errors import UserError
+from prime_hpc.job.watchdog import STALLED
 from prime_hpc.launcher.plan import Plan
 from prime_hpc.rundir import RunDir
 
@@ -55,7 +56,7 @@ def checkpoint_budget_s(signal_delay_s: int) -> int:
 
 def _render(template: str, plan: Plan, **extra: object) -> str:
     return _env().get_template(template).render(plan=plan, grace_s=STOP_GRACE_S, layout=RunDir, LOGS="$LOGS",
-                                                checkpoint_budget_s=checkpoint_budget_s(plan.signal_delay_s), **extra)
+                                                stalled_rc=STALLED, checkpoint_budget_s=checkpoint_budget_s(plan.signal_delay_s), **extra)
 
 
 def render_sbatch(plan: Plan) -> str:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,7 @@ from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir
 from tests.conftest import cli
+from tests.runs import run_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -58,6 +62,17 @@ def _release_held(job_id: str) -> bool:
     return False
 
 
+def _writer_of(log: Path) -> int:
+    """The process of the run whose output goes to `log`."""
+    for pid in run_processes(log.parent):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/1") == str(log):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no process of the run writes {log}")
+
+
 def _attempt_starts(run: RunDir) -> list[float]:
     return [a["started_at"] for a in jobs.read_job(run)["attempts"]]
 
@@ -72,6 +87,13 @@ def test_rl_run_survives_a_requeue_is_cancelled_and_resumed(tmp_path):
     try:
         # 1. scontrol requeue mid-run: both components checkpoint the step they are at
         _wait(lambda: len(_steps(run, "trainer")) >= 3, 600, "step 3", run)
+        # SLURM signals every process of the job, the watchdog too, maybe before the job
+        # script: a watchdog ended by a signal is no failure of the run
+        watchdog = _writer_of(run.latest_logs.resolve() / "watchdog.log")
+        os.kill(watchdog, signal.SIGTERM)
+        time.sleep(4)  # the supervisor looks every second, then gives its own trap 2 s
+        assert not jobs.read_job(run).get("ended_at"), jobs.read_job(run)
+        assert launch.active_job(run)
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
         _wait(lambda: _release_held(job_id) or len(jobs.read_job(run).get("attempts", [])) >= 2, 300,
               "the second attempt", run, poll_s=2)
