@@ -41,9 +41,9 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def copy_fsync_s(src: Path, repeats: int = 5) -> tuple[float, int]:
+def copy_fsync_s(src: Path, repeats: int = 5, fsync: bool = True) -> tuple[float, int]:
     """Median seconds to copy `src`'s files into a fresh directory next to it and fsync
-    them (and the directory), and the bytes copied."""
+    them (and the directory; `fsync=False`: neither), and the bytes copied."""
     size = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
     times = []
     for _ in range(repeats):
@@ -52,12 +52,14 @@ def copy_fsync_s(src: Path, repeats: int = 5) -> tuple[float, int]:
         for f in src.iterdir():
             if f.is_file():
                 shutil.copyfile(f, dst / f.name)
-                fd = os.open(dst / f.name, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-        fd = os.open(dst, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+                if fsync:
+                    fd = os.open(dst / f.name, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
+        if fsync:
+            fd = os.open(dst, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
         times.append(time.perf_counter() - t0)
         shutil.rmtree(dst)
     return statistics.median(times), size

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,12 +71,17 @@ def main() -> int:
     ap.add_argument("--engine", default="fork,spawn",
                     help="how the API server starts its engine process, each with a fresh cache: fork (the "
                          "default of prime-hpc on CPU), spawn (vLLM's own)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep each start's run directory (its logs) here instead of a temporary directory")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     rows = []
     for engine_start in a.engine.split(","):
         env = {"PRIME_HPC_VLLM_FORK": "1" if engine_start == "fork" else "0"}
         with tempfile.TemporaryDirectory(prefix="vllm-start-") as tmp:
+            if a.workdir is not None:
+                tmp = a.workdir.resolve() / engine_start
+                shutil.rmtree(tmp, ignore_errors=True)
             cache = Path(tmp) / "cache"
             first = None
             for i in range(a.starts):

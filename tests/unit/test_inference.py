@@ -85,6 +85,9 @@ def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch):
     monkeypatch.setenv("PRIME_HPC_CACHE", "/shared/cache")
     assert srv.engine_env(_typed(_cfg()))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
     assert srv.engine_env(_typed(gpu))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
+    # and so do inductor's compiled graphs (not a node-local /tmp/torchinductor_<user>)
+    assert srv.engine_env(_typed(_cfg()))["TORCHINDUCTOR_CACHE_DIR"] == "/shared/cache/inductor"
+    assert srv.engine_env(_typed(gpu))["TORCHINDUCTOR_CACHE_DIR"] == "/shared/cache/inductor"
 
 
 def test_step_is_read_from_the_weights_dir():
