@@ -98,7 +98,7 @@ def train(cfg: TrainerRunConfig) -> None:
         reference = _reference_policy(cfg, s.env)
         runner.beat(s, step)
         while cfg.max_steps is None or step < cfg.max_steps:
-            t0 = time.perf_counter()
+            t0, waiting_since = time.perf_counter(), time.time()
             got = _wait_for_batch(s, stop, step + 1, producer_log)
             code, finished = runner.agreed_stop(s, stop, not_ready=got != "ready")
             if code != CONTINUE:
@@ -108,7 +108,7 @@ def train(cfg: TrainerRunConfig) -> None:
                 logger.info(f"the orchestrator wrote its last rollouts before step {step + 1} ({s.run.rollouts_done})")
                 break
             step += 1
-            data, timers = _read_batch(s, step, producer_log)
+            data, timers = _read_batch(s, step, producer_log, waiting_since)
             t_wait = time.perf_counter() - t0
             result = _train_on(s, data, step, reference)
             t_weights = _publish(s, step)
@@ -137,11 +137,14 @@ def _wait_for_batch(s: Any, stop: Any, step: int, producer_log: Any) -> str:
                              beat_every_s=BEAT_S, stop=stop)
 
 
-def _read_batch(s: Any, step: int, producer_log: Any) -> tuple[Any, dict]:
-    """This rank's rollout file of `step`, and the hand-off timers."""
+def _read_batch(s: Any, step: int, producer_log: Any, waiting_since: float) -> tuple[Any, dict]:
+    """This rank's rollout file of `step`, and the hand-off timers. The hand-off is the
+    time from the rollouts being marked complete to the trainer seeing them, counted only
+    while the trainer was waiting for them (a batch that was ready before the trainer
+    asked for it cost the step nothing)."""
     from prime_hpc.rundir import batch as rollout_batch
 
-    handoff = max(0.0, time.time() - stable_time(s.run.rollout_step(step)))  # written -> seen here
+    handoff = max(0.0, time.time() - max(stable_time(s.run.rollout_step(step)), waiting_since))
     t_read = time.perf_counter()
     data = rollout_batch.read_rank(s.run, step, s.env.rank, timeout_s=s.cfg.trainer.rollout_timeout_s,
                                    producer_log=producer_log)
