@@ -80,8 +80,12 @@ def test_groups_threads_and_pinning_follow_the_config(tmp_path):
     cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null", "async_level=2"])
     assert job_groups(cfg) == ["orchestrator", "inference", "trainer"]
     assert group_cpus(cfg, job_groups(cfg), cores=[0, 1]) == {"orchestrator": "0", "inference": "0", "trainer": "1"}
-    on_policy = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null"])
-    assert on_policy.async_level == 1  # generation and training take turns: each gets both cores
+    recipe = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null"])
+    assert recipe.async_level == 3  # generation overlaps training: cores of their own
+    assert group_cpus(recipe, job_groups(recipe), cores=[0, 1]) == {"orchestrator": "0", "inference": "0",
+                                                                    "trainer": "1"}
+    on_policy = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null",
+                         "async_level=1"])  # generation and training take turns: each gets both cores
     assert group_cpus(on_policy, job_groups(on_policy), cores=[0, 1]) == {name: "0,1" for name in job_groups(cfg)}
     sft = compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}"])
     assert job_groups(sft) == ["trainer"] and job_groups(sft, "doctor") == ["orchestrator", "trainer"]

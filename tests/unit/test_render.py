@@ -18,6 +18,7 @@ GOLDEN_OVERRIDES = [
     "+experiment=reverse_text",
     "cluster=dev",
     "output_dir=/shared/runs/reverse_text",
+    "async_level=1",  # generation and training take turns: every group on both cores
     "cluster.account=proj",
     "cluster.qos=high",
     "cluster.constraint=ib",
