@@ -1,8 +1,8 @@
 """The flagship run on the dev cluster, in a shorter version: `prime-hpc submit
 +experiment=reverse_text` submits an SFT warm-up (a plain job of the trainer alone) and the
 RL run, which SLURM starts only once the warm-up completed (afterok). The warm-up stops
-early on its validation loss; RL starts from its final weights and raises the reward while
-the trainer/inference mismatch stays at numerical noise. Every address the run publishes,
+early on its validation loss; RL starts from its final weights and raises the reward,
+off-policy by at most the recipe's async_level steps. Every address the run publishes,
 and every socket of its servers, is on loopback."""
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     assert all(r["val/loss"] >= stop_below for r in wrows[:-1] if "val/loss" in r)
     assert warm.weight_steps()[-1] == wrows[-1]["step"]
     assert yaml.safe_load(rl.component_config("trainer").read_text())["model"]["name"] == str(warm.root)
-    # RL from those weights: the reward rises, the mismatch stays at numerical noise
+    # RL from those weights: the reward rises
     orch = [r for r in _rows(rl, "orchestrator") if "reward/all/mean" in r]
     trainer = _rows(rl, "trainer")
     assert [r["step"] for r in orch] == list(range(1, RL_STEPS + 1)) == [r["step"] for r in trainer]
@@ -87,7 +87,13 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     # of the whole run, a least-squares line, by its rise and how far it stands above noise
     rise, t = _trend([r["reward/all/mean"] for r in orch])
     assert rise >= 0.03 and t >= 3, (rise, t)
-    assert max(r["mismatch_kl/mean"] for r in trainer) < 0.01
+    # off-policy by at most async_level steps (the recipe's 3); where a batch came from the
+    # trainer's own policy (step 1 always), vLLM's and the trainer's logprobs agree up to
+    # numerical noise
+    assert max(r["off_policy/lag/max"] for r in orch) <= 3
+    assert max(r["off_policy_steps/mean"] for r in trainer) <= 3
+    on_policy = [r["mismatch_kl/mean"] for r in trainer if r["off_policy_steps/mean"] == 0]
+    assert trainer[0]["off_policy_steps/mean"] == 0 and max(on_policy) < 1e-6, on_policy
     evals = {r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r}
     assert set(evals) == {0, 75, 150} and evals[150] > evals[0], evals
     # W&B (offline): one run holding both components' metrics, sampled rollouts and distributions
