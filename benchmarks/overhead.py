@@ -104,7 +104,7 @@ def main() -> int:
     print()
     print(f"{'trainer step':34} {step:8.3f} s")
     print(f"{'  compute (fwd+bwd+optimizer)':34} {compute:8.3f} s  {compute / step:6.1%}")
-    print(f"{'  waiting for the batch':34} {wait:8.3f} s  {wait / step:6.1%}  (generation not overlapped)")
+    print(f"{'  waiting for the batch':34} {wait:8.3f} s  {wait / step:6.1%}  (generation the trainer waits for)")
     for name, v in parts.items():
         print(f"{'  ' + name:34} {v:8.3f} s  {v / step:6.1%}")
     print(f"{'  machinery, all of the above':34} {machinery:8.3f} s  {machinery / step:6.1%}   goal <= 5%")
