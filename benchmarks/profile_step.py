@@ -16,8 +16,6 @@ ptrace allowed). The run is cancelled when the profile is taken.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import shutil
 import statistics
@@ -53,6 +51,10 @@ ORCHESTRATOR = [
     ("environment (verifiers)", r"verifiers/"),
 ]
 IDLE = r"select \(|epoll|poll \(|sleep|wait \(|_wait_for_tstate_lock|acquire \("
+
+
+def pyspy_path() -> str:
+    return shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
 
 
 def steps(run: Path) -> list[dict]:
@@ -118,8 +120,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path("outputs/bench-profile"))
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(pyspy).exists():
+    if not Path(pyspy_path()).exists():
         raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
     work = a.workdir.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -168,7 +169,6 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--_record":  # one py-spy per process, side by side
         _, _, name, pid, seconds, out = sys.argv
-        pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        record(pyspy, int(pid), int(seconds), Path(out), subprocesses=name == "orchestrator")
+        record(pyspy_path(), int(pid), int(seconds), Path(out), subprocesses=name == "orchestrator")
         sys.exit(0)
     sys.exit(main())

@@ -28,23 +28,32 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def start_once(root: Path, cache: Path, overrides: list[str], experiment: str,
-               extra_env: dict | None = None) -> tuple[float, float | None]:
+def launch_server(root: Path, overrides: list[str], extra_env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """One inference server of the run composed from `overrides` (node rank 0, its own
+    session), and its log; `extra_env` on top of this environment."""
     from prime_hpc.config.compose import compose, write_component_config
-    from prime_hpc.rundir import RunDir
 
-    cfg = compose([f"+experiment={experiment}", "warmup.experiment=null", f"output_dir={root}", *overrides])
-    config = write_component_config(cfg, "inference")
-    run = RunDir(root)
+    config = write_component_config(compose([f"output_dir={root}", *overrides]), "inference")
     logs = root / "logs"
     (logs / "inference").mkdir(parents=True, exist_ok=True)
     log = logs / "inference" / "node_0.log"
-    env = {**os.environ, "PRIME_HPC_CACHE": str(cache), "PRIME_HPC_LOGS": str(logs), "PRIME_HPC_NODE_RANK": "0",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": str(REPO), **(extra_env or {})}
-    t0 = time.monotonic()
-    with open(log, "wb") as f:
+    env = {**os.environ, "PRIME_HPC_LOGS": str(logs), "PRIME_HPC_NODE_RANK": "0", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(extra_env or {})}
+    with open(log, "ab") as f:
         p = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
                              stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return p, log
+
+
+def start_once(root: Path, cache: Path, overrides: list[str], experiment: str,
+               extra_env: dict | None = None) -> tuple[float, float | None]:
+    from prime_hpc.rundir import RunDir
+
+    run = RunDir(root)
+    t0 = time.monotonic()
+    p, log = launch_server(root, [f"+experiment={experiment}", "warmup.experiment=null", *overrides],
+                           {"PRIME_HPC_CACHE": str(cache), **(extra_env or {})})
     try:
         endpoint = run.inference_endpoint(0)
         while not endpoint.exists():

@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import copy_fsync_s  # noqa: E402
+from vllm_start import launch_server  # noqa: E402
 from vs_trl import machine, project_versions  # noqa: E402
 
 # name -> tiny-model builder parameters (char-level vocabulary, Qwen3 layout, untied)
@@ -50,22 +51,12 @@ KEY = "bench-weight-sync"  # this benchmark's own servers, on loopback
 
 
 def start_server(root: Path, model: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
-    from prime_hpc.config.compose import compose, write_component_config
     from prime_hpc.inference.client import wait_for_servers
     from prime_hpc.rundir import RunDir
 
-    cfg = compose(["+experiment=reverse_text", f"output_dir={root}", f"model.name={model}",
-                   "inference.dtype=float32", "cluster.inference.nodes=1"])
-    config = write_component_config(cfg, "inference")
+    proc, _ = launch_server(root, ["+experiment=reverse_text", f"model.name={model}", "inference.dtype=float32",
+                                   "cluster.inference.nodes=1"], {"INFERENCE_SERVER_API_KEY": KEY})
     logs = root / "logs"
-    (logs / "inference").mkdir(parents=True, exist_ok=True)
-    log = open(logs / "inference" / "node_0.log", "ab")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "PRIME_HPC_LOGS": str(logs), "PRIME_HPC_NODE_RANK": "0", "INFERENCE_SERVER_API_KEY": KEY,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    log.close()
     try:
         records = wait_for_servers(RunDir(root), 1, timeout_s, logs, alive=lambda: proc.poll() is None)
     except BaseException:

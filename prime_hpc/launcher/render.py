@@ -55,8 +55,9 @@ def checkpoint_budget_s(signal_delay_s: int) -> int:
 
 
 def _render(template: str, plan: Plan, **extra: object) -> str:
+    budget_s = checkpoint_budget_s(plan.signal_delay_s)
     return _env().get_template(template).render(plan=plan, grace_s=STOP_GRACE_S, layout=RunDir, LOGS="$LOGS",
-                                                stalled_rc=STALLED, checkpoint_budget_s=checkpoint_budget_s(plan.signal_delay_s), **extra)
+                                                stalled_rc=STALLED, checkpoint_budget_s=budget_s, **extra)
 
 
 def render_sbatch(plan: Plan) -> str:
