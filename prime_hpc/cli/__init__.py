@@ -37,11 +37,13 @@ def command(name: str):
     return importlib.import_module(f"prime_hpc.cli.{name}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole CLI, or with `only` just that command's sub-parser (what parsing its
+    arguments needs: the other commands' modules are not imported)."""
     p = argparse.ArgumentParser(prog="prime-hpc", description="SLURM-native asynchronous RL and SFT for LLMs.",
                                 epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in [only] if only in COMMANDS else COMMANDS:
         mod = command(name)
         sp = mod.add_parser(sub)
         sp.set_defaults(fn=mod.run)
@@ -51,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     from prime_hpc.core.errors import LaunchError, UserError
 
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words else None)
     args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import secrets
 import sys
 from typing import Any, Optional
 
@@ -171,11 +170,13 @@ def run(a: argparse.Namespace) -> int:
     if a.dry_run:
         for _, stages in composed:
             for cfg in stages:
-                run_dir, plan = launch.prepare(cfg, "run", dry_run=True)
+                run_dir, plan = launch.prepare(cfg, "run", dry_run=True, validated=True)  # by compose_all
                 files = [run_dir.component_config(g) for g in plan.group_names if g != "orchestrator" or plan.kind == "rl"]
                 print(f"dry run: nothing submitted; wrote {run_dir.config_yaml}, "
                       + ", ".join(map(str, files)) + f", {run_dir.sbatch_script(plan.kind)}")
         return 0
+    import secrets
+
     sweep_id = f"sweep-{secrets.token_hex(3)}" if len(composed) > 1 else None
     submitted: list[list] = []
     for i, (point, stages) in enumerate(composed):

@@ -6,6 +6,7 @@ Type and unknown-key errors are caught earlier, by the typed schema during compo
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -20,16 +21,25 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
+@lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A schema class's field types (the annotations are strings: evaluating them is most
+    of a validation's time)."""
+    from typing import get_type_hints
+
+    return get_type_hints(cls)
+
+
 def check_fields(cfg: DictConfig) -> None:
     """Every field's own rule (range or choices), declared with its type in the schema
     (`prime_hpc.config.schema.ruled` / `one_of`)."""
     from dataclasses import fields, is_dataclass
-    from typing import get_args, get_type_hints
+    from typing import get_args
 
     from prime_hpc.config.schema import RunConfig
 
     def walk(cls: type, node: Any, prefix: str) -> None:
-        hints = get_type_hints(cls)
+        hints = _type_hints(cls)
         for f in fields(cls):
             key, value = prefix + f.name, node[f.name]
             rule = f.metadata.get("rule")

@@ -8,7 +8,9 @@ components read them here and nowhere else.
   `SLURM_NODEID`;
 - `PRIME_HPC_DEVICE`: `cpu` or `cuda`, the run's device (`cluster.device`);
 - `PRIME_HPC_CACHE`: the run's shared cache (`cluster.cache_dir`: built models, compile
-  caches); also honoured outside a job.
+  caches); also honoured outside a job;
+- `INFERENCE_SERVER_API_KEY`: the key every inference server of the job demands (the
+  user's, or one the launcher made for the job); never written to a file.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ LOGS_VAR = "PRIME_HPC_LOGS"
 NODE_RANK_VAR = "PRIME_HPC_NODE_RANK"
 DEVICE_VAR = "PRIME_HPC_DEVICE"
 CACHE_VAR = "PRIME_HPC_CACHE"
+API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
 
 
 def logs_dir() -> Optional[Path]:

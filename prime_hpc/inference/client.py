@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.rundir import RunDir, read_json, wait_for
-
-API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
 
 
 class InferenceError(RuntimeError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
 from prime_hpc.config.validate import validate
 from prime_hpc.core.errors import ConfigError, LaunchError
 from prime_hpc.config.pipeline import warmup_overrides
-from prime_hpc.inference.client import API_KEY_VAR
+from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.job.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
@@ -99,6 +98,8 @@ def job_api_key() -> Iterator[None]:
     if os.environ.get(API_KEY_VAR):
         yield
         return
+    import secrets
+
     os.environ[API_KEY_VAR] = secrets.token_urlsafe(32)
     try:
         yield
@@ -118,10 +119,11 @@ def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
 
 def prepare(cfg: DictConfig, mode: str = "run", resume: bool = False,
             extra_env: Optional[dict[str, str]] = None, dry_run: bool = False,
-            after: Sequence[After] = ()) -> tuple[RunDir, Plan]:
-    """Validate and write everything a launch needs; returns the run dir used by the job
-    (the run's own, or `<output_dir>/doctor/` for a preflight)."""
-    validate(cfg)
+            after: Sequence[After] = (), validated: bool = False) -> tuple[RunDir, Plan]:
+    """Validate (unless the caller just did) and write everything a launch needs; returns
+    the run dir used by the job (the run's own, or `<output_dir>/doctor/` for a preflight)."""
+    if not validated:
+        validate(cfg)
     run = RunDir(cfg.output_dir)
     if mode == "run":
         check_fresh(cfg, resume, dry_run)

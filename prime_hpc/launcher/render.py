@@ -36,8 +36,12 @@ def sbatch_quote(value: object) -> str:
 def _env():
     import jinja2
 
+    from prime_hpc.core import usercache
+
+    compiled = usercache.directory("templates")  # each template compiled once, not at every submit
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        bytecode_cache=jinja2.FileSystemBytecodeCache(str(compiled)) if compiled else None,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
