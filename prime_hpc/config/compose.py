@@ -114,7 +114,7 @@ def compose(overrides: Sequence[str] = (), *, resolve: bool = True) -> DictConfi
     from prime_hpc.config import compose_cache
 
     conf = conf_dir()
-    cfg = compose_cache.cached(conf, overrides, lambda: _compose_hydra(conf, overrides))
+    cfg = compose_cache.cached(conf, overrides, lambda ovr: _compose_hydra(conf, ovr))
     return finish(cfg) if resolve else cfg
 
 

@@ -1,10 +1,12 @@
-"""A per-user cache of Hydra compositions: composing `conf/` onto the typed schema is a pure
+"""A per-user cache of Hydra compositions. Composing `conf/` onto the typed schema is a pure
 function of the config tree, the schema, the overrides and the Hydra/OmegaConf installs,
 and costs ~0.15 s (plus ~0.15 s of importing Hydra and converting the schema) each time.
 The composed, unresolved config is kept as a pickle in the user's own cache
-(`prime_hpc.core.usercache`: `~/.cache/prime-hpc/compose/`), keyed by a hash of all of
-those inputs, so composing the same overrides again (`submit --dry-run`, then `submit`;
-`doctor`, then `submit`) skips Hydra entirely.
+(`prime_hpc.core.usercache`: `~/.cache/prime-hpc/compose/`), keyed by a hash of those
+inputs. Plain `key=value` changes of existing keys are not part of the key: they are
+applied to the cached composition as Hydra applies them (`split`, `apply`). So the same
+experiment composed again with another learning rate or output_dir (`submit --dry-run`,
+then `submit`; each warm-up) skips Hydra entirely.
 
 Only successful compositions are stored (errors always come from Hydra itself), and
 interpolations are resolved after loading, so `${oc.env:...}` or relative paths see the
@@ -17,9 +19,10 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -83,16 +86,92 @@ def store(path: Path, cfg: DictConfig) -> None:
         pass
 
 
-def cached(conf: Path, overrides: Sequence[str], compose: Callable[[], DictConfig]) -> DictConfig:
-    """`compose()`'s result for these inputs: from the cache, else composed and stored."""
+def cached(conf: Path, overrides: Sequence[str], compose: Callable[[Sequence[str]], DictConfig]) -> DictConfig:
+    """`compose(overrides)`'s result: the composition of the overrides that shape it
+    (config groups, additions, deletions, anything but a plain value) from the cache, else
+    composed and stored, with the plain `key=value` changes applied on top as Hydra
+    applies them (after the defaults list, in order, typed by the schema). Should one of
+    those not apply cleanly, Hydra composes the whole list (and names the mistake)."""
     if not enabled() or any(o.lstrip("+~").startswith("hydra.") for o in overrides):
-        return compose()  # Hydra's own settings (e.g. a search path) reach beyond conf/
+        return compose(overrides)  # Hydra's own settings (e.g. a search path) reach beyond conf/
     directory = usercache.directory("compose")
     if directory is None:
-        return compose()
-    path = directory / f"{key(conf, overrides)}.pkl"
+        return compose(overrides)
+    shaping, changes = split(conf, overrides)
+    path = directory / f"{key(conf, shaping)}.pkl"
     cfg = load(path)
     if cfg is None:
-        cfg = compose()
+        cfg = compose(shaping)
         store(path, cfg)
+    try:
+        apply(cfg, changes)
+    except Exception:
+        return compose(overrides)
     return cfg
+
+
+# A plain value as Hydra's override grammar reads it; anything else (lists, dicts,
+# interpolations, escapes, sweeps, inf/nan) stays with Hydra.
+_KEY = re.compile(r"[A-Za-z_]\w*(\.(?:[A-Za-z_]\w*|\d+))*")
+_INT = re.compile(r"[+-]?(?:0|[1-9]\d*)")
+_FLOAT = re.compile(r"[+-]?(?:(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)")
+_WORD = re.compile(r"[A-Za-z_/][\w./-]*")
+_QUOTED = re.compile(r"'[^'\\$]*'")
+
+
+def _value(text: str) -> tuple[bool, Any]:
+    """(True, value) for a plain value, converted as Hydra converts it; else (False, None)."""
+    low = text.lower()
+    if low == "null":
+        return True, None
+    if low in ("true", "false"):
+        return True, low == "true"
+    if _INT.fullmatch(text):
+        return True, int(text)
+    if _FLOAT.fullmatch(text):
+        return True, float(text)
+    if _QUOTED.fullmatch(text):
+        return True, text[1:-1]
+    if _WORD.fullmatch(text) and low not in ("inf", "nan") and not text.endswith("/"):
+        return True, text
+    return False, None
+
+
+def split(conf: Path, overrides: Sequence[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """(overrides Hydra must compose, [(dotted key, value)] changes that can be applied to
+    its result). A key that is a config group, or is changed twice, stays with Hydra."""
+    shaping: list[str] = []
+    changes: list[tuple[str, Any]] = []
+    for o in overrides:
+        name, eq, text = o.partition("=")
+        plain, value = _value(text) if eq else (False, None)
+        if plain and _KEY.fullmatch(name) and not (conf / name.replace(".", "/")).is_dir():
+            changes.append((name, value))
+        else:
+            shaping.append(o)
+    # Hydra applies value overrides in command-line order: where two touch the same key
+    # (or one a section the other is in), the order matters and Hydra keeps it
+    names = [k for k, _ in changes]
+    values = [o.partition("=")[0].lstrip("+~") for o in shaping]
+    values = [v for v in values if not (conf / v.replace(".", "/")).is_dir()]  # group choices come first anyway
+    if len(set(names)) < len(names) or any(_related(n, v) for n in names for v in values):
+        return list(overrides), []
+    return shaping, changes
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def apply(cfg: DictConfig, changes: Sequence[tuple[str, Any]]) -> None:
+    """Set each existing leaf as Hydra's `key=value` does (the schema checks the type);
+    raises on a key that is not there or is a section."""
+    from omegaconf import OmegaConf
+    from omegaconf import Container
+
+    absent = object()
+    for name, value in changes:
+        node = OmegaConf.select(cfg, name, default=absent)
+        if node is absent or isinstance(node, Container):
+            raise KeyError(name)
+        OmegaConf.update(cfg, name, value, merge=True)

@@ -85,7 +85,7 @@ def test_a_changed_config_tree_composes_anew(cache, tmp_path, monkeypatch):
 def test_errors_come_from_hydra_and_are_not_cached(cache, tmp_path):
     for _ in range(2):
         with pytest.raises(ConfigError, match="max_stepz"):
-            compose([f"output_dir={tmp_path}/run", "max_stepz=3"])
+            compose([f"output_dir={tmp_path}/run", "+max_stepz=3"])
     assert not list(cache.glob("*.pkl"))
 
 
@@ -118,3 +118,37 @@ def test_yaml_reads_back_as_written():
     text = to_yaml(data)
     assert text == OmegaConf.to_yaml(OmegaConf.create(data))
     assert OmegaConf.to_container(OmegaConf.create(text)) == data
+
+
+CHANGES = [
+    ["output_dir=/x/run", "trainer.optim.lr=3e-6", "max_steps=7", "name='my run'", "seed=-3"],
+    ["orchestrator.sampling.temperature=1", "wandb.enabled=True", "max_steps='12'", "ckpt.interval=null"],
+    ["model.name=/models/a-b.c", "trainer.optim.lr=.5", "cluster=dev", "orchestrator.batch_size=16"],
+    ["trainer.optim.lr=2e-5", "trainer.optim={lr: 1.0e-3}"],  # one key twice: Hydra's order
+    ["warmup.experiment=null", "output_dir='/x/run/warmup'", "name=x_warmup", "async_level=1"],
+]
+
+
+@pytest.mark.parametrize("changes", CHANGES, ids=range(len(CHANGES)))
+def test_plain_changes_apply_to_the_cached_composition_as_hydra_applies_them(cache, monkeypatch, changes):
+    overrides = ["+experiment=reverse_text", *changes]
+    monkeypatch.setenv("PRIME_HPC_COMPOSE_CACHE", "0")
+    reference = compose(overrides, resolve=False)
+    monkeypatch.delenv("PRIME_HPC_COMPOSE_CACHE")
+    compose(["+experiment=reverse_text", *(c for c in changes if c.startswith("cluster="))])  # the shape, cached
+    if all("{" not in c for c in changes):
+        no_hydra(monkeypatch)  # plain changes of a cached shape: no Hydra at all
+    assert to_yaml(compose(overrides, resolve=False), resolve=False) == to_yaml(reference, resolve=False)
+
+
+@pytest.mark.parametrize("bad, needle", [("max_steps=many", "max_steps"), ("max_stepz=3", "max_stepz"),
+                                         ("trainer.optim=3", "trainer.optim")])
+def test_a_change_that_does_not_apply_gets_hydras_error(cache, monkeypatch, bad, needle):
+    overrides = ["+experiment=reverse_text", bad]
+    compose(["+experiment=reverse_text"])  # the shape, cached
+    with pytest.raises(ConfigError) as cached_error:
+        compose(overrides)
+    monkeypatch.setenv("PRIME_HPC_COMPOSE_CACHE", "0")
+    with pytest.raises(ConfigError) as hydra_error:
+        compose(overrides)
+    assert str(cached_error.value) == str(hydra_error.value) and needle in str(hydra_error.value)
