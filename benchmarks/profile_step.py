@@ -97,7 +97,7 @@ def shares(raw: Path, categories: list[tuple[str, str]]) -> tuple[Counter, int]:
     Python (a pool thread waiting for work is not part of a step), as "in threads: ..."."""
     counts: Counter = Counter()
     main_total = 0
-    for line in raw.read_text().splitlines():
+    for line in raw.read_text(errors="replace").splitlines():  # frames may hold any bytes
         stack, _, n = line.rpartition(" ")
         if not n.isdigit():
             continue
