@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import Container, DictConfig, OmegaConf
 
 from prime_hpc.core import usercache
 
@@ -166,9 +166,6 @@ def _related(a: str, b: str) -> bool:
 def apply(cfg: DictConfig, changes: Sequence[tuple[str, Any]]) -> None:
     """Set each existing leaf as Hydra's `key=value` does (the schema checks the type);
     raises on a key that is not there or is a section."""
-    from omegaconf import OmegaConf
-    from omegaconf import Container
-
     absent = object()
     for name, value in changes:
         node = OmegaConf.select(cfg, name, default=absent)
