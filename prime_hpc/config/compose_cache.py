@@ -73,8 +73,8 @@ def load(path: Path) -> Optional[DictConfig]:
 
 def store(path: Path, cfg: DictConfig) -> None:
     """Atomically, best effort: a cache that cannot be written is no error."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL))
@@ -83,7 +83,10 @@ def store(path: Path, cfg: DictConfig) -> None:
         for old in entries[:-KEEP]:
             old.unlink(missing_ok=True)
     except OSError:
-        pass
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def cached(conf: Path, overrides: Sequence[str], compose: Callable[[Sequence[str]], DictConfig]) -> DictConfig:

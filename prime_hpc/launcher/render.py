@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from prime_hpc.core.errors import UserError
 from prime_hpc.job.watchdog import STALLED
@@ -38,10 +39,20 @@ def _env():
 
     from prime_hpc.core import usercache
 
-    compiled = usercache.directory("templates")  # each template compiled once, not at every submit
+    class CompiledTemplates(jinja2.FileSystemBytecodeCache):
+        """Each template compiled once and kept, not at every submit (Jinja checks the
+        source's checksum); a cache that cannot be written (a read-only home) is no error."""
+
+        def dump_bytecode(self, bucket: Any) -> None:
+            try:
+                super().dump_bytecode(bucket)
+            except OSError:
+                pass
+
+    compiled = usercache.directory("templates")
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        bytecode_cache=jinja2.FileSystemBytecodeCache(str(compiled)) if compiled else None,
+        bytecode_cache=CompiledTemplates(str(compiled)) if compiled else None,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,

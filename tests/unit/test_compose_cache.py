@@ -152,3 +152,12 @@ def test_a_change_that_does_not_apply_gets_hydras_error(cache, monkeypatch, bad,
     with pytest.raises(ConfigError) as hydra_error:
         compose(overrides)
     assert str(cached_error.value) == str(hydra_error.value) and needle in str(hydra_error.value)
+
+
+def test_a_cache_that_cannot_be_written_is_no_error(cache, tmp_path, monkeypatch):
+    def refuse(*_a, **_k):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(compose_cache.os, "replace", refuse)
+    assert compose([f"output_dir={tmp_path}/run", "max_steps=5"]).max_steps == 5
+    assert not list(cache.glob("*.pkl")) and not list(cache.glob(".*.tmp"))

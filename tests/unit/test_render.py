@@ -59,6 +59,31 @@ def test_sbatch_matches_golden_file(plan_fn, golden):
     assert text == golden.read_text(), "rendering changed; review and rerun with PRIME_HPC_UPDATE_GOLDEN=1"
 
 
+@pytest.mark.parametrize("cache", ["empty", "kept", "unwritable"])
+def test_compiled_templates_render_the_same(tmp_path, monkeypatch, cache):
+    """Templates compiled once and kept in the user's cache render what the sources do; a
+    cache that cannot be written costs the compile, not the submit."""
+    import jinja2.bccache
+
+    from prime_hpc.launcher import render
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    render._env.cache_clear()
+    if cache == "kept":
+        render_sbatch(golden_plan())
+        render._env.cache_clear()
+        assert list((tmp_path / "prime-hpc" / "templates").iterdir())
+    if cache == "unwritable":
+        def refuse(*_a, **_k):
+            raise PermissionError(13, "Read-only file system")
+
+        monkeypatch.setattr(jinja2.bccache.tempfile, "NamedTemporaryFile", refuse)
+    try:
+        assert render_sbatch(golden_plan()) == GOLDEN.read_text()
+    finally:
+        render._env.cache_clear()
+
+
 def test_golden_sft_script_is_a_plain_job_of_the_trainer_only():
     text = GOLDEN_SFT.read_text()
     assert "hetjob" not in text and "--het-group" not in text
