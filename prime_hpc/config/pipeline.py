@@ -51,8 +51,21 @@ def compose_stages(overrides: Sequence[str]) -> list[DictConfig]:
     """The runs one submission makes: [run], or [warm-up, run starting from its weights]."""
     raw = compose(overrides, resolve=False)
     cfg = finish(copy.deepcopy(raw))
+    if cfg.warmup.experiment:
+        check_model_not_replaced(overrides, cfg)
     wcfg = warmup_config(cfg)
     if wcfg is None:
         return [cfg]
     raw.model.name = str(wcfg.output_dir)  # as `model.name=<warm-up dir>` would, without composing again
     return [wcfg, finish(raw)]
+
+
+def check_model_not_replaced(overrides: Sequence[str], cfg: DictConfig) -> None:
+    """A run with a warm-up starts from the warm-up's weights: a model given on the command
+    line would be dropped without a word, so it is refused with the two ways to say what
+    was meant."""
+    for o in overrides:
+        if o.partition("=")[0].lstrip("+~") in ("model", "model.name"):
+            raise ConfigError("model.name", f"{o} would be replaced by the weights of this run's warm-up "
+                                            f"({cfg.warmup.experiment}): add warmup.experiment=null to start from "
+                                            f"that model, or add '{o}' to warmup.overrides to warm it up first")

@@ -149,3 +149,17 @@ def test_commands_on_an_unknown_job_name_it(command, tmp_path, capsys, monkeypat
     monkeypatch.setenv("PRIME_HPC_STATE_DIR", str(tmp_path / "state"))
     line = _reject([command[0], "no-such-job", *command[1:]], capsys)
     assert "no job 'no-such-job'" in line, line
+
+
+@pytest.mark.parametrize("model", ["model.name=/models/mine", "model=qwen3_0_6b"])
+def test_a_model_the_warm_up_would_replace_is_refused(model, tmp_path, capsys):
+    """A run with a warm-up starts from the warm-up's weights: a model on the command line
+    is not dropped silently; the error names both ways to say what was meant."""
+    out = tmp_path / "run"
+    line = _reject(["submit", "+experiment=reverse_text", f"output_dir={out}", model], capsys)
+    assert "model.name" in line and "warmup.experiment=null" in line and f"'{model}' to warmup.overrides" in line
+    assert not out.exists()
+    from prime_hpc.config.pipeline import compose_stages
+
+    warm, run = compose_stages(["+experiment=reverse_text", f"output_dir={out}", "warmup.overrides=['model.name=tiny']"])
+    assert warm.model.name == "tiny" and run.model.name == str(out / "warmup")
