@@ -72,21 +72,17 @@ def load(path: Path) -> Optional[DictConfig]:
 
 
 def store(path: Path, cfg: DictConfig) -> None:
-    """Atomically, best effort: a cache that cannot be written is no error."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Atomically (readable by the user only), best effort: a cache that cannot be written
+    is no error."""
+    from prime_hpc.rundir.files import atomic_write_bytes
+
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(tmp, path)
+        atomic_write_bytes(path, pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL), durable=False, mode=0o600)
         entries = sorted(path.parent.glob("*.pkl"), key=lambda p: p.stat().st_mtime)
         for old in entries[:-KEEP]:
             old.unlink(missing_ok=True)
     except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        pass
 
 
 def cached(conf: Path, overrides: Sequence[str], compose: Callable[[Sequence[str]], DictConfig]) -> DictConfig:

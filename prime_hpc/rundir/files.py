@@ -69,17 +69,19 @@ def _dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
-def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = True) -> Path:
+def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = True,
+                       mode: Optional[int] = None) -> Path:
     """Write `data` to `path` so that a reader sees either nothing, the old content, or
     all of the new content: temp file in the same directory, fsync, `os.replace`.
     `durable=False` skips the fsyncs (file and directory): for records that are rewritten
     all the time and only advise (heartbeats, endpoints), where a crash of the node may
-    lose the latest version but never tears one."""
+    lose the latest version but never tears one. `mode`: the file's permissions (default:
+    what open() would give under the umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
-        os.fchmod(fd, _file_mode())
+        os.fchmod(fd, _file_mode() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
