@@ -200,7 +200,7 @@ class EvalConfig:
 @dataclass
 class ClientConfig:
     base_url: Optional[str] = None  # OpenAI-compatible endpoint, e.g. http://host:8000/v1
-    api_key_var: str = "INFERENCE_SERVER_API_KEY"  # env var holding the key (never the key itself)
+    api_key_var: str = "TEACHER_API_KEY"  # env var holding its key (never the key itself; never the job's own)
     model: Optional[str] = None
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 from omegaconf import DictConfig
 
 from prime_hpc.core.errors import ConfigError
+from prime_hpc.core.jobenv import API_KEY_VAR
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
     node: Any = cfg
@@ -280,6 +281,12 @@ def check_training_mode(cfg: DictConfig) -> None:
         raise ConfigError(
             "orchestrator.teacher.client.base_url",
             "a teacher is only used with training_mode=opd or sft; unset it or change the mode",
+        )
+    if teacher and cfg.orchestrator.teacher.client.api_key_var == API_KEY_VAR:
+        raise ConfigError(
+            "orchestrator.teacher.client.api_key_var",
+            f"{API_KEY_VAR} is the job's own key, which never leaves the job; name the variable that holds the "
+            "teacher's key (default TEACHER_API_KEY)",
         )
 
 

@@ -10,7 +10,9 @@ components read them here and nowhere else.
 - `PRIME_HPC_CACHE`: the run's shared cache (`cluster.cache_dir`: built models, compile
   caches); also honoured outside a job;
 - `INFERENCE_SERVER_API_KEY`: the key every inference server of the job demands (the
-  user's, or one the launcher made for the job); never written to a file.
+  user's, or one the launcher made for the job); never written to a file;
+- `PRIME_HPC_PG_STORE`: when every node is this machine, the file where the trainer's
+  ranks set up their process group (torch's TCP store would listen on every interface).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ NODE_RANK_VAR = "PRIME_HPC_NODE_RANK"
 DEVICE_VAR = "PRIME_HPC_DEVICE"
 CACHE_VAR = "PRIME_HPC_CACHE"
 API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
+PG_STORE_VAR = "PRIME_HPC_PG_STORE"
 
 
 def logs_dir() -> Optional[Path]:
@@ -48,3 +51,14 @@ def cache_dir() -> Optional[Path]:
     """The shared cache directory, if one is set."""
     value = os.environ.get(CACHE_VAR)
     return Path(value) if value else None
+
+
+def process_group_init() -> dict:
+    """`torch.distributed.init_process_group`'s rendezvous arguments for a rank started by
+    torchrun: a file store when the job says so (`PRIME_HPC_PG_STORE`), else torchrun's
+    environment (`env://`)."""
+    path = os.environ.get(PG_STORE_VAR)
+    if not path:
+        return {}
+    return {"init_method": "file://" + path, "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}

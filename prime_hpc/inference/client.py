@@ -59,7 +59,7 @@ def discover(run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[P
     """Wait until every server and the router have published their endpoints."""
     records = wait_for_servers(run, nodes, timeout_s, logs, alive)
     path = run.router_endpoint
-    wait_for(lambda: path.exists(), what=str(path), timeout_s=timeout_s, producer="vllm-router",
+    wait_for(lambda: path.exists(), what=str(path), timeout_s=timeout_s, producer="router",
              producer_log=RunDir.router_log(logs, 0) if logs else None, alive=alive)
     router = read_json(path)
     return Endpoints(router=router["url"], servers=[r["url"] for r in records], server_records=records)

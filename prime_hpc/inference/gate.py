@@ -1,5 +1,6 @@
-"""What the inference server adds in front of vLLM's app: the API key on every route, and
-the policy gate that keeps a weight update from overlapping any generation.
+"""What the inference server adds in front of vLLM's app: the API key on every route (a
+server without a key does not start), and the policy gate that keeps a weight update from
+overlapping any generation.
 
 `PolicyGate` is a writer-preferring shared/exclusive lock: each generation request holds
 it shared for its whole life (queueing and decoding included), a weight update holds it
@@ -16,6 +17,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
@@ -42,6 +44,9 @@ class PolicyGate:
         self.weight_dir = weight_dir
         self.active = 0  # generation requests holding the gate
         self.served = 0  # generation requests completed
+        # the last time the server was idle or finished a generation: with requests in flight
+        # and this old, the engine is not getting anywhere (the watchdog's `progress_at`)
+        self.progress_at = time.time()
         self._writer = False
         self._writers_waiting = 0
         self._cond: Optional[asyncio.Condition] = None
@@ -56,6 +61,8 @@ class PolicyGate:
     async def shared(self) -> AsyncIterator[None]:
         async with self.cond:
             await self.cond.wait_for(lambda: not self._writer and not self._writers_waiting)
+            if self.active == 0:
+                self.progress_at = time.time()  # idle until now
             self.active += 1
         try:
             yield
@@ -63,6 +70,7 @@ class PolicyGate:
             async with self.cond:
                 self.active -= 1
                 self.served += 1
+                self.progress_at = time.time()
                 self.cond.notify_all()
 
     @asynccontextmanager
@@ -86,15 +94,32 @@ class PolicyGate:
                 self.cond.notify_all()
 
 
+class MissingKey(RuntimeError):
+    """A listener was asked to serve without a key: prime-hpc never does."""
+
+
+def is_preflight(scope: Scope) -> bool:
+    """A real CORS preflight: OPTIONS with the `Origin` and `Access-Control-Request-Method`
+    headers a browser sends (it carries no credentials by design); any other OPTIONS is a
+    request like the rest and needs the key."""
+    if scope.get("method") != "OPTIONS":
+        return False
+    names = {name.lower() for name, _ in scope.get("headers", [])}
+    return b"origin" in names and b"access-control-request-method" in names
+
+
 class ApiKey:
-    """The API key a server demands on every route but liveness (`OPEN_PATHS`) and CORS
-    preflight; none configured = open. Only its hash is kept."""
+    """The API key a listener demands on every route but liveness (`OPEN_PATHS`) and a
+    real CORS preflight. There is no open mode: a missing key is refused when the listener
+    is built (`MissingKey`). Only its hash is kept."""
 
     def __init__(self, key: Optional[str]) -> None:
-        self.key_hash = hashlib.sha256(key.encode()).digest() if key else None
+        if not key:
+            raise MissingKey("no API key: a prime-hpc listener never serves without one")
+        self.key_hash = hashlib.sha256(key.encode()).digest()
 
     def allows(self, scope: Scope) -> bool:
-        if self.key_hash is None or scope.get("method") == "OPTIONS" or scope.get("path", "") in OPEN_PATHS:
+        if scope.get("path", "") in OPEN_PATHS or is_preflight(scope):
             return True
         for name, value in scope.get("headers", []):
             if name.lower() == b"authorization":
@@ -118,7 +143,7 @@ async def send_json(send: Send, status: int, obj: Any) -> None:
 class GateMiddleware:
     """API key on everything but liveness; the policy gate and stamp on generation routes."""
 
-    def __init__(self, app: Callable, gate: PolicyGate, api_key: Optional[str] = None) -> None:
+    def __init__(self, app: Callable, gate: PolicyGate, api_key: Optional[str]) -> None:
         self.app = app
         self.gate = gate
         self.key = ApiKey(api_key)

@@ -1,104 +1,193 @@
-"""`python -m prime_hpc.inference.router --config <run>/configs/inference.yaml`: one
-vllm-router per run, on the first inference node, in front of every server of the run.
+"""`python -m prime_hpc.inference.router --config <run>/configs/inference.yaml`: the run's
+router, on the first inference node, in front of every server of the run.
 
 It waits (at most `inference.startup_timeout_s`) until every server has published
-`endpoints/inference_<node>.json`, starts `vllm-router` on this node's address and a port
-free here, waits for it to answer, publishes `endpoints/router.json`, and then lives as
-long as the router does (SIGTERM/SIGINT are passed on). A vllm-router that dies by itself
-is started again on the same port, in front of the servers that still answer, at most
-`MAX_RESTARTS` times; after that this process exits with its code and the job ends.
+`endpoints/inference_<node>.json`, binds this node's address on a port the kernel picks,
+and serves that socket from a child process (`Router`, below), which it starts again on
+the same socket if it dies, at most `MAX_RESTARTS` times per attempt (connections made
+meanwhile wait in the socket's queue); after that it exits with the child's code and the
+job ends naming `router`. It publishes `endpoints/router.json` once the router answers
+and lives as long as the child does (SIGTERM/SIGINT are passed on).
 
-vllm-router checks no key on the requests it receives (its own routes, such as
-`/add_worker`, would be open to anyone on the network), so it listens on this node's
-loopback only, and the published address is a small proxy in this process (`KeyProxy`)
-that demands the job's key on every route but `/health` and forwards the rest as is. The router forwards the client's
-`Authorization` header, so the servers' API key check covers requests through it too.
+The router is small and checks everything itself: every route but `/health` needs the
+job's key (`INFERENCE_SERVER_API_KEY`; without it the router does not start), a request
+goes round robin to a server that is up (on a connection error, to the next one), servers
+are health-checked every `HEALTH_EVERY_S` and taken out of rotation after
+`HEALTH_FAILURES` failures in a row, and requests are forwarded only to servers this run
+published in `endpoints/`: `/add_worker` refuses any other address, so the job's key (the
+`Authorization` header it forwards) never reaches an address the run did not start.
+
+Admin routes (key required): `GET /workers` (each server and whether it is up),
+`POST /add_worker?url=`, `POST /remove_worker?url=`.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import os
-import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import parse_qs
 
 from prime_hpc.core import jobenv
-from prime_hpc.core.net import LOOPBACK, free_port, node_address, url
+from prime_hpc.core.net import node_address, url
 from prime_hpc.inference.client import api_key, wait_for_servers
-from prime_hpc.inference.gate import ApiKey, send_json
-from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
+from prime_hpc.inference.gate import ApiKey, is_preflight, send_json
+from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_for
 from prime_hpc.runtime.stopping import die_with_parent
 
 POLICY = "round_robin"
-MAX_RESTARTS = 3  # a vllm-router that dies is started again at most this often per attempt
+MAX_RESTARTS = 3  # a router that dies is started again at most this often per attempt
+HEALTH_EVERY_S = 5.0  # how often each server's /health is asked
+HEALTH_FAILURES = 2  # failed checks in a row that take a server out of rotation
+READY_TIMEOUT_S = 120.0  # a (re)started router must answer within this
+HOP_HEADERS = (b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive")
 
 
-def router_binary() -> str:
-    """The vllm-router executable next to this interpreter, or on PATH."""
-    exe = Path(sys.executable).parent / "vllm-router"
-    path = str(exe) if exe.exists() else shutil.which("vllm-router")
-    if not path:
-        raise FileNotFoundError("vllm-router not found next to the interpreter nor on PATH (pip install vllm-router)")
-    return path
-
-
-def router_argv(binary: str, host: str, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:
-    return [binary, "--host", host, "--port", str(port), "--worker-urls", *worker_urls, "--policy", POLICY,
-            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            "--worker-startup-check-interval", "1",
-            # a server that died is out of rotation within ~10 s; requests it failed are retried elsewhere
-            "--health-check-interval-secs", "5", "--health-failure-threshold", "2"]
-
-
-def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
-    import httpx
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm-router exited with code {proc.returncode} before it was ready")
+def published_urls(run: RunDir) -> set[str]:
+    """The server URLs this run published (`endpoints/inference_<node>.json`)."""
+    out = set()
+    for path in run.endpoints_dir.glob("inference_*.json"):
         try:
-            return httpx.get(base + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+            out.add(str(read_json(path)["url"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return out
 
-    wait_for(ready, what=f"vllm-router at {base}/health", timeout_s=timeout_s, producer="vllm-router")
 
+class Router:
+    """ASGI app: the key on every route but liveness, the admin routes, and every other
+    request forwarded as it came (method, path, query, headers, body) to one server that
+    is up, its answer streamed back."""
 
-class KeyProxy:
-    """ASGI app: the job's API key on every route but liveness, then the request as it
-    came (method, path, query, headers, body) to `upstream`, and the answer back streamed."""
-
-    def __init__(self, upstream: str, key: Optional[str]) -> None:
-        self.upstream = upstream
+    def __init__(self, workers: list[str], key: Optional[str], run: Optional[RunDir] = None) -> None:
         self.key = ApiKey(key)
+        self.workers = list(dict.fromkeys(workers))  # in rotation order
+        self.failures = {w: 0 for w in self.workers}  # failed health checks (or connections) in a row
+        self.run = run  # where the run's servers are published (None: any address may be added)
+        self._turn = itertools.count()
         self.client: Any = None
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    # ------------------------------------------------------------------ membership
+    def up(self) -> list[str]:
+        return [w for w in self.workers if self.failures.get(w, 0) < HEALTH_FAILURES]
+
+    def pick(self, tried: set[str]) -> Optional[str]:
+        """The next server in turn that is up and not tried yet for this request (if every
+        server is down, one not tried yet: a health check may just be behind)."""
+        for pool in (self.up(), self.workers):
+            candidates = [w for w in pool if w not in tried]
+            if candidates:
+                return candidates[next(self._turn) % len(candidates)]
+        return None
+
+    def add(self, worker: str) -> Optional[str]:
+        """Add a server; the reason it is refused, or None."""
+        worker = worker.rstrip("/")
+        if not worker.startswith(("http://", "https://")):
+            return f"{worker!r} is not an http(s) URL"
+        if self.run is not None and worker not in published_urls(self.run):
+            return f"{worker} is not a server of this run (endpoints/inference_*.json)"
+        if worker not in self.workers:
+            self.workers.append(worker)
+        self.failures[worker] = 0
+        return None
+
+    def remove(self, worker: str) -> bool:
+        worker = worker.rstrip("/")
+        if worker not in self.workers:
+            return False
+        self.workers.remove(worker)
+        self.failures.pop(worker, None)
+        return True
+
+    async def check_health(self) -> None:
+        """Ask every server's /health every `HEALTH_EVERY_S` (it needs no key)."""
         import httpx
 
+        async with httpx.AsyncClient(timeout=HEALTH_EVERY_S) as client:
+            while True:
+                async def one(w: str) -> None:
+                    try:
+                        ok = (await client.get(w + "/health")).status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if w in self.failures:
+                        self.failures[w] = 0 if ok else self.failures[w] + 1
+
+                await asyncio.gather(*(one(w) for w in list(self.workers)))
+                await asyncio.sleep(HEALTH_EVERY_S)
+
+    # ------------------------------------------------------------------ requests
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await self.lifespan(receive, send)
         if scope["type"] != "http":
-            return
+            return None
+        path, method = scope.get("path", ""), scope.get("method", "GET")
+        if path == "/health":
+            return await send_json(send, 200, {"status": "ok", "workers_up": len(self.up())})
+        if is_preflight(scope):  # answered here, never forwarded; no cross-origin use is allowed
+            await send({"type": "http.response.start", "status": 204, "headers": [(b"content-length", b"0")]})
+            return await send({"type": "http.response.body", "body": b""})
         if not self.key.allows(scope):
             return await self.key.refuse(send)
+        if path in ("/workers", "/list_workers") and method == "GET":
+            return await send_json(send, 200, {"workers": [{"url": w, "up": w in self.up()} for w in self.workers],
+                                               "policy": POLICY})
+        if path in ("/add_worker", "/remove_worker") and method == "POST":
+            return await self.admin(path, scope, send)
+        return await self.forward(scope, receive, send)
+
+    async def admin(self, path: str, scope: dict, send: Any) -> None:
+        worker = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("url") or [""])[0]
+        if not worker:
+            return await send_json(send, 400, {"error": "give the server as ?url=http://host:port"})
+        if path == "/add_worker":
+            why = self.add(worker)
+            if why:
+                return await send_json(send, 403, {"error": f"not added: {why}"})
+            return await send_json(send, 200, {"status": "ok", "workers": self.workers})
+        if not self.remove(worker):
+            return await send_json(send, 404, {"error": f"{worker} is not a server of this router"})
+        return await send_json(send, 200, {"status": "ok", "workers": self.workers})
+
+    async def forward(self, scope: dict, receive: Any, send: Any) -> None:
+        import httpx
+
         body, more = b"", True
         while more:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        if self.client is None:
-            self.client = httpx.AsyncClient(base_url=self.upstream, timeout=None)
+        if self.client is None:  # no pool limit: the run's own concurrency bounds it
+            self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
+                                                                              max_keepalive_connections=256))
         query = scope.get("query_string", b"").decode("latin-1")
+        target = scope["path"] + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in HOP_HEADERS]
-        request = self.client.build_request(scope["method"], scope["path"] + (f"?{query}" if query else ""),
-                                            headers=headers, content=body)
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as e:  # vllm-router restarting: the client retries
-            return await send_json(send, 503, {"error": f"the router is not answering: {type(e).__name__}"})
+        tried: set[str] = set()
+        errors = []
+        while (worker := self.pick(tried)) is not None:
+            tried.add(worker)
+            request = self.client.build_request(scope["method"], worker + target, headers=headers, content=body)
+            try:
+                response = await self.client.send(request, stream=True)
+            except httpx.TransportError as e:  # nothing was answered: try the next server
+                if worker in self.failures:
+                    self.failures[worker] = HEALTH_FAILURES  # out until a health check says it is back
+                errors.append(f"{worker}: {type(e).__name__}")
+                continue
+            return await self.relay(response, send)
+        return await send_json(send, 503, {"error": "no inference server answered: " + ("; ".join(errors) or "none")})
+
+    @staticmethod
+    async def relay(response: Any, send: Any) -> None:
         try:
             await send({"type": "http.response.start", "status": response.status_code,
                         "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS]})
@@ -108,26 +197,102 @@ class KeyProxy:
         finally:
             await response.aclose()
 
+    async def lifespan(self, receive: Any, send: Any) -> None:
+        checker = None
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                checker = asyncio.get_running_loop().create_task(self.check_health())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if checker is not None:
+                    checker.cancel()
+                if self.client is not None:
+                    await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
-HOP_HEADERS = (b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive")
 
-
-def serve_proxy(app: KeyProxy, host: str, port: int) -> Any:
-    """Serve `app` on host:port from a daemon thread; returns the uvicorn server."""
-    import threading
-
+def serve(fd: int, workers: list[str], run: Optional[RunDir]) -> None:
+    """Serve the router on the listening socket `fd` until SIGTERM/SIGINT (the child)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                          access_log=False))
-    thread = threading.Thread(target=server.run, name="key-proxy", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the key proxy could not listen on {host}:{port}")
-        time.sleep(0.05)
-    return server
+    app = Router(workers, api_key(), run)
+    config = uvicorn.Config(app, fd=fd, log_level="warning", access_log=False, lifespan="on",
+                            timeout_keep_alive=30)
+    uvicorn.Server(config).run()
+
+
+# ----------------------------------------------------------------------------- the supervisor
+def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
+    import httpx
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited with code {proc.returncode} before it was ready")
+        try:
+            return httpx.get(base + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, what=f"the router at {base}/health", timeout_s=timeout_s, producer="router")
+
+
+def listening_socket(host: str) -> socket.socket:
+    """A socket listening on `host`, on a port the kernel chose; kept open across restarts
+    of the router (children inherit it), so clients keep one address."""
+    from prime_hpc.core.net import bound_socket
+
+    sock = bound_socket(host)
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def child_argv(config: str, fd: int, workers: list[str]) -> list[str]:
+    return [sys.executable, "-u", "-m", "prime_hpc.inference.router", "--config", config, "--serve-fd", str(fd),
+            "--workers", *workers]
+
+
+def supervise(config: str, run: RunDir, sock: socket.socket, workers: list[str]) -> int:
+    """Run the router child on `sock`, restarting it at most `MAX_RESTARTS` times."""
+    host, port = sock.getsockname()[:2]
+    state: dict = {"proc": None, "stopping": False}
+
+    def on_signal(sig: int, _frame: object) -> None:
+        state["stopping"] = True
+        if state["proc"] is not None:
+            state["proc"].send_signal(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    restarts, rc = 0, 0
+    while True:
+        proc = state["proc"] = subprocess.Popen(child_argv(config, sock.fileno(), workers), pass_fds=[sock.fileno()],
+                                                preexec_fn=die_with_parent)  # never outlives this process
+        try:
+            wait_ready(proc, url(host, port), timeout_s=READY_TIMEOUT_S)
+        except (WaitTimeout, RuntimeError) as e:
+            proc.terminate()
+            print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            return 1
+        atomic_write_json(run.router_endpoint, {
+            "url": url(host, port), "host": host, "port": port, "pid": proc.pid, "supervisor_pid": os.getpid(),
+            "policy": POLICY, "workers": workers, "restarts": restarts, "started_at": time.time()})
+        print(f"prime-hpc router: serving at {url(host, port)} in front of {len(workers)} server(s)", flush=True)
+        rc = proc.wait()
+        if state["stopping"] or restarts >= MAX_RESTARTS:
+            break
+        restarts += 1
+        workers = live_workers(workers) or workers
+        print(f"prime-hpc router: the router exited with code {rc}; restarting it on the same socket "
+              f"(restart {restarts} of at most {MAX_RESTARTS})", file=sys.stderr, flush=True)
+    run.router_endpoint.unlink(missing_ok=True)
+    if not state["stopping"]:
+        print(f"prime-hpc router: the router exited with code {rc} after {restarts} restart(s); giving up",
+              file=sys.stderr, flush=True)
+        return rc or 1
+    return 0
 
 
 def live_workers(urls: list[str]) -> list[str]:
@@ -150,70 +315,30 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m prime_hpc.inference.router", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
+    p.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)  # the child: serve this socket
+    p.add_argument("--workers", nargs="*", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if not api_key():
+        print(f"prime-hpc router: {jobenv.API_KEY_VAR} is not set: the router never serves without the job's key "
+              f"(the job's environment must carry it)", file=sys.stderr, flush=True)
+        return 2
     try:
         cfg = load(a.config, InferenceRunConfig, "inference")
     except UserError as e:
         print(f"prime-hpc router: {e}", file=sys.stderr, flush=True)
         return 2
     run = RunDir(cfg.output_dir)
-    logs = jobenv.logs_dir()
-    timeout_s = float(cfg.inference.startup_timeout_s)
+    if a.serve_fd is not None:
+        serve(a.serve_fd, a.workers, run)
+        return 0
     try:
-        servers = wait_for_servers(run, cfg.nodes, timeout_s, logs)
-    except WaitTimeout as e:
+        servers = wait_for_servers(run, cfg.nodes, float(cfg.inference.startup_timeout_s), jobenv.logs_dir())
+        sock = listening_socket(node_address(cfg.address))
+    except (WaitTimeout, OSError) as e:
         print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         return 1
-    host = node_address(cfg.address)
-    port, metrics_port = free_port(host), free_port(LOOPBACK)
-    inner = free_port(LOOPBACK)  # vllm-router itself: reachable from this node only, behind the key proxy
-    workers = [s["url"] for s in servers]
-    try:
-        serve_proxy(KeyProxy(url(LOOPBACK, inner), api_key()), host, port)
-    except RuntimeError as e:
-        print(f"prime-hpc router: {e}", file=sys.stderr, flush=True)
-        return 1
-    state: dict = {"proc": None, "stopping": False}
-
-    def on_signal(sig: int, _frame: object) -> None:
-        state["stopping"] = True
-        if state["proc"] is not None:
-            state["proc"].send_signal(sig)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    restarts = 0
-    while True:
-        argv_ = router_argv(router_binary(), LOOPBACK, inner, metrics_port, workers)
-        print("prime-hpc router: " + " ".join(argv_), flush=True)
-        proc = state["proc"] = subprocess.Popen(argv_, preexec_fn=die_with_parent)  # never outlives this process
-        try:
-            wait_ready(proc, url(LOOPBACK, inner), timeout_s=120)
-        except (WaitTimeout, RuntimeError) as e:
-            proc.terminate()
-            print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-            return 1
-        atomic_write_json(run.router_endpoint, {
-            "url": url(host, port), "host": host, "port": port, "metrics_port": metrics_port, "pid": proc.pid,
-            "router_url": url(LOOPBACK, inner), "policy": POLICY, "workers": workers, "restarts": restarts,
-            "started_at": time.time()})
-        print(f"prime-hpc router: serving at {url(host, port)} in front of {len(workers)} server(s)", flush=True)
-        rc = proc.wait()
-        if state["stopping"] or restarts >= MAX_RESTARTS:
-            break
-        restarts += 1
-        workers = live_workers(workers) or workers
-        print(f"prime-hpc router: vllm-router exited with code {rc}; restarting it on the same port "
-              f"(restart {restarts} of at most {MAX_RESTARTS})", file=sys.stderr, flush=True)
-    try:
-        os.unlink(run.router_endpoint)
-    except OSError:
-        pass
-    if not state["stopping"]:
-        print(f"prime-hpc router: vllm-router exited with code {rc} after {restarts} restart(s); giving up",
-              file=sys.stderr, flush=True)
-        return rc or 1
-    return rc
+    with sock:
+        return supervise(a.config, run, sock, [s["url"] for s in servers])
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ vLLM's own app serves the OpenAI API and its native admin routes (`/pause`, `/re
 An update holds the policy gate (see `gate.py`) exclusively: it waits for in-flight
 generations to finish, keeps new ones waiting, reloads, clears the prefix cache (its KV
 entries were computed by the old weights) and releases. Every completion carries the
-`policy_step` that produced it. With `INFERENCE_SERVER_API_KEY` set, every route except
-`/health` needs `Authorization: Bearer <key>`.
+`policy_step` that produced it. Every route except `/health` needs `Authorization: Bearer
+<key>`, the job's `INFERENCE_SERVER_API_KEY`; without that variable the server does not
+start.
 
 Once healthy, the server publishes `endpoints/inference_<node>.json` (address, port,
 model, policy step), and rewrites it after each update.
@@ -39,7 +40,7 @@ from prime_hpc.core import device as devices
 from prime_hpc.config.component import InferenceRunConfig, load
 from prime_hpc.config.schema import InferenceConfig
 from prime_hpc.core.errors import UserError
-from prime_hpc.inference.client import API_KEY_VAR
+from prime_hpc.inference.client import API_KEY_VAR, api_key
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.core.net import node_address, url
@@ -153,6 +154,14 @@ class Server:
 
     def publish(self) -> None:
         atomic_write_json(self.run.inference_endpoint(self.node), self.endpoint(), durable=False)
+
+    def beat(self) -> None:
+        """The heartbeat: from the serving loop, so it stops when the loop does; its progress
+        is a finished generation (an engine that hangs with requests in flight makes none),
+        and an idle server only waits for the orchestrator."""
+        gate = self.gate
+        self.run.beat("inference", self.node, policy_step=gate.step, in_flight=gate.active,
+                      progress_at=gate.progress_at, waiting_on=None if gate.active else "orchestrator")
 
     def unpublish(self) -> None:
         try:
@@ -284,7 +293,7 @@ async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> N
     print(f"prime-hpc inference: node {server.node} serving {server.cfg.model.name} at "
           f"{url(server.host, server.port)}", flush=True)
     while True:  # heartbeat while serving
-        server.run.beat("inference", server.node, policy_step=server.gate.step, in_flight=server.gate.active)
+        server.beat()
         await asyncio.sleep(BEAT_S)
 
 
@@ -319,7 +328,7 @@ async def serve(cfg: InferenceRunConfig, log: str) -> None:
             server.app = app
             add_routes(app, server)
             app.middleware_stack = None  # built early by vLLM's bootstrap; rebuilt lazily with ours outermost
-            app.add_middleware(GateMiddleware, gate=server.gate, api_key=os.environ.get(API_KEY_VAR) or None)
+            app.add_middleware(GateMiddleware, gate=server.gate, api_key=api_key())
             await init_app_state(engine, app.state, args, tasks)
             publisher = asyncio.get_running_loop().create_task(
                 _publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log))
@@ -339,6 +348,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.inference", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
     a = p.parse_args(argv)
+    if not api_key():
+        print(f"prime-hpc inference: {API_KEY_VAR} is not set: a server never serves without the job's key "
+              f"(the job's environment must carry it)", file=sys.stderr, flush=True)
+        return 2
     try:
         cfg = load_config(a.config)
     except UserError as e:

@@ -10,6 +10,8 @@ group (gloo on CPU, NCCL on GPU) under the same torchrun/rendezvous the trainer 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import importlib
 import json
 import os
@@ -24,15 +26,23 @@ from typing import Any, Callable, Optional
 from prime_hpc.core import jobenv
 from prime_hpc.job.attempt import component_log
 from prime_hpc.core.net import node_address
+from prime_hpc.inference.client import api_key
+from prime_hpc.inference.gate import MissingKey
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
 
 IMPORTS = {
     "orchestrator": ("verifiers", "openai", "transformers"),
     "inference": ("vllm", "transformers"),
-    "router": (),
+    "router": ("uvicorn", "httpx"),
     "trainer": ("torch", "transformers"),
 }
-HANDSHAKE = b"prime-hpc-preflight\n"
+HANDSHAKE = b"prime-hpc-preflight\n"  # the head's answer; a node says it followed by its key's digest
+
+
+def _greeting() -> bytes:
+    """What a node sends the head: the handshake and the digest of the job's key (the head
+    answers only a node of its own job)."""
+    return HANDSHAKE + hashlib.sha256((api_key() or "").encode()).hexdigest().encode()
 REPORT_TIMEOUT_S = float(os.environ.get("PRIME_HPC_PREFLIGHT_TIMEOUT_S", "600"))
 
 
@@ -103,22 +113,11 @@ def _head(run: RunDir) -> dict[str, Any]:
 def _reach_head(run: RunDir) -> str:
     head = _head(run)
     with socket.create_connection((head["address"], head["port"]), timeout=30) as s:
-        s.sendall(HANDSHAKE)
+        s.sendall(_greeting())
         reply = s.recv(64)
     if reply != HANDSHAKE:
         raise RuntimeError(f"unexpected reply {reply!r} from {head['address']}:{head['port']}")
     return f"reached {head['address']}:{head['port']} ({head['host']})"
-
-
-def _router_binary() -> str:
-    """The vllm-router executable the run would start, and that it runs."""
-    from prime_hpc.inference.router import router_binary
-
-    path = router_binary()
-    out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise RuntimeError(f"{path} --help exited {out.returncode}: {out.stderr.strip()[:200]}")
-    return path
 
 
 def _collective(device: str) -> str:
@@ -129,7 +128,7 @@ def _collective(device: str) -> str:
     from prime_hpc.core import device as devices
 
     backend = devices.dist_backend(device)
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, **jobenv.process_group_init())
     try:
         dev = devices.torch_device(device, int(os.environ.get("LOCAL_RANK", 0)))
         t = torch.ones(1, device=dev)
@@ -153,8 +152,6 @@ def node_checks(run: RunDir, group: str, rank: int, device: str) -> list[dict[st
         checks.append(_check("reach head port", lambda: _reach_head(run)))
     if group == "trainer" and "WORLD_SIZE" in os.environ:
         checks.append(_check("trainer collective", lambda: _collective(device)))
-    if group == "router":
-        checks.append(_check("vllm-router", _router_binary))
     return checks
 
 
@@ -189,9 +186,14 @@ def run_node(run: RunDir, group: str) -> int:
 
 
 class _HeadServer:
-    """A TCP port on the head node that every other node must reach."""
+    """A TCP port on the head node that every other node must reach; it answers only a
+    node that shows the job's key."""
 
     def __init__(self) -> None:
+        if not api_key():
+            raise MissingKey(f"{jobenv.API_KEY_VAR} is not set: the preflight's head port never opens without the "
+                             "job's key")
+        self.expected = _greeting()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.address = node_address()
@@ -212,7 +214,7 @@ class _HeadServer:
             with conn:
                 conn.settimeout(10)
                 try:
-                    if conn.recv(64) == HANDSHAKE:
+                    if hmac.compare_digest(conn.recv(len(self.expected)), self.expected):
                         conn.sendall(HANDSHAKE)
                 except OSError:
                     pass

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from prime_hpc.core import jobenv
 from prime_hpc.config.compose import cache_root, trainer_nproc_per_node
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
-from prime_hpc.core.net import address_env
+from prime_hpc.core.net import address_env, is_loopback
 from prime_hpc.rundir import COMPONENTS, RunDir
 
 MODES = ("run", "doctor")
@@ -103,6 +103,12 @@ class Plan:
     @property
     def group_names(self) -> list[str]:
         return [g.name for g in self.groups]
+
+    @property
+    def one_host(self) -> bool:
+        """Every "node" is this machine (`cluster.address` is a loopback address): nothing
+        of the job may listen beyond loopback, so the trainer's ranks meet in files."""
+        return bool(self.address) and is_loopback(str(self.address))
 
     @property
     def het(self) -> bool:

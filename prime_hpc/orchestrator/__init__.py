@@ -24,6 +24,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.orchestrator")
     p.add_argument("--config", required=True, help="the run's configs/orchestrator.yaml")
     a = p.parse_args(argv)
+    from prime_hpc.inference.client import API_KEY_VAR, api_key
+
+    if not api_key():  # every server of the job demands it: nothing could be asked of them
+        raise SystemExit(f"prime-hpc orchestrator: {API_KEY_VAR} is not set: the job's servers answer only with "
+                         "the job's key (the job's environment must carry it)")
     try:
         cfg = load(a.config, OrchestratorRunConfig, "orchestrator")
     except UserError as e:

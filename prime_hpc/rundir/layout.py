@@ -106,6 +106,19 @@ class RunDir:
         return self.control_dir / "stall.json"
 
     @property
+    def trainer_rendezvous(self) -> Path:
+        """`control/trainer_rendezvous.store`: where torchrun's agents meet when every node is
+        this machine (a file store: nothing listens, unlike torch's TCP store, which binds
+        every interface); per attempt."""
+        return self.control_dir / "trainer_rendezvous.store"
+
+    @property
+    def trainer_process_group(self) -> Path:
+        """`control/trainer_process_group.store`: the trainer ranks' process-group store
+        when every node is this machine (see `trainer_rendezvous`); per attempt."""
+        return self.control_dir / "trainer_process_group.store"
+
+    @property
     def checkpoint_request(self) -> Path:
         """`control/checkpoint.json` {"reason", "requested_at"}: the supervisor asks the
         trainer and the orchestrator to checkpoint the step they are at and exit (time

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from prime_hpc.core import device as devices
+from prime_hpc.core import jobenv
 from prime_hpc.core.net import LOOPBACK, free_port
 
 
@@ -39,7 +40,7 @@ def process_group(device_kind: str) -> Iterator[DistEnv]:
         os.environ.setdefault("MASTER_PORT", str(free_port(LOOPBACK)))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     dev = devices.torch_device(device_kind, local)
-    dist.init_process_group(backend=devices.dist_backend(device_kind))
+    dist.init_process_group(backend=devices.dist_backend(device_kind), **jobenv.process_group_init())
     try:
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
         yield DistEnv(rank=rank, world_size=world, local_rank=local, device_kind=device_kind, device=dev, mesh=mesh)

@@ -127,14 +127,18 @@ class FakeModel:
         await send({"type": "http.response.body", "body": out})
 
 
-def _gated(step=0, api_key=None):
+KEY = "unit-key"
+AUTH = ((b"authorization", b"Bearer " + KEY.encode()),)
+
+
+def _gated(step=0, api_key=KEY):
     """A fake model behind the gate: (model, gate, app)."""
     model = FakeModel()
     gate = PolicyGate(step=step)
     return model, gate, GateMiddleware(model, gate, api_key=api_key)
 
 
-async def _call(app, path, body=None, headers=(), method="POST"):
+async def _call(app, path, body=None, headers=AUTH, method="POST"):
     raw = json.dumps(body or {}).encode()
     sent = []
     done = False
@@ -163,16 +167,47 @@ def test_api_key_guards_every_route_but_health():
         model, _, app = _gated(api_key="s3cret")
         for e in ("a", "b"):
             model.release.setdefault(e, asyncio.Event()).set()
-        assert (await _call(app, "/v1/chat/completions", {"name": "a"}))[0] == 401
-        assert (await _call(app, "/update_weights"))[0] == 401
-        assert (await _call(app, "/pause"))[0] == 401
+        assert (await _call(app, "/v1/chat/completions", {"name": "a"}, headers=()))[0] == 401
+        assert (await _call(app, "/update_weights", headers=()))[0] == 401
+        assert (await _call(app, "/pause", headers=()))[0] == 401
         wrong = [(b"authorization", b"Bearer nope")]
         assert (await _call(app, "/v1/chat/completions", {"name": "a"}, wrong))[0] == 401
         ok = [(b"authorization", b"Bearer s3cret")]
         assert (await _call(app, "/v1/chat/completions", {"name": "b"}, ok))[0] == 200
-        assert (await _call(app, "/health", method="GET"))[0] == 200
-        open_app = GateMiddleware(model, PolicyGate(), api_key=None)
-        assert (await _call(open_app, "/v1/chat/completions", {"name": "a"}))[0] == 200
+        assert (await _call(app, "/health", method="GET", headers=()))[0] == 200
+        # OPTIONS is a request like any other, unless it is a browser's CORS preflight
+        assert (await _call(app, "/update_weights", method="OPTIONS", headers=()))[0] == 401
+        preflight = [(b"origin", b"http://x"), (b"access-control-request-method", b"POST")]
+        assert (await _call(app, "/pause", method="OPTIONS", headers=preflight))[0] == 200
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("key", [None, ""])
+def test_there_is_no_open_mode_a_gate_without_a_key_refuses_to_exist(key):
+    from prime_hpc.inference.gate import MissingKey
+
+    with pytest.raises(MissingKey):
+        GateMiddleware(FakeModel(), PolicyGate(), api_key=key)
+
+
+def test_the_gate_counts_progress_only_while_generations_finish():
+    """The server's heartbeat `progress_at`: an idle server, or one finishing generations,
+    is progressing; one whose requests sit in the engine is not (a hung engine)."""
+    async def main():
+        model, gate, app = _gated()
+        model.release["slow"] = asyncio.Event()
+        idle_since = gate.progress_at
+        await asyncio.sleep(0.05)
+        slow = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "slow"}))
+        await asyncio.sleep(0.05)
+        started = gate.progress_at
+        assert gate.active == 1 and started > idle_since  # the idle time before it is no stall
+        await asyncio.sleep(0.05)
+        assert gate.progress_at == started  # nothing finished while it hangs
+        model.release["slow"].set()
+        await slow
+        assert gate.active == 0 and gate.progress_at > started
 
     asyncio.run(main())
 

@@ -1,0 +1,192 @@
+"""The run's router (prime_hpc.inference.router) in front of small real HTTP servers on
+loopback: the key on every route but liveness, round robin, failover, membership limited
+to the run's published servers, preflights answered without forwarding."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from prime_hpc.core.net import LOOPBACK, bound_socket, url
+from prime_hpc.inference.gate import MissingKey
+from prime_hpc.inference.router import Router
+from prime_hpc.rundir import RunDir, atomic_write_json
+
+KEY = "router-unit-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class Worker:
+    """An ASGI app standing in for a server: answers every request with its name and
+    records what it saw (method, path, Authorization header)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seen: list[tuple[str, str, str]] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode()
+        if scope["path"] != "/health":  # the router's own health checks (they carry no key)
+            self.seen.append((scope["method"], scope["path"], auth))
+        body = json.dumps({"worker": self.name}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class Served:
+    """An ASGI app served by uvicorn on a loopback port, in a thread of this process."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.sock = bound_socket(LOOPBACK)
+        self.sock.listen(64)
+        self.url = url(LOOPBACK, self.sock.getsockname()[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, fd=self.sock.fileno(), log_level="error", lifespan="auto"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "a test server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """Two workers published as the run's servers, and the router in front of them."""
+    run = RunDir(tmp_path / "run")
+    workers = {name: Worker(name) for name in ("a", "b")}
+    served = {name: Served(w) for name, w in workers.items()}
+    for node, s in enumerate(served.values()):
+        atomic_write_json(run.inference_endpoint(node), {"url": s.url, "node": node})
+    router = Router([s.url for s in served.values()], KEY, run)
+    front = Served(router)
+    try:
+        yield router, front.url, workers, served, run
+    finally:
+        for s in (front, *served.values()):
+            s.stop()
+
+
+def _generate(base: str, headers: dict = AUTH) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", json={"messages": []}, headers=headers, timeout=10)
+
+
+def test_a_router_without_a_key_cannot_be_built():
+    for key in (None, ""):
+        with pytest.raises(MissingKey):
+            Router(["http://127.0.0.1:9"], key)
+
+
+def test_every_route_but_health_needs_the_key_and_nothing_unauthorised_reaches_a_server(fleet):
+    router, base, workers, _, _ = fleet
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    wrong = {"Authorization": "Bearer nope"}
+    for headers in ({}, wrong):
+        assert _generate(base, headers).status_code == 401
+        assert httpx.get(base + "/workers", headers=headers, timeout=10).status_code == 401
+        assert httpx.get(base + "/list_workers", headers=headers, timeout=10).status_code == 401
+        assert httpx.post(base + "/add_worker", params={"url": "http://127.0.0.1:1"}, headers=headers,
+                          timeout=10).status_code == 401
+        assert httpx.post(base + "/remove_worker", params={"url": router.workers[0]}, headers=headers,
+                          timeout=10).status_code == 401
+        assert httpx.request("OPTIONS", base + "/v1/models", headers=headers, timeout=10).status_code == 401
+    assert all(not w.seen for w in workers.values())
+    assert len(router.workers) == 2
+
+
+def test_requests_go_round_robin_with_the_callers_key(fleet):
+    _, base, workers, _, _ = fleet
+    answers = [_generate(base).json()["worker"] for _ in range(6)]
+    assert sorted(answers) == ["a", "a", "a", "b", "b", "b"]
+    assert all(auth == AUTH["Authorization"] for w in workers.values() for _, _, auth in w.seen)
+
+
+def test_a_cors_preflight_is_answered_by_the_router_itself(fleet):
+    _, base, workers, _, _ = fleet
+    r = httpx.request("OPTIONS", base + "/v1/chat/completions", timeout=10,
+                      headers={"Origin": "http://elsewhere", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 204 and "access-control-allow-origin" not in r.headers
+    assert all(not w.seen for w in workers.values())
+
+
+def test_only_servers_the_run_published_can_be_added(fleet):
+    router, base, workers, served, run = fleet
+    stranger = Served(Worker("stranger"))
+    try:
+        r = httpx.post(base + "/add_worker", params={"url": stranger.url}, headers=AUTH, timeout=10)
+        assert r.status_code == 403 and "not a server of this run" in r.json()["error"]
+        assert stranger.url not in router.workers
+        # once the run publishes it (a server of its own), it can join
+        atomic_write_json(run.inference_endpoint(2), {"url": stranger.url, "node": 2})
+        assert httpx.post(base + "/add_worker", params={"url": stranger.url}, headers=AUTH,
+                          timeout=10).status_code == 200
+        assert stranger.url in [w["url"] for w in httpx.get(base + "/workers", headers=AUTH, timeout=10).json()["workers"]]
+    finally:
+        stranger.stop()
+
+
+def test_a_stranger_never_receives_the_key(fleet):
+    router, base, workers, served, run = fleet
+    stranger_app = Worker("stranger")
+    stranger = Served(stranger_app)
+    try:
+        httpx.post(base + "/add_worker", params={"url": stranger.url}, headers=AUTH, timeout=10)
+        for _ in range(6):
+            assert _generate(base).status_code == 200
+        assert stranger_app.seen == []
+    finally:
+        stranger.stop()
+
+
+def test_a_removed_or_dead_server_gets_no_more_requests(fleet):
+    router, base, workers, served, _ = fleet
+    assert httpx.post(base + "/remove_worker", params={"url": served["a"].url}, headers=AUTH,
+                      timeout=10).status_code == 200
+    before = len(workers["a"].seen)
+    assert {_generate(base).json()["worker"] for _ in range(4)} == {"b"}
+    assert len(workers["a"].seen) == before
+    assert httpx.post(base + "/remove_worker", params={"url": served["a"].url}, headers=AUTH,
+                      timeout=10).status_code == 404
+    # put a back, then let b die: every request is answered by a
+    assert httpx.post(base + "/add_worker", params={"url": served["a"].url}, headers=AUTH,
+                      timeout=10).status_code == 200
+    served["b"].stop()
+    assert [_generate(base).json()["worker"] for _ in range(4)] == ["a"] * 4
+
+
+def test_no_server_left_is_a_503_naming_what_was_tried(fleet):
+    router, base, workers, served, _ = fleet
+    for s in served.values():
+        s.stop()
+    r = _generate(base)
+    assert r.status_code == 503 and "no inference server answered" in r.json()["error"]
+
+
+@pytest.mark.parametrize("module", ["prime_hpc.inference", "prime_hpc.inference.router", "prime_hpc.orchestrator"])
+def test_a_listener_started_without_the_key_refuses_in_one_line(module, tmp_path):
+    """The server, the router and the orchestrator (which talks only to keyed servers)
+    exit at once, naming the variable, before reading anything else."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "INFERENCE_SERVER_API_KEY"}
+    r = subprocess.run([sys.executable, "-m", module, "--config", str(tmp_path / "none.yaml")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "INFERENCE_SERVER_API_KEY is not set" in lines[0], r.stderr
