@@ -71,6 +71,11 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
     def _num_tasks(self) -> int:
         return 1  # the head task; the other groups are srun steps of the script
 
+    def _make_submission_command(self, submission_file_path: Any) -> list[str]:
+        # The job runs in the submitting environment, which carries the job's key, whatever
+        # the site's default (SBATCH_EXPORT=NONE) or the script says: the command line wins.
+        return ["sbatch", "--export=ALL", str(submission_file_path)]
+
 
 def submit(plan: Plan, task: Any) -> HetSlurmJob:
     """Submit the het job running `task` on the head group; returns at once."""

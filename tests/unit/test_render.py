@@ -51,12 +51,20 @@ def golden_sft_plan():
     return make_plan(cfg, python="/opt/venv/bin/python", cores=[0, 1])
 
 
-@pytest.mark.parametrize("plan_fn, golden", [(golden_plan, GOLDEN), (golden_sft_plan, GOLDEN_SFT)])
+GOLDENS = [(golden_plan, GOLDEN), (golden_sft_plan, GOLDEN_SFT)]
+
+
+@pytest.mark.parametrize("plan_fn, golden", GOLDENS)
 def test_sbatch_matches_golden_file(plan_fn, golden):
-    text = render_sbatch(plan_fn())
-    if os.environ.get("PRIME_HPC_UPDATE_GOLDEN"):
-        golden.write_text(text)
-    assert text == golden.read_text(), "rendering changed; review and rerun with PRIME_HPC_UPDATE_GOLDEN=1"
+    assert render_sbatch(plan_fn()) == golden.read_text(), (
+        f"the rendering of {golden.name} changed; review the difference, then write the goldens anew with "
+        "`python -m tests.unit.test_render`")
+
+
+if __name__ == "__main__":  # write the goldens from today's rendering (after reviewing the change)
+    for plan_fn, golden in GOLDENS:
+        golden.write_text(render_sbatch(plan_fn()))
+        print(f"wrote {golden}")
 
 
 @pytest.mark.parametrize("cache", ["empty", "kept", "unwritable"])
@@ -96,8 +104,11 @@ def test_golden_sft_script_is_a_plain_job_of_the_trainer_only():
 def test_golden_script_is_a_three_group_het_job():
     text = GOLDEN.read_text()
     assert text.count("#SBATCH hetjob") == 2
-    # rendezvous probe, inference servers, router (first inference node), trainer, head
-    assert re.findall(r"srun --het-group=(\d)", text) == ["2", "1", "1", "2", "0"]
+    # inference servers, router (first inference node), trainer, head
+    assert re.findall(r"srun --het-group=(\d)", text) == ["1", "1", "2", "0"]
+    # every "node" is this machine: the trainer's ranks meet in files (nothing listens beyond loopback)
+    assert 'RDZV_CONF=store_type=file' in text and 'PRIME_HPC_PG_STORE=/shared/runs/reverse_text/control/' in text
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "job.attempt rendezvous" not in text
     assert "--overlap" in text and "router_0.log" in text
     assert "--rdzv-backend=c10d" in text and "--redirects=3 --tee=3" in text
     assert '--log-dir="$LOGS/trainer/torchrun"' in text
@@ -109,6 +120,14 @@ def test_golden_script_is_a_three_group_het_job():
     assert "OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.inference" in text
     assert "OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m torch.distributed.run" in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_a_real_cluster_meets_over_tcp_on_the_first_trainer_nodes_address():
+    cfg = compose(["+experiment=reverse_text", "cluster=slurm", "output_dir=/shared/runs/rt"])
+    text = render_sbatch(make_plan(cfg, python="/opt/venv/bin/python"))
+    assert re.findall(r"srun --het-group=(\d)", text) == ["2", "1", "1", "2", "0"]  # the probe first
+    assert "job.attempt rendezvous" in text and "RDZV_CONF=store_type=tcp" in text
+    assert "PRIME_HPC_PG_STORE" not in text and "--local-addr" not in text
 
 
 def test_hostile_values_survive_quoting(tmp_path):
