@@ -1,4 +1,4 @@
-"""Start the run's real inference (our vLLM servers + vllm-router) as local processes,
+"""Start the run's real inference (our vLLM servers + the router) as local processes,
 the way the launcher does on each node, and stop exactly those processes afterwards."""
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Inference:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=30)
-        try:  # children (engine core, workers, the router binary) live in its session
+        try:  # children (engine core, workers, the router) live in its session
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass

@@ -62,7 +62,7 @@ def run_sockets(output_dir: Path) -> dict:
             if cmd is None:
                 continue
             if state == LISTEN:
-                listening.append((local, cmd))
+                listening.append((local, cmd, int(f[1].split(":")[1], 16)))
                 if not _loopback(local):
                     exposed.append((local, cmd))
             elif state == ESTABLISHED and not _loopback(peer):
@@ -76,3 +76,55 @@ def run_sockets(output_dir: Path) -> dict:
             continue
     return {"pids": len(pids), "endpoints": endpoints, "listening": listening, "exposed": exposed,
             "remote_peers": remote}
+
+
+# What a caller without the job's key tries on every port: generation, an admin route, a
+# non-preflight OPTIONS (the router's own routes included).
+PROBES = (
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"POST /add_worker?url=http://127.0.0.1:1 HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    b"POST /update_weights HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+    b"Connection: close\r\n\r\n{}",
+    b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+)
+
+
+def probe(addr: str, port: int, request: bytes, timeout_s: float = 5.0) -> str:
+    """What a listener answers to `request` sent without the key: its HTTP status
+    ("401"), or "refused" (no connection), "closed" (closed without a word) or "silent"
+    (accepted and answered nothing: not an HTTP listener)."""
+    try:
+        conn = socket.create_connection((addr, port), timeout=timeout_s)
+    except OSError:
+        return "refused"
+    with conn:
+        try:
+            conn.sendall(request)
+            data = conn.recv(64)
+        except socket.timeout:
+            return "silent"
+        except OSError:
+            return "closed"
+    if not data:
+        return "closed"
+    if data.startswith(b"HTTP/"):
+        return data.split(b" ", 2)[1].decode(errors="replace")
+    return "not http: " + repr(data[:20])
+
+
+def unkeyed_answers(output_dir: Path) -> dict[tuple[str, int, str], list[str]]:
+    """{(address, port, command): [what PROBES got]} for every port a process of the run
+    listens on, found from the processes' own sockets (a port that does not speak HTTP
+    gets only the first probe)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def answers(addr: str, port: int) -> list[str]:
+        first = probe(addr, port, PROBES[0], timeout_s=2.0)
+        if first in ("silent", "closed", "refused"):
+            return [first]
+        return [first, *(probe(addr, port, req) for req in PROBES[1:])]
+
+    listening = run_sockets(output_dir)["listening"]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        got = list(pool.map(lambda x: answers(x[0], x[2]), listening))
+    return {(addr, port, cmd): a for (addr, cmd, port), a in zip(listening, got)}

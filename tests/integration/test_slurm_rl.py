@@ -1,9 +1,12 @@
 """A real RL run as one het job on the dev cluster: two inference "nodes" behind the router
 in group 1, the trainer in group 2, the orchestrator on the head. Asserts on the run
 directory: endpoints published while it runs, weights per step, metrics, job.json, logs,
-and that the API key is written nowhere. Mid-run the router is killed (SIGKILL; it is
-started again) and then one of the two servers (the run goes on with the other, and
-nothing of the dead server is left)."""
+and that the API key is written nowhere, although the site's default would export no
+environment to the job (`SBATCH_EXPORT=NONE`). While it runs, every port a process of the
+job listens on (found from the processes' sockets) is loopback and answers nothing
+without the key. Mid-run the router is killed (SIGKILL; it is started again) and then one
+of the two servers (the run goes on with the other, and nothing of the dead server is
+left)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +24,7 @@ from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, is_stable
 from tests import procs
 from tests.conftest import cli
+from tests.netcheck import unkeyed_answers
 from tests.runs import run_processes, still_alive, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
@@ -43,6 +47,7 @@ def _wait(pred, timeout_s, what, run: RunDir):
 
 def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
+    monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
     steps = 10
     cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", f"max_steps={steps}",
                    "cluster.inference.nodes=2", "orchestrator.batch_size=32", "orchestrator.eval.interval=0"])
@@ -65,8 +70,13 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         assert httpx.get(router["url"] + "/health", timeout=30).status_code == 200
         assert httpx.get(router["url"] + "/v1/models", headers=auth, timeout=30).status_code == 200
 
-        wait_for_step(run, 2)  # the router dies: it is started again, on the same address
-        os.kill(router["pid"], signal.SIGKILL)
+        wait_for_step(run, 2)  # every component runs: no port of the job serves anything without the key
+        answers = unkeyed_answers(run.root)
+        http = {k: v for k, v in answers.items() if any(a not in ("silent", "closed", "refused") for a in v)}
+        assert {port for _, port, _ in http} >= {servers[0]["port"], servers[1]["port"], router["port"]}, answers
+        assert all(a == "401" for v in http.values() for a in v), http
+        assert all(addr == "127.0.0.1" for addr, _, _ in answers), answers
+        os.kill(router["pid"], signal.SIGKILL)  # the router dies: it is started again, on the same address
         again = _wait(lambda: (r := json.loads((ep / "router.json").read_text())).get("restarts") == 1 and r,
                       120, "the router's restart", run)
         assert again["url"] == router["url"] and again["pid"] != router["pid"]
@@ -90,7 +100,7 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         ("inference_1", 1, str(logs / "inference" / "node_1.log"))] and lost[0]["rc"] != 0, lost
     assert not still_alive(server1), "the killed server left processes behind"
     assert "is gone" in (logs / "orchestrator.log").read_text()
-    assert "restarting it on the same port" in (logs / "inference" / "router_0.log").read_text()
+    assert "restarting it on the same socket" in (logs / "inference" / "router_0.log").read_text()
     out = cli("status", str(run.root)).stdout
     assert "lost: inference_1" in out and "node_1.log" in out, out
     for rel in ("inference/node_0.log", "inference/node_1.log", "inference/router_0.log", "orchestrator.log",
