@@ -30,7 +30,10 @@ sys.path.insert(0, str(REPO))
 
 def launch_server(root: Path, overrides: list[str], extra_env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     """One inference server of the run composed from `overrides` (node rank 0, its own
-    session), and its log; `extra_env` on top of this environment."""
+    session, a key of its own unless `extra_env` gives one), and its log; `extra_env` on
+    top of this environment."""
+    import secrets
+
     from prime_hpc.config.compose import compose, write_component_config
 
     config = write_component_config(compose([f"output_dir={root}", *overrides]), "inference")
@@ -39,7 +42,8 @@ def launch_server(root: Path, overrides: list[str], extra_env: dict | None = Non
     log = logs / "inference" / "node_0.log"
     env = {**os.environ, "PRIME_HPC_LOGS": str(logs), "PRIME_HPC_NODE_RANK": "0", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(extra_env or {})}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "INFERENCE_SERVER_API_KEY": secrets.token_urlsafe(24), **(extra_env or {})}
     with open(log, "ab") as f:
         p = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
                              stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)

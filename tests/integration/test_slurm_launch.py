@@ -210,6 +210,27 @@ def test_a_failing_component_ends_the_job_and_is_named(tmp_path):
     assert set(sacct_states(sub.ref.job_id).values()) == {"FAILED"}
 
 
+def test_a_job_whose_environment_lost_the_key_starts_nothing_and_says_so(tmp_path):
+    """The key reaches a job only through its environment; a job script that finds none
+    (here a setup line removes it) records one line naming the variable and starts no
+    component: no listener of the job ever runs without it."""
+    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
+                   'cluster.env_setup=["unset INFERENCE_SERVER_API_KEY"]'])
+    sub = launch.submit(cfg, [], mode="doctor")
+    try:
+        assert launch.wait_done(sub, 300) == "FAILED"
+    finally:
+        subprocess.run(["scancel", sub.ref.job_id], capture_output=True)
+    run = sub.ref.run
+    failure = jobs.read_job(run)["failure"]
+    assert "INFERENCE_SERVER_API_KEY did not reach the job" in failure["reason"], failure
+    logs = run.latest_logs
+    assert not [p for p in logs.rglob("*.log") if p.is_file() and p.stat().st_size], list(logs.rglob("*"))  # nothing ran
+    assert not run.preflight_head.exists()
+    out = cli("status", str(run.root)).stdout
+    assert "INFERENCE_SERVER_API_KEY did not reach the job" in out, out
+
+
 def test_unknown_job_is_a_one_line_error():
     r = cli("status", "no-such-job-999")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no job 'no-such-job-999'" in r.stderr
