@@ -31,8 +31,10 @@ STALLED = 3  # exit code
 
 
 def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[dict[str, Any]]:
-    """The worst stall among heartbeats {"trainer_0": {...}, ...}, or None."""
-    worst: Optional[dict[str, Any]] = None
+    """The stall to report among heartbeats {"trainer_0": {...}, ...}, or None: an
+    inference server's first (a hung engine also starves the orchestrator, which then
+    stalls with it: the server is the cause), else the longest silence."""
+    stalls = []
     for name, b in beats.items():
         if b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):
             continue
@@ -40,11 +42,11 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
         why = "no heartbeat"
         if silent <= timeout_s and isinstance(b.get("progress_at"), (int, float)) and not b.get("waiting_on"):
             silent, why = now - float(b["progress_at"]), "no progress"
-        if silent > timeout_s and (worst is None or silent > worst["silent_s"]):
+        if silent > timeout_s:
             component, _, rank = name.rpartition("_")
-            worst = {"component": component, "rank": int(rank) if rank.isdigit() else 0, "silent_s": int(silent),
-                     "why": why, "step": b.get("step")}
-    return worst
+            stalls.append({"component": component, "rank": int(rank) if rank.isdigit() else 0,
+                           "silent_s": int(silent), "why": why, "step": b.get("step")})
+    return max(stalls, key=lambda x: (x["component"] == "inference", x["silent_s"]), default=None)
 
 
 def last_line(path: Path, max_bytes: int = 8192) -> str:

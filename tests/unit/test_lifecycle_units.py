@@ -288,6 +288,24 @@ def test_watchdog_tells_a_stall_from_a_wait():
     assert stalled(done, 60, now) is None
 
 
+def test_a_hung_inference_server_is_named_before_the_orchestrator_it_starves():
+    """A server whose engine hangs keeps beating (its API loop runs) but finishes no
+    generation; the orchestrator waiting for those generations stalls too, longer: the
+    server is the one named. An idle server only waits and is never a stall."""
+    from prime_hpc.job.watchdog import stalled
+
+    now = 1000.0
+    beats = {
+        "inference_0": {"time": now - 1, "progress_at": now - 70, "waiting_on": None, "in_flight": 8},
+        "orchestrator_0": {"time": now - 1, "progress_at": now - 200, "waiting_on": None},
+        "trainer_0": {"time": now - 1, "progress_at": now - 300, "waiting_on": "orchestrator"},
+    }
+    s = stalled(beats, 60, now)
+    assert (s["component"], s["rank"], s["why"], s["silent_s"]) == ("inference", 0, "no progress", 70)
+    beats["inference_0"].update(waiting_on="orchestrator", in_flight=0)  # idle: it only waits
+    assert stalled(beats, 60, now)["component"] == "orchestrator"
+
+
 def test_a_failure_names_the_node_that_failed_first(tmp_path):
     logs = tmp_path / "logs" / "attempt_0"
     (logs / "trainer").mkdir(parents=True)
