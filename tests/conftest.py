@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # One shared cache for the whole session (built tiny models, vLLM's compile cache), as runs
 # on a cluster share theirs: a server's later starts reuse what the first one compiled.
 os.environ.setdefault("PRIME_HPC_CACHE", str(Path.home() / ".cache" / "prime-hpc"))
+# The user's own cache (compiled job templates, composed configs) is private to this test
+# session: tests neither read nor leave anything in the real one.
+_XDG = tempfile.mkdtemp(prefix="prime-hpc-tests-xdg-")
+os.environ["XDG_CACHE_HOME"] = _XDG
 # Every "node" is this machine: everything stays on loopback.
 os.environ.setdefault("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
 # The tests' own environments (tests/envs), and the bundled ones from the source tree when
@@ -57,6 +62,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_XDG, ignore_errors=True)
     if session.config.stash.get(_STARTED, False):
         subprocess.run([str(REPO / "tools" / "dev-cluster"), "stop"], capture_output=True, text=True)
 

@@ -85,7 +85,7 @@ def test_rl_trainer_two_ranks(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert RL_METRICS <= r.keys(), RL_METRICS - r.keys()
-        assert r["time/rollout_handoff"] >= 0 and r["time/read_batch"] > 0
+        assert r["time/read_batch"] > 0
         assert "perf/mfu" not in r and "perf/peak_memory" not in r  # unknown on CPU
         assert 0 <= r["mismatch_kl/mean"] < 1e-6
         assert r["masked_advantage_positive/mean"] == 0 and r["masked_advantage_negative/mean"] == 0
