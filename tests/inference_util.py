@@ -37,14 +37,14 @@ class Inference:
     logs: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     endpoints: Optional[Endpoints] = None
-    key: Optional[str] = None
+    key: str = API_KEY
 
     @property
     def run(self) -> RunDir:
         return RunDir(self.root)
 
     def admin(self) -> Admin:
-        return Admin(self.endpoints.servers, key=self.key or "")
+        return Admin(self.endpoints.servers, key=self.key)
 
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
@@ -84,14 +84,15 @@ class Inference:
         return "\n".join(f"--- {n} (rc={p.poll()}) ---\n{tail(self.log(n), 30)}" for n, p in self.procs.items())
 
 
-def start_inference(root: Path, nodes: int = 2, key: Optional[str] = API_KEY, overrides: list[str] = (),
+def start_inference(root: Path, nodes: int = 2, key: str = API_KEY, overrides: list[str] = (),
                     timeout_s: float = 600) -> Inference:
-    """`nodes` servers (node ranks 0..nodes-1) and the router, from the run's config."""
+    """`nodes` servers (node ranks 0..nodes-1) and the router, from the run's config, all
+    demanding `key`."""
     config = write_inference_config(root, [f"cluster.inference.nodes={nodes}", *overrides])
     logs = root / "logs"
     (logs / "inference").mkdir(parents=True, exist_ok=True)
     inf = Inference(root=root, logs=logs, key=key)
-    extra = {"INFERENCE_SERVER_API_KEY": key} if key else {}
+    extra = {"INFERENCE_SERVER_API_KEY": key}
     for node in range(nodes):
         inf.start(f"inference/node_{node}", [sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
                   PRIME_HPC_NODE_RANK=str(node), **extra)

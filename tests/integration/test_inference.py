@@ -281,7 +281,8 @@ def test_a_server_that_cannot_start_fails_with_one_line_naming_its_log(tmp_path)
     logs = tmp_path / "logs"
     (logs / "inference").mkdir(parents=True)
     p = subprocess.run([sys.executable, "-m", "prime_hpc.inference", "--config", str(config)],
-                       capture_output=True, text=True, timeout=300, env=child_env(PRIME_HPC_LOGS=str(logs)))
+                       capture_output=True, text=True, timeout=300,
+                       env=child_env(PRIME_HPC_LOGS=str(logs), INFERENCE_SERVER_API_KEY="k"))
     assert p.returncode == 1
     ours = [line for line in p.stderr.splitlines() if line.startswith("prime-hpc inference:")]
     assert len(ours) == 1 and ours[0].startswith("prime-hpc inference: node 0 failed:")
@@ -317,7 +318,7 @@ def test_lora_adapter_loads_in_place_and_serves_the_adapted_policy(tmp_path):
     plain.load_state_dict(merge_lora(sd, 8.0 / 4))
     plain.save_pretrained(merged_dir)
 
-    inf = start_inference(tmp_path / "run", nodes=1, key=None,
+    inf = start_inference(tmp_path / "run", nodes=1,
                           overrides=["trainer.model.lora.enabled=true", "trainer.model.lora.rank=8"])
     try:
         base = inf.endpoints.servers[0]
@@ -325,7 +326,7 @@ def test_lora_adapter_loads_in_place_and_serves_the_adapted_policy(tmp_path):
         assert results[0]["policy_step"] == 1
         body = {"model": "policy", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 6,
                 "temperature": 1.0, "logprobs": True, "return_token_ids": True}
-        out = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
+        out = httpx.post(base + "/v1/chat/completions", json=body, headers=_auth(inf), timeout=120).json()
         assert out["policy_step"] == 1, out
         ids = out["choices"][0]["token_ids"]
         served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
