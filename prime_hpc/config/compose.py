@@ -7,7 +7,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -185,10 +185,11 @@ def override(key: str, value: object) -> str:
     return f"{key}='" + text.replace("'", "\\'") + "'"
 
 
-def recorded_config(path: Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """A run's recorded `config.yaml` on the typed schema, with `key=value` overrides
-    applied (typed: a wrong type or unknown key fails like at submit). Config groups cannot
-    be switched on a resolved config, and a run keeps its output_dir."""
+def recorded_config(path: Path | IO[str], overrides: Sequence[str] = ()) -> DictConfig:
+    """A run's recorded `config.yaml` (a path, or the file opened) on the typed schema, with
+    `key=value` overrides applied (typed: a wrong type or unknown key fails like at
+    submit). Config groups cannot be switched on a resolved config, and a run keeps its
+    output_dir."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     _register_schema()

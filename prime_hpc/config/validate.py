@@ -355,6 +355,17 @@ def check_output_dir(cfg: DictConfig) -> None:
         ) from None
 
 
+def check_cache_dir(cfg: DictConfig) -> None:
+    """The compile caches (code vLLM and inductor load and run) live in the user's private
+    directory of `cluster.cache_dir` (`usercache.compile_dir`): refused now, writing
+    nothing, when it is a symlink, someone else's or writable by others, or cannot be
+    made. The server checks it again before its engine starts."""
+    from prime_hpc.config.compose import cache_root
+    from prime_hpc.core import usercache
+
+    usercache.compile_dir(cache_root(cfg), create=False)
+
+
 def check_name(cfg: DictConfig) -> None:
     if not str(cfg.name).strip():
         raise ConfigError("name", "must not be empty")
@@ -378,6 +389,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_envs,
     check_bench,
     check_output_dir,
+    check_cache_dir,
 )
 
 
