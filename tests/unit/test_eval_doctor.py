@@ -22,6 +22,17 @@ OTHER_UID = 65534  # someone else (these tests run as root, which may give files
 PATH_ENV = str(REPO / "examples" / "reverse_text" / "reverse_text")  # an env id that is a path
 
 
+@pytest.fixture(autouse=True)
+def no_server(monkeypatch):
+    """Nothing here may get as far as starting an inference server."""
+    from prime_hpc.orchestrator import evaluate
+
+    def refuse(*_a, **_k):
+        raise AssertionError("eval started a server")
+
+    monkeypatch.setattr(evaluate, "eval_server", refuse)
+
+
 def _reject(argv: list[str], capsys) -> str:
     code = main(argv)
     out, err = capsys.readouterr()

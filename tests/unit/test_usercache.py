@@ -78,6 +78,20 @@ def test_the_engine_gets_the_private_dir_or_refuses(tmp_path, monkeypatch):
         inference_env("cpu")
 
 
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["submit", "submit --dry-run"])
+def test_submit_refuses_a_compile_dir_not_the_users_alone_and_writes_nothing(tmp_path, capsys, dry_run):
+    from prime_hpc.cli import main
+
+    shared, out = tmp_path / "shared", tmp_path / "run"
+    spoil(usercache.compile_dir(shared), "other-writable", tmp_path)
+    code = main(["submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
+                 f"cluster.cache_dir={shared}", *dry_run])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "cluster.cache_dir: " in err and f"compile-{os.getuid()}" in err and "writable by group or others" in err
+    assert not out.exists()
+
+
 def test_a_compile_dir_that_cannot_be_made_is_refused_at_submit(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
