@@ -11,7 +11,8 @@ then `submit`; each warm-up) skips Hydra entirely.
 Only successful compositions are stored (errors always come from Hydra itself), and
 interpolations are resolved after loading, so `${oc.env:...}` or relative paths see the
 current environment. A file that is not the user's own, or that others can write, or a
-symlink, is never unpickled (checked on the descriptor it is read from). `PRIME_HPC_COMPOSE_CACHE=0` composes with Hydra every time.
+symlink, is never unpickled (checked on the descriptor it is read from).
+`PRIME_HPC_COMPOSE_CACHE=0` composes with Hydra every time.
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def opened_dir(p: os.PathLike | str) -> Iterator[int]:
         fd = os.open(p, _DIR)
     except OSError as e:  # refused; lstat only says why (O_DIRECTORY may win over O_NOFOLLOW)
         link = e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(p)
-        raise Untrusted(p, _WHY[errno.ELOOP] if link else _WHY.get(e.errno, f"cannot be opened ({e.strerror})")) from None
+        why = _WHY[errno.ELOOP] if link else _WHY.get(e.errno, f"cannot be opened ({e.strerror})")
+        raise Untrusted(p, why) from None
     try:
         why = problem(os.fstat(fd), directory=True)
         if why:
