@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from prime_hpc.core.errors import ConfigError
 
@@ -32,7 +32,8 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 def check_fields(cfg: DictConfig) -> None:
     """Every field's own rule (range or choices), declared with its type in the schema
-    (`prime_hpc.config.schema.ruled` / `one_of`)."""
+    (`prime_hpc.config.schema.ruled` / `one_of`), and the length of a fixed-length one
+    (`Tuple[X, Y]`)."""
     from dataclasses import fields, is_dataclass
     from typing import get_args
 
@@ -41,13 +42,19 @@ def check_fields(cfg: DictConfig) -> None:
     def walk(cls: type, node: Any, prefix: str) -> None:
         hints = _type_hints(cls)
         for f in fields(cls):
-            key, value = prefix + f.name, node[f.name]
+            key = prefix + f.name
+            if OmegaConf.is_missing(node, f.name):
+                raise ConfigError(key, "is required here and not set; give it a value")
+            value = node[f.name]
             rule = f.metadata.get("rule")
             if rule is not None and value is not None:
                 problem = rule.violation(value)
                 if problem:
                     raise ConfigError(key, problem)
             hint = hints[f.name]
+            problem = length_violation(hint, value, f.default)
+            if problem:
+                raise ConfigError(key, problem)
             if is_dataclass(hint) and value is not None:
                 walk(hint, value, key + ".")
             elif get_args(hint) and is_dataclass(get_args(hint)[0]) and value is not None:  # List[EnvEntry]
@@ -55,6 +62,20 @@ def check_fields(cfg: DictConfig) -> None:
                     walk(get_args(hint)[0], item, f"{key}.{k}.")
 
     walk(RunConfig, cfg, "")
+
+
+def length_violation(hint: Any, value: Any, default: Any = None) -> Optional[str]:
+    """A fixed-length field (typed `Tuple[X, Y]` in the schema; `Tuple[X, ...]` takes any
+    length) given another number of values."""
+    from typing import Union, get_args, get_origin
+
+    if get_origin(hint) is Union:  # Optional[Tuple[...]]
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    args = get_args(hint)
+    if get_origin(hint) is not tuple or value is None or (args and args[-1] is Ellipsis) or len(value) == len(args):
+        return None
+    example = list(default) if isinstance(default, tuple) else [a.__name__ for a in args]
+    return f"takes exactly {len(args)} values, e.g. {example} (got {len(value)}: {list(value)})"
 
 
 def check_difficulty_filter(cfg: DictConfig) -> None:

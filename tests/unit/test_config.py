@@ -129,3 +129,60 @@ def test_composition_errors_are_one_line(override, needle):
         compose(["+experiment=reverse_text", override])
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _fixed_length_fields() -> list[tuple[str, int]]:
+    """(dotted key, length) of every fixed-length field of the schema (typed Tuple[X, Y])."""
+    import typing
+    from dataclasses import fields, is_dataclass
+
+    from prime_hpc.config.schema import RunConfig
+
+    out = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            args = typing.get_args(hint)
+            if is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.")
+            elif typing.get_origin(hint) is tuple and args and args[-1] is not Ellipsis:
+                out.append((prefix + f.name, len(args)))
+
+    walk(RunConfig, "")
+    return out
+
+
+def test_every_fixed_length_field_refuses_another_length(tmp_path):
+    found = _fixed_length_fields()
+    assert ("trainer.optim.betas", 2) in found
+    for key, n in found:
+        for values in ([0.5] * (n - 1), [0.5] * (n + 1)):
+            cfg = make(tmp_path, f"{key}=[{','.join(map(str, values))}]")
+            with pytest.raises(ConfigError) as e:
+                validate(cfg)
+            assert e.value.key == key and f"takes exactly {n} values" in str(e.value) and "\n" not in str(e.value)
+        validate(make(tmp_path, f"{key}=[{','.join(['0.5'] * n)}]"))
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """The CLI's answer to a bad submit: exit code 2 and one line on stderr."""
+    from prime_hpc.cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, code, out, err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("prime-hpc: error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["trainer.optim.betas=[0.9]"], ["trainer.optim.betas", "exactly 2 values", "got 1"]),
+    (["trainer.optim.betas=[0.9,0.99,0.999]"], ["trainer.optim.betas", "exactly 2 values", "got 3"]),
+    (["orchestrator.env=[{ratio: 1}]"], ["orchestrator.env.0.id", "not set"]),
+])
+def test_bad_submits_are_refused_in_one_line_and_write_nothing(overrides, needles, tmp_path, capsys):
+    out = tmp_path / "run"
+    line = _refused(["submit", "+experiment=reverse_text", f"output_dir={out}", *overrides, "--dry-run"], capsys)
+    assert all(n in line for n in needles), line
+    assert not out.exists()
