@@ -108,6 +108,20 @@ def check_batch(cfg: DictConfig) -> None:
         )
 
 
+def check_group_size(cfg: DictConfig) -> None:
+    """A group of one is always dropped: in rl its advantage (its reward minus the group's
+    mean) is 0, and the orchestrator keeps no group of fewer than 2 valid rollouts in any
+    training mode (`prime_hpc.orchestrator.rollouts.judge_group`), so opd and sft could not
+    fill a step either. Runs without groups (SFT on a dataset, benches) do not care."""
+    o = cfg.orchestrator
+    if o.group_size >= 2 or cfg.trainer.type != "rl" or cfg.bench.mode is not None:
+        return
+    why = ("an RL group of one has zero advantage: its reward minus the group's mean" if o.training_mode == "rl"
+           else f"the orchestrator keeps no group of fewer than 2 rollouts, with training_mode={o.training_mode} too")
+    raise ConfigError("orchestrator.group_size", f"{o.group_size}: every group would be dropped ({why}); "
+                                                 "set it to 2 or more")
+
+
 def check_lengths(cfg: DictConfig) -> None:
     mml = cfg.inference.max_model_len
     if mml is not None and mml > cfg.seq_len:
@@ -387,6 +401,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_difficulty_filter,
     check_positive,
     check_batch,
+    check_group_size,
     check_lengths,
     check_gpus,
     check_slurm,

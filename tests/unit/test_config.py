@@ -180,9 +180,33 @@ def _refused(argv: list[str], capsys) -> str:
     (["trainer.optim.betas=[0.9]"], ["trainer.optim.betas", "exactly 2 values", "got 1"]),
     (["trainer.optim.betas=[0.9,0.99,0.999]"], ["trainer.optim.betas", "exactly 2 values", "got 3"]),
     (["orchestrator.env=[{ratio: 1}]"], ["orchestrator.env.0.id", "not set"]),
+    (["orchestrator.group_size=1"], ["orchestrator.group_size", "zero advantage", "2 or more"]),
 ])
 def test_bad_submits_are_refused_in_one_line_and_write_nothing(overrides, needles, tmp_path, capsys):
     out = tmp_path / "run"
     line = _refused(["submit", "+experiment=reverse_text", f"output_dir={out}", *overrides, "--dry-run"], capsys)
     assert all(n in line for n in needles), line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("mode, extra", [("rl", []), ("opd", ["orchestrator.teacher.client.base_url=http://h:1/v1"]),
+                                         ("sft", ["orchestrator.teacher.client.base_url=http://h:1/v1"])])
+def test_a_group_of_one_is_refused_where_every_group_would_be_dropped(mode, extra, tmp_path):
+    from prime_hpc.orchestrator.rollouts import Rollout, advantages, judge_group
+
+    one = Rollout(env="e", example_id=0, reward=1.0, input_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0, 0.0],
+                  policy_steps=[0], num_turns=1, is_truncated=False)
+    assert advantages([0.7]) == [0.0]  # why rl cannot learn from it
+    assert judge_group([one], step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False).reason
+    cfg = make(tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", f"orchestrator.training_mode={mode}",
+               *extra)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "orchestrator.group_size" and "set it to 2 or more" in str(e.value)
+    validate(make(tmp_path, "orchestrator.group_size=2", "orchestrator.batch_size=8",
+                  f"orchestrator.training_mode={mode}", *extra))
+
+
+def test_a_group_of_one_is_fine_where_there_are_no_groups(tmp_path):
+    validate(compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}/sft", "orchestrator.group_size=1"]))
+    validate(make(tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", "bench.mode=inference"))
