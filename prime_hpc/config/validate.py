@@ -238,6 +238,7 @@ def check_slurm(cfg: DictConfig) -> None:
         if "\n" in line or not line.strip().startswith("-"):
             raise ConfigError(f"cluster.sbatch_extra.{i}", f"{line!r} must be one sbatch option such as "
                                                            "--mail-type=END (no newline)")
+        check_sbatch_option(i, line)
     for g in ("orchestrator", "inference", "trainer"):
         r = c[g]
         if r.cpus_per_task < 1:
@@ -248,6 +249,22 @@ def check_slurm(cfg: DictConfig) -> None:
             raise ConfigError(f"cluster.{g}.nproc_per_node", f"must be >= 1 or null (got {r.nproc_per_node})")
         if r.mem_gb is not None and r.mem_gb <= 0:
             raise ConfigError(f"cluster.{g}.mem_gb", f"must be > 0 or null (got {r.mem_gb})")
+
+
+def check_sbatch_option(i: int, line: str) -> None:
+    """`--export` and `--export-file` (also abbreviated: sbatch takes `--export-f`) are
+    prime-hpc's own: the job must get the submitting environment, the only way the
+    inference API key reaches it (`prime_hpc.launcher.launch.job_api_key`); an export file
+    replaces that environment even next to `--export=ALL`. `--get-user-env` only adds the
+    login environment below it: allowed."""
+    from prime_hpc.core.jobenv import API_KEY_VAR
+
+    option = re.split(r"[=\s]", line.strip(), maxsplit=1)[0]
+    if option == "--export" or (option.startswith("--export-") and "--export-file".startswith(option)):
+        raise ConfigError(f"cluster.sbatch_extra.{i}", f"{line.strip()!r}: prime-hpc passes the job the submitting "
+                                                       f"environment itself (${API_KEY_VAR} reaches the job only that "
+                                                       "way); drop this line and set variables in cluster.env_setup, "
+                                                       "e.g. 'export NAME=value'")
 
 
 def check_memory(cfg: DictConfig) -> None:

@@ -181,6 +181,8 @@ def _refused(argv: list[str], capsys) -> str:
     (["trainer.optim.betas=[0.9,0.99,0.999]"], ["trainer.optim.betas", "exactly 2 values", "got 3"]),
     (["orchestrator.env=[{ratio: 1}]"], ["orchestrator.env.0.id", "not set"]),
     (["orchestrator.group_size=1"], ["orchestrator.group_size", "zero advantage", "2 or more"]),
+    (["cluster=slurm", "cluster.sbatch_extra=['--export=NONE']"],
+     ["cluster.sbatch_extra.0", "'--export=NONE'", "INFERENCE_SERVER_API_KEY", "cluster.env_setup"]),
 ])
 def test_bad_submits_are_refused_in_one_line_and_write_nothing(overrides, needles, tmp_path, capsys):
     out = tmp_path / "run"
@@ -210,3 +212,20 @@ def test_a_group_of_one_is_refused_where_every_group_would_be_dropped(mode, extr
 def test_a_group_of_one_is_fine_where_there_are_no_groups(tmp_path):
     validate(compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}/sft", "orchestrator.group_size=1"]))
     validate(make(tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", "bench.mode=inference"))
+
+
+@pytest.mark.parametrize("line", ["--export=NONE", "--export NONE", "--export=HOME,PATH", "--export=ALL,X=1",
+                                  "--export", " --export=ALL", "--export-file=/tmp/env", "--export-f=/tmp/env"])
+def test_sbatch_extra_may_not_choose_the_jobs_environment(line, tmp_path):
+    """The API key reaches the job only through the environment sbatch passes on: an
+    --export (even ALL: prime-hpc's own --export would override its variables) or an
+    --export-file (which replaces the environment, verified on SLURM 22.05) is refused."""
+    cfg = make(tmp_path, "cluster=slurm", f"cluster.sbatch_extra=['--mail-type=END', '{line}']")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "cluster.sbatch_extra.1" and "cluster.env_setup" in str(e.value)
+
+
+def test_sbatch_extra_options_that_keep_the_environment_pass(tmp_path):
+    validate(make(tmp_path, "cluster=slurm",
+                  "cluster.sbatch_extra=['--get-user-env', '--mail-type=END', '--exclusive', '--comment=export=NONE']"))
