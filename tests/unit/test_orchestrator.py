@@ -275,3 +275,23 @@ def test_env_ids_that_are_no_path_and_no_module_are_refused_at_submit_naming_wha
         assert code == 2 and len(err.splitlines()) == 1 and "orchestrator.env.0.id" in err, err
         assert all(n in err for n in needles), (needles, err)
         assert not out.exists()
+
+
+def test_doctor_imports_env_ids_as_the_orchestrator_loads_them(tmp_path, monkeypatch):
+    """`prime-hpc doctor` checks on every node what the run records: an absolute path to a
+    project directory and a distribution name import there as they load in the run."""
+    import sys
+
+    from prime_hpc.job import preflight
+
+    project = _env_project(tmp_path / "envs" / "echo-word-doctor", "echo-word-doctor", "flat")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(preflight.IMPORTS, "router", ())
+    try:
+        monkeypatch.setenv("PRIME_HPC_PREFLIGHT_REQUIRE", f"{project},reverse-text")
+        assert preflight._imports("router") == f"{project} ?, reverse-text ?"
+        monkeypatch.setenv("PRIME_HPC_PREFLIGHT_REQUIRE", f"{tmp_path}/envs/missing")
+        with pytest.raises(ImportError, match="no such file or directory"):
+            preflight._imports("router")
+    finally:
+        sys.modules.pop("echo_word_doctor", None)
