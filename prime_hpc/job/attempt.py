@@ -238,7 +238,7 @@ def max_requeues(run: RunDir) -> int:
 
     from prime_hpc.config.schema import ClusterConfig
 
-    default = int(ClusterConfig.max_requeues)  # type: ignore[arg-type]  # the field's declared default
+    default = int(ClusterConfig.max_requeues)  # the field's declared default
     try:
         cfg = yaml.safe_load(run.config_yaml.read_text()) or {}
         value = (cfg.get("cluster") or {}).get("max_requeues")
