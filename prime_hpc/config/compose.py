@@ -139,13 +139,18 @@ def _compose_hydra(conf: Path, overrides: Sequence[str]) -> DictConfig:
 
 
 def finish(cfg: DictConfig) -> DictConfig:
-    """Resolve a config composed with `resolve=False` (in place) and make `output_dir`
-    absolute: what every component will see."""
+    """Resolve a config composed with `resolve=False` (in place) and make `output_dir` and
+    env ids that are paths absolute: what every component will see, wherever it starts."""
+    from prime_hpc.config.env_ids import absolute
+
     try:
         OmegaConf.resolve(cfg)
         if not str(cfg.output_dir).strip():
             raise ConfigError("output_dir", "must not be empty; give the run's directory, e.g. outputs/my-run")
         cfg.output_dir = str(Path(cfg.output_dir).expanduser().absolute())
+        for entry in [*cfg.orchestrator.env, *cfg.orchestrator.eval.env]:
+            if not OmegaConf.is_missing(entry, "id"):  # a missing id is validation's to name
+                entry.id = absolute(str(entry.id))
     except (ConfigError, UserError):
         raise
     except Exception as e:
