@@ -10,6 +10,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                                     "any envs (starts an inference server unless given one)")
     e.add_argument("target", help="job id, run name, output dir, or <run>/weights/step_N; or model=<name|path> "
                                   "(or client.base_url=<endpoint>) followed by env=<id>[,<id>...]")
+    e.add_argument("--trust-run-code", action="store_true",
+                   help="a run of someone else's: also load what its config names that would run their code (eval "
+                        "env ids that are paths, model.trust_remote_code=true, inference.extra_args)")
     e.add_argument("args", nargs="*", help="steps=N,M (default: every saved step) and overrides of the run config; "
                                            "without a run: env=, rollouts=K, examples=N, client.model=, out=DIR")
     return e
@@ -20,4 +23,4 @@ def run(a: argparse.Namespace) -> int:
 
     if is_standalone(a.target):
         return run_standalone([a.target, *a.args])
-    return run_eval(a.target, a.args)
+    return run_eval(a.target, a.args, trust_run_code=a.trust_run_code)

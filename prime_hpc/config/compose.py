@@ -7,7 +7,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -139,13 +139,18 @@ def _compose_hydra(conf: Path, overrides: Sequence[str]) -> DictConfig:
 
 
 def finish(cfg: DictConfig) -> DictConfig:
-    """Resolve a config composed with `resolve=False` (in place) and make `output_dir`
-    absolute: what every component will see."""
+    """Resolve a config composed with `resolve=False` (in place) and make `output_dir` and
+    env ids that are paths absolute: what every component will see, wherever it starts."""
+    from prime_hpc.config.env_ids import absolute
+
     try:
         OmegaConf.resolve(cfg)
         if not str(cfg.output_dir).strip():
             raise ConfigError("output_dir", "must not be empty; give the run's directory, e.g. outputs/my-run")
         cfg.output_dir = str(Path(cfg.output_dir).expanduser().absolute())
+        for entry in [*cfg.orchestrator.env, *cfg.orchestrator.eval.env]:
+            if not OmegaConf.is_missing(entry, "id"):  # a missing id is validation's to name
+                entry.id = absolute(str(entry.id))
     except (ConfigError, UserError):
         raise
     except Exception as e:
@@ -185,10 +190,11 @@ def override(key: str, value: object) -> str:
     return f"{key}='" + text.replace("'", "\\'") + "'"
 
 
-def recorded_config(path: Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """A run's recorded `config.yaml` on the typed schema, with `key=value` overrides
-    applied (typed: a wrong type or unknown key fails like at submit). Config groups cannot
-    be switched on a resolved config, and a run keeps its output_dir."""
+def recorded_config(path: Path | IO[str], overrides: Sequence[str] = ()) -> DictConfig:
+    """A run's recorded `config.yaml` (a path, or the file opened) on the typed schema, with
+    `key=value` overrides applied (typed: a wrong type or unknown key fails like at
+    submit). Config groups cannot be switched on a resolved config, and a run keeps its
+    output_dir."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     _register_schema()

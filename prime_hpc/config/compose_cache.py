@@ -10,8 +10,9 @@ then `submit`; each warm-up) skips Hydra entirely.
 
 Only successful compositions are stored (errors always come from Hydra itself), and
 interpolations are resolved after loading, so `${oc.env:...}` or relative paths see the
-current environment. A file that is not the user's own, or that others can write, is
-never loaded. `PRIME_HPC_COMPOSE_CACHE=0` composes with Hydra every time.
+current environment. A file that is not the user's own, or that others can write, or a
+symlink, is never unpickled (checked on the descriptor it is read from).
+`PRIME_HPC_COMPOSE_CACHE=0` composes with Hydra every time.
 """
 from __future__ import annotations
 
@@ -62,11 +63,14 @@ def key(conf: Path, overrides: Sequence[str]) -> str:
 
 
 def load(path: Path) -> Optional[DictConfig]:
+    """The composition kept at `path`, unpickled only once the file and its directory are
+    known to be the user's alone (`usercache.read`: checked and read on one descriptor)."""
+    data = usercache.read(path.parent, path.name)
+    if data is None:
+        return None
     try:
-        if not usercache.trusted(path) or not usercache.trusted(path.parent):
-            return None
-        cfg = pickle.loads(path.read_bytes())
-    except Exception:  # absent, unreadable, truncated, from another version: compose anew
+        cfg = pickle.loads(data)
+    except Exception:  # truncated, from another version: compose anew
         return None
     return cfg if isinstance(cfg, DictConfig) else None
 
@@ -74,14 +78,12 @@ def load(path: Path) -> Optional[DictConfig]:
 def store(path: Path, cfg: DictConfig) -> None:
     """Atomically (readable by the user only), best effort: a cache that cannot be written
     is no error."""
-    from prime_hpc.rundir.files import atomic_write_bytes
-
     try:
-        atomic_write_bytes(path, pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL), durable=False, mode=0o600)
+        usercache.write(path.parent, path.name, pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL))
         entries = sorted(path.parent.glob("*.pkl"), key=lambda p: p.stat().st_mtime)
         for old in entries[:-KEEP]:
             old.unlink(missing_ok=True)
-    except OSError:
+    except (OSError, usercache.Untrusted):
         pass
 
 

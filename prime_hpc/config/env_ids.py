@@ -2,13 +2,21 @@
 submit-time check (`prime_hpc.config.validate`, which must not import the environment)
 and the orchestrator's loader (`prime_hpc.orchestrator.envs`, which does).
 
-An id is, in this order:
+An id is either a path or a name. A path starts with `./`, `../`, `/` or `~` (or is `.`
+or `..`); submit records it absolute (`absolute`), so a job that starts in another
+working directory (SLURM) loads what the submitting shell meant. A path names
 
-1. a local path to a package directory or a module file (`./my_envs/math_env`,
-   `~/envs/math_env.py`);
-2. an installed module (`reverse_text`, `my_pkg.envs.math`);
-3. an installed distribution, by its name (`reverse-text`): its top-level module;
-4. `owner/name` (a hub-style environment id): the installed environment named `name`,
+1. a module file (`~/envs/math_env.py`);
+2. a package directory, with `__init__.py` (`./my_envs/math_env`);
+3. an environment project directory, with `pyproject.toml` (the layout verifiers
+   environments are published in): its module `<name>.py` or package `<name>/`, where
+   `<name>` is the directory's or the project's name with `-` read as `_`.
+
+Anything else is a name, never looked up on disk:
+
+4. an installed module (`reverse_text`, `my_pkg.envs.math`);
+5. an installed distribution, by its name (`reverse-text`): its top-level module;
+6. `owner/name` (a hub-style environment id): the installed environment named `name`,
    as a module or a distribution (installing it is up to the user).
 
 An id none of these finds fails with one line listing what was tried.
@@ -53,18 +61,62 @@ def _distribution_module(name: str) -> Optional[str]:
     return None
 
 
+PATH_PREFIXES = ("./", "../", "/", "~")
+
+
+def is_path(env_id: str) -> bool:
+    """Whether `env_id` is a filesystem path (else a module, distribution or owner/name)."""
+    return env_id in (".", "..") or env_id.startswith(PATH_PREFIXES)
+
+
+def absolute(env_id: str) -> str:
+    """A path id made absolute (against the current directory, `~` expanded, `..` and links
+    resolved: what it names from here); a name as is."""
+    return str(Path(env_id).expanduser().resolve()) if is_path(env_id) else env_id
+
+
+def _project_names(root: Path) -> list[str]:
+    """The module names an environment project directory may hold: its own name and its
+    `[project] name`, with `-` and `.` read as `_`."""
+    import tomllib
+
+    names = [root.name]
+    try:
+        names.append(str(tomllib.loads((root / "pyproject.toml").read_text())["project"]["name"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return list(dict.fromkeys(n.replace("-", "_").replace(".", "_") for n in names))
+
+
+def resolve_path(env_id: str) -> EnvTarget:
+    """A path id (`is_path`): a module file, a package directory or a project directory."""
+    path = Path(env_id).expanduser().resolve()
+    if not path.exists():
+        raise UnknownEnv(f"{env_id}: no such file or directory (an id starting with ./, ../, / or ~ is a path)")
+    if path.is_file() and path.suffix == ".py":
+        return EnvTarget(module=path.stem, path=path)
+    if path.is_dir() and (path / "__init__.py").is_file():
+        return EnvTarget(module=path.name, path=path)
+    if not (path.is_dir() and (path / "pyproject.toml").is_file()):
+        raise UnknownEnv(f"{env_id}: a path, but neither a .py file, a package directory (with __init__.py) nor an "
+                         "environment project (a directory with pyproject.toml)")
+    tried = []
+    for name in _project_names(path):
+        if (path / f"{name}.py").is_file():
+            return EnvTarget(module=name, path=path / f"{name}.py")
+        if (path / name / "__init__.py").is_file():
+            return EnvTarget(module=name, path=path / name)
+        tried += [f"{name}.py", f"{name}/__init__.py"]
+    raise UnknownEnv(f"{env_id}: an environment project (pyproject.toml) without its module (tried {', '.join(tried)} "
+                     "in it)")
+
+
 def resolve(env_id: str) -> EnvTarget:
+    if is_path(env_id):
+        return resolve_path(env_id)
     tried: list[str] = []
-    path = Path(env_id).expanduser()
-    if path.exists():
-        if path.is_file() and path.suffix == ".py":
-            return EnvTarget(module=path.stem, path=path.resolve())
-        if path.is_dir() and (path / "__init__.py").is_file():
-            return EnvTarget(module=path.name, path=path.resolve())
-        raise UnknownEnv(f"{env_id}: a path, but neither a package directory (with __init__.py) nor a .py file")
-    tried.append("a local path")
     names = [env_id]
-    if "/" in env_id and not env_id.startswith((".", "/", "~")):
+    if "/" in env_id:
         owner, _, name = env_id.rpartition("/")
         names = [name]
     for name in names:
@@ -76,8 +128,9 @@ def resolve(env_id: str) -> EnvTarget:
         if module:
             return EnvTarget(module=module)
         tried.append(f"installed distribution {name!r}")
+    here = f"; to load the directory {env_id!r} here, give it as ./{env_id}" if Path(env_id).exists() else ""
     raise UnknownEnv(f"no environment {env_id!r} (tried {', '.join(tried)} in {Path(sys.executable).parent.parent}); "
-                     "install its package (pip install -e <path>) or give a path")
+                     f"install its package (pip install -e <path>) or give a path (./, ../, / or ~){here}")
 
 
 def import_error(env_id: str) -> Optional[str]:

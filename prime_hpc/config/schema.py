@@ -7,7 +7,7 @@ copied in explicitly by `prime_hpc.config.components`). Units live in field name
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 MISSING = "???"
 
@@ -101,7 +101,7 @@ class OptimConfig:
     lr: float = ruled(1e-6, gt=0)
     weight_decay: float = ruled(0.0, ge=0)
     max_norm: float = ruled(1.0, gt=0)  # gradient clipping norm
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: Tuple[float, float] = (0.9, 0.999)  # AdamW's (beta1, beta2); a Tuple field takes exactly its length
     warmup_steps: int = ruled(0, ge=0)
     schedule: str = one_of("constant", "constant", "linear", "cosine")  # after warm-up (decay to min_lr_ratio * lr at max_steps)
     min_lr_ratio: float = ruled(0.0, ge=0, le=1)  # linear/cosine: the last step's lr as a fraction of lr

@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from prime_hpc.core.errors import ConfigError
 from prime_hpc.core.jobenv import API_KEY_VAR
@@ -33,7 +33,8 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 def check_fields(cfg: DictConfig) -> None:
     """Every field's own rule (range or choices), declared with its type in the schema
-    (`prime_hpc.config.schema.ruled` / `one_of`)."""
+    (`prime_hpc.config.schema.ruled` / `one_of`), and the length of a fixed-length one
+    (`Tuple[X, Y]`)."""
     from dataclasses import fields, is_dataclass
     from typing import get_args
 
@@ -42,13 +43,19 @@ def check_fields(cfg: DictConfig) -> None:
     def walk(cls: type, node: Any, prefix: str) -> None:
         hints = _type_hints(cls)
         for f in fields(cls):
-            key, value = prefix + f.name, node[f.name]
+            key = prefix + f.name
+            if OmegaConf.is_missing(node, f.name):
+                raise ConfigError(key, "is required here and not set; give it a value")
+            value = node[f.name]
             rule = f.metadata.get("rule")
             if rule is not None and value is not None:
                 problem = rule.violation(value)
                 if problem:
                     raise ConfigError(key, problem)
             hint = hints[f.name]
+            problem = length_violation(hint, value, f.default)
+            if problem:
+                raise ConfigError(key, problem)
             if is_dataclass(hint) and value is not None:
                 walk(hint, value, key + ".")
             elif get_args(hint) and is_dataclass(get_args(hint)[0]) and value is not None:  # List[EnvEntry]
@@ -56,6 +63,20 @@ def check_fields(cfg: DictConfig) -> None:
                     walk(get_args(hint)[0], item, f"{key}.{k}.")
 
     walk(RunConfig, cfg, "")
+
+
+def length_violation(hint: Any, value: Any, default: Any = None) -> Optional[str]:
+    """A fixed-length field (typed `Tuple[X, Y]` in the schema; `Tuple[X, ...]` takes any
+    length) given another number of values."""
+    from typing import Union, get_args, get_origin
+
+    if get_origin(hint) is Union:  # Optional[Tuple[...]]
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    args = get_args(hint)
+    if get_origin(hint) is not tuple or value is None or (args and args[-1] is Ellipsis) or len(value) == len(args):
+        return None
+    example = list(default) if isinstance(default, tuple) else [a.__name__ for a in args]
+    return f"takes exactly {len(args)} values, e.g. {example} (got {len(value)}: {list(value)})"
 
 
 def check_difficulty_filter(cfg: DictConfig) -> None:
@@ -86,6 +107,20 @@ def check_batch(cfg: DictConfig) -> None:
             f"{o.batch_size} is not a multiple of orchestrator.group_size={o.group_size}; "
             f"set it to {lower} or {lower + o.group_size}",
         )
+
+
+def check_group_size(cfg: DictConfig) -> None:
+    """A group of one is always dropped: in rl its advantage (its reward minus the group's
+    mean) is 0, and the orchestrator keeps no group of fewer than 2 valid rollouts in any
+    training mode (`prime_hpc.orchestrator.rollouts.judge_group`), so opd and sft could not
+    fill a step either. Runs without groups (SFT on a dataset, benches) do not care."""
+    o = cfg.orchestrator
+    if o.group_size >= 2 or cfg.trainer.type != "rl" or cfg.bench.mode is not None:
+        return
+    why = ("an RL group of one has zero advantage: its reward minus the group's mean" if o.training_mode == "rl"
+           else f"the orchestrator keeps no group of fewer than 2 rollouts, with training_mode={o.training_mode} too")
+    raise ConfigError("orchestrator.group_size", f"{o.group_size}: every group would be dropped ({why}); "
+                                                 "set it to 2 or more")
 
 
 def check_lengths(cfg: DictConfig) -> None:
@@ -204,6 +239,7 @@ def check_slurm(cfg: DictConfig) -> None:
         if "\n" in line or not line.strip().startswith("-"):
             raise ConfigError(f"cluster.sbatch_extra.{i}", f"{line!r} must be one sbatch option such as "
                                                            "--mail-type=END (no newline)")
+        check_sbatch_option(i, line)
     for g in ("orchestrator", "inference", "trainer"):
         r = c[g]
         if r.cpus_per_task < 1:
@@ -214,6 +250,22 @@ def check_slurm(cfg: DictConfig) -> None:
             raise ConfigError(f"cluster.{g}.nproc_per_node", f"must be >= 1 or null (got {r.nproc_per_node})")
         if r.mem_gb is not None and r.mem_gb <= 0:
             raise ConfigError(f"cluster.{g}.mem_gb", f"must be > 0 or null (got {r.mem_gb})")
+
+
+def check_sbatch_option(i: int, line: str) -> None:
+    """`--export` and `--export-file` (also abbreviated: sbatch takes `--export-f`) are
+    prime-hpc's own: the job must get the submitting environment, the only way the
+    inference API key reaches it (`prime_hpc.launcher.launch.job_api_key`); an export file
+    replaces that environment even next to `--export=ALL`. `--get-user-env` only adds the
+    login environment below it: allowed."""
+    from prime_hpc.core.jobenv import API_KEY_VAR
+
+    option = re.split(r"[=\s]", line.strip(), maxsplit=1)[0]
+    if option == "--export" or (option.startswith("--export-") and "--export-file".startswith(option)):
+        raise ConfigError(f"cluster.sbatch_extra.{i}", f"{line.strip()!r}: prime-hpc passes the job the submitting "
+                                                       f"environment itself (${API_KEY_VAR} reaches the job only that "
+                                                       "way); drop this line and set variables in cluster.env_setup, "
+                                                       "e.g. 'export NAME=value'")
 
 
 def check_memory(cfg: DictConfig) -> None:
@@ -362,6 +414,17 @@ def check_output_dir(cfg: DictConfig) -> None:
         ) from None
 
 
+def check_cache_dir(cfg: DictConfig) -> None:
+    """The compile caches (code vLLM and inductor load and run) live in the user's private
+    directory of `cluster.cache_dir` (`usercache.compile_dir`): refused now, writing
+    nothing, when it is a symlink, someone else's or writable by others, or cannot be
+    made. The server checks it again before its engine starts."""
+    from prime_hpc.config.compose import cache_root
+    from prime_hpc.core import usercache
+
+    usercache.compile_dir(cache_root(cfg), create=False)
+
+
 def check_name(cfg: DictConfig) -> None:
     if not str(cfg.name).strip():
         raise ConfigError("name", "must not be empty")
@@ -373,6 +436,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_difficulty_filter,
     check_positive,
     check_batch,
+    check_group_size,
     check_lengths,
     check_gpus,
     check_slurm,
@@ -385,6 +449,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_envs,
     check_bench,
     check_output_dir,
+    check_cache_dir,
 )
 
 

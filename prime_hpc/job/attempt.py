@@ -232,13 +232,19 @@ def request_checkpoint(run: RunDir, reason: str) -> None:
 
 
 def max_requeues(run: RunDir) -> int:
+    """`cluster.max_requeues` of the run's config.yaml; the schema's default where the file
+    does not say (no such key, or no readable file)."""
     import yaml
 
+    from prime_hpc.config.schema import ClusterConfig
+
+    default = int(ClusterConfig.max_requeues)  # the field's declared default
     try:
         cfg = yaml.safe_load(run.config_yaml.read_text()) or {}
-        return int((cfg.get("cluster") or {}).get("max_requeues", 0))
-    except (OSError, ValueError, TypeError):
-        return 0
+        value = (cfg.get("cluster") or {}).get("max_requeues")
+        return default if value is None else int(value)
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        return default
 
 
 def requeue(run: RunDir, job_id: str, reason: str) -> str:

@@ -77,11 +77,21 @@ def required_modules(group: str) -> list[str]:
     return list(IMPORTS[group]) + extra
 
 
+def _import(name: str) -> Any:
+    """A module by its name, or a run's env id in the other forms the orchestrator loads
+    (a path, a distribution name, owner/name: `prime_hpc.orchestrator.envs.import_env_module`)."""
+    if all(part.isidentifier() for part in name.split(".")):
+        return importlib.import_module(name)
+    from prime_hpc.orchestrator.envs import import_env_module
+
+    return import_env_module(name)
+
+
 def _imports(group: str) -> str:
     versions, missing = [], []
     for mod in required_modules(group):
         try:
-            m = importlib.import_module(mod)
+            m = _import(mod)
         except Exception as e:
             missing.append(f"{mod} ({type(e).__name__}: {e})")
             continue

@@ -20,7 +20,7 @@ from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.job.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
-from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text
+from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text, with_umask
 # re-exported: what a job is doing, light for the read-only commands
 from prime_hpc.launcher.state import cancel, group_states, job_state, pipeline_refs  # noqa: F401
 
@@ -125,21 +125,50 @@ def prepare(cfg: DictConfig, mode: str = "run", resume: bool = False,
     if not validated:
         validate(cfg)
     run = RunDir(cfg.output_dir)
-    if mode == "run":
-        check_fresh(cfg, resume, dry_run)
-        if cfg.clean_output_dir and not resume and not dry_run:
-            run.wipe()
-    else:
-        run = run.doctor_run
-        run.wipe()
-        cfg = cfg.copy()
-        cfg.cluster.cache_dir = cache_root(cfg)  # the run's, not one next to doctor/
-        cfg.output_dir = str(run.root)
-    plan = make_plan(cfg, mode)
-    plan.after = list(after)
-    plan.env.update(extra_env or {})
-    write_launch_files(cfg, run, plan)
+    with with_umask(cfg.cluster.umask):  # as submit: a dry run's files are the run's
+        if mode == "run":
+            check_fresh(cfg, resume, dry_run)
+            if cfg.clean_output_dir and not resume and not dry_run:
+                run.wipe()
+        else:
+            run = run.doctor_run
+            reset_doctor_dir(run)
+            cfg = cfg.copy()
+            cfg.cluster.cache_dir = cache_root(cfg)  # the run's, not one next to doctor/
+            cfg.output_dir = str(run.root)
+        plan = make_plan(cfg, mode)
+        plan.after = list(after)
+        plan.env.update(extra_env or {})
+        write_launch_files(cfg, run, plan)
     return run, plan
+
+
+def reset_doctor_dir(run: RunDir) -> None:
+    """Make a preflight's directory (`<output_dir>/doctor/`) empty and mark it as doctor's.
+    What an earlier `doctor` wrote there (a directory holding this user's marker) is
+    removed; a directory holding anything else, or that is not a plain directory, is
+    refused and nothing is deleted."""
+    import stat
+
+    root = run.root
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise ConfigError("output_dir", f"{root} is not a directory prime-hpc doctor made (a symlink, a file or "
+                                            "someone else's); move it away or choose another output_dir")
+        try:
+            mark = os.lstat(run.doctor_marker)
+            ours = stat.S_ISREG(mark.st_mode) and mark.st_uid == os.getuid()
+        except FileNotFoundError:
+            ours = False
+        if not ours and any(os.scandir(root)):
+            raise ConfigError("output_dir", f"{root} holds files prime-hpc doctor did not write; move them away "
+                                            "or choose another output_dir")
+        run.wipe()
+    atomic_write_text(run.doctor_marker, "written by prime-hpc doctor: this directory is emptied at each doctor run\n")
 
 
 def expected_reports(plan: Plan) -> dict[str, int]:
@@ -158,11 +187,8 @@ def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume:
            pipeline: Optional[dict] = None, sweep: Optional[dict] = None) -> Submitted:
     """Submit one job. `after`: jobs it starts after (a pipeline's warm-up, an earlier
     point of a sweep); `pipeline`, `sweep`: recorded in job.json to tie the jobs together."""
-    umask = os.umask(int(str(cfg.cluster.umask), 8))  # the run dir, and sbatch's output files
-    try:
+    with with_umask(cfg.cluster.umask):  # the run dir, and sbatch's output files
         return _submit(cfg, overrides, mode, resume, extra_env, after, pipeline, sweep)
-    finally:
-        os.umask(umask)
 
 
 def _submit(cfg: DictConfig, overrides: Sequence[str], mode: str, resume: bool, extra_env: Optional[dict[str, str]],

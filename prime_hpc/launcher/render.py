@@ -39,20 +39,30 @@ def _env():
 
     from prime_hpc.core import usercache
 
-    class CompiledTemplates(jinja2.FileSystemBytecodeCache):
-        """Each template compiled once and kept, not at every submit (Jinja checks the
-        source's checksum); a cache that cannot be written (a read-only home) is no error."""
+    class CompiledTemplates(jinja2.BytecodeCache):
+        """Each template compiled once and kept in the user's own cache, not at every
+        submit (Jinja checks the source's checksum). Compiled code is loaded only from a
+        file and directory of the user's alone (`usercache.read`); a cache that cannot be
+        written (a read-only home) is no error."""
+
+        def __init__(self, directory: Path) -> None:
+            self.directory = directory
+
+        def load_bytecode(self, bucket: Any) -> None:
+            data = usercache.read(self.directory, f"{bucket.key}.cache")
+            if data is not None:
+                bucket.bytecode_from_string(data)
 
         def dump_bytecode(self, bucket: Any) -> None:
             try:
-                super().dump_bytecode(bucket)
-            except OSError:
+                usercache.write(self.directory, f"{bucket.key}.cache", bucket.bytecode_to_string())
+            except (OSError, usercache.Untrusted):
                 pass
 
     compiled = usercache.directory("templates")
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        bytecode_cache=CompiledTemplates(str(compiled)) if compiled else None,
+        bytecode_cache=CompiledTemplates(compiled) if compiled else None,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,

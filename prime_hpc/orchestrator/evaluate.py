@@ -6,7 +6,14 @@ It starts one inference server for the run's model on this machine (its files un
 `/update_weights`, runs every eval env (`orchestrator.eval.*`: `num_examples`,
 `rollouts_per_example`) and writes `<run>/eval/step_<N>.json` with
 `eval/<env>/avg@k` and `eval/<env>/pass@k`. Overrides (`orchestrator.eval.num_examples=20`,
-`inference.dtype=float32`, ...) apply on top of the run's `config.yaml`.
+`inference.dtype=float32`, ...) apply on top of the run's `config.yaml`, typed as `resume`
+applies them (a misspelt key or a wrong type fails in one line naming the key).
+
+The server demands a key made for it (`INFERENCE_SERVER_API_KEY` in its environment only);
+eval's own calls carry it. Everything eval writes gets the run's `cluster.umask`. A run
+that belongs to someone else is scored with the user's own code only: its eval env ids
+that are paths, `model.trust_remote_code=true` and `inference.extra_args` are refused
+unless the user restates them as overrides or passes `--trust-run-code`.
 
 `prime-hpc eval model=<name|path> env=<id>[,<id>...]` (or `client.base_url=<endpoint>`
 instead of a model) scores any model or running endpoint on any env ids, without a run:
@@ -25,7 +32,7 @@ from typing import Any, Iterator, Optional
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, atomic_write_json
+from prime_hpc.rundir import RunDir, atomic_write_json, with_umask
 
 
 def target_run(target: str) -> tuple[RunDir, Optional[int]]:
@@ -50,15 +57,73 @@ def parse_steps(value: str) -> list[int]:
         raise UserError(f"steps={value}: expected comma-separated step numbers, e.g. steps=10,20") from None
 
 
+def recorded_run(run: RunDir, overrides: list[str]) -> tuple[Any, int]:
+    """The run's `config.yaml` on the typed schema with `overrides` applied as `resume`
+    applies them (an unknown key or a wrong type fails in one line naming the key), and
+    the uid owning the file, read from the descriptor the config was read from."""
+    from prime_hpc.config.compose import recorded_config
+
+    with open(run.config_yaml) as f:
+        owner = os.fstat(f.fileno()).st_uid
+        return recorded_config(f, overrides), owner
+
+
+def _restated(key: str, overrides: list[str]) -> bool:
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return any(key == k or key.startswith(k + ".") for k in given)
+
+
+def foreign_code(cfg: Any, overrides: list[str]) -> list[str]:
+    """What in a run's config would make eval run code other than the user's installed
+    packages: eval env ids that are paths, `model.trust_remote_code=true` and
+    `inference.extra_args` (vLLM options can load plugins); what the user's own
+    overrides restate or replace is theirs."""
+    from prime_hpc.config.env_ids import UnknownEnv, resolve
+
+    found = []
+    for i, entry in enumerate(cfg.orchestrator.eval.env):
+        key = f"orchestrator.eval.env.{i}.id"
+        try:
+            is_path = resolve(str(entry.id)).path is not None
+        except UnknownEnv:
+            is_path = False  # not loadable at all: eval fails on it anyway
+        if is_path and not _restated(key, overrides):
+            found.append(f"{key}={entry.id} (a path)")
+    if cfg.model.trust_remote_code and not _restated("model.trust_remote_code", overrides):
+        found.append("model.trust_remote_code=true")
+    if cfg.inference.extra_args and not _restated("inference.extra_args", overrides):
+        found.append(f"inference.extra_args={list(cfg.inference.extra_args)}")
+    return found
+
+
+def check_foreign_run(run: RunDir, owner: int, cfg: Any, overrides: list[str], trust: bool) -> None:
+    """A run of someone else's is scored with the user's code only, unless the user says
+    otherwise: `--trust-run-code`, or restating those keys as overrides."""
+    from prime_hpc.core.usercache import owner_name
+
+    if owner == os.getuid() or trust:
+        return
+    found = foreign_code(cfg, overrides)
+    if found:
+        raise UserError(f"{run.config_yaml} belongs to {owner_name(owner)}: refusing what would run code of theirs: "
+                        f"{', '.join(found)}; to allow it pass --trust-run-code, or restate it as an override "
+                        f"(e.g. {found[0].split(' ')[0]})")
+
+
 @contextlib.contextmanager
-def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
+def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]:
     """One inference server for `cfg.model.name` on this machine, its files under `edir`
-    (configs, endpoints, logs); yields its URL and stops it (and its process group)."""
+    (configs, endpoints, logs); yields its URL and the key it demands (made for this
+    server, given to it only through its environment), then stops it (and its process
+    group)."""
+    import secrets
+
     from prime_hpc.config.compose import write_component_config
     from prime_hpc.core.jobenv import CACHE_VAR
     from prime_hpc.inference.client import wait_for_servers
     from prime_hpc.core.net import address_env
 
+    key = secrets.token_urlsafe(32)
     cfg.output_dir = str(edir.root)
     cfg.cluster.inference.nodes = 1
     inference_yaml = write_component_config(cfg, "inference")
@@ -72,12 +137,12 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
         server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
                                    str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
                                   env={**os.environ, jobenv.LOGS_VAR: str(edir.logs_root), jobenv.NODE_RANK_VAR: "0",
-                                       CACHE_VAR: cache, **address_env(cfg.cluster.address)},
+                                       CACHE_VAR: cache, jobenv.API_KEY_VAR: key, **address_env(cfg.cluster.address)},
                                   start_new_session=True)
     try:
         print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
         yield wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.logs_root,
-                               alive=lambda: server.poll() is None)[0]["url"]
+                               alive=lambda: server.poll() is None)[0]["url"], key
     finally:
         server.terminate()
         try:
@@ -90,13 +155,9 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[str]:
             pass
 
 
-def run_eval(target: str, args: list[str]) -> int:
-    from omegaconf import OmegaConf
-
-    from prime_hpc.config.compose import cache_root, component_config
-    from prime_hpc.inference.client import Admin, api_key
-    from prime_hpc.orchestrator.client import make_client
-    from prime_hpc.orchestrator.loop import Orchestrator
+def run_eval(target: str, args: list[str], trust_run_code: bool = False) -> int:
+    from prime_hpc.config.compose import cache_root
+    from prime_hpc.core import usercache
 
     run, one_step = target_run(target)
     steps_arg = [a for a in args if a.startswith("steps=")]
@@ -109,36 +170,42 @@ def run_eval(target: str, args: list[str]) -> int:
     if missing or not steps:
         raise UserError(f"no complete weights for step(s) {missing or steps} in {run.weights_dir}; "
                         f"available: {available or 'none'}")
-    cfg = OmegaConf.load(run.config_yaml)
-    try:
-        cfg.merge_with(OmegaConf.from_dotlist(overrides))
-    except Exception as e:
-        raise UserError(f"bad override: {e}") from None
+    cfg, owner = recorded_run(run, overrides)
     if not cfg.orchestrator.eval.env:
         raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
-    edir = RunDir(run.eval_dir)
-    with eval_server(cfg, edir, cache_root(cfg)) as url:  # the run's cache: its compile cache is reused
-        orch = Orchestrator(component_config(cfg, "orchestrator"))
-        orch.load_envs(train=False)
-        orch.use_server(make_client(url + "/v1", api_key()))
-        admin = Admin([url])
+    check_foreign_run(run, owner, cfg, overrides, trust_run_code)
+    cache = cache_root(cfg)  # the run's cache: its built models (and the user's compile cache there) are reused
+    usercache.compile_dir(cache, create=False)
+    with with_umask(cfg.cluster.umask), eval_server(cfg, RunDir(run.eval_dir), cache) as (url, key):
+        score_steps(run, cfg, steps, url, key)
+    print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json for steps {steps}")
+    return 0
 
-        async def all_steps() -> list[dict]:
-            rows = []
-            for step in steps:
-                await admin.update_weights(run.weights_step(step), step)
-                t0 = time.monotonic()
-                metrics = await orch.evaluate(step)
-                row = {"step": step, **metrics, "time/eval": time.monotonic() - t0}
-                atomic_write_json(run.eval_result(step), row)
-                print("  ".join([f"step {step:>5}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
-                rows.append(row)
-            await admin.aclose()
-            return rows
 
-        asyncio.run(all_steps())
-        print(f"prime-hpc eval: wrote {edir.root}/step_<n>.json for steps {steps}")
-        return 0
+def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str) -> None:
+    """Load each step's weights into the server at `url`, run the eval envs, write
+    `<run>/eval/step_<n>.json` and print a row."""
+    from prime_hpc.config.compose import component_config
+    from prime_hpc.inference.client import Admin
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.loop import Orchestrator
+
+    orch = Orchestrator(component_config(cfg, "orchestrator"))
+    orch.load_envs(train=False)
+    orch.use_server(make_client(url + "/v1", key))
+    admin = Admin([url], key=key)
+
+    async def all_steps() -> None:
+        for step in steps:
+            await admin.update_weights(run.weights_step(step), step)
+            t0 = time.monotonic()
+            metrics = await orch.evaluate(step)
+            row = {"step": step, **metrics, "time/eval": time.monotonic() - t0}
+            atomic_write_json(run.eval_result(step), row)
+            print("  ".join([f"step {step:>5}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
+        await admin.aclose()
+
+    asyncio.run(all_steps())
 
 
 STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model")
@@ -156,6 +223,7 @@ def run_standalone(args: list[str]) -> int:
     `<out>/eval.json` and prints one row per env: avg@k and pass@k."""
     from prime_hpc.config.compose import cache_root, compose, component_config
     from prime_hpc.config.schema import EnvEntry
+    from prime_hpc.core import usercache
     from prime_hpc.inference.client import api_key
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import env_name
@@ -188,18 +256,21 @@ def run_standalone(args: list[str]) -> int:
         orch.use_server(make_client(url, key), model)
         return asyncio.run(orch.evaluate(0))
 
-    if "client.base_url" in opts:
-        base = opts["client.base_url"].rstrip("/")
-        metrics = evaluate(base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, api_key())
-        where = base
-    else:
-        edir.root.mkdir(parents=True, exist_ok=True)
-        with eval_server(cfg, edir, cache_root(cfg)) as url:
-            metrics = evaluate(url + "/v1", cfg.model.name, api_key())
-        where = "a server started for it"
-    result = {"model": name, "endpoint": where, "envs": envs, "rollouts_per_example": k, "num_examples": n,
-              "metrics": metrics, "time_s": round(time.monotonic() - t0, 1), "at": time.time()}
-    path = atomic_write_json(out / "eval.json", result)
+    with with_umask(cfg.cluster.umask):
+        if "client.base_url" in opts:
+            base = opts["client.base_url"].rstrip("/")
+            metrics = evaluate(base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name,
+                               api_key())
+            where = base
+        else:
+            usercache.compile_dir(cache_root(cfg), create=False)
+            edir.root.mkdir(parents=True, exist_ok=True)
+            with eval_server(cfg, edir, cache_root(cfg)) as (url, key):
+                metrics = evaluate(url + "/v1", cfg.model.name, key)
+            where = "a server started for it"
+        result = {"model": name, "endpoint": where, "envs": envs, "rollouts_per_example": k, "num_examples": n,
+                  "metrics": metrics, "time_s": round(time.monotonic() - t0, 1), "at": time.time()}
+        path = atomic_write_json(out / "eval.json", result)
     print(f"{'ENV':24} {f'AVG@{k}':>8} {f'PASS@{k}':>8}")
     for e in (env_name(EnvEntry(id=e)) for e in envs):
         print(f"{e:24} {metrics.get(f'eval/{e}/avg@{k}', float('nan')):8.3f} "

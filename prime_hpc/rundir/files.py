@@ -12,13 +12,14 @@ lists the parent directory (readdir revalidates the directory) and opens the fil
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 STABLE = "STABLE"
 TMP_PREFIX = ".tmp."
@@ -56,6 +57,17 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+@contextlib.contextmanager
+def with_umask(value: str | int) -> Iterator[None]:
+    """Everything created meanwhile by this process, and the processes and jobs it
+    starts, gets the umask `value` (`cluster.umask`, octal text such as "027")."""
+    previous = os.umask(int(str(value), 8))
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 def _file_mode() -> int:

@@ -356,6 +356,12 @@ class RunDir:
         return RunDir(self.root / "doctor")
 
     @property
+    def doctor_marker(self) -> Path:
+        """Of a preflight's directory (`doctor_run`): written there before anything else; a
+        later `prime-hpc doctor` empties only a directory holding this user's marker."""
+        return self.root / ".prime-hpc-doctor"
+
+    @property
     def preflight_dir(self) -> Path:
         return self.root / "preflight"
 

@@ -3,7 +3,8 @@
     checkpoints/step_<n>/trainer/
       .metadata, __<rank>_0.distcp    torch DCP: {"model": ..., "optim": ...}, sharded as trained
       state.json                      rank 0: step, progress, LR scheduler, dataloader position
-      rng_rank_<r>.pt                 each rank's RNG streams
+      rng_rank_<r>.pt                 each rank's RNG streams (tensors and plain values: loaded
+                                      with torch.load(weights_only=True), nothing unpickled runs)
       STABLE                          written last, once every rank's shards are on disk
 
 When: every `ckpt.interval` steps, and at the last step when `ckpt.enabled` (or an
@@ -21,12 +22,14 @@ so the resumed run continues bit for bit as the original would have.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from prime_hpc.core import device as devices
+from prime_hpc.core.errors import UserError
 from prime_hpc.rundir.checkpoints import CheckpointWriteError, remove_marked, rotate
 from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
 from prime_hpc.trainer.dist import DistEnv
@@ -67,8 +70,7 @@ class Checkpointer:
         dist.barrier()
         d.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = engine.state_dicts()
-        buf = _torch_bytes(devices.rng_state(self.env.device_kind))
-        atomic_write_bytes(d / f"rng_rank_{self.env.rank}.pt", buf)
+        save_rng(d / f"rng_rank_{self.env.rank}.pt", self.env.device_kind)
         if self.env.is_main:
             atomic_write_json(d / "state.json", {"step": step, "world_size": self.env.world_size,
                                                  "scheduler": engine.scheduler.state_dict(), **state})
@@ -118,7 +120,7 @@ class Checkpointer:
         engine.scheduler.load_state_dict(state["scheduler"])
         rng = d / f"rng_rank_{self.env.rank}.pt"
         if rng.exists() and state.get("world_size") == self.env.world_size:
-            devices.set_rng_state(self.env.device_kind, torch.load(rng, weights_only=False))
+            load_rng(rng, self.env.device_kind)
         return state
 
     def close(self) -> None:
@@ -128,10 +130,27 @@ class Checkpointer:
             self._group = None
 
 
-def _torch_bytes(obj: Any) -> bytes:
+def save_rng(path: Path, device_kind: str) -> None:
+    """This rank's RNG streams, as tensors and plain Python values only (what
+    `torch.load(weights_only=True)` accepts)."""
     import io
 
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    torch.save(devices.rng_state(device_kind), buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_rng(path: Path, device_kind: str) -> None:
+    """Restore the RNG streams `save_rng` wrote. Loaded with `weights_only=True`: a file
+    holding anything else (objects that would run code when unpickled) is refused in one
+    line, and nothing of it is executed."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        devices.set_rng_state(device_kind, state)
+    except (pickle.UnpicklingError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{path}: not an RNG state as the trainer writes it ({why}); resume from another "
+                        f"checkpoint (ckpt.step=N)") from None
 

@@ -68,8 +68,13 @@ def test_commands_that_only_read_import_no_config_or_submission_stack(argv, tmp_
 
 def test_dry_run_writes_launch_files_and_submits_nothing(tmp_path):
     out = tmp_path / "run"
-    r = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--dry-run")
+    previous = os.umask(0o022)  # what the user's shell gives; the files get cluster.umask (027)
+    try:
+        r = cli("submit", "+experiment=reverse_text", f"output_dir={out}", "--dry-run")
+    finally:
+        os.umask(previous)
     assert r.returncode == 0, r.stderr
+    assert all(p.stat().st_mode & 0o007 == 0 for p in out.rglob("*"))
     for rel in ("config.yaml", "configs/orchestrator.yaml", "configs/trainer.yaml", "configs/inference.yaml",
                 "submit/rl.sbatch",  # the RL run, and its SFT warm-up: a plain job of the trainer alone
                 "warmup/config.yaml", "warmup/configs/trainer.yaml", "warmup/submit/sft.sbatch"):
@@ -103,13 +108,31 @@ def test_sweep_dry_run_gives_each_point_its_own_dir(tmp_path):
 
 
 def test_local_preflight_with_hostile_paths(tmp_path):
+    """A preflight with shell-hostile paths passes; its files get cluster.umask. Its
+    directory (<output_dir>/doctor/) is refused while it holds a file doctor did not write,
+    and nothing of it is deleted."""
     out = tmp_path / HOSTILE
-    r = cli("doctor", "+experiment=reverse_text", f"output_dir={hydra_quote(str(out))}", "--timeout", "300")
+    argv = ["doctor", "+experiment=reverse_text", f"output_dir={hydra_quote(str(out))}", "--timeout", "300"]
+    notes = RunDir(out).doctor_run.root / "notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("mine")
+    r = cli(*argv)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "did not write" in r.stderr, r.stderr
+    assert [p.name for p in notes.parent.iterdir()] == ["notes.txt"] and notes.read_text() == "mine"
+    notes.unlink()
+    previous = os.umask(0o022)  # what the user's shell gives
+    try:
+        r = cli(*argv)
+    finally:
+        os.umask(previous)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "preflight PASS" in r.stdout
     assert not (tmp_path / "PWNED").exists() and not (REPO / "PWNED").exists()
     summary = json.loads(RunDir(out).doctor_run.preflight_summary.read_text())
     assert summary["ok"] and set(summary["groups"]) == {"orchestrator", "inference", "router", "trainer"}
+    written = list(notes.parent.rglob("*"))
+    assert all(p.lstat().st_mode & 0o007 == 0 for p in written if not p.is_symlink()), \
+        [(str(p), oct(p.lstat().st_mode)) for p in written if p.lstat().st_mode & 0o007]
 
 
 def test_local_lifecycle_submit_status_tail_cancel(tmp_path):

@@ -190,13 +190,13 @@ def test_policy_lag_is_bounded_while_a_slow_trainer_publishes_weights(keyed, tmp
     assert max(r["time/wait_for_ckpt"] for r in rows) > 0
 
 
-def _run_with_weights(root: Path, steps: dict[int, int]) -> RunDir:
+def _run_with_weights(root: Path, steps: dict[int, int], *overrides: str) -> RunDir:
     from omegaconf import OmegaConf
 
     from prime_hpc.model import build_tiny_model
 
     cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "orchestrator.eval.num_examples=4",
-                   "orchestrator.eval.rollouts_per_example=1", "inference.dtype=float32"])
+                   "orchestrator.eval.rollouts_per_example=1", "inference.dtype=float32", *overrides])
     root.mkdir(parents=True)
     OmegaConf.save(cfg, root / "config.yaml", resolve=True)
     run = RunDir(root)
@@ -216,18 +216,59 @@ def test_eval_of_missing_steps_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.vllm
-def test_eval_scores_saved_weights_of_a_run(tmp_path):
-    from tests.conftest import cli
+def test_eval_scores_saved_weights_of_a_run(tmp_path, monkeypatch, capsys):
+    """Here the run is someone else's (its config.yaml belongs to another uid) and names its
+    eval env by path: refused, nothing started or written, until the user says
+    --trust-run-code. The server eval starts demands a key of its own, which eval's calls
+    carry and no file holds; what eval writes gets the run's cluster.umask."""
+    import contextlib
+    import os
 
-    run = _run_with_weights(tmp_path / "run", {1: 5, 2: 6})
-    r = cli("eval", str(run.root), "steps=1,2", timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    import httpx
+
+    from prime_hpc.cli import main
+    from prime_hpc.orchestrator import evaluate
+    from tests.conftest import REPO
+
+    env_path = REPO / "examples" / "reverse_text" / "reverse_text"
+    run = _run_with_weights(tmp_path / "run", {1: 5, 2: 6}, f"orchestrator.eval.env=[{{id: '{env_path}'}}]")
+    os.chown(run.config_yaml, 65534, 65534)
+    capsys.readouterr()
+    assert main(["eval", str(run.root), "steps=1,2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "orchestrator.eval.env.0.id" in err and "--trust-run-code" in err, err
+    assert not run.eval_dir.exists()
+    real, seen = evaluate.eval_server, {}
+
+    @contextlib.contextmanager
+    def probed(*a, **k):
+        with real(*a, **k) as (url, key):
+            for name, auth in (("none", None), ("wrong", "not-the-key"), ("key", key)):
+                headers = {"Authorization": f"Bearer {auth}"} if auth else {}
+                seen[name] = httpx.get(url + "/v1/models", headers=headers, timeout=60).status_code
+            seen["the key"] = key
+            yield url, key
+
+    monkeypatch.setattr(evaluate, "eval_server", probed)
+    monkeypatch.delenv("INFERENCE_SERVER_API_KEY", raising=False)  # eval needs none of the user's
+    previous = os.umask(0o022)
+    try:
+        code = main(["eval", str(run.root), "steps=1,2", "--trust-run-code"])
+    finally:
+        os.umask(previous)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
     for step in (1, 2):
         row = json.loads(run.eval_result(step).read_text())
         assert row["step"] == step
         assert 0.0 <= row["eval/reverse_text/avg@1"] <= 1.0 and row["eval/reverse_text/pass@1"] in (0.0, 0.25, 0.5, 0.75, 1.0)
-        assert f"step     {step}" in r.stdout
+        assert f"step     {step}" in out
     assert not (run.eval_dir / "endpoints" / "inference_0.json").exists()  # its server is gone
+    key = seen.pop("the key")
+    assert seen == {"none": 401, "wrong": 401, "key": 200} and "INFERENCE_SERVER_API_KEY" not in os.environ
+    written = [p for p in run.eval_dir.rglob("*")]
+    assert all(key.encode() not in p.read_bytes() for p in written if p.is_file())
+    assert written and all(p.stat().st_mode & 0o007 == 0 for p in written), [oct(p.stat().st_mode) for p in written]
 
 
 @pytest.mark.vllm

@@ -129,3 +129,103 @@ def test_composition_errors_are_one_line(override, needle):
         compose(["+experiment=reverse_text", override])
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _fixed_length_fields() -> list[tuple[str, int]]:
+    """(dotted key, length) of every fixed-length field of the schema (typed Tuple[X, Y])."""
+    import typing
+    from dataclasses import fields, is_dataclass
+
+    from prime_hpc.config.schema import RunConfig
+
+    out = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            args = typing.get_args(hint)
+            if is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.")
+            elif typing.get_origin(hint) is tuple and args and args[-1] is not Ellipsis:
+                out.append((prefix + f.name, len(args)))
+
+    walk(RunConfig, "")
+    return out
+
+
+def test_every_fixed_length_field_refuses_another_length(tmp_path):
+    found = _fixed_length_fields()
+    assert ("trainer.optim.betas", 2) in found
+    for key, n in found:
+        for values in ([0.5] * (n - 1), [0.5] * (n + 1)):
+            cfg = make(tmp_path, f"{key}=[{','.join(map(str, values))}]")
+            with pytest.raises(ConfigError) as e:
+                validate(cfg)
+            assert e.value.key == key and f"takes exactly {n} values" in str(e.value) and "\n" not in str(e.value)
+        validate(make(tmp_path, f"{key}=[{','.join(['0.5'] * n)}]"))
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """The CLI's answer to a bad submit: exit code 2 and one line on stderr."""
+    from prime_hpc.cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, code, out, err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("prime-hpc: error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["trainer.optim.betas=[0.9]"], ["trainer.optim.betas", "exactly 2 values", "got 1"]),
+    (["trainer.optim.betas=[0.9,0.99,0.999]"], ["trainer.optim.betas", "exactly 2 values", "got 3"]),
+    (["orchestrator.env=[{ratio: 1}]"], ["orchestrator.env.0.id", "not set"]),
+    (["orchestrator.group_size=1"], ["orchestrator.group_size", "zero advantage", "2 or more"]),
+    (["cluster=slurm", "cluster.sbatch_extra=['--export=NONE']"],
+     ["cluster.sbatch_extra.0", "'--export=NONE'", "INFERENCE_SERVER_API_KEY", "cluster.env_setup"]),
+])
+def test_bad_submits_are_refused_in_one_line_and_write_nothing(overrides, needles, tmp_path, capsys):
+    out = tmp_path / "run"
+    line = _refused(["submit", "+experiment=reverse_text", f"output_dir={out}", *overrides, "--dry-run"], capsys)
+    assert all(n in line for n in needles), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("mode, extra", [("rl", []), ("opd", ["orchestrator.teacher.client.base_url=http://h:1/v1"]),
+                                         ("sft", ["orchestrator.teacher.client.base_url=http://h:1/v1"])])
+def test_a_group_of_one_is_refused_where_every_group_would_be_dropped(mode, extra, tmp_path):
+    from prime_hpc.orchestrator.rollouts import Rollout, advantages, judge_group
+
+    one = Rollout(env="e", example_id=0, reward=1.0, input_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0, 0.0],
+                  policy_steps=[0], num_turns=1, is_truncated=False)
+    assert advantages([0.7]) == [0.0]  # why rl cannot learn from it
+    assert judge_group([one], step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False).reason
+    cfg = make(tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", f"orchestrator.training_mode={mode}",
+               *extra)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "orchestrator.group_size" and "set it to 2 or more" in str(e.value)
+    validate(make(tmp_path, "orchestrator.group_size=2", "orchestrator.batch_size=8",
+                  f"orchestrator.training_mode={mode}", *extra))
+
+
+def test_a_group_of_one_is_fine_where_there_are_no_groups(tmp_path):
+    validate(compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}/sft", "orchestrator.group_size=1"]))
+    validate(make(tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", "bench.mode=inference"))
+
+
+@pytest.mark.parametrize("line", ["--export=NONE", "--export NONE", "--export=HOME,PATH", "--export=ALL,X=1",
+                                  "--export", " --export=ALL", "--export-file=/tmp/env", "--export-f=/tmp/env"])
+def test_sbatch_extra_may_not_choose_the_jobs_environment(line, tmp_path):
+    """The API key reaches the job only through the environment sbatch passes on: an
+    --export (even ALL: prime-hpc's own --export would override its variables) or an
+    --export-file (which replaces the environment, verified on SLURM 22.05) is refused."""
+    cfg = make(tmp_path, "cluster=slurm", f"cluster.sbatch_extra=['--mail-type=END', '{line}']")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "cluster.sbatch_extra.1" and "cluster.env_setup" in str(e.value)
+
+
+def test_sbatch_extra_options_that_keep_the_environment_pass(tmp_path):
+    validate(make(tmp_path, "cluster=slurm",
+                  "cluster.sbatch_extra=['--get-user-env', '--mail-type=END', '--exclusive', '--comment=export=NONE']"))

@@ -3,6 +3,7 @@ policy gate and API key, driven through the ASGI layer directly."""
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 
 import pytest
@@ -66,7 +67,7 @@ def test_data_parallel_defaults_to_the_node_gpus_and_lora_enables_adapters():
     assert "--data-parallel-size" not in cpu and "--tool-call-parser" not in cpu
 
 
-def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch):
+def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch, tmp_path):
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     env = srv.engine_env(_typed(_cfg(cpu_kvcache_space_gb=3, cpu_threads=6)))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["OMP_NUM_THREADS"] == "6"
@@ -81,13 +82,17 @@ def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch):
     monkeypatch.setenv("PRIME_HPC_CPUS", "1,3")
     env = srv.engine_env(_typed(_cfg()))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,3" and env["OMP_NUM_THREADS"] == "2"
-    # the compile cache lives in the run's shared cache, where a second start finds it
-    monkeypatch.setenv("PRIME_HPC_CACHE", "/shared/cache")
-    assert srv.engine_env(_typed(_cfg()))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
-    assert srv.engine_env(_typed(gpu))["VLLM_CACHE_ROOT"] == "/shared/cache/vllm"
+    # the compile cache lives in the user's private directory of the run's shared cache,
+    # where a second start finds it
+    shared = tmp_path / "shared"
+    private = shared / f"compile-{os.getuid()}"
+    monkeypatch.setenv("PRIME_HPC_CACHE", str(shared))
+    assert srv.engine_env(_typed(_cfg()))["VLLM_CACHE_ROOT"] == str(private / "vllm")
+    assert srv.engine_env(_typed(gpu))["VLLM_CACHE_ROOT"] == str(private / "vllm")
     # and so do inductor's compiled graphs (not a node-local /tmp/torchinductor_<user>)
-    assert srv.engine_env(_typed(_cfg()))["TORCHINDUCTOR_CACHE_DIR"] == "/shared/cache/inductor"
-    assert srv.engine_env(_typed(gpu))["TORCHINDUCTOR_CACHE_DIR"] == "/shared/cache/inductor"
+    assert srv.engine_env(_typed(_cfg()))["TORCHINDUCTOR_CACHE_DIR"] == str(private / "inductor")
+    assert srv.engine_env(_typed(gpu))["TORCHINDUCTOR_CACHE_DIR"] == str(private / "inductor")
+    assert private.stat().st_uid == os.getuid() and private.stat().st_mode & 0o777 == 0o700
 
 
 def test_step_is_read_from_the_weights_dir():

@@ -315,3 +315,30 @@ def test_a_failure_names_the_node_that_failed_first(tmp_path):
                                                       "log": str(logs / "trainer" / "node_2.log")}
     assert attempt.where_it_died(logs, "inference_3") == {"node": 3, "log": str(logs / "inference" / "node_3.log")}
     assert attempt.where_it_died(logs, "orchestrator") == {"node": 0, "log": str(logs / "orchestrator.log")}
+
+
+def test_the_requeue_cap_falls_back_to_the_schemas_default(tmp_path):
+    """A config.yaml without cluster.max_requeues (or none at all) caps requeues at the
+    schema's default, not at 0 (which would end every time-limited run at its first limit)."""
+    from dataclasses import fields
+
+    from prime_hpc.config.schema import ClusterConfig
+    from prime_hpc.rundir.jobs import read_job
+
+    default = next(f.default for f in fields(ClusterConfig) if f.name == "max_requeues")
+    assert default > 0
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    assert attempt.max_requeues(run) == default  # no config.yaml
+    for text in ("cluster: {}\n", "name: x\n", "cluster: {max_requeues: null}\n", ": : not yaml ["):
+        run.config_yaml.write_text(text)
+        assert attempt.max_requeues(run) == default, text
+    run.config_yaml.write_text("cluster: {max_requeues: 3}\n")
+    assert attempt.max_requeues(run) == 3
+    run.config_yaml.write_text("cluster: {max_requeues: 0}\n")
+    assert attempt.max_requeues(run) == 0
+    # the cap is what the message names when it is reached (no SLURM call on this path)
+    run.config_yaml.write_text("name: x\n")
+    atomic_write_json(run.job_json, {"requeues": default, "attempts": [{"job_id": "77", "attempt": 0}]})
+    assert f"cluster.max_requeues={default} reached" in attempt.requeue(run, "77", "TIMEOUT")
+    assert read_job(run)["state"] == "TIMEOUT"

@@ -181,3 +181,117 @@ def test_env_ids_as_users_write_them_pass_submit_and_load_alike(tmp_path):
         assert err and ("tried" in err or "package directory" in err), err
         with pytest.raises(UserError, match="cannot be imported"):
             load_env(EnvEntry(id=env_id, args={}))
+
+
+ECHO_ENV = '''"""An offline verifiers environment: answer with the word you are given."""
+import verifiers as vf
+from datasets import Dataset
+
+
+def load_environment(num_examples: int = 6):
+    rows = [{"question": f"word{i}", "answer": f"word{i}"} for i in range(num_examples)]
+    parser = vf.Parser(extract_fn=str.strip)
+
+    def same(completion, answer, parser=parser, **kw) -> float:
+        return float((parser.parse_answer(completion) or "").strip() == answer)
+
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), system_prompt="Repeat the word.", parser=parser,
+                            rubric=vf.Rubric(funcs=[same], parser=parser))
+'''
+
+
+def _env_project(root: Path, name: str, layout: str) -> Path:
+    """An environment project directory as verifiers environments are published:
+    pyproject.toml beside `<module>.py` ("flat") or `<module>/__init__.py` ("package")."""
+    module = name.replace("-", "_")
+    root.mkdir(parents=True)
+    (root / "pyproject.toml").write_text(f'[project]\nname = "{name}"\nversion = "0.1.0"\n'
+                                         'dependencies = ["verifiers>=0.3.1,<0.4"]\n')
+    if layout == "flat":
+        (root / f"{module}.py").write_text(ECHO_ENV)
+    else:
+        (root / module).mkdir()
+        (root / module / "__init__.py").write_text(ECHO_ENV)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["flat", "package"])
+def test_an_env_project_directory_loads_by_its_path_and_submit_records_it_absolute(layout, tmp_path, monkeypatch,
+                                                                                  capsys):
+    import sys
+
+    import yaml
+
+    from prime_hpc.cli import main
+    from prime_hpc.config.validate import env_import_error
+
+    name = f"echo-word-{layout}"  # a directory name that is no module name
+    module = name.replace("-", "_")
+    work = tmp_path / "work"
+    project = _env_project(work / "envs" / name, name, layout)
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader prepends the project's directory
+    try:
+        rel = f"./envs/{name}"
+        assert env_import_error(rel) is None
+        env = load_env(EnvEntry(id=rel, args={"num_examples": 5}))
+        assert len(dataset_rows(env.get_dataset())) == 5 and env.__class__.__name__ == "SingleTurnEnv"
+        out = tmp_path / "run"
+        assert main(["submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
+                     f"orchestrator.env=[{{id: {rel}}}]", "orchestrator.eval.env=[{id: ../work/envs/" + name + "}]",
+                     "--dry-run"]) == 0, capsys.readouterr().err
+        recorded = yaml.safe_load((out / "config.yaml").read_text())["orchestrator"]
+        given = yaml.safe_load((out / "configs" / "orchestrator.yaml").read_text())["orchestrator"]
+        for o in (recorded, given):
+            assert o["env"][0]["id"] == o["eval"]["env"][0]["id"] == str(project.resolve()), o
+        monkeypatch.chdir(tmp_path)  # a job starts elsewhere: the recorded id still names the project
+        sys.modules.pop(module, None)
+        env = load_env(EnvEntry(id=given["env"][0]["id"], args={"num_examples": 3}))
+        assert len(dataset_rows(env.get_dataset())) == 3
+    finally:
+        sys.modules.pop(module, None)
+
+
+def test_env_ids_that_are_no_path_and_no_module_are_refused_at_submit_naming_what_was_tried(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from prime_hpc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    _env_project(tmp_path / "echo_word_here", "echo-word-here", "flat")
+    broken = tmp_path / "broken_project"  # a pyproject.toml, no module beside it
+    broken.mkdir()
+    (broken / "pyproject.toml").write_text('[project]\nname = "broken-thing"\n')
+    (broken / "README.md").write_text("x")
+    cases = [
+        ("echo_word_here", ["module 'echo_word_here'", "installed distribution", "give it as ./echo_word_here"]),
+        ("./no_such_dir", ["no such file or directory", "./, ../, / or ~"]),
+        ("./broken_project", ["broken_project.py", "broken_project/__init__.py", "broken_thing.py"]),
+    ]
+    for env_id, needles in cases:
+        out = tmp_path / "run"
+        code = main(["submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
+                     f"orchestrator.env=[{{id: {env_id}}}]", "--dry-run"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "orchestrator.env.0.id" in err, err
+        assert all(n in err for n in needles), (needles, err)
+        assert not out.exists()
+
+
+def test_doctor_imports_env_ids_as_the_orchestrator_loads_them(tmp_path, monkeypatch):
+    """`prime-hpc doctor` checks on every node what the run records: an absolute path to a
+    project directory and a distribution name import there as they load in the run."""
+    import sys
+
+    from prime_hpc.job import preflight
+
+    project = _env_project(tmp_path / "envs" / "echo-word-doctor", "echo-word-doctor", "flat")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(preflight.IMPORTS, "router", ())
+    try:
+        monkeypatch.setenv("PRIME_HPC_PREFLIGHT_REQUIRE", f"{project},reverse-text")
+        assert preflight._imports("router") == f"{project} ?, reverse-text ?"
+        monkeypatch.setenv("PRIME_HPC_PREFLIGHT_REQUIRE", f"{tmp_path}/envs/missing")
+        with pytest.raises(ImportError, match="no such file or directory"):
+            preflight._imports("router")
+    finally:
+        sys.modules.pop("echo_word_doctor", None)

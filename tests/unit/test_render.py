@@ -71,8 +71,7 @@ if __name__ == "__main__":  # write the goldens from today's rendering (after re
 def test_compiled_templates_render_the_same(tmp_path, monkeypatch, cache):
     """Templates compiled once and kept in the user's cache render what the sources do; a
     cache that cannot be written costs the compile, not the submit."""
-    import jinja2.bccache
-
+    from prime_hpc.core import usercache
     from prime_hpc.launcher import render
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -85,9 +84,11 @@ def test_compiled_templates_render_the_same(tmp_path, monkeypatch, cache):
         def refuse(*_a, **_k):
             raise PermissionError(13, "Read-only file system")
 
-        monkeypatch.setattr(jinja2.bccache.tempfile, "NamedTemporaryFile", refuse)
+        monkeypatch.setattr(usercache.os, "replace", refuse)
     try:
         assert render_sbatch(golden_plan()) == GOLDEN.read_text()
+        if cache == "unwritable":
+            assert not list((tmp_path / "prime-hpc" / "templates").iterdir())  # and no temporary file left
     finally:
         render._env.cache_clear()
 

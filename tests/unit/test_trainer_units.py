@@ -130,6 +130,36 @@ def test_publish_dir_replaces_and_marks_last(tmp_path):
     assert (final / "f").stat().st_mode & 0o044  # readable by the team
 
 
+def test_rng_state_loads_with_weights_only_and_nothing_else_runs(tmp_path):
+    """A checkpoint's RNG file holds tensors and plain values only: it round-trips through
+    torch.load(weights_only=True); a file that would run code when unpickled is refused
+    in one line, and its code never runs."""
+    import os
+    import random
+
+    from prime_hpc.trainer.ckpt import load_rng, save_rng
+
+    path = tmp_path / "rng_rank_0.pt"
+    random.seed(1)
+    torch.manual_seed(1)
+    save_rng(path, "cpu")
+    expected = random.random(), torch.rand(3)
+    random.seed(2)
+    torch.manual_seed(2)
+    load_rng(path, "cpu")
+    assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(ran),))
+
+    torch.save({"python": Payload(), "torch": torch.get_rng_state()}, path)
+    with pytest.raises(UserError, match="not an RNG state") as e:
+        load_rng(path, "cpu")
+    assert not ran.exists() and "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- LoRA
 def _tiny():
     from transformers import AutoModelForCausalLM

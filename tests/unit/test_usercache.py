@@ -1,0 +1,175 @@
+"""What prime-hpc loads as code (compile caches, compiled templates, pickled compositions)
+comes only from a directory, and a file, that are the user's alone: checked on the opened
+descriptor, never following a symlink. Run as root, "someone else" is another uid (chown)."""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from prime_hpc.core import usercache
+from prime_hpc.core.errors import ConfigError
+
+OTHER_UID = 65534  # giving a file to another uid needs root, as these tests run
+
+
+def spoil(p: Path, how: str, tmp_path: Path) -> None:
+    """Make the directory or file `p` untrusted in the way `how` names."""
+    if how == "symlink":
+        real = tmp_path / f"real-{p.name}"
+        if p.is_dir():
+            p.rename(real)
+        else:
+            real.write_bytes(p.read_bytes())
+            os.chmod(real, 0o600)
+            p.unlink()
+        p.symlink_to(real)  # the target itself is the user's and private: only the link is wrong
+    elif how == "other-uid":
+        os.chown(p, OTHER_UID, OTHER_UID)
+    elif how == "group-writable":
+        os.chmod(p, p.stat().st_mode | 0o020)
+    elif how == "other-writable":
+        os.chmod(p, p.stat().st_mode | 0o002)
+
+
+HOW = ["symlink", "other-uid", "group-writable", "other-writable"]
+
+
+def test_the_compile_dir_is_made_private_in_a_shared_cache(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # a project cache everyone writes
+    assert usercache.compile_dir(shared, create=False) == shared / f"compile-{os.getuid()}"
+    assert not list(shared.iterdir())  # at submit time nothing is written
+    p = usercache.compile_dir(shared)
+    st = p.lstat()
+    assert p.is_dir() and st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o700
+    assert usercache.compile_dir(shared) == p  # and found again
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("create", [True, False], ids=["in the component", "at submit"])
+def test_a_compile_dir_not_the_users_alone_is_refused(tmp_path, how, create):
+    shared = tmp_path / "shared"
+    p = usercache.compile_dir(shared)
+    spoil(p, how, tmp_path)
+    with pytest.raises(ConfigError) as e:
+        usercache.compile_dir(shared, create=create)
+    line = str(e.value)
+    assert line.startswith("cluster.cache_dir: ") and str(p) in line and "directory of your own" in line
+    assert "\n" not in line
+
+
+def test_the_engine_gets_the_private_dir_or_refuses(tmp_path, monkeypatch):
+    """The inference server's own check, just before vLLM and inductor are given the
+    directory (it may have changed since submit)."""
+    from prime_hpc.core.device import inference_env
+
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("PRIME_HPC_CACHE", str(shared))
+    env = inference_env("cpu")
+    private = shared / f"compile-{os.getuid()}"
+    assert env["VLLM_CACHE_ROOT"] == str(private / "vllm")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(private / "inductor")
+    spoil(private, "symlink", tmp_path)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        inference_env("cpu")
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["submit", "submit --dry-run"])
+def test_submit_refuses_a_compile_dir_not_the_users_alone_and_writes_nothing(tmp_path, capsys, dry_run):
+    from prime_hpc.cli import main
+
+    shared, out = tmp_path / "shared", tmp_path / "run"
+    spoil(usercache.compile_dir(shared), "other-writable", tmp_path)
+    code = main(["submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
+                 f"cluster.cache_dir={shared}", *dry_run])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "cluster.cache_dir: " in err and f"compile-{os.getuid()}" in err and "writable by group or others" in err
+    assert not out.exists()
+
+
+def test_a_compile_dir_that_cannot_be_made_is_refused_at_submit(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="cluster.cache_dir: cannot create"):
+        usercache.compile_dir(blocker / "cache")
+
+
+def _entry(tmp_path: Path) -> tuple[Path, Path]:
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    usercache.write(d, "entry", b"payload")
+    return d, d / "entry"
+
+
+def test_read_and_write_a_trusted_entry(tmp_path):
+    d, entry = _entry(tmp_path)
+    assert usercache.read(d, "entry") == b"payload"
+    assert entry.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in d.iterdir()] == ["entry"]  # no temporary file left
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_an_entry_or_directory_not_the_users_alone_is_not_read(tmp_path, how, what):
+    d, entry = _entry(tmp_path)
+    spoil(entry if what == "file" else d, how, tmp_path)
+    assert usercache.read(d, "entry") is None
+
+
+def test_no_write_into_a_directory_not_the_users_alone(tmp_path):
+    d, _ = _entry(tmp_path)
+    os.chmod(d, 0o777)
+    with pytest.raises(usercache.Untrusted, match="writable by group or others"):
+        usercache.write(d, "other", b"x")
+    assert not (d / "other").exists()
+
+
+def test_a_pickle_swapped_for_a_symlink_is_never_unpickled(tmp_path, monkeypatch):
+    """The composition cache: an entry replaced by a symlink to a pickle that would run
+    code is not loaded (the check and the read are on one descriptor)."""
+    from prime_hpc.config import compose_cache
+
+    d, entry = _entry(tmp_path)
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(ran),))
+
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps(Payload()))
+    os.chmod(evil, 0o600)
+    entry.unlink()
+    entry.symlink_to(evil)
+    assert compose_cache.load(entry) is None and not ran.exists()
+    entry.unlink()
+    usercache.write(d, "entry", evil.read_bytes())  # a trusted file is unpickled (this test's own check)
+    compose_cache.load(entry)
+    assert ran.exists()
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_compiled_templates_are_loaded_only_from_the_users_own_file(tmp_path, monkeypatch, how):
+    from prime_hpc.launcher import render
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    render._env.cache_clear()
+    try:
+        env = render._env()
+        env.get_template("run.local.sh.j2")  # compiled and kept
+        (kept,) = (tmp_path / "xdg" / "prime-hpc" / "templates").iterdir()
+        source, filename, _ = env.loader.get_source(env, "run.local.sh.j2")
+
+        def bucket():
+            return env.bytecode_cache.get_bucket(env, "run.local.sh.j2", filename, source)
+
+        assert bucket().code is not None  # loaded from the kept file
+        spoil(kept, how, tmp_path)
+        assert bucket().code is None  # compiled again from the source instead
+    finally:
+        render._env.cache_clear()
