@@ -354,13 +354,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         cfg = load_config(a.config)
+        env = engine_env(cfg)  # refuses a compile cache that is not the user's alone
     except UserError as e:
         print(f"prime-hpc inference: {e}", file=sys.stderr, flush=True)
         return 2
     node = jobenv.node_rank()
     logs = jobenv.logs_dir()
     log = str(RunDir.node_log(logs, "inference", node)) if logs else "this process's output"
-    os.environ.update(engine_env(cfg))
+    os.environ.update(env)
     os.environ[SERVER_PID_VAR] = str(os.getpid())  # vLLM's own processes die with this one
     try:
         import uvloop
