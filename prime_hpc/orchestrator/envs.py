@@ -71,6 +71,15 @@ def load_env(entry: EnvEntry, kind: str = "train") -> Any:
     return env
 
 
+class EnvFailed(UserError):
+    """A train environment whose groups keep erroring: the run cannot learn from it.
+    `log`: that env's worker log, where its exceptions are."""
+
+    def __init__(self, message: str, log: Optional[Path] = None) -> None:
+        super().__init__(message)
+        self.log = log
+
+
 # ----------------------------------------------------------------------------- reward errors
 def _individual_funcs(rubric: Any) -> list[tuple[Any, int]]:
     out = []
