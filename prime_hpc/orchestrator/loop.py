@@ -151,10 +151,7 @@ class Orchestrator:
             files = {f"{kind}/{s.name}": self.run.env_worker_log(self.logs, kind, s.name)
                      for kind, slots in (("train", self.slots), ("eval", self.eval_slots)) for s in slots}
             self.log_router = envs_mod.EnvLogRouter(files)
-            import logging
-
-            logging.getLogger("verifiers").addHandler(self.log_router)
-            logging.getLogger("verifiers").setLevel(self.ocfg.log.vf_level.upper())
+            self.log_router.attach(self.ocfg.log.vf_level)
 
     def sampling_args(self) -> dict:
         return sampling_args(self.ocfg.sampling)
@@ -493,6 +490,7 @@ class Orchestrator:
         limit_reached = self.errors.add(group)
         if self.errors.count:  # this group errored: every rollout of it errored or was empty
             fill.counts["errored"] += 1
+            envs_mod.note_errored("train", group[0].env, group[0].example_id, self.errors.error)
             if limit_reached:
                 self.give_up(step, fill)
             return

@@ -163,13 +163,16 @@ def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_
     import asyncio
     import time
 
-    from prime_hpc.orchestrator.envs import EnvFailed
+    from prime_hpc.orchestrator.envs import EnvFailed, EnvLogRouter
     from prime_hpc.orchestrator.loop import StepFill
     from prime_hpc.rundir import RunDir
 
     logs = tmp_path / "logs"
     monkeypatch.setenv("PRIME_HPC_LOGS", str(logs))
     o = _orchestrator(tmp_path / "run", "orchestrator.max_errored_groups=3", "orchestrator.online_difficulty_filtering=true")
+    env_log = RunDir.env_worker_log(logs, "train", "reverse_text")
+    o.log_router = EnvLogRouter({"train/reverse_text": env_log})
+    o.log_router.attach("warning")
     fill = StepFill(t0=time.monotonic())
     error = "reward: ValueError: reward exploded on\n'abc'"
     bad = [_r(0.0, error=error, env="reverse_text") for _ in range(8)]
@@ -182,7 +185,10 @@ def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_
         asyncio.run(o.judge(1, list(bad), fill))
     assert str(e.value) == ("train env 'reverse_text': 3 groups in a row errored (orchestrator.max_errored_groups=3); "
                             "the last: reward: ValueError: reward exploded on 'abc'")
-    assert e.value.log == RunDir.env_worker_log(logs, "train", "reverse_text")
+    assert e.value.log == env_log
+    o.log_router.close()
+    noted = [line.split(" prime_hpc.envs: ")[1] for line in env_log.read_text().splitlines()]
+    assert noted == ["example 0: nothing of the group can train: reward: ValueError: reward exploded on 'abc'"] * 5
     row = json.loads(o.run.metrics("orchestrator").read_text().splitlines()[-1])
     assert row["step"] == 1 and row["filter/unfilled"] == 1 and row["filter/accepted_groups"] == 0
     assert (row["filter/judged_groups"], row["filter/errored_groups"], row["filter/zero_variance_groups"]) == (6, 5, 1)
