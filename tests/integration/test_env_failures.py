@@ -27,32 +27,34 @@ BROKEN = [  # (env file, its args, what the line must quote)
 LIMIT = 3
 
 
-def submit(out, env_file: str, args: str) -> RunDir:
+def submit(out, env_file: str, args: str, *overrides: str) -> RunDir:
     r = cli("submit", "+experiment=reverse_text", "cluster=local", "warmup.experiment=null", f"output_dir={out}",
             "max_steps=5", "orchestrator.batch_size=16", "orchestrator.group_size=4", "orchestrator.eval.env=[]",
             f'orchestrator.env=[{{id: "{ENVS / env_file}", args: {{{args}, num_train_examples: 64}}}}]',
-            f"orchestrator.max_errored_groups={LIMIT}")
+            *(overrides or [f"orchestrator.max_errored_groups={LIMIT}"]))
     assert r.returncode == 0, r.stdout + r.stderr
     return RunDir(out)
 
 
 def wait_ended(run: RunDir, timeout_s: float) -> dict:
+    """job.json once the job recorded its end and every process of the run is gone (the
+    end is recorded first, then the other components are stopped)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = jobs.read_job(run)
-        if job.get("ended_at"):
-            return job
+    while not jobs.read_job(run).get("ended_at"):
+        assert time.monotonic() < deadline, f"the job did not end within {timeout_s}s: {jobs.read_job(run)}"
         time.sleep(1)
-    raise AssertionError(f"the job did not end within {timeout_s}s: {jobs.read_job(run)}")
+    procs = run_processes(run.latest_logs.resolve())
+    deadline = time.monotonic() + 60
+    while (left := still_alive(procs)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"processes of the run outlived it: {left}"
+    return jobs.read_job(run)
 
 
 @pytest.mark.parametrize("env_file, args, quoted", BROKEN, ids=["rollout-raises", "reward-raises", "empty"])
 def test_a_broken_env_fails_the_job_with_one_line_quoting_its_error(tmp_path, env_file, args, quoted):
     run = submit(tmp_path / "run", env_file, args)
-    procs: dict = {}
     try:
-        while not run.latest_logs.exists():
-            time.sleep(1)
         job = wait_ended(run, 600)
         logs = run.latest_logs.resolve()
         assert job["state"] == "FAILED", job
@@ -76,11 +78,33 @@ def test_a_broken_env_fails_the_job_with_one_line_quoting_its_error(tmp_path, en
         assert rows[-1]["filter/errored_groups"] >= LIMIT and rows[-1]["filter/accepted_groups"] == 0, rows
         assert "step 1 not filled: 0 group(s) accepted" in status and "errored: " in status, status
         assert not run.rollout_steps()
-        procs = run_processes(logs)
-        deadline = time.monotonic() + 30
-        while (left := still_alive(procs)) and time.monotonic() < deadline:
-            time.sleep(1)
-        assert not left, f"processes of the run outlived it: {left}"
+    finally:
+        if not jobs.read_job(run).get("ended_at"):
+            cli("cancel", str(run.root))
+
+
+def test_a_healthy_env_whose_groups_are_all_filtered_is_a_stall_the_watchdog_ends(tmp_path):
+    """Every reward the same and zero-variance groups filtered: no group ever errors, so the
+    orchestrator judges groups without end; no step is written, which is no progress: the
+    watchdog ends the job quoting the orchestrator's line on why the step does not fill."""
+    stall_s = 45
+    run = submit(tmp_path / "run", "flaky_reverse.py", "constant_every: 1",
+                 "orchestrator.online_difficulty_filtering=true", f"watchdog.stall_timeout_s={stall_s}")
+    try:
+        job = wait_ended(run, 600)
+        assert job["state"] == "FAILED", job
+        f = job["failure"]
+        assert f["component"] == "orchestrator", f
+        assert f["reason"].startswith("stalled: alive, but no progress for "), f
+        line = f["reason"].split("; last line of its log: ")[1]
+        assert "step 1: 0/4 groups accepted after " in line and "(no reward variance: " in line, f
+        assert "errored" not in line, f  # a hard or uniform task is not an error
+        rows = [json.loads(x) for x in run.metrics("orchestrator").read_text().splitlines()]
+        assert rows[-1]["step"] == 1 and rows[-1]["filter/unfilled"] == 1, rows
+        assert rows[-1]["filter/zero_variance_groups"] > 0 and rows[-1]["filter/errored_groups"] == 0, rows
+        assert not run.rollout_steps()
+        status = cli("status", str(run.root)).stdout
+        assert "step 1 not filled: 0 group(s) accepted of " in status and "failed: orchestrator" in status, status
     finally:
         if not jobs.read_job(run).get("ended_at"):
             cli("cancel", str(run.root))
