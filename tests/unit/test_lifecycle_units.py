@@ -296,6 +296,8 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
 
     from prime_hpc.config.compose import component_config
     from prime_hpc.job.watchdog import stalled
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.envs import dataset_rows, load_env
     from prime_hpc.orchestrator.loop import StepFill
     from prime_hpc.orchestrator.rollouts import Rollout
 
@@ -310,10 +312,23 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     for _ in range(20):
         asyncio.run(o.judge(1, list(uniform), fill))
     assert fill.counts["no reward variance"] == 20 and o.progress_at == long_ago
+    # a train group generated is no progress either; an eval group is (an eval is finite)
+    env = load_env(EnvEntry(id="broken_reverse", args={"fail": "empty", "num_train_examples": 4}))
+    slot = EnvSlot(name="b", entry=EnvEntry(id="broken_reverse"), env=env, rows=dataset_rows(env.get_dataset()))
+    nowhere = make_client("http://127.0.0.1:9/v1", "x")  # never asked: these rollouts end before any model turn
+    assert all(r.empty for r in asyncio.run(o.generate_group(slot, slot.rows[0], nowhere, "tiny")))
+    assert o.progress_at == long_ago
+    asyncio.run(o.generate_group(slot, slot.rows[0], nowhere, "tiny", "eval", n=2))
+    assert o.progress_at > long_ago
+    o.progress_at = long_ago
     o.beat()
     beat = o.run.beats()["orchestrator_0"]
     assert beat["waiting_on"] is None and beat["progress_at"] == long_ago
     assert stalled(o.run.beats(), 600, time.time())["why"] == "no progress"
+    # nothing generating before any step is filled (the eval of the starting policy): no wait
+    o.filling, o.inflight = None, set()
+    o.beat()
+    assert o.run.beats()["orchestrator_0"]["waiting_on"] is None
     # step 4 needs policy 2 or newer; policy 1 is served and nothing generates: a wait
     o.filling, o.policy, o.inflight = 4, 1, set()
     o.beat()
