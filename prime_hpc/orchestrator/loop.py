@@ -348,11 +348,11 @@ class Orchestrator:
         return m
 
     async def loop(self, start: int, eval_first: bool = False) -> None:
-        """(With `eval_first`, evaluate the starting policy as step 0.) Fill and write steps
-        start+1 .. max_steps (or until the train data is used once when max_steps is null),
-        then write `rollouts/DONE`. Stops early, without DONE, when asked to
-        (`prime_hpc.runtime.stopping`): after checkpointing the trainer's step if the
-        supervisor wants a checkpoint."""
+        """Evaluate the starting policy as step 0 when `eval_first` (under the heartbeat,
+        like the steps), then fill and write steps start+1 .. max_steps (or until the train
+        data is used once when max_steps is null), then write `rollouts/DONE`. Stops early,
+        without DONE, when asked to (`prime_hpc.runtime.stopping`): after checkpointing the
+        trainer's step if the supervisor wants a checkpoint."""
         self.relay_task = asyncio.create_task(self.relay())
         self.progress_at = time.time()
         beats = asyncio.create_task(self.heartbeat())
