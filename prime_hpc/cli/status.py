@@ -88,7 +88,8 @@ def format_job(s: dict[str, Any]) -> list[str]:
     for i, a in enumerate(attempts[:-1] if len(attempts) > 1 else []):
         out.append(f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"
                    + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else ""))
-    if s["mode"] != "doctor" and (s["vitals"]["trainer_step"] is not None or s["vitals"]["orchestrator_step"]):
+    v = s["vitals"]
+    if s["mode"] != "doctor" and (v["trainer_step"] is not None or v["orchestrator_step"] or v.get("unfilled")):
         out += format_vitals(s["vitals"], s["kind"])
     for lost in (attempts[-1].get("lost") or []) if attempts else []:
         out.append(f"lost: {lost['component']}{jobs.on_node(lost)} exited with code {lost['rc']} at "

@@ -228,6 +228,11 @@ class OrchestratorConfig:
     group_size: int = ruled(8, ge=1)  # rollouts per example (batch_size must be a multiple)
     max_off_policy_steps: int = ruled(8, ge=1)  # drop a rollout touched by more distinct policies than this
     max_concurrent: int = ruled(256, ge=1)  # in-flight generation requests
+    max_errored_groups: int = ruled(100, ge=0)
+    """End the run (the orchestrator exits non-zero, quoting the env's error and naming its
+    log) after this many errored train groups in a row: every rollout of the group raised,
+    its reward raised or it produced no completion. 0 = never (the watchdog still ends a
+    run that writes no step for `watchdog.stall_timeout_s`)."""
     training_mode: str = one_of("rl", "rl", "opd", "sft")
     online_difficulty_filtering: bool = False  # drop groups whose rewards have no variance
     difficulty_filter: DifficultyFilterConfig = field(default_factory=DifficultyFilterConfig)

@@ -136,6 +136,7 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
                 component, reason, where = stall_record(run, logs, reason)
             else:
                 where = where_it_died(logs, component) if component else {"log": str(logs)}
+                reason, where = own_cause(run, component, reason, where)
             job["failure"] = {"component": component or None, "rc": rc, "reason": reason, **where}
         _end_attempt(job, job_id, job["state"], reason)
     if rc != 0:
@@ -154,6 +155,20 @@ def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:
     if component == "inference":
         component = f"inference_{stall.get('node', 0)}"  # as the supervisor names that server
     return component, stall["reason"], {"node": stall.get("node"), "log": stall["log"], "who": stall.get("who")}
+
+
+def own_cause(run: RunDir, component: str, reason: str, where: dict) -> tuple[str, dict]:
+    """The failed component's own one-line cause (`control/failure_<component>.json`),
+    after the supervisor's `reason` ("exited with code N"), and the log it names; as given
+    when the component left none."""
+    try:
+        record = read_json(run.failure_record(component)) if component else {}
+    except (OSError, ValueError):
+        return reason, where
+    cause = str(record.get("reason") or "").strip()
+    if not cause:
+        return reason, where
+    return (f"{reason}: {cause}" if reason else cause), {**where, "log": str(record.get("log") or where["log"])}
 
 
 def lost(run: RunDir, component: str, rc: int) -> str:

@@ -6,8 +6,10 @@ from the loop that does its work (`RunDir.beat`). A component is stalled when
 
 - its heartbeat is older than T: the process is alive (the supervisor would have seen it
   exit) but its loop no longer runs: stopped, deadlocked, stuck in a call; or
-- it still beats but has made no progress (`progress_at`: a step, a finished group) for
-  T while it was not only waiting for another component (`waiting_on`).
+- it still beats but has made no progress (`progress_at`: a step written or trained, a
+  policy served, an inference server's finished generation) for T while it was not only
+  waiting for another component (`waiting_on`). A stalled inference server is named
+  before the orchestrator whose generations it holds.
 
 Components that said they are done, and heartbeats of servers the run has lost, are not
 watched. On a stall the watchdog prints one line (component, how long it was silent, the

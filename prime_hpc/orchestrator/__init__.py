@@ -48,7 +48,21 @@ def main(argv: Optional[list[str]] = None) -> dict:
         lines = str(e).splitlines()
         if len(lines) > 1:  # a wait's log tail: keep it in our log, one line for the record
             print("\n".join(lines[1:]), file=sys.stderr)
-        raise SystemExit(f"prime-hpc orchestrator: {lines[0]}") from None
+        log = getattr(e, "log", None)  # the log to read first, when it is not ours (an env's)
+        record_failure(cfg.output_dir, lines[0], log)
+        raise SystemExit(f"prime-hpc orchestrator: {lines[0]}" + (f"; see {log}" if log else "")) from None
+
+
+def record_failure(output_dir: str, cause: str, log: object = None) -> None:
+    """Leave the one-line cause of this exit (and the log it names) for the supervisor's
+    record of the attempt (`RunDir.failure_record`); best effort."""
+    from prime_hpc.rundir import RunDir, atomic_write_json
+
+    try:
+        atomic_write_json(RunDir(output_dir).failure_record("orchestrator"),
+                          {"reason": cause, "log": str(log) if log else None})
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

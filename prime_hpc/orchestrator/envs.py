@@ -21,6 +21,9 @@ from prime_hpc.core.errors import UserError
 
 REWARD_ERROR = "reward_error"  # state key set when a reward function raised
 CURRENT_ENV: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("prime_hpc_env", default=None)
+ENV_LOG = logging.getLogger("prime_hpc.envs")  # our own records about an env's groups, into its worker log
+ENV_LOG.addHandler(logging.NullHandler())  # nowhere else (outside a job there are no worker logs)
+ENV_LOG.propagate = False
 
 
 def env_name(entry: EnvEntry) -> str:
@@ -71,6 +74,15 @@ def load_env(entry: EnvEntry, kind: str = "train") -> Any:
     return env
 
 
+class EnvFailed(UserError):
+    """A train environment whose groups keep erroring: the run cannot learn from it.
+    `log`: that env's worker log, where its exceptions are."""
+
+    def __init__(self, message: str, log: Optional[Path] = None) -> None:
+        super().__init__(message)
+        self.log = log
+
+
 # ----------------------------------------------------------------------------- reward errors
 def _individual_funcs(rubric: Any) -> list[tuple[Any, int]]:
     out = []
@@ -115,7 +127,8 @@ def watch_reward_errors(rubric: Any) -> None:
 # ----------------------------------------------------------------------------- logs
 class EnvLogRouter(logging.Handler):
     """Writes each log record to the file of the env whose rollout emitted it (the
-    current task's `CURRENT_ENV`); records outside any env go to the orchestrator log."""
+    current task's `CURRENT_ENV`); records outside any env go to the orchestrator log.
+    `attach()` routes verifiers' records and our own (`ENV_LOG`)."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         super().__init__()
@@ -126,6 +139,12 @@ class EnvLogRouter(logging.Handler):
             h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             self.handlers[key] = h
 
+    def attach(self, vf_level: str) -> None:
+        logging.getLogger("verifiers").addHandler(self)
+        logging.getLogger("verifiers").setLevel(vf_level.upper())
+        ENV_LOG.addHandler(self)
+        ENV_LOG.setLevel(logging.INFO)
+
     def emit(self, record: logging.LogRecord) -> None:
         h = self.handlers.get(CURRENT_ENV.get() or "")
         if h is not None:
@@ -134,7 +153,18 @@ class EnvLogRouter(logging.Handler):
     def close(self) -> None:
         for h in self.handlers.values():
             h.close()
+        for name in ("verifiers", ENV_LOG.name):
+            logging.getLogger(name).removeHandler(self)
         super().close()
+
+
+def note_errored(kind: str, env: str, example_id: Any, error: str) -> None:
+    """One line in `env`'s worker log about a group none of whose rollouts can train."""
+    token = CURRENT_ENV.set(f"{kind}/{env}")
+    try:
+        ENV_LOG.warning(f"example {example_id}: nothing of the group can train: {' '.join(error.split())}")
+    finally:
+        CURRENT_ENV.reset(token)
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -9,6 +9,10 @@ For step n = start+1 .. max_steps:
 New groups start only while the served policy is recent enough for the step being filled
 (>= n - async_level); meanwhile a relay task loads every new `weights/step_m` into all
 servers (each server drains, swaps and stamps completions with m).
+After `max_errored_groups` errored groups in a row (`rollouts.group_error`) the run ends
+with one line quoting the env's error (`EnvFailed`). The heartbeat's progress is a step
+written or a new policy served (a step trained), never a train group judged: a loop that
+judges groups forever without filling a step is a stall for the watchdog.
 """
 from __future__ import annotations
 
@@ -32,8 +36,10 @@ from prime_hpc.rundir import BEAT_S
 from prime_hpc.inference.client import Admin, api_key, discover, forget_worker, headers
 from prime_hpc.orchestrator import envs as envs_mod
 from prime_hpc.orchestrator.client import make_client
-from prime_hpc.orchestrator.envs import CURRENT_ENV, REWARD_ERROR, EnvSampler, EnvSlot, dataset_rows, env_name
-from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, opd_token_advantages, pass_at_k
+from prime_hpc.orchestrator.envs import (CURRENT_ENV, REWARD_ERROR, EnvFailed, EnvSampler, EnvSlot, dataset_rows,
+                                         env_name)
+from prime_hpc.orchestrator.rollouts import (ErrorStreak, Rollout, from_output, judge_group, opd_token_advantages,
+                                             pass_at_k)
 from prime_hpc.rundir.checkpoints import CheckpointWriteError, is_due, resolve_resume_step, rotate
 from prime_hpc.rundir import CHECKPOINT_PARTS, STABLE, RunDir, atomic_write_json, mark_stable, read_json, stable_time
 
@@ -43,6 +49,7 @@ SNAPSHOTS_KEPT = 32  # recent steps whose state is kept (the trainer is at most 
 CHECKPOINT_WAIT_S = 120.0  # asked to checkpoint: how long to wait for the trainer's step
 TRAINER_WAIT_S = 300.0  # at the end, with W&B: how long to wait for the trainer's last metrics
 SERVERS_WAIT_S = 3600.0  # at the start: how long to wait for the inference servers and the router to publish
+FILL_LOG_S = 30.0  # while a step does not fill: how often to say how far it got
 
 
 @dataclass
@@ -53,6 +60,7 @@ class StepFill:
     accepted: list = field(default_factory=list)  # groups (lists of rollouts) for the step
     finished: list = field(default_factory=list)  # every judged rollout (for metrics)
     counts: dict = field(default_factory=lambda: defaultdict(int))  # judged groups, and why dropped
+    reported: float = 0.0  # when the last line about this step's progress was logged (monotonic)
 
 
 
@@ -99,7 +107,9 @@ class Orchestrator:
         self.eval_slots: list[EnvSlot] = []
         self.sampler: Optional[EnvSampler] = None
         self.admin: Optional[Admin] = None
-        self.progress_at = time.time()  # the last group finished or step written (heartbeat)
+        self.progress_at = time.time()  # the last step written, policy served or eval group finished (heartbeat)
+        self.filling: Optional[int] = None  # the step being filled
+        self.errors = ErrorStreak(self.ocfg.max_errored_groups)  # errored train groups in a row
         self.client: Any = None
         self.model = cfg.model.name
         self.metrics: Any = None
@@ -141,10 +151,7 @@ class Orchestrator:
             files = {f"{kind}/{s.name}": self.run.env_worker_log(self.logs, kind, s.name)
                      for kind, slots in (("train", self.slots), ("eval", self.eval_slots)) for s in slots}
             self.log_router = envs_mod.EnvLogRouter(files)
-            import logging
-
-            logging.getLogger("verifiers").addHandler(self.log_router)
-            logging.getLogger("verifiers").setLevel(self.ocfg.log.vf_level.upper())
+            self.log_router.attach(self.ocfg.log.vf_level)
 
     def sampling_args(self) -> dict:
         return sampling_args(self.ocfg.sampling)
@@ -179,7 +186,6 @@ class Orchestrator:
         try:
             outs = await slot.env.run_group([dict(row) for _ in range(n or self.group_size)], client, model,
                                             self.sampling_args(), state_columns=["trajectory", REWARD_ERROR])
-            self.progress_at = time.time()  # a group generated and scored (train or eval): progress
             return [from_output(o, slot.name, self.cfg.seq_len, self.ocfg.trajectory_strategy) for o in outs]
         except Exception as e:  # a crashed group is counted, never fatal
             logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
@@ -189,6 +195,8 @@ class Orchestrator:
                     for _ in range(n or self.group_size)]
         finally:
             CURRENT_ENV.reset(token)
+            if kind == "eval":  # an eval is finite: its groups are progress (a train group is not)
+                self.progress_at = time.time()
 
     async def add_teacher_logprobs(self, group: list[Rollout]) -> None:
         """opd: the teacher's log-probability of every token of each rollout (of each of its
@@ -237,6 +245,7 @@ class Orchestrator:
                     "load": max((float(a.get("load_s", 0)) for a in answers), default=0.0)})
                 logger.info(f"inference now serves policy {newest} ({time.monotonic() - t0:.2f}s)")
                 self.policy = newest
+                self.progress_at = time.time()  # a step trained: a wait for the trainer's weights ends
             await asyncio.sleep(0.02)  # on-policy generation waits for each new policy
 
     def server_lost(self, ep: Any, server: str, why: str) -> None:
@@ -317,6 +326,8 @@ class Orchestrator:
             "off_policy/stale_groups": counts["stale"],
             "off_policy/stale_share": counts["stale"] / max(counts["judged"], 1),
             "off_policy/spanning_rollouts": counts["spanning"],
+            "filter/judged_groups": counts["judged"],
+            "filter/errored_groups": counts["errored"],
             "filter/zero_variance_groups": counts["no reward variance"],
             "filter/invalid_groups": counts["too few valid rollouts"],
             "filter/too_hard_groups": counts["too hard"],
@@ -336,18 +347,22 @@ class Orchestrator:
         })
         return m
 
-    async def loop(self, start: int) -> None:
-        """Fill and write steps start+1 .. max_steps (or until the train data is used once
-        when max_steps is null), then write `rollouts/DONE`. Stops early, without DONE,
-        when asked to (`prime_hpc.runtime.stopping`): after checkpointing the trainer's step if
-        the supervisor wants a checkpoint."""
+    async def loop(self, start: int, eval_first: bool = False) -> None:
+        """Evaluate the starting policy as step 0 when `eval_first` (under the heartbeat,
+        like the steps), then fill and write steps start+1 .. max_steps (or until the train
+        data is used once when max_steps is null), then write `rollouts/DONE`. Stops early,
+        without DONE, when asked to (`prime_hpc.runtime.stopping`): after checkpointing the
+        trainer's step if the supervisor wants a checkpoint."""
         self.relay_task = asyncio.create_task(self.relay())
         self.progress_at = time.time()
         beats = asyncio.create_task(self.heartbeat())
         step = start + 1
         try:
+            if eval_first:
+                await self._eval_and_log(0)  # the base policy, before any update
             while self.max_steps is None or step <= self.max_steps:
                 filled = await self.fill_step(step)
+                self.filling = None
                 if filled is None:
                     break
                 self.write_step(step, filled)
@@ -374,26 +389,37 @@ class Orchestrator:
 
     async def heartbeat(self) -> None:
         """`heartbeats/orchestrator_0` every `BEAT_S` from the event loop: the step, the
-        last time a group finished or a step was written (`progress_at`), and whether it
-        is only waiting for the trainer's weights (nothing generating), which the watchdog
-        does not count as a stall of its own."""
+        last time it made progress (`progress_at`: a step written, a new policy served, an
+        eval group finished; never a train group judged), and whether it is only waiting
+        for the trainer's weights, which the watchdog does not count as a stall of its own."""
         while True:
             self.beat()
             await asyncio.sleep(BEAT_S)
 
+    def waiting_for_trainer(self) -> bool:
+        """Nothing generating, and the served policy too old for the step being filled."""
+        return not self.inflight and self.filling is not None and \
+            window.is_stale(self.policy, self.filling, self.async_level)
+
     def beat(self, **info: Any) -> None:
         self.run.beat("orchestrator", 0, step=self.step, policy=self.policy, progress_at=self.progress_at,
-                      waiting_on=None if self.inflight else "trainer", **info)
+                      waiting_on="trainer" if self.waiting_for_trainer() else None, **info)
 
     async def fill_step(self, step: int) -> Optional["StepFill"]:
         """Collect `batch_size / group_size` accepted groups for `step`: keep generation
         admitted up to `admission_limit`, judge finished groups in order (carrying over
-        those beyond this step). None when the data is used up or a stop is decided."""
-        fill = StepFill(t0=time.monotonic())
+        those beyond this step). None when the data is used up or a stop is decided (a
+        metrics row then records what this step judged, when it judged anything)."""
+        from prime_hpc.runtime.stopping import EXIT
+
+        fill = StepFill(t0=time.monotonic(), reported=time.monotonic())
+        self.filling = step
         pending, self.carry = self.carry, []
         while len(fill.accepted) < self.groups_per_step:
             self.check_relay()
             if await self.stop_decided():
+                if self.stop_code == EXIT and fill.counts["judged"]:
+                    self.log_unfilled(step, fill)
                 return None
             recent = not window.is_stale(self.policy, step, self.async_level)
             self.admit(step, len(fill.accepted), len(pending) + len(self.carry))
@@ -415,7 +441,28 @@ class Orchestrator:
                     await self.judge(step, group, fill)
             self.carry += pending
             pending = []
+            self.report_filling(step, fill)
         return fill
+
+    def report_filling(self, step: int, fill: "StepFill") -> None:
+        """Every `FILL_LOG_S` while `step` does not fill (unless only waiting for the
+        trainer's weights): one line with how far it got and why groups were dropped, the
+        line a watchdog's stall message quotes when the step never fills."""
+        now = time.monotonic()
+        if now - fill.reported < FILL_LOG_S or self.waiting_for_trainer():
+            return
+        fill.reported = now
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(fill.counts.items()) if k not in ("judged", "spanning") and v)
+        logger.info(f"step {step}: {len(fill.accepted)}/{self.groups_per_step} groups accepted after "
+                    f"{fill.counts['judged']} judged in {now - fill.t0:.0f}s" + (f" ({why})" if why else ""))
+
+    def log_unfilled(self, step: int, fill: "StepFill") -> None:
+        """A metrics row for a step that will not be filled (the run gives up or stops):
+        what it judged and why groups were dropped, `filter/unfilled` 1; no reward keys
+        (nothing of it is trained)."""
+        m = self.step_metrics(step, fill.finished, [], fill.counts, time.monotonic() - fill.t0, fill.t_wait)
+        self.metrics.log(step, {**{k: v for k, v in m.items() if not k.startswith("reward/")},
+                                "filter/accepted_groups": len(fill.accepted), "filter/unfilled": 1})
 
     def admit(self, step: int, accepted: int, waiting: int) -> None:
         """Start new groups while the admission limit allows and there is data."""
@@ -436,9 +483,17 @@ class Orchestrator:
         return [d.result() for d in done]
 
     async def judge(self, step: int, group: list[Rollout], fill: "StepFill") -> None:
-        """Accept a finished group for `step`, or count why it is dropped."""
+        """Accept a finished group for `step`, or count why it is dropped; give up after
+        `max_errored_groups` errored groups in a row."""
         fill.finished += group
         fill.counts["judged"] += 1
+        limit_reached = self.errors.add(group)
+        if self.errors.count:  # this group errored: every rollout of it errored or was empty
+            fill.counts["errored"] += 1
+            envs_mod.note_errored("train", group[0].env, group[0].example_id, self.errors.error)
+            if limit_reached:
+                self.give_up(step, fill)
+            return
         v = judge_group(group, step, self.async_level, self.ocfg.max_off_policy_steps, self.ocfg.online_difficulty_filtering,
                         self.ocfg.advantage, self.ocfg.difficulty_filter)
         fill.counts["spanning"] += v.dropped_spanning
@@ -448,6 +503,16 @@ class Orchestrator:
         if self.ocfg.training_mode == "opd":
             await self.add_teacher_logprobs(v.kept)
         fill.accepted.append(v.kept)
+
+    def give_up(self, step: int, fill: "StepFill") -> None:
+        """The train env only errors: record what filling `step` judged, then end the run
+        with one line quoting the env's last error and naming its worker log."""
+        e = self.errors
+        self.log_unfilled(step, fill)
+        error = e.error if len(e.error or "") <= 300 else e.error[:300] + "..."
+        raise EnvFailed(f"train env {e.env!r}: {e.count} groups in a row errored (orchestrator.max_errored_groups="
+                        f"{e.limit}); the last: {error}",
+                        self.run.env_worker_log(self.logs, "train", e.env) if self.logs is not None else None)
 
     def write_step(self, step: int, fill: "StepFill") -> None:
         """`rollouts/step_<n>/` (one file per trainer rank), totals, metrics, heartbeat,
@@ -580,9 +645,8 @@ class Orchestrator:
                     f"router {ep.router}, {len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
         self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
         try:
-            if start is None and self.eval_slots and self.ocfg.eval.at_start and self.ocfg.eval.interval:
-                await self._eval_and_log(0)  # the base policy, before any update
-            await self.loop(start or 0)
+            await self.loop(start or 0, eval_first=start is None and bool(self.eval_slots) and self.ocfg.eval.at_start
+                            and bool(self.ocfg.eval.interval))
             if self.metrics.wandb is not None and self.stop_code is None:
                 await self.wait_for_trainer(self.step)  # its last rows belong to the same W&B run
         finally:

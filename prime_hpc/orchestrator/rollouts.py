@@ -145,7 +145,8 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved"
         if len(b.input_ids) > seq_len:
             b.input_ids, b.loss_mask, b.logprobs = b.input_ids[:seq_len], b.loss_mask[:seq_len], b.logprobs[:seq_len]
             truncated = True
-    if not seqs and not error_text and not empty_response:
+    if not seqs and not error_text and not empty_response and out.get("trajectory") != []:
+        # turns without tokens (an empty trajectory is a rollout that ended before any model turn: empty)
         error_text = "no token ids in the rollout (the server must return token ids and logprobs)"
     first = seqs[0] if seqs else Branch()
     r = Rollout(env=env, example_id=out.get("example_id"), reward=float(out.get("reward") or 0.0),
@@ -174,6 +175,38 @@ class GroupVerdict:
     reason: Optional[str] = None  # why the whole group was dropped
     dropped_spanning: int = 0
     errored: int = 0
+
+
+EMPTY_GROUP = "every completion was empty (no rollout of the group produced a token to train)"
+
+
+def group_error(group: list[Rollout]) -> Optional[str]:
+    """Why nothing of a finished group can train, when the environment is to blame: the
+    first error among its rollouts (the rollout raised, a reward function raised, the
+    group crashed), or `EMPTY_GROUP` when every rollout produced no completion; None as
+    soon as one rollout finished without an error and with tokens to train (a group that
+    is only stale, or whose rewards are all equal, is not errored)."""
+    if not group or any(not r.error and not r.empty for r in group):
+        return None
+    return next((r.error for r in group if r.error), EMPTY_GROUP)
+
+
+@dataclass
+class ErrorStreak:
+    """Errored groups (`group_error`) in a row, in the order groups are judged; any other
+    group ends the streak. `add` says when `limit` groups in a row errored (limit 0: never)."""
+    limit: int
+    count: int = 0
+    error: Optional[str] = None  # the last errored group's error
+    env: Optional[str] = None  # ... and its env
+
+    def add(self, group: list[Rollout]) -> bool:
+        error = group_error(group)
+        if error is None:
+            self.count, self.error, self.env = 0, None, None
+            return False
+        self.count, self.error, self.env = self.count + 1, error, group[0].env
+        return 0 < self.limit <= self.count
 
 
 ADVANTAGES = ("mean", "std", "loo")

@@ -105,6 +105,12 @@ class RunDir:
         the supervisor's record of the attempt."""
         return self.control_dir / "stall.json"
 
+    def failure_record(self, component: str) -> Path:
+        """`control/failure_<component>.json` {"reason", "log"}: the one-line cause a
+        component gave as it exited with an error, and the log to read first, for the
+        supervisor's record of the attempt (`job.json` `failure`)."""
+        return self.control_dir / f"failure_{component}.json"
+
     @property
     def trainer_rendezvous(self) -> Path:
         """`control/trainer_rendezvous.store`: where torchrun's agents meet when every node is

@@ -70,6 +70,7 @@ def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = 
     out["trainer_step"] = steps[-1] if steps else None
     orch_steps = [r["step"] for r in orch if "reward/all/mean" in r]
     out["orchestrator_step"] = orch_steps[-1] if orch_steps else None
+    out["unfilled"] = unfilled(orch, out["orchestrator_step"])
     rewards = _series(orch, "reward/all/mean")
     out["reward"] = rewards[-1] if rewards else None
     recent, before = rewards[-TREND_WINDOW:], rewards[-2 * TREND_WINDOW:-TREND_WINDOW]
@@ -93,6 +94,22 @@ def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = 
     return out
 
 
+UNFILLED_KEYS = (("filter/errored_groups", "errored"), ("filter/zero_variance_groups", "no reward variance"),
+                 ("filter/invalid_groups", "too few valid rollouts"), ("off_policy/stale_groups", "stale"),
+                 ("filter/too_hard_groups", "too hard"), ("filter/too_easy_groups", "too easy"),
+                 ("filter/low_variance_groups", "low reward variance"))
+
+
+def unfilled(rows: list[dict], written: Optional[int]) -> Optional[dict[str, Any]]:
+    """The step the orchestrator gave up on or was stopped in (its `filter/unfilled` row,
+    after the last step it wrote): {"step", "accepted", "judged", <why dropped>: count}."""
+    row = next((r for r in reversed(rows) if r.get("filter/unfilled")), None)
+    if row is None or (written is not None and row["step"] <= written):
+        return None
+    return {"step": row["step"], "accepted": row.get("filter/accepted_groups", 0),
+            "judged": row.get("filter/judged_groups", 0), **{why: row[k] for k, why in UNFILLED_KEYS if row.get(k)}}
+
+
 def _fmt(v: Optional[float], spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -106,6 +123,11 @@ def format_vitals(v: dict[str, Any], kind: str = "rl") -> list[str]:
     if kind != "sft":
         steps += f", orchestrator {v['orchestrator_step'] if v['orchestrator_step'] is not None else '-'}{of}"
     lines = [steps + (f", ETA {_duration(v['eta_s'])}" if v.get("eta_s") else "")]  # none once done
+    if v.get("unfilled"):
+        u = v["unfilled"]
+        why = ", ".join(f"{k}: {n}" for k, n in u.items() if k not in ("step", "accepted", "judged"))
+        lines.append(f"step {u['step']} not filled: {u['accepted']} group(s) accepted of {u['judged']} judged"
+                     + (f" ({why})" if why else ""))
     if v.get("reward") is not None:
         trend = v.get("reward_trend")
         arrow = "" if trend is None else f" ({'+' if trend >= 0 else ''}{trend:.3f} over the last {TREND_WINDOW} steps)"

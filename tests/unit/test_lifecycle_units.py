@@ -279,7 +279,7 @@ def test_watchdog_tells_a_stall_from_a_wait():
         "orchestrator_0": {"time": now - 1, "progress_at": now - 2, "waiting_on": None},
     }
     assert stalled(beats, 60, now) is None  # the trainer only waits; the others beat and progress
-    beats["orchestrator_0"]["progress_at"] = now - 90  # alive, generating, nothing finishes
+    beats["orchestrator_0"]["progress_at"] = now - 90  # alive, generating and judging, but no step written
     assert stalled(beats, 60, now) == {"component": "orchestrator", "rank": 0, "silent_s": 90, "why": "no progress",
                                        "step": None}
     beats["inference_1"]["time"] = now - 200  # frozen: the longest silence is the one named
@@ -304,6 +304,70 @@ def test_a_hung_inference_server_is_named_before_the_orchestrator_it_starves():
     assert (s["component"], s["rank"], s["why"], s["silent_s"]) == ("inference", 0, "no progress", 70)
     beats["inference_0"].update(waiting_on="orchestrator", in_flight=0)  # idle: it only waits
     assert stalled(beats, 60, now)["component"] == "orchestrator"
+
+
+def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_judged(tmp_path):
+    """Judging groups that all get dropped is no progress (the watchdog ends such a run);
+    waiting for the trainer's weights is no stall; the weights' arrival ends the wait."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prime_hpc.config.compose import component_config
+    from prime_hpc.job.watchdog import stalled
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.envs import dataset_rows, load_env
+    from prime_hpc.orchestrator.loop import StepFill
+    from prime_hpc.orchestrator.rollouts import Rollout
+
+    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "async_level=2",
+                   "orchestrator.online_difficulty_filtering=true"])
+    o = Orchestrator(component_config(cfg, "orchestrator"))
+    o.progress_at = long_ago = time.time() - 1000
+    o.filling, o.policy, o.inflight = 1, 0, {"a group generating"}
+    uniform = [Rollout(env="e", example_id=0, reward=0.0, input_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0] * 2,
+                       policy_steps=[0], num_turns=1, is_truncated=False) for _ in range(8)]
+    fill = StepFill(t0=time.monotonic())
+    for _ in range(20):
+        asyncio.run(o.judge(1, list(uniform), fill))
+    assert fill.counts["no reward variance"] == 20 and o.progress_at == long_ago
+    # a train group generated is no progress either; an eval group is (an eval is finite)
+    env = load_env(EnvEntry(id="broken_reverse", args={"fail": "empty", "num_train_examples": 4}))
+    slot = EnvSlot(name="b", entry=EnvEntry(id="broken_reverse"), env=env, rows=dataset_rows(env.get_dataset()))
+    nowhere = make_client("http://127.0.0.1:9/v1", "x")  # never asked: these rollouts end before any model turn
+    assert all(r.empty for r in asyncio.run(o.generate_group(slot, slot.rows[0], nowhere, "tiny")))
+    assert o.progress_at == long_ago
+    asyncio.run(o.generate_group(slot, slot.rows[0], nowhere, "tiny", "eval", n=2))
+    assert o.progress_at > long_ago
+    o.progress_at = long_ago
+    o.beat()
+    beat = o.run.beats()["orchestrator_0"]
+    assert beat["waiting_on"] is None and beat["progress_at"] == long_ago
+    assert stalled(o.run.beats(), 600, time.time())["why"] == "no progress"
+    # nothing generating before any step is filled (the eval of the starting policy): no wait
+    o.filling, o.inflight = None, set()
+    o.beat()
+    assert o.run.beats()["orchestrator_0"]["waiting_on"] is None
+    # step 4 needs policy 2 or newer; policy 1 is served and nothing generates: a wait
+    o.filling, o.policy, o.inflight = 4, 1, set()
+    o.beat()
+    assert o.run.beats()["orchestrator_0"]["waiting_on"] == "trainer" and stalled(o.run.beats(), 600, time.time()) is None
+
+    async def relay_until_policy(n):  # the trainer's weights of step 2 arrive
+        task = asyncio.create_task(o.relay())
+        while o.policy < n:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    async def update_weights(d, step):
+        return [{}]
+
+    o.admin = SimpleNamespace(update_weights=update_weights)
+    (o.run.weights_step(2) / "model.safetensors").parent.mkdir(parents=True)
+    (o.run.weights_step(2) / "model.safetensors").write_bytes(b"")
+    mark_stable(o.run.weights_step(2))
+    before = time.time()
+    asyncio.run(asyncio.wait_for(relay_until_policy(2), 30))
+    assert o.progress_at >= before and not o.waiting_for_trainer()
 
 
 def test_a_failure_names_the_node_that_failed_first(tmp_path):
@@ -342,3 +406,36 @@ def test_the_requeue_cap_falls_back_to_the_schemas_default(tmp_path):
     atomic_write_json(run.job_json, {"requeues": default, "attempts": [{"job_id": "77", "attempt": 0}]})
     assert f"cluster.max_requeues={default} reached" in attempt.requeue(run, "77", "TIMEOUT")
     assert read_job(run)["state"] == "TIMEOUT"
+
+
+def test_a_components_own_one_line_cause_is_the_recorded_failure(tmp_path):
+    """The orchestrator's own cause (control/failure_orchestrator.json) follows the
+    supervisor's "exited with code N" in job.json, with the log it names; a component that
+    left none is recorded as before; status shows the step that was not filled."""
+    from prime_hpc.rundir import read_json
+    from prime_hpc.watch.vitals import format_vitals, vitals
+
+    run = RunDir(tmp_path)
+    k, logs = run.new_attempt()
+    job = {"job_ids": ["7"], "state": "RUNNING", "attempts": [{"attempt": k, "job_id": "7"}]}
+    atomic_write_json(run.job_json, job)
+    env_log = RunDir.env_worker_log(logs, "train", "broken")
+    cause = "train env 'broken': 3 groups in a row errored (orchestrator.max_errored_groups=3); the last: boom"
+    atomic_write_json(run.failure_record("orchestrator"), {"reason": cause, "log": str(env_log)})
+    said = attempt.end(run, "7", 1, "orchestrator", "exited with code 1")
+    f = read_json(run.job_json)["failure"]
+    assert (f["component"], f["reason"], f["log"]) == ("orchestrator", f"exited with code 1: {cause}", str(env_log))
+    assert said == f"prime-hpc: run failed: orchestrator on node 0 exited with code 1: {cause}; see {env_log}"
+    atomic_write_json(run.job_json, job)
+    attempt.end(run, "7", 1, "trainer", "exited with code 1")
+    f = read_json(run.job_json)["failure"]
+    assert f["reason"] == "exited with code 1" and f["log"] == str(logs.resolve() / "trainer" / "node_0.log")
+
+    run.metrics_dir.mkdir()
+    rows = [{"step": 1, "reward/all/mean": 0.5}, {"step": 2, "reward/all/mean": 0.4},
+            {"step": 3, "filter/unfilled": 1, "filter/accepted_groups": 0, "filter/judged_groups": 12,
+             "filter/errored_groups": 9, "filter/zero_variance_groups": 3, "filter/invalid_groups": 0}]
+    run.metrics("orchestrator").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    v = vitals(run, 10)
+    assert v["orchestrator_step"] == 2
+    assert "step 3 not filled: 0 group(s) accepted of 12 judged (errored: 9, no reward variance: 3)" in format_vitals(v)

@@ -14,7 +14,8 @@ from prime_hpc.config.schema import EnvEntry
 from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
 from prime_hpc.rundir.checkpoints import is_due
-from prime_hpc.orchestrator.rollouts import Rollout, from_output, judge_group, pass_at_k
+from prime_hpc.orchestrator.rollouts import (EMPTY_GROUP, ErrorStreak, Rollout, from_output, group_error, judge_group,
+                                             pass_at_k)
 
 
 
@@ -101,6 +102,97 @@ def test_reward_errors_and_missing_tokens_are_errors():
     assert r.error.startswith("reward: ValueError")
     r = from_output({"reward": 0.0, "trajectory": [{"tokens": None}]}, "e", 10)
     assert "no token ids" in r.error
+
+
+def test_a_rollout_that_ended_before_any_model_turn_is_empty_not_an_error():
+    r = from_output({"reward": 0.0, "trajectory": [], "completion": []}, "e", 10)
+    assert r.empty and r.error is None
+
+
+def _empty(env="e"):
+    return Rollout(env=env, example_id=0, reward=0.0, input_ids=[], loss_mask=[], logprobs=[], policy_steps=[],
+                   num_turns=0, is_truncated=False, empty=True)
+
+
+def test_a_group_errors_when_none_of_its_rollouts_can_train():
+    boom = _r(0.0, error="reward: ValueError: x")
+    assert group_error([boom, boom]) == "reward: ValueError: x"
+    assert group_error([_empty(), boom, _empty()]) == "reward: ValueError: x"  # the error, not the emptiness
+    assert group_error([_empty(), _empty()]) == EMPTY_GROUP
+    assert group_error([boom, boom, _r(0.0)]) is None  # one rollout trains: a flaky env, not a broken one
+    assert group_error([_r(0.0) for _ in range(4)]) is None  # a hard task (every reward 0) is not an error
+    assert group_error([_r(1.0, policy=(0,)) for _ in range(4)]) is None  # nor a stale or uniform group
+
+
+def test_errored_groups_are_counted_in_a_row_and_any_other_group_ends_the_streak():
+    bad, empty, good = [_r(0.0, error="boom")] * 2, [_empty("f")] * 2, [_r(0.0), _r(0.0)]
+    s = ErrorStreak(3)
+    assert [s.add(g) for g in (bad, bad, good, bad, empty)] == [False] * 5
+    assert s.count == 2 and s.error == EMPTY_GROUP and s.env == "f"
+    assert s.add(bad) and (s.count, s.error, s.env) == (3, "boom", "e")
+    assert not s.add(good) and (s.count, s.error) == (0, None)
+    never = ErrorStreak(0)
+    assert not any(never.add(bad) for _ in range(1000))
+
+
+def test_the_default_tolerates_a_flaky_env():
+    """By default a run survives an outage that fails every group in flight at once (at the
+    default max_concurrent), several times, and a run of a few errored groups."""
+    from prime_hpc.config.schema import OrchestratorConfig
+
+    cfg = OrchestratorConfig()
+    in_flight = cfg.max_concurrent // cfg.group_size
+    s = ErrorStreak(cfg.max_errored_groups)
+    for burst in (3, in_flight, 2 * in_flight, in_flight):
+        assert not any(s.add([_r(0.0, error="boom")] * cfg.group_size) for _ in range(burst))
+        assert not s.add([_r(0.0), _r(1.0)] * (cfg.group_size // 2))
+
+
+def _orchestrator(root: Path, *overrides: str):
+    """An orchestrator of the reverse_text recipe that judges groups handed to it (no server)."""
+    from prime_hpc.orchestrator.loop import Orchestrator
+    from prime_hpc.runtime.metrics import MetricsLogger
+
+    cfg = compose(["+experiment=reverse_text", f"output_dir={root}", *overrides])
+    o = Orchestrator(component_config(cfg, "orchestrator"))
+    o.metrics = MetricsLogger(o.run, "orchestrator")
+    return o
+
+
+def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_metrics_row(tmp_path, monkeypatch):
+    import asyncio
+    import time
+
+    from prime_hpc.orchestrator.envs import EnvFailed, EnvLogRouter
+    from prime_hpc.orchestrator.loop import StepFill
+    from prime_hpc.rundir import RunDir
+
+    logs = tmp_path / "logs"
+    monkeypatch.setenv("PRIME_HPC_LOGS", str(logs))
+    o = _orchestrator(tmp_path / "run", "orchestrator.max_errored_groups=3", "orchestrator.online_difficulty_filtering=true")
+    env_log = RunDir.env_worker_log(logs, "train", "reverse_text")
+    o.log_router = EnvLogRouter({"train/reverse_text": env_log})
+    o.log_router.attach("warning")
+    fill = StepFill(t0=time.monotonic())
+    error = "reward: ValueError: reward exploded on\n'abc'"
+    bad = [_r(0.0, error=error, env="reverse_text") for _ in range(8)]
+    uniform = [_r(0.0, env="reverse_text") for _ in range(8)]  # healthy, all rewards 0: dropped, not errored
+    for g in (bad, bad, uniform, bad, bad):
+        asyncio.run(o.judge(1, list(g), fill))
+    assert {k: n for k, n in fill.counts.items() if n} == {"judged": 5, "errored": 4, "no reward variance": 1}
+    assert not fill.accepted
+    with pytest.raises(EnvFailed) as e:
+        asyncio.run(o.judge(1, list(bad), fill))
+    assert str(e.value) == ("train env 'reverse_text': 3 groups in a row errored (orchestrator.max_errored_groups=3); "
+                            "the last: reward: ValueError: reward exploded on 'abc'")
+    assert e.value.log == env_log
+    o.log_router.close()
+    noted = [line.split(" prime_hpc.envs: ")[1] for line in env_log.read_text().splitlines()]
+    assert noted == ["example 0: nothing of the group can train: reward: ValueError: reward exploded on 'abc'"] * 5
+    row = json.loads(o.run.metrics("orchestrator").read_text().splitlines()[-1])
+    assert row["step"] == 1 and row["filter/unfilled"] == 1 and row["filter/accepted_groups"] == 0
+    assert (row["filter/judged_groups"], row["filter/errored_groups"], row["filter/zero_variance_groups"]) == (6, 5, 1)
+    assert row["errored_rollouts/all"] == pytest.approx(5 / 6) and not any(k.startswith("reward/") for k in row)
 
 
 def test_pass_at_k_and_checkpoint_steps():
