@@ -1,5 +1,5 @@
 """Composition of every experiment and each validation rule (the CLI's one-line errors
-for the same mistakes: tests/integration/test_config_cli.py)."""
+for the same mistakes: tests/unit/test_config_cli.py)."""
 from __future__ import annotations
 
 from pathlib import Path
