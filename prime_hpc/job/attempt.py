@@ -262,7 +262,8 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
         done = int(job.get("requeues", 0))
         if done >= limit or local:
             why = "local runs are not requeued" if local else f"cluster.max_requeues={limit} reached"
-            what = f"REQUEUED by SLURM: not continued ({why})" if reason == REQUEUED else f"{reason}: not requeued ({why})"
+            what = f"{reason} by SLURM: not continued" if reason == REQUEUED else f"{reason}: not requeued"
+            what += f" ({why})"
             job["state"] = FAILED if reason == REQUEUED else reason
             job["failure"] = {"component": None, "rc": 0, "reason": f"{what}; continue with: prime-hpc resume "
                               f"{run.root}", "log": str(run.latest_logs.resolve()),

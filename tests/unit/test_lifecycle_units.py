@@ -210,8 +210,10 @@ def test_a_requeue_before_any_checkpoint_starts_over_and_a_bad_step_is_refused(t
 
 # `scontrol show job -o` of a job in the dev cluster's preemptible partition (GraceTime=60),
 # as SLURM 22.05 showed it: running, then inside the preemption's grace time, then requeued
-RUNNING = "JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T10:00:17 PreemptTime=None"
-IN_GRACE = "JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T09:51:25 PreemptTime=2026-11-25T09:50:25"
+RUNNING = ("JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T10:00:17 "
+           "PreemptTime=None")
+IN_GRACE = ("JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T09:51:25 "
+            "PreemptTime=2026-11-25T09:50:25")
 REQUEUED_ONCE = "JobState=COMPLETING Reason=None Restarts=1 StartTime=2026-11-25T09:50:30 EndTime=2026-11-25T10:00:30"
 
 
@@ -244,7 +246,8 @@ def test_a_run_past_its_requeues_ends_and_is_not_started_again(tmp_path, reason,
     job = jobs.read_job(run)
     assert not requeued and "cluster.max_requeues=1 reached" in message, message
     assert job["state"] == state and job["requeues"] == 1 and job["attempts"][-1]["end"] == reason
-    assert "cluster.max_requeues=1 reached" in job["failure"]["reason"] and "prime-hpc resume" in job["failure"]["reason"]
+    assert "cluster.max_requeues=1 reached" in job["failure"]["reason"]
+    assert f"continue with: prime-hpc resume {run.root}" in job["failure"]["reason"]
     before = run.job_json.read_text()
     with pytest.raises(UserError, match=r"requeued after it had reached cluster.max_requeues=1; not continued"):
         attempt.start(run, "42")  # SLURM brought the job back all the same (a requeue it did itself)
