@@ -22,6 +22,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -257,8 +258,11 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
     limit = max_requeues(run)
     local = str(job_id).startswith("local-")
     with editing_job(run) as job:
-        _end_attempt(job, job_id, reason)
         job["ended_at"] = time.time()
+        if job.get("state") == CANCELLED:  # cancelled while it checkpointed: a cancel stays a cancel
+            _end_attempt(job, job_id, CANCELLED, "cancelled")
+            return "prime-hpc: run cancelled; not requeued", False
+        _end_attempt(job, job_id, reason)
         done = int(job.get("requeues", 0))
         if done >= limit or local:
             why = "local runs are not requeued" if local else f"cluster.max_requeues={limit} reached"
@@ -284,15 +288,20 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
     return f"prime-hpc: {reason}; requeued (requeue {done + 1} of at most {limit})", True
 
 
-REQUEUE_START_DELAY_S = 10  # a requeued job may start again this long after the requeue
+# A requeued job may start again this long after the requeue. SLURM holds a requeued job
+# for about two minutes (CredExpire) unless a start time set meanwhile is still ahead when
+# the job has ended: its components end on SLURM's SIGTERM, within a few seconds.
+REQUEUE_START_DELAY_S = 15
 
 
 def _scontrol_requeue(job_id: str) -> str:
     """`scontrol requeue`, then let the job start again after REQUEUE_START_DELAY_S
     instead of SLURM's default hold of about two minutes. Not at once: a node refuses to
     launch a job whose credential it revoked in the same second ("Job credential
-    revoked"), which fails the job instead of restarting it. Returns an error message, or
-    '' on success."""
+    revoked"), which fails the job instead of restarting it. SLURM signals every process
+    of the job once it is requeued, this one too: it carries on. Returns an error message,
+    or '' on success."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         return (out.stderr or out.stdout).strip() or f"scontrol exited with code {out.returncode}"
