@@ -360,7 +360,7 @@ class ClusterConfig:
     address: Optional[str] = None  # what servers bind to and publish; None = each node's own address
     # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
     signal_delay_s: int = ruled(120, ge=0)  # warning this long before the time limit: checkpoint, then requeue
-    max_requeues: int = ruled(10, ge=0)  # time limits/preemptions a run is requeued through before it stops
+    max_requeues: int = ruled(10, ge=0)  # requeues (time limits, preemptions, scontrol requeue) before the run stops
     umask: str = ruled("027", pattern="0?[0-7]{3}", example="027")  # what the run writes (run dir, logs,
     # weights) is not readable by other users of the cluster; 022 shares it read-only
     orchestrator: GroupResources = field(default_factory=GroupResources)

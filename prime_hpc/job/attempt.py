@@ -10,8 +10,9 @@
               exited and the run goes on without it
   checkpoint  --reason R: ask the trainer and the orchestrator to checkpoint and exit
   requeue     --reason R: record the attempt as ended by R and put the job back in the queue
-              (SLURM), unless cluster.max_requeues is reached
-  cause       print why the job is being stopped: CANCELLED, TIMEOUT, PREEMPTED or REQUEUED
+              (SLURM), unless cluster.max_requeues is reached (then exit 1)
+  cause       [--checkpoint] print why the job is being stopped: CANCELLED, TIMEOUT, PREEMPTED
+              or REQUEUED; with --checkpoint, for the last three also ask for the checkpoint
   wait-for    DIR: (local pipelines) wait until the run in DIR completed; fail otherwise
   rendezvous  print <address>:<port> of this node with a port free there (torchrun c10d)
 """
@@ -21,6 +22,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +42,10 @@ STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and
 def start(run: RunDir, job_id: str) -> str:
     job = read_job(run)
     restarted = any(str(a.get("job_id")) == str(job_id) for a in job.get("attempts", []))
+    limit = (job.get("failure") or {}).get("max_requeues")
+    if restarted and limit is not None:  # SLURM brought back a job that had used its requeues: nothing written
+        raise UserError(f"job {job_id} was requeued after it had reached cluster.max_requeues={limit}; not "
+                        f"continued (continue with: prime-hpc resume {run.root})")
     k, logs = run.new_attempt()
     # endpoints and requests are per attempt: nobody may find a previous attempt's servers
     for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir):
@@ -262,46 +268,61 @@ def max_requeues(run: RunDir) -> int:
         return default
 
 
-def requeue(run: RunDir, job_id: str, reason: str) -> str:
-    """Record that this attempt ended because of `reason` and put the job back in the queue.
-    REQUEUED means SLURM already did (scontrol requeue, preemption in requeue mode); for a
-    time limit or a preemption that cancels, prime-hpc requeues the job itself, at most
-    `cluster.max_requeues` times over the run."""
+def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
+    """Record that this attempt ended because of `reason` and let the job go back to the
+    queue, at most `cluster.max_requeues` times over the run. Every requeue counts: SLURM's
+    own (REQUEUED: `scontrol requeue`, a preemption that requeues; the job is back in the
+    queue already) and prime-hpc's (a time limit, a preemption with a grace time: it
+    requeues the job itself). Past the limit the run ends, its failure naming the limit;
+    a job SLURM requeues all the same is refused when it starts again (`start`).
+    Returns (what happened, whether the job goes back to the queue)."""
     limit = max_requeues(run)
+    local = str(job_id).startswith("local-")
     with editing_job(run) as job:
-        _end_attempt(job, job_id, reason)
         job["ended_at"] = time.time()
+        if job.get("state") == CANCELLED:  # cancelled while it checkpointed: a cancel stays a cancel
+            _end_attempt(job, job_id, CANCELLED, "cancelled")
+            return "prime-hpc: run cancelled; not requeued", False
+        _end_attempt(job, job_id, reason)
         done = int(job.get("requeues", 0))
-        if reason == REQUEUED:
-            job["state"] = REQUEUED
-            return "prime-hpc: the job was requeued by SLURM; its next attempt continues from the latest checkpoint"
-        if done >= limit or str(job_id).startswith("local-"):
-            job["state"] = reason
-            why = f"cluster.max_requeues={limit} reached" if done >= limit else "local runs are not requeued"
-            job["failure"] = {"component": None, "rc": 0, "reason": f"{reason}: not requeued ({why}); continue "
-                              f"with: prime-hpc resume {run.root}", "log": str(run.latest_logs.resolve())}
-            return f"prime-hpc: {reason}; not requeued ({why})"
+        if done >= limit or local:
+            why = "local runs are not requeued" if local else f"cluster.max_requeues={limit} reached"
+            what = f"{reason} by SLURM: not continued" if reason == REQUEUED else f"{reason}: not requeued"
+            what += f" ({why})"
+            job["state"] = FAILED if reason == REQUEUED else reason
+            job["failure"] = {"component": None, "rc": 0, "reason": f"{what}; continue with: prime-hpc resume "
+                              f"{run.root}", "log": str(run.latest_logs.resolve()),
+                              **({} if local else {"max_requeues": limit})}
+            return f"prime-hpc: {what}", False
         job["state"] = REQUEUED
         job["requeues"] = done + 1
+    if reason == REQUEUED:
+        return (f"prime-hpc: the job was requeued by SLURM (requeue {done + 1} of at most {limit}); its next "
+                f"attempt continues from the latest checkpoint", True)
     err = _scontrol_requeue(job_id)
     if err:
         with editing_job(run) as job:
             job["state"] = reason
             job["failure"] = {"component": None, "rc": 0, "reason": f"{reason}: requeue failed: {err}",
                               "log": str(run.batch_log(job_id))}
-        return f"prime-hpc: {reason}; requeue failed: {err}"
-    return f"prime-hpc: {reason}; requeued (requeue {done + 1} of at most {limit})"
+        return f"prime-hpc: {reason}; requeue failed: {err}", False
+    return f"prime-hpc: {reason}; requeued (requeue {done + 1} of at most {limit})", True
 
 
-REQUEUE_START_DELAY_S = 10  # a requeued job may start again this long after the requeue
+# A requeued job may start again this long after the requeue. SLURM holds a requeued job
+# for about two minutes (CredExpire) unless a start time set meanwhile is still ahead when
+# the job has ended: its components end on SLURM's SIGTERM, within a few seconds.
+REQUEUE_START_DELAY_S = 15
 
 
 def _scontrol_requeue(job_id: str) -> str:
     """`scontrol requeue`, then let the job start again after REQUEUE_START_DELAY_S
     instead of SLURM's default hold of about two minutes. Not at once: a node refuses to
     launch a job whose credential it revoked in the same second ("Job credential
-    revoked"), which fails the job instead of restarting it. Returns an error message, or
-    '' on success."""
+    revoked"), which fails the job instead of restarting it. SLURM signals every process
+    of the job once it is requeued, this one too: it carries on. Returns an error message,
+    or '' on success."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         return (out.stderr or out.stdout).strip() or f"scontrol exited with code {out.returncode}"
@@ -311,18 +332,28 @@ def _scontrol_requeue(job_id: str) -> str:
 
 
 def cause(run: RunDir, job_id: str) -> str:
-    """Why the job is being stopped, asked of SLURM: REQUEUED (its restart count went up:
-    `scontrol requeue` or a preemption that requeues), TIMEOUT, PREEMPTED, else CANCELLED."""
+    """Why the job is being stopped, asked of SLURM (`stop_cause`); CANCELLED for a local
+    run or one that `prime-hpc cancel` marked cancelled. The components' SIGTERM markers
+    are answered: cleared."""
+    for marker in run.sigterm_markers():
+        marker.unlink(missing_ok=True)
     if str(job_id).startswith("local-") or read_job(run).get("state") == CANCELLED:
         return CANCELLED
-    info = slurm_job_fields(job_id)
-    restarts = int(info.get("Restarts", "0") or 0)
-    if restarts > int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0):
+    return stop_cause(slurm_job_fields(job_id), int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
+
+
+def stop_cause(info: dict[str, str], restart_count: int) -> str:
+    """Why SLURM stops the job, from `scontrol show job` of it (`info`) and this attempt's
+    SLURM_RESTART_COUNT: REQUEUED (its restart count went up: `scontrol requeue`, or a
+    preemption that requeues at once), TIMEOUT, PREEMPTED (also while a preemption's grace
+    time runs: SLURM has set PreemptTime, which it clears when the job starts again),
+    else CANCELLED."""
+    if int(info.get("Restarts", "0") or 0) > restart_count:
         return REQUEUED
     state, why = info.get("JobState", ""), info.get("Reason", "")
     if state == "TIMEOUT" or "TimeLimit" in why:
         return "TIMEOUT"
-    if state == "PREEMPTED" or "Preempt" in why:
+    if state == "PREEMPTED" or "Preempt" in why or info.get("PreemptTime", "None") not in ("None", "Unknown", ""):
         return "PREEMPTED"
     return CANCELLED
 
@@ -382,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state", default="")
     p.add_argument("before", nargs="?", help="wait-for: the run directory this job starts after")
     p.add_argument("--any", action="store_true", help="wait-for: start however that run ended")
+    p.add_argument("--checkpoint", action="store_true", help="cause: ask for the checkpoint when the job stops")
     a = p.parse_intermixed_args(argv)
     if a.cmd == "rendezvous":
         print(rendezvous())
@@ -397,9 +429,14 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "checkpoint":
             request_checkpoint(run, a.reason)
         elif a.cmd == "requeue":
-            print(requeue(run, a.job_id, a.reason), file=sys.stderr)
+            message, requeued = requeue(run, a.job_id, a.reason)
+            print(message, file=sys.stderr)
+            return 0 if requeued else 1
         elif a.cmd == "cause":
-            print(cause(run, a.job_id))
+            why = cause(run, a.job_id)
+            if a.checkpoint and why in STOP_REASONS:  # one call: the components wait only briefly
+                request_checkpoint(run, why)
+            print(why)
         elif a.cmd == "wait-for":
             return wait_for(run, a.job_id, RunDir(a.before), any_end=a.any)
     except UserError as e:

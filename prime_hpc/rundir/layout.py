@@ -131,6 +131,17 @@ class RunDir:
         limit, preemption, requeue)."""
         return self.control_dir / "checkpoint.json"
 
+    SIGTERM_PREFIX = "sigterm_"
+
+    def sigterm_marker(self, who: str) -> Path:
+        """`control/sigterm_<who>` (who: host_pid): a component got a SIGTERM. When SLURM
+        preempts a job with a grace time it signals the job's steps, not its batch script;
+        the supervisor notices these markers and asks SLURM why."""
+        return self.control_dir / f"{self.SIGTERM_PREFIX}{who}"
+
+    def sigterm_markers(self) -> list[Path]:
+        return sorted(self.control_dir.glob(f"{self.SIGTERM_PREFIX}*")) if self.control_dir.is_dir() else []
+
     @property
     def checkpoint_answer(self) -> Path:
         """`control/checkpointed.json` {"step"}: the trainer's answer, the step it saved

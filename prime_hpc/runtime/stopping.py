@@ -2,7 +2,9 @@
 
 Two sources:
 - SIGTERM: a cancel, or SLURM ending the job for a time limit, a preemption or a requeue
-  (every process of the job gets it at the same moment);
+  (every process of the job gets it at the same moment; a preemption with a grace time
+  signals only the components, so each one that gets it leaves a marker,
+  `control/sigterm_<host>_<pid>`, for the supervisor to notice);
 - the supervisor's request `control/checkpoint.json` (run directory): written when SLURM
   warns that the time limit is near, and right after a SIGTERM whose cause is a time
   limit, a preemption or a requeue (the supervisor asks SLURM why).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from typing import Optional
 
@@ -36,6 +39,10 @@ class Stop:
     def _on_term(self, signum: int, frame: object) -> None:
         if self.terminated_at is None:
             self.terminated_at = time.monotonic()
+            try:  # the supervisor may not have been signalled itself (a preemption's grace time)
+                self.run.sigterm_marker(f"{socket.gethostname()}_{os.getpid()}").touch()
+            except OSError:
+                pass
 
     def requested(self) -> bool:
         """Did the supervisor ask for a checkpoint?"""

@@ -1,9 +1,10 @@
-"""Runs that outlive their allocation, on the dev cluster: an RL run survives an `scontrol
-requeue` (the trainer and the orchestrator checkpoint the step they are at, the next
-attempt continues there), is cancelled and resumed by hand with more steps; an SFT run
-whose time limit is shorter than the run reaches its last step over several attempts.
-Asserted on the run directory and SLURM: every step trained and recorded exactly once, each
-attempt recorded with why it ended."""
+"""Runs that outlive their allocation, on the dev cluster: an RL run is preempted, reaches
+its time limit and is requeued by `scontrol requeue` (each time the trainer and the
+orchestrator checkpoint the step they are at and the next attempt continues there) until
+cluster.max_requeues stops it, then is resumed by hand; an SFT run whose time limit is
+shorter than the run reaches its last step over several attempts. Asserted on the run
+directory and SLURM: every step trained and recorded exactly once, each attempt recorded
+with why it ended."""
 from __future__ import annotations
 
 import datetime
@@ -77,68 +78,125 @@ def _attempt_starts(run: RunDir) -> list[float]:
     return [a["started_at"] for a in jobs.read_job(run)["attempts"]]
 
 
+def _take_nodes_of(job_id: str, out: Path) -> str:
+    """Submit a plain job to the dev cluster's urgent partition that needs every node of the
+    run, whole: SLURM preempts the run (preemptible partition) to start it."""
+    listed = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                            timeout=60).stdout.split()
+    nodes = subprocess.run(["scontrol", "show", "hostnames", ",".join(listed)], capture_output=True, text=True,
+                           timeout=60).stdout.split()
+    assert nodes, f"no nodes of job {job_id}: {listed}"
+    r = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--exclusive", f"--nodes={len(nodes)}",
+                        f"--nodelist={','.join(nodes)}", f"--output={out}/urgent-%j.out", "--wrap", "sleep 600"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def _squeue_state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+
+
+def _attempts(run: RunDir) -> list[dict]:
+    return jobs.read_job(run).get("attempts", [])
+
+
+def _saved(run: RunDir, step: int) -> bool:
+    """Both parts of the checkpoint of `step` are complete."""
+    return all((run.checkpoint_part(step, part) / "STABLE").exists() for part in ("trainer", "orchestrator"))
+
+
 @pytest.mark.vllm
-def test_rl_run_survives_a_requeue_is_cancelled_and_resumed(tmp_path):
+def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_limit(tmp_path):
+    """One RL run (orchestrator, inference, trainer: a het job) in the preemptible partition,
+    with a 3-minute time limit and cluster.max_requeues=2, through four attempts:
+    1. a job of the urgent partition needs its nodes: SLURM preempts the run, signalling
+       only its components (grace time); both checkpoint the step they are at, the attempt
+       ends PREEMPTED, the job is requeued and starts again once that job is gone;
+    2. from that checkpoint on, until the warning before the time limit: both checkpoint,
+       the attempt ends TIMEOUT, the job is requeued;
+    3. from that checkpoint on, until `scontrol requeue`, a third requeue: past the limit the
+       run ends, checkpointed, with one line naming cluster.max_requeues (in job.json and
+       `status`), and the job SLURM brings back does not start;
+    4. `prime-hpc resume` continues from that checkpoint to max_steps.
+    Every step trained and recorded once, each attempt's from the checkpoint before it."""
     cfg = compose(["+experiment=reverse_text", "warmup.experiment=null", "cluster=dev", f"output_dir={tmp_path}/run",
-                   "max_steps=10", "ckpt.interval=5", "orchestrator.batch_size=32", "orchestrator.eval.interval=0",
-                   "orchestrator.eval.at_start=false"])
+                   "cluster.partition=scavenger", "cluster.time=3", "cluster.signal_delay_s=45",
+                   "cluster.max_requeues=2", "max_steps=2000", "ckpt.interval=1000", "orchestrator.batch_size=32",
+                   "orchestrator.eval.interval=0", "orchestrator.eval.at_start=false"])
     sub = launch.submit(cfg, [])
     run, job_id = sub.ref.run, sub.ref.job_id
+    urgent = ""
     try:
-        # 1. scontrol requeue mid-run: both components checkpoint the step they are at
-        _wait(lambda: len(_steps(run, "trainer")) >= 3, 600, "step 3", run)
+        # 1. preempted at step 2 or later
+        _wait(lambda: len(_steps(run, "trainer")) >= 2, 600, "step 2", run)
         # SLURM signals every process of the job, the watchdog too, maybe before the job
         # script: a watchdog ended by a signal is no failure of the run
         watchdog = _writer_of(run.latest_logs.resolve() / "watchdog.log")
         os.kill(watchdog, signal.SIGTERM)
         time.sleep(4)  # the supervisor looks every second, then gives its own trap 2 s
         assert not jobs.read_job(run).get("ended_at"), jobs.read_job(run)
-        assert launch.active_job(run)
+        urgent = _take_nodes_of(job_id, tmp_path)
+        _wait(lambda: _squeue_state(urgent) == "RUNNING", 300, "the urgent job to start on the run's nodes", run,
+              poll_s=2)
+        first = _attempts(run)[0]
+        assert first["end"] == "PREEMPTED" and first.get("stopping") == "PREEMPTED", first
+        assert jobs.read_job(run)["requeues"] == 1 and jobs.read_job(run)["state"] == "REQUEUED"
+        saved = [s for s in run.complete_checkpoint_steps() if _saved(run, s)]
+        assert len(saved) == 1 and saved[0] >= 2, saved  # the step it was at (no periodic checkpoint yet)
+        subprocess.run(["scancel", urgent], check=True, timeout=60)
+        gone = time.time()
+        # 2. back once the urgent job is gone, from that checkpoint, until the time limit
+        _wait(lambda: _release_held(job_id) or len(_attempts(run)) >= 3, 600, "the end of the time limit", run,
+              poll_s=2)
+        second = _attempts(run)[1]
+        assert second["started_at"] > gone and second["resumed_from"] == saved[0], second
+        assert second["end"] == "TIMEOUT" and second.get("stopping") == "TIMEOUT", second
+        saved.append(_attempts(run)[2]["resumed_from"])
+        assert saved[1] > saved[0] and _saved(run, saved[1]), saved
+        # 3. requeued once more than cluster.max_requeues allows: the run ends, checkpointed
+        _wait(lambda: max(_steps(run, "trainer")) >= saved[1] + 2, 300, "two steps after the time limit", run)
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-        _wait(lambda: _release_held(job_id) or len(jobs.read_job(run).get("attempts", [])) >= 2, 300,
-              "the second attempt", run, poll_s=2)
-        first = jobs.read_job(run)["attempts"][0]
-        assert first["end"] == "REQUEUED" and first.get("stopping") == "REQUEUED", first
-        saved = jobs.read_job(run)["attempts"][1]["resumed_from"]
-        assert saved is not None and saved >= 3
-        for part in ("trainer", "orchestrator"):
-            assert (run.checkpoint_part(saved, part) / "STABLE").exists()
-        # 2. cancel it after step 7: recorded as a cancel, not as a failure
-        _wait(lambda: max(_steps(run, "orchestrator") or [0]) >= 7 and max(_steps(run, "trainer") or [0]) >= 7,
-              600, "step 7", run)
-        c = cli("cancel", job_id)
-        assert c.returncode == 0, c.stderr
-        _wait(lambda: jobs.read_job(run).get("ended_at"), 120, "the end of the job", run)
+        _wait(lambda: jobs.read_job(run).get("state") == "FAILED", 120, "the end of the run", run)
         job = jobs.read_job(run)
-        assert job["state"] == "CANCELLED" and job["attempts"][-1]["end"] == "CANCELLED"
-        _wait(lambda: not launch.active_job(run), 120, "SLURM to let the job go", run)
-        # 3. resume from the latest complete checkpoint, with more steps
-        latest = run.latest_checkpoint_step()
-        r = cli("resume", job_id, "max_steps=12")
+        assert job["attempts"][2]["end"] == "REQUEUED" and job["requeues"] == 2, job
+        assert "cluster.max_requeues=2 reached" in job["failure"]["reason"], job["failure"]
+        st = cli("status", job_id)
+        assert "failed: job REQUEUED by SLURM: not continued (cluster.max_requeues=2 reached)" in st.stdout, st.stdout
+        saved.append(run.latest_checkpoint_step())
+        assert saved[2] > saved[1] and _saved(run, saved[2]), saved
+        _wait(lambda: _release_held(job_id) or not launch.active_job(run), 300, "SLURM to let the job go", run,
+              poll_s=2)
+        assert len(_attempts(run)) == 3 and "not continued (continue with: prime-hpc resume" in \
+            run.batch_log(job_id).read_text()  # SLURM started it again: refused before anything ran
+        # 4. resume from that checkpoint, without a time limit to meet, to the end
+        r = cli("resume", job_id, f"max_steps={saved[2] + 3}", "cluster.time=30")
         assert r.returncode == 0, r.stderr
         resumed = jobs.read_job(run)["job_ids"][-1]
-        assert resumed != job_id and f"from checkpoint step {latest}" in r.stdout
+        assert resumed != job_id and f"from checkpoint step {saved[2]}" in r.stdout
         again = cli("resume", job_id)  # a live job is not resumed twice
         assert again.returncode == 2 and "still alive" in again.stderr and again.stderr.count("\n") == 1
         _wait(lambda: jobs.read_job(run).get("state") in jobs.FINAL_STATES
               and jobs.read_job(run)["job_ids"][-1] == resumed, 900, "the resumed run", run, poll_s=2)
     finally:
-        for i in jobs.read_job(run).get("job_ids", []):
-            subprocess.run(["scancel", str(i)], capture_output=True, timeout=60)
+        for i in [urgent, *jobs.read_job(run).get("job_ids", [])]:
+            if i:
+                subprocess.run(["scancel", str(i)], capture_output=True, timeout=60)
     job = jobs.read_job(run)
     assert job["state"] == "COMPLETED", job
-    assert [a["end"] for a in job["attempts"]] == ["REQUEUED", "CANCELLED", "COMPLETED"]
-    assert job["attempts"][2]["resumed_from"] == latest
-    # every step once, in both components; steps after the resume point come from the last attempt
+    assert [a["end"] for a in job["attempts"]] == ["PREEMPTED", "TIMEOUT", "REQUEUED", "COMPLETED"]
+    assert [a["resumed_from"] for a in job["attempts"]] == [None, *saved]
+    # every step once, in both components, trained by the attempt after the checkpoint before it
+    last = saved[2] + 3
+    starts = _attempt_starts(run) + [float("inf")]
     for component in ("trainer", "orchestrator"):
-        assert _steps(run, component) == list(range(1, 13)), component
+        assert _steps(run, component) == list(range(1, last + 1)), component
         rows = {r["step"]: r for r in _rows(run, component) if "time" in r}
-        start = _attempt_starts(run)[-1]
-        assert all(rows[s]["time"] > start for s in range(latest + 1, 13)), component
-        assert all(rows[s]["time"] < start for s in range(1, latest + 1)), component
-    assert run.latest_checkpoint_step() == 12 or 10 in run.complete_checkpoint_steps()
+        for k, (lo, hi) in enumerate(zip([0, *saved], [*saved, last])):
+            assert all(starts[k] < rows[s]["time"] < starts[k + 1] for s in range(lo + 1, hi + 1)), (component, k)
     logs = sorted(p.name for p in run.logs_root.iterdir() if p.name.startswith("attempt_"))
-    assert logs == ["attempt_0", "attempt_1", "attempt_2"]  # earlier attempts' logs are kept
+    assert logs == ["attempt_0", "attempt_1", "attempt_2", "attempt_3"]  # earlier attempts' logs are kept
 
 
 def test_sft_run_outlives_a_time_limit_shorter_than_the_run(tmp_path):

@@ -20,7 +20,7 @@ from prime_hpc.config.schema import EnvEntry
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot
 from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.orchestrator.rollouts import advantages
-from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable, truncate_jsonl
+from prime_hpc.rundir import RunDir, atomic_write_json, jobs, mark_stable, truncate_jsonl
 from prime_hpc.runtime import stopping
 
 
@@ -208,6 +208,60 @@ def test_a_requeue_before_any_checkpoint_starts_over_and_a_bad_step_is_refused(t
         attempt.resume_point(run, restarted=False)
 
 
+# `scontrol show job -o` of a job in the dev cluster's preemptible partition (GraceTime=60),
+# as SLURM 22.05 showed it: running, then inside the preemption's grace time, then requeued
+RUNNING = ("JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T10:00:17 "
+           "PreemptTime=None")
+IN_GRACE = ("JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T09:51:25 "
+            "PreemptTime=2026-11-25T09:50:25")
+REQUEUED_ONCE = "JobState=COMPLETING Reason=None Restarts=1 StartTime=2026-11-25T09:50:30 EndTime=2026-11-25T10:00:30"
+
+
+def _fields(line: str) -> dict:
+    return dict(f.split("=", 1) for f in line.split())
+
+
+def test_why_slurm_stops_a_job():
+    assert attempt.stop_cause(_fields(RUNNING), 0) == "CANCELLED"  # nothing of SLURM's: a cancel
+    assert attempt.stop_cause(_fields(IN_GRACE), 0) == "PREEMPTED"  # only the steps got SIGTERM
+    assert attempt.stop_cause(_fields(REQUEUED_ONCE), 0) == "REQUEUED"
+    assert attempt.stop_cause(_fields(REQUEUED_ONCE.replace("Restarts=1", "Restarts=2")), 2) == "CANCELLED"
+    assert attempt.stop_cause(_fields(RUNNING.replace("RUNNING", "TIMEOUT", 1)), 0) == "TIMEOUT"
+
+
+def _stopping_run(run: RunDir, job_id: str, max_requeues: int, requeues: int) -> None:
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.config_yaml.write_text(yaml.safe_dump({"cluster": {"max_requeues": max_requeues}}))
+    attempts = [{"attempt": k, "job_id": job_id, "started_at": 1.0, "ended_at": 2.0, "end": "REQUEUED"}
+                for k in range(requeues)] + [{"attempt": requeues, "job_id": job_id, "started_at": 3.0}]
+    atomic_write_json(run.job_json, {"state": "RUNNING", "job_ids": [job_id], "requeues": requeues,
+                                     "attempts": attempts})
+
+
+@pytest.mark.parametrize("reason, state", [("TIMEOUT", "TIMEOUT"), ("PREEMPTED", "PREEMPTED"), ("REQUEUED", "FAILED")])
+def test_a_run_past_its_requeues_ends_and_is_not_started_again(tmp_path, reason, state):
+    run = RunDir(tmp_path / "run")
+    _stopping_run(run, "42", max_requeues=1, requeues=1)
+    message, requeued = attempt.requeue(run, "42", reason)  # past the limit: SLURM is not asked
+    job = jobs.read_job(run)
+    assert not requeued and "cluster.max_requeues=1 reached" in message, message
+    assert job["state"] == state and job["requeues"] == 1 and job["attempts"][-1]["end"] == reason
+    assert "cluster.max_requeues=1 reached" in job["failure"]["reason"]
+    assert f"continue with: prime-hpc resume {run.root}" in job["failure"]["reason"]
+    before = run.job_json.read_text()
+    with pytest.raises(UserError, match=r"requeued after it had reached cluster.max_requeues=1; not continued"):
+        attempt.start(run, "42")  # SLURM brought the job back all the same (a requeue it did itself)
+    assert run.job_json.read_text() == before and not run.logs_root.exists()
+
+
+def test_requeues_by_slurm_count_against_the_limit(tmp_path):
+    run = RunDir(tmp_path / "run")
+    _stopping_run(run, "42", max_requeues=2, requeues=0)
+    message, requeued = attempt.requeue(run, "42", "REQUEUED")  # scontrol requeue: SLURM requeued it already
+    assert requeued and "requeue 1 of at most 2" in message
+    assert jobs.read_job(run)["requeues"] == 1 and jobs.read_job(run)["state"] == "REQUEUED"
+
+
 def test_truncate_jsonl_keeps_only_accepted_rows(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_text('{"step": 1}\n{"step": 2}\n')
@@ -244,8 +298,11 @@ def test_stop_decision_after_sigterm_waits_for_the_supervisor(tmp_path, monkeypa
     try:
         stop = stopping.Stop(run)
         assert not stop.pending() and stop.decision() == stopping.CONTINUE
+        run.control_dir.mkdir()
         os.kill(os.getpid(), signal.SIGTERM)  # a cancel: nobody asks for a checkpoint
         assert stop.pending() and stop.poll() == stopping.CONTINUE  # undecided yet
+        assert len(run.sigterm_markers()) == 1  # for a supervisor SLURM did not signal itself
+        assert attempt.cause(run, "local-1") == "CANCELLED" and not run.sigterm_markers()  # answered
         t0 = time.monotonic()
         assert stop.decision() == stopping.EXIT and time.monotonic() - t0 >= 0.2
         atomic_write_json(run.checkpoint_request, {"reason": "TIMEOUT"})  # a time limit
