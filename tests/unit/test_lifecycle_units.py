@@ -461,7 +461,8 @@ def test_the_requeue_cap_falls_back_to_the_schemas_default(tmp_path):
     # the cap is what the message names when it is reached (no SLURM call on this path)
     run.config_yaml.write_text("name: x\n")
     atomic_write_json(run.job_json, {"requeues": default, "attempts": [{"job_id": "77", "attempt": 0}]})
-    assert f"cluster.max_requeues={default} reached" in attempt.requeue(run, "77", "TIMEOUT")
+    said, again = attempt.requeue(run, "77", "TIMEOUT")
+    assert f"cluster.max_requeues={default} reached" in said and not again
     assert read_job(run)["state"] == "TIMEOUT"
 
 
