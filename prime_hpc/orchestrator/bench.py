@@ -62,7 +62,7 @@ def prompt_fill(cfg: OrchestratorRunConfig, budget: int, longest: tuple[int, int
 
 def request_args(cfg: OrchestratorRunConfig, completion: int) -> dict:
     """The run's own sampling arguments, every completion `completion` tokens long."""
-    from prime_hpc.orchestrator.loop import sampling_args
+    from prime_hpc.orchestrator.generate import sampling_args
 
     args = sampling_args(cfg.orchestrator.sampling)
     args["max_tokens"] = completion

@@ -184,8 +184,8 @@ def test_policy_lag_is_bounded_while_a_slow_trainer_publishes_weights(keyed, tmp
                 if mb["loss_mask"].any():
                     steps |= set(mb["policy_steps"].tolist())
         assert steps and min(steps) >= n - 1, (n, steps)
-    assert [u["step"] for u in orch.update_log] == sorted(u["step"] for u in orch.update_log)
-    assert orch.update_log and orch.update_log[-1]["step"] >= 3
+    assert [u["step"] for u in orch.relay.updates] == sorted(u["step"] for u in orch.relay.updates)
+    assert orch.relay.updates and orch.relay.updates[-1]["step"] >= 3
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     assert max(r["time/wait_for_ckpt"] for r in rows) > 0
 
@@ -345,7 +345,7 @@ def test_resume_continues_from_the_checkpoint_step_with_the_sampler_state(keyed,
                 for mb in batch.read_rank(run, 3, r, timeout_s=5).micro_batches)
     # the totals continue from the checkpoint (not from 0)
     assert rows[2]["progress/total_samples"] == summary["samples"] == saved["totals"]["samples"] + step3
-    assert orch.policy >= 2  # the servers were given the checkpoint's weights
+    assert orch.relay.policy >= 2  # the servers were given the checkpoint's weights
     bad = dict(cfg, ckpt={**cfg["ckpt"], "step": 7})
     with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .* complete checkpoints: \[1, 2\]"):
         asyncio.run(Orchestrator(bad).main())
