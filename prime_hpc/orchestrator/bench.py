@@ -128,8 +128,7 @@ async def wait_for_trainer(run_dir: RunDir, step: int) -> None:
 
 async def run(cfg: OrchestratorRunConfig) -> dict:
     from prime_hpc.inference.client import api_key, discover
-    from prime_hpc.orchestrator.client import make_client
-    from prime_hpc.orchestrator.loop import SERVERS_WAIT_S
+    from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
 
     b, o = cfg.bench, cfg.orchestrator
     run_dir = RunDir(cfg.output_dir)

@@ -30,7 +30,7 @@ from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.core import jobenv
 from prime_hpc.inference.client import Admin, api_key, discover
 from prime_hpc.orchestrator.checkpointer import Checkpointer
-from prime_hpc.orchestrator.client import make_client
+from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, load_slots, route_env_logs
 from prime_hpc.orchestrator.evaluator import Evaluator
 from prime_hpc.orchestrator.generate import Generator
@@ -41,8 +41,6 @@ from prime_hpc.orchestrator.step_metrics import StepMetrics
 from prime_hpc.orchestrator.teacher import Teacher
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json
 from prime_hpc.rundir.checkpoints import resolve_resume_step
-
-SERVERS_WAIT_S = 3600.0  # at the start: how long to wait for the inference servers and the router to publish
 
 
 class Orchestrator:
@@ -71,8 +69,8 @@ class Orchestrator:
         self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = EnvSampler(train, cfg.seed, 1 if self.max_steps is None else None)  # null: the data once
         self.source = GroupSource(sampler, self.generator, lambda: relay.policy, o, self.async_level, self.max_steps)
-        self.step_metrics = StepMetrics(metrics, cfg.wandb.log_extras, cfg.seed,
-                                        lambda: {**relay.gauges(), **self.progress_totals()})
+        self.step_metrics = StepMetrics(metrics, cfg.wandb.log_extras, cfg.seed, lambda: {
+            **relay.gauges(), **{f"progress/total_{k}": v for k, v in self.totals().items()}})
         self.teacher = Teacher(o.teacher.client, lambda: relay.model) if o.training_mode == "opd" else None
         self.sink = StepSink(o, self.async_level, self.source, policy=lambda: relay.policy, teacher=self.teacher,
                              stopping=self.stopping, unfilled=self.step_metrics.log_unfilled, run=self.run,
@@ -89,12 +87,13 @@ class Orchestrator:
 
     def state(self) -> dict:
         """What this component's checkpoint of the step just written holds."""
-        return {"step": self.sink.step, "policy": self.relay.policy, "totals": self.progress_totals(raw=True),
+        return {"step": self.sink.step, "policy": self.relay.policy, "totals": self.totals(),
                 "sampler": self.source.sampler.state()}
 
-    def progress_totals(self, raw: bool = False) -> dict:
-        totals = {"tokens": self.sink.tokens, "samples": self.sink.samples, "problems": self.source.started}
-        return totals if raw else {f"progress/total_{k}": v for k, v in totals.items()}
+    def totals(self) -> dict:
+        """Over the run (a resumed run's include its checkpoint's): tokens and samples
+        written, tasks started."""
+        return {"tokens": self.sink.tokens, "samples": self.sink.samples, "problems": self.source.started}
 
     async def main(self) -> dict:
         """Load the envs, resume, find the servers, wire the parts, run; close on every path."""
@@ -132,7 +131,7 @@ class Orchestrator:
                 await self.teacher.aclose()
             if env_logs is not None:
                 env_logs.close()
-        return {"last_step": self.sink.step, "policy": self.relay.policy, **self.progress_totals(raw=True)}
+        return {"last_step": self.sink.step, "policy": self.relay.policy, **self.totals()}
 
     def policy_client(self, ep: Any) -> tuple[Any, Optional[str]]:
         """What generation goes through, and the model name to ask for (None: the run's):

@@ -291,9 +291,11 @@ def test_eval_of_any_endpoint_on_any_env_writes_a_result_and_a_table(keyed, tmp_
 
 
 @pytest.mark.vllm
-def test_opd_takes_teacher_logprobs_and_sft_trains_on_teacher_completions(keyed, tmp_path):
+def test_opd_takes_teacher_logprobs_and_sft_trains_on_teacher_completions(keyed, tmp_path, monkeypatch):
     """The session's servers double as the teacher (same tiny model): in opd the per-token
-    advantages are log p_teacher - log p_student, ~0 here; in sft the teacher generates."""
+    advantages are log p_teacher - log p_student, ~0 here; in sft the teacher generates.
+    The teacher's key comes from its own variable (`teacher.client.api_key_var`)."""
+    monkeypatch.setenv("TEACHER_API_KEY", keyed.key)
     teacher = keyed.endpoints.servers[1] + "/v1"
     common = ["max_steps=1", "orchestrator.eval.env=[]", f"orchestrator.teacher.client.base_url={teacher}",
               "orchestrator.teacher.client.model=tiny"]
