@@ -62,7 +62,7 @@ def prompt_fill(cfg: OrchestratorRunConfig, budget: int, longest: tuple[int, int
 
 def request_args(cfg: OrchestratorRunConfig, completion: int) -> dict:
     """The run's own sampling arguments, every completion `completion` tokens long."""
-    from prime_hpc.orchestrator.loop import sampling_args
+    from prime_hpc.orchestrator.generate import sampling_args
 
     args = sampling_args(cfg.orchestrator.sampling)
     args["max_tokens"] = completion
@@ -128,8 +128,7 @@ async def wait_for_trainer(run_dir: RunDir, step: int) -> None:
 
 async def run(cfg: OrchestratorRunConfig) -> dict:
     from prime_hpc.inference.client import api_key, discover
-    from prime_hpc.orchestrator.client import make_client
-    from prime_hpc.orchestrator.loop import SERVERS_WAIT_S
+    from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
 
     b, o = cfg.bench, cfg.orchestrator
     run_dir = RunDir(cfg.output_dir)

@@ -21,6 +21,7 @@ import asyncio
 import json
 from typing import Any, Optional
 
+SERVERS_WAIT_S = 3600.0  # at the start: how long to wait for the inference servers and the router to publish
 COALESCE_WINDOW_S = 0.002  # how long the first of identical requests waits for its twins
 # vLLM's answer when the prompt fills the context exactly (it clamps max_tokens to what is left: 0)
 NO_ROOM_PHRASES = ("max_tokens must be at least 1", "max_completion_tokens must be at least 1")

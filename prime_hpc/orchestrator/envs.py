@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
+from prime_hpc.rundir import RunDir
 
 REWARD_ERROR = "reward_error"  # state key set when a reward function raised
 CURRENT_ENV: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("prime_hpc_env", default=None)
@@ -158,6 +159,15 @@ class EnvLogRouter(logging.Handler):
         super().close()
 
 
+def route_env_logs(logs: Path, slots: dict[str, list["EnvSlot"]], vf_level: str) -> EnvLogRouter:
+    """An attached router of each env's records (`slots` by kind) into its worker log under
+    the attempt's `logs`; close it at the end."""
+    router = EnvLogRouter({f"{kind}/{s.name}": RunDir.env_worker_log(logs, kind, s.name)
+                           for kind, of_kind in slots.items() for s in of_kind})
+    router.attach(vf_level)
+    return router
+
+
 def note_errored(kind: str, env: str, example_id: Any, error: str) -> None:
     """One line in `env`'s worker log about a group none of whose rollouts can train."""
     token = CURRENT_ENV.set(f"{kind}/{env}")
@@ -246,3 +256,18 @@ class EnvSampler:
 def dataset_rows(dataset: Any, limit: Optional[int] = None) -> list[dict]:
     n = len(dataset) if limit is None else min(limit, len(dataset))
     return [dict(dataset[i]) for i in range(n)]
+
+
+def load_slots(entries: list[EnvEntry], kind: str, num_examples: Optional[int] = None) -> list[EnvSlot]:
+    """Each entry of `kind` ("train" or "eval") loaded, with its formatted dataset (of an
+    eval env its eval set, the first `num_examples` of it when given); two entries of one
+    name are refused."""
+    slots: list[EnvSlot] = []
+    for entry in entries:
+        name = env_name(entry)
+        if any(s.name == name for s in slots):
+            raise UserError(f"two {kind} envs are named {name!r}: give one a `name`")
+        env = load_env(entry, kind)
+        ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(n=num_examples or -1)
+        slots.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))
+    return slots

@@ -185,27 +185,38 @@ def run_eval(target: str, args: list[str], trust_run_code: bool = False) -> int:
 def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str) -> None:
     """Load each step's weights into the server at `url`, run the eval envs, write
     `<run>/eval/step_<n>.json` and print a row."""
-    from prime_hpc.config.compose import component_config
     from prime_hpc.inference.client import Admin
     from prime_hpc.orchestrator.client import make_client
-    from prime_hpc.orchestrator.loop import Orchestrator
 
-    orch = Orchestrator(component_config(cfg, "orchestrator"))
-    orch.load_envs(train=False)
-    orch.use_server(make_client(url + "/v1", key))
+    evaluator = run_evaluator(cfg, make_client(url + "/v1", key), cfg.model.name)
     admin = Admin([url], key=key)
 
     async def all_steps() -> None:
         for step in steps:
             await admin.update_weights(run.weights_step(step), step)
             t0 = time.monotonic()
-            metrics = await orch.evaluate(step)
+            metrics = await evaluator.evaluate(step)
             row = {"step": step, **metrics, "time/eval": time.monotonic() - t0}
             atomic_write_json(run.eval_result(step), row)
             print("  ".join([f"step {step:>5}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
         await admin.aclose()
 
     asyncio.run(all_steps())
+
+
+def run_evaluator(cfg: Any, client: Any, model: str) -> Any:
+    """The orchestrator's evaluator (`orchestrator.evaluator`) of the eval envs of `cfg` (a
+    run's composed config), generating through `client` as `model`."""
+    from prime_hpc.config.component import OrchestratorRunConfig, typed
+    from prime_hpc.config.compose import component_config
+    from prime_hpc.orchestrator.envs import load_slots
+    from prime_hpc.orchestrator.evaluator import Evaluator
+    from prime_hpc.orchestrator.generate import Generator
+
+    rcfg = typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
+    o = rcfg.orchestrator
+    return Evaluator(o.eval, load_slots(o.eval.env, "eval", o.eval.num_examples),
+                     Generator(o, rcfg.seq_len, client, lambda: model))
 
 
 STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model")
@@ -221,13 +232,12 @@ def run_standalone(args: list[str]) -> int:
     [client.base_url=URL [client.model=NAME]] [out=DIR] [overrides]`: any model (a server
     is started for it) or any running OpenAI-compatible endpoint, on any env ids. Writes
     `<out>/eval.json` and prints one row per env: avg@k and pass@k."""
-    from prime_hpc.config.compose import cache_root, compose, component_config
+    from prime_hpc.config.compose import cache_root, compose
     from prime_hpc.config.schema import EnvEntry
     from prime_hpc.core import usercache
     from prime_hpc.inference.client import api_key
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import env_name
-    from prime_hpc.orchestrator.loop import Orchestrator
 
     opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in STANDALONE_KEYS)
     overrides = [a for a in args if a.split("=", 1)[0] not in STANDALONE_KEYS]
@@ -251,10 +261,7 @@ def run_standalone(args: list[str]) -> int:
     t0 = time.monotonic()
 
     def evaluate(url: str, model: str, key: Optional[str]) -> dict:
-        orch = Orchestrator(component_config(cfg, "orchestrator"))
-        orch.load_envs(train=False)
-        orch.use_server(make_client(url, key), model)
-        return asyncio.run(orch.evaluate(0))
+        return asyncio.run(run_evaluator(cfg, make_client(url, key), model).evaluate(0))
 
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts:

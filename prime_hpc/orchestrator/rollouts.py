@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from prime_hpc.rundir import window
 from prime_hpc.rundir.batch import Sample
+from prime_hpc.rundir.drops import Drop
 from prime_hpc.orchestrator.envs import REWARD_ERROR
 
 
@@ -172,7 +173,7 @@ def _text(messages: Any, last_only: bool = False) -> str:
 @dataclass
 class GroupVerdict:
     kept: list[Rollout] = field(default_factory=list)
-    reason: Optional[str] = None  # why the whole group was dropped
+    reason: Optional[Drop] = None  # why the whole group was dropped
     dropped_spanning: int = 0
     errored: int = 0
 
@@ -246,24 +247,24 @@ def judge_group(group: list[Rollout], step: int, async_level: int, max_off_polic
             continue
         valid.append(r)
     if any(window.is_stale(r.oldest_policy, step, async_level) for r in valid):
-        v.reason = "stale"
+        v.reason = Drop.STALE
         return v
     if len(valid) < 2:
-        v.reason = "too few valid rollouts"
+        v.reason = Drop.INVALID
         return v
     rewards = [r.reward for r in valid]
     if filter_zero_variance and max(rewards) - min(rewards) == 0:
-        v.reason = "no reward variance"
+        v.reason = Drop.ZERO_VARIANCE
         return v
     if difficulty is not None:
         avg = sum(rewards) / len(rewards)
         var = sum((x - avg) ** 2 for x in rewards) / len(rewards)
         if difficulty.min_reward is not None and avg < difficulty.min_reward:
-            v.reason = "too hard"
+            v.reason = Drop.TOO_HARD
         elif difficulty.max_reward is not None and avg > difficulty.max_reward:
-            v.reason = "too easy"
+            v.reason = Drop.TOO_EASY
         elif var < difficulty.min_reward_variance:
-            v.reason = "low reward variance"
+            v.reason = Drop.LOW_VARIANCE
         if v.reason:
             return v
     for r, a in zip(valid, advantages(rewards, advantage)):

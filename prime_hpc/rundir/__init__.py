@@ -6,6 +6,7 @@ and the trainer, on the shared filesystem.
 - `batch`: the rollout batch a step hands from the orchestrator to the trainer;
 - `checkpoints`: which checkpoint steps exist, are complete and resumable;
 - `window`: which policies a step may train on (the async window);
+- `drops`: why the orchestrator drops a group, and the metrics key counting each reason;
 - `jobs`: `job.json`, the launcher's record of a run, and the list of recent runs;
 - `bench`: a bench run's results (`bench.json`).
 """

@@ -12,6 +12,7 @@ from statistics import mean
 from typing import Any, Optional
 
 from prime_hpc.rundir import RunDir
+from prime_hpc.rundir.drops import Drop
 
 TAIL_BYTES = 256 * 1024  # per metrics file: enough for ~hundreds of recent steps
 TREND_WINDOW = 10  # reward trend: mean of the last N steps against the N before
@@ -94,10 +95,7 @@ def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = 
     return out
 
 
-UNFILLED_KEYS = (("filter/errored_groups", "errored"), ("filter/zero_variance_groups", "no reward variance"),
-                 ("filter/invalid_groups", "too few valid rollouts"), ("off_policy/stale_groups", "stale"),
-                 ("filter/too_hard_groups", "too hard"), ("filter/too_easy_groups", "too easy"),
-                 ("filter/low_variance_groups", "low reward variance"))
+UNFILLED_KEYS = tuple((d.metric, str(d)) for d in Drop)  # (metrics key, why dropped)
 
 
 def unfilled(rows: list[dict], written: Optional[int]) -> Optional[dict[str, Any]]:

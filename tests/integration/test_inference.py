@@ -131,10 +131,10 @@ def test_chat_and_completion_with_n_logprobs_and_token_ids(inference):
 
 @pytest.mark.vllm
 def test_sampling_knobs_reach_vllm(inference):
-    """What `orchestrator.sampling` asks for (prime_hpc.orchestrator.loop.sampling_args),
+    """What `orchestrator.sampling` asks for (prime_hpc.orchestrator.generate.sampling_args),
     sent as the orchestrator's client sends it: extras merged into the body."""
     from prime_hpc.config.schema import SamplingConfig
-    from prime_hpc.orchestrator.loop import sampling_args
+    from prime_hpc.orchestrator.generate import sampling_args
 
     def ask(n: int = 4, **sampling) -> list[str]:
         args = sampling_args(SamplingConfig(**{"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, **sampling}))

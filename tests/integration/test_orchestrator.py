@@ -184,8 +184,8 @@ def test_policy_lag_is_bounded_while_a_slow_trainer_publishes_weights(keyed, tmp
                 if mb["loss_mask"].any():
                     steps |= set(mb["policy_steps"].tolist())
         assert steps and min(steps) >= n - 1, (n, steps)
-    assert [u["step"] for u in orch.update_log] == sorted(u["step"] for u in orch.update_log)
-    assert orch.update_log and orch.update_log[-1]["step"] >= 3
+    assert [u["step"] for u in orch.relay.updates] == sorted(u["step"] for u in orch.relay.updates)
+    assert orch.relay.updates and orch.relay.updates[-1]["step"] >= 3
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     assert max(r["time/wait_for_ckpt"] for r in rows) > 0
 
@@ -291,9 +291,11 @@ def test_eval_of_any_endpoint_on_any_env_writes_a_result_and_a_table(keyed, tmp_
 
 
 @pytest.mark.vllm
-def test_opd_takes_teacher_logprobs_and_sft_trains_on_teacher_completions(keyed, tmp_path):
+def test_opd_takes_teacher_logprobs_and_sft_trains_on_teacher_completions(keyed, tmp_path, monkeypatch):
     """The session's servers double as the teacher (same tiny model): in opd the per-token
-    advantages are log p_teacher - log p_student, ~0 here; in sft the teacher generates."""
+    advantages are log p_teacher - log p_student, ~0 here; in sft the teacher generates.
+    The teacher's key comes from its own variable (`teacher.client.api_key_var`)."""
+    monkeypatch.setenv("TEACHER_API_KEY", keyed.key)
     teacher = keyed.endpoints.servers[1] + "/v1"
     common = ["max_steps=1", "orchestrator.eval.env=[]", f"orchestrator.teacher.client.base_url={teacher}",
               "orchestrator.teacher.client.model=tiny"]
@@ -345,7 +347,7 @@ def test_resume_continues_from_the_checkpoint_step_with_the_sampler_state(keyed,
                 for mb in batch.read_rank(run, 3, r, timeout_s=5).micro_batches)
     # the totals continue from the checkpoint (not from 0)
     assert rows[2]["progress/total_samples"] == summary["samples"] == saved["totals"]["samples"] + step3
-    assert orch.policy >= 2  # the servers were given the checkpoint's weights
+    assert orch.relay.policy >= 2  # the servers were given the checkpoint's weights
     bad = dict(cfg, ckpt={**cfg["ckpt"], "step": 7})
     with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .* complete checkpoints: \[1, 2\]"):
         asyncio.run(Orchestrator(bad).main())

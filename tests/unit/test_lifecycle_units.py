@@ -19,6 +19,7 @@ from prime_hpc.core.net import address_env, node_address
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot
 from prime_hpc.orchestrator.loop import Orchestrator
+from prime_hpc.orchestrator.source import GroupSource
 from prime_hpc.orchestrator.rollouts import advantages
 from prime_hpc.rundir import RunDir, atomic_write_json, jobs, mark_stable, truncate_jsonl
 from prime_hpc.runtime import stopping
@@ -39,18 +40,16 @@ def test_advantage_variants_by_hand():
 
 # --------------------------------------------------------------------------- admission window
 class _Window:
-    """The attributes `Orchestrator.admission_limit` reads."""
+    """The attributes `GroupSource.admission_limit` reads."""
 
     def __init__(self, policy, k=2, groups_per_step=8, max_groups=32, max_steps=None, oversampling=1.0):
-        from types import SimpleNamespace
-
-        self.policy, self.async_level, self.groups_per_step, self.max_groups, self.max_steps = (
-            policy, k, groups_per_step, max_groups, max_steps)
-        self.ocfg = SimpleNamespace(oversampling_factor=oversampling)
+        self.policy = lambda: policy
+        self.async_level, self.groups_per_step, self.max_groups, self.max_steps = k, groups_per_step, max_groups, max_steps
+        self.oversampling = oversampling
 
 
 def test_groups_are_admitted_only_as_far_as_the_async_window_can_use_them():
-    limit = Orchestrator.admission_limit
+    limit = GroupSource.admission_limit
     # policy 3, async_level 2: a group started now can train steps 4 and 5 -> 16 groups
     assert limit(_Window(policy=3), step=4, accepted=0, waiting=0) == 16
     assert limit(_Window(policy=3), step=4, accepted=5, waiting=3) == 8
@@ -373,27 +372,32 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     from prime_hpc.job.watchdog import stalled
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import dataset_rows, load_env
-    from prime_hpc.orchestrator.loop import StepFill
     from prime_hpc.orchestrator.rollouts import Rollout
+    from prime_hpc.orchestrator.sink import StepFill
 
     cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "async_level=2",
                    "orchestrator.online_difficulty_filtering=true"])
     o = Orchestrator(component_config(cfg, "orchestrator"))
+    env = load_env(EnvEntry(id="broken_reverse", args={"fail": "empty", "num_train_examples": 4}))
+    slot = EnvSlot(name="b", entry=EnvEntry(id="broken_reverse"), env=env, rows=dataset_rows(env.get_dataset()))
+    nowhere = make_client("http://127.0.0.1:9/v1", "x")  # never asked: these rollouts end before any model turn
+
+    async def update_weights(d, step):
+        return [{}]
+
+    o.wire(nowhere, "tiny", SimpleNamespace(update_weights=update_weights), None, [slot], [slot])
     o.progress_at = long_ago = time.time() - 1000
-    o.filling, o.policy, o.inflight = 1, 0, {"a group generating"}
+    o.sink.filling, o.relay.policy, o.source.inflight = 1, 0, {"a group generating"}
     uniform = [Rollout(env="e", example_id=0, reward=0.0, input_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0] * 2,
                        policy_steps=[0], num_turns=1, is_truncated=False) for _ in range(8)]
     fill = StepFill(t0=time.monotonic())
     for _ in range(20):
-        asyncio.run(o.judge(1, list(uniform), fill))
-    assert fill.counts["no reward variance"] == 20 and o.progress_at == long_ago
+        asyncio.run(o.sink.judge(1, list(uniform), fill))
+    assert fill.dropped["no reward variance"] == 20 and o.progress_at == long_ago
     # a train group generated is no progress either; an eval group is (an eval is finite)
-    env = load_env(EnvEntry(id="broken_reverse", args={"fail": "empty", "num_train_examples": 4}))
-    slot = EnvSlot(name="b", entry=EnvEntry(id="broken_reverse"), env=env, rows=dataset_rows(env.get_dataset()))
-    nowhere = make_client("http://127.0.0.1:9/v1", "x")  # never asked: these rollouts end before any model turn
-    assert all(r.empty for r in asyncio.run(o.generate_group(slot, slot.rows[0], nowhere, "tiny")))
+    assert all(r.empty for r in asyncio.run(o.generator.group(slot, slot.rows[0])))
     assert o.progress_at == long_ago
-    asyncio.run(o.generate_group(slot, slot.rows[0], nowhere, "tiny", "eval", n=2))
+    asyncio.run(o.evaluator.evaluate(0))
     assert o.progress_at > long_ago
     o.progress_at = long_ago
     o.beat()
@@ -401,30 +405,26 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     assert beat["waiting_on"] is None and beat["progress_at"] == long_ago
     assert stalled(o.run.beats(), 600, time.time())["why"] == "no progress"
     # nothing generating before any step is filled (the eval of the starting policy): no wait
-    o.filling, o.inflight = None, set()
+    o.sink.filling, o.source.inflight = None, set()
     o.beat()
     assert o.run.beats()["orchestrator_0"]["waiting_on"] is None
     # step 4 needs policy 2 or newer; policy 1 is served and nothing generates: a wait
-    o.filling, o.policy, o.inflight = 4, 1, set()
+    o.sink.filling, o.relay.policy, o.source.inflight = 4, 1, set()
     o.beat()
     assert o.run.beats()["orchestrator_0"]["waiting_on"] == "trainer" and stalled(o.run.beats(), 600, time.time()) is None
 
     async def relay_until_policy(n):  # the trainer's weights of step 2 arrive
-        task = asyncio.create_task(o.relay())
-        while o.policy < n:
+        task = asyncio.create_task(o.relay.watch())
+        while o.relay.policy < n:
             await asyncio.sleep(0.01)
         task.cancel()
 
-    async def update_weights(d, step):
-        return [{}]
-
-    o.admin = SimpleNamespace(update_weights=update_weights)
     (o.run.weights_step(2) / "model.safetensors").parent.mkdir(parents=True)
     (o.run.weights_step(2) / "model.safetensors").write_bytes(b"")
     mark_stable(o.run.weights_step(2))
     before = time.time()
     asyncio.run(asyncio.wait_for(relay_until_policy(2), 30))
-    assert o.progress_at >= before and not o.waiting_for_trainer()
+    assert o.progress_at >= before and not o.sink.waiting_for_trainer()
 
 
 def test_a_failure_names_the_node_that_failed_first(tmp_path):

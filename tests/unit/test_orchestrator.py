@@ -150,12 +150,13 @@ def test_the_default_tolerates_a_flaky_env():
 
 def _orchestrator(root: Path, *overrides: str):
     """An orchestrator of the reverse_text recipe that judges groups handed to it (no server)."""
+    from prime_hpc.orchestrator.envs import load_slots
     from prime_hpc.orchestrator.loop import Orchestrator
     from prime_hpc.runtime.metrics import MetricsLogger
 
     cfg = compose(["+experiment=reverse_text", f"output_dir={root}", *overrides])
     o = Orchestrator(component_config(cfg, "orchestrator"))
-    o.metrics = MetricsLogger(o.run, "orchestrator")
+    o.wire(None, None, None, MetricsLogger(o.run, "orchestrator"), load_slots(o.ocfg.env, "train"), [])
     return o
 
 
@@ -164,7 +165,7 @@ def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_
     import time
 
     from prime_hpc.orchestrator.envs import EnvFailed, EnvLogRouter
-    from prime_hpc.orchestrator.loop import StepFill
+    from prime_hpc.orchestrator.sink import StepFill
     from prime_hpc.rundir import RunDir
 
     logs = tmp_path / "logs"
@@ -178,11 +179,12 @@ def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_
     bad = [_r(0.0, error=error, env="reverse_text") for _ in range(8)]
     uniform = [_r(0.0, env="reverse_text") for _ in range(8)]  # healthy, all rewards 0: dropped, not errored
     for g in (bad, bad, uniform, bad, bad):
-        asyncio.run(o.judge(1, list(g), fill))
-    assert {k: n for k, n in fill.counts.items() if n} == {"judged": 5, "errored": 4, "no reward variance": 1}
+        asyncio.run(o.sink.judge(1, list(g), fill))
+    assert {k: n for k, n in {"judged": fill.judged, **fill.dropped}.items() if n} == {"judged": 5, "errored": 4,
+                                                                                     "no reward variance": 1}
     assert not fill.accepted
     with pytest.raises(EnvFailed) as e:
-        asyncio.run(o.judge(1, list(bad), fill))
+        asyncio.run(o.sink.judge(1, list(bad), fill))
     assert str(e.value) == ("train env 'reverse_text': 3 groups in a row errored (orchestrator.max_errored_groups=3); "
                             "the last: reward: ValueError: reward exploded on 'abc'")
     assert e.value.log == env_log
@@ -237,7 +239,7 @@ def test_several_envs_are_sampled_by_ratio_and_the_sampler_resumes():
 
 # --------------------------------------------------------------------------- sampling
 def test_sampling_config_becomes_the_request_arguments(tmp_path):
-    from prime_hpc.orchestrator.loop import sampling_args
+    from prime_hpc.orchestrator.generate import sampling_args
 
     def args(*overrides: str) -> dict:
         cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", *overrides])

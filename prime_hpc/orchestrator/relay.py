@@ -1,0 +1,111 @@
+"""The weight relay: every new policy the trainer publishes, loaded into every inference
+server.
+
+Consumes: `weights/step_<m>/` directories once complete (`STABLE`, written by trainer rank
+0), newest first: steps published while a load was under way are skipped. Produces: each
+server serving policy m (`Admin.update_weights`: every server drains its in-flight
+requests, swaps and stamps later completions with m; with LoRA's
+`save_adapter_separately`, `Admin.load_lora` and the servers' adapter `LORA_NAME`, which
+`model` then names); `policy`, the newest policy served (0: the initial model), read by
+the source's admission and the sink's policy-lag rules; one record per update in
+`updates` (handoff: the weights marked -> seen here; seconds of the update call, and of
+it the slowest server's drain and load), reported by `gauges`; and a call to `on_policy`
+after each update (a step trained is progress for the heartbeat).
+
+A server that stops answering is lost (`Admin` drops it): `server_lost` says so in one
+line and asks the router to forget it; the run goes on with the others. An update that
+fails otherwise stops the relay; `check` then raises its error in the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Optional
+
+from loguru import logger
+
+from prime_hpc.inference.client import Endpoints, forget_worker
+from prime_hpc.rundir import STABLE, RunDir, read_json, stable_time
+
+LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
+POLL_S = 0.02  # how often weights/ is looked at: on-policy generation waits for each new policy
+
+
+class WeightRelay:
+    def __init__(self, run: RunDir, admin: Any, model: str, on_policy: Callable[[], None] = lambda: None) -> None:
+        self.run = run
+        self.admin = admin
+        self.model = model  # the name generation asks for
+        self.on_policy = on_policy
+        self.policy = 0
+        self.updates: list[dict] = []
+        self.task: Optional[asyncio.Task] = None
+
+    async def serve(self, step: int) -> None:
+        """Load `weights/step_<step>` into every server now (a resumed run's policy)."""
+        await self.admin.update_weights(self.run.weights_step(step), step)
+        self.policy = step
+
+    async def watch(self) -> None:
+        """Load every new `weights/step_m` into all servers, newest first (until cancelled)."""
+        while True:
+            steps = self.run.weight_steps()
+            if steps and steps[-1] > self.policy:
+                await self.update(steps[-1])
+            await asyncio.sleep(POLL_S)
+
+    async def update(self, step: int) -> None:
+        t0 = time.monotonic()
+        d = self.run.weights_step(step)
+        handoff = max(0.0, time.time() - stable_time(d))  # written -> seen here
+        try:
+            serve = read_json(d / STABLE).get("serve")  # the marker holds the weights' metadata
+        except (OSError, ValueError):
+            serve = None
+        if serve == "adapter" or (serve is None and not any(d.glob("*.safetensors"))
+                                  and self.run.weights_adapter(step).is_dir()):
+            # LoRA with save_adapter_separately: the servers keep the base model and load the adapter
+            answers = await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(step), step)
+            self.model = LORA_NAME
+        else:
+            answers = await self.admin.update_weights(d, step)
+        self.updates.append({
+            "step": step, "seconds": time.monotonic() - t0, "handoff": handoff,
+            # the slowest server's wait for its in-flight generations, and its load
+            "drain": max((float(a.get("drain_s", 0)) for a in answers), default=0.0),
+            "load": max((float(a.get("load_s", 0)) for a in answers), default=0.0)})
+        logger.info(f"inference now serves policy {step} ({time.monotonic() - t0:.2f}s)")
+        self.policy = step
+        self.on_policy()  # a step trained: a wait for the trainer's weights ends
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.watch())
+
+    def check(self) -> None:
+        """Raise the relay's error if it stopped."""
+        if self.task is not None and self.task.done():
+            self.task.result()
+            raise RuntimeError("weight relay stopped")
+
+    async def aclose(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    def gauges(self) -> dict:
+        """The relay's numbers in a step's metrics row (the newest update's times)."""
+        last = self.updates[-1] if self.updates else {}
+        return {"off_policy/policy": self.policy,
+                "inference/servers": len(self.admin.live) if self.admin is not None else 0,
+                # the newest policy update: weights marked -> seen by the relay, and the update call to every server
+                "time/weight_handoff": last.get("handoff", 0.0), "time/weight_update": last.get("seconds", 0.0),
+                "time/weight_drain": last.get("drain", 0.0), "time/weight_load": last.get("load", 0.0)}
+
+
+def server_lost(ep: Endpoints, admin: Any, server: str, why: str) -> None:
+    """A server stopped answering: the run goes on with the others. The router is told
+    to stop sending to it (it would also find out by its own health checks)."""
+    node = next((r.get("node") for r in ep.server_records if r.get("url") == server), "?")
+    logger.warning(f"inference server on node {node} ({server}) is gone ({why}); "
+                   f"{len(admin.live)} server(s) left; weight updates skip it from now on")
+    asyncio.get_running_loop().create_task(forget_worker(ep.router, server))

@@ -1,0 +1,119 @@
+"""The orchestrator's metrics row of a step (`metrics/orchestrator.jsonl`, and W&B).
+
+Consumes: what filling a step judged (`sink.StepFill`: every rollout finished during the
+step, the groups accepted, the groups dropped by reason), the groups it trains, and the
+run's gauges at that moment (`gauges()`: the relay's policy, servers and update times,
+the totals so far). Produces one row per step: per scope (`all` and each env) reward,
+sequence length, truncation, turns, samples per rollout, empty and errored shares; the
+policy lag of the trained rollouts; the groups judged and dropped by reason
+(`rundir.drops.Drop.metric`); spanning rollouts; the step's time and its wait for
+weights. A step that is not filled (the run gives up or is stopped) gets a row without
+reward keys and with `filter/unfilled` 1 (`log_unfilled`). Every
+`wandb.log_extras.interval` steps with W&B, a table of sampled rollouts and histograms of
+rewards and advantages (`log_extras`). The names are documented in docs/orchestrator.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import defaultdict
+from statistics import mean
+from typing import Any, Callable
+
+from prime_hpc.config.schema import LogExtrasConfig
+from prime_hpc.orchestrator.rollouts import Rollout
+from prime_hpc.orchestrator.sink import StepFill
+from prime_hpc.rundir import RunDir, read_json
+from prime_hpc.rundir.drops import Drop
+
+TRAINER_WAIT_S = 300.0  # at the end, with W&B: how long to wait for the trainer's last metrics
+
+
+def rollout_metrics(scope: str, rs: list[Rollout]) -> dict:
+    lens = [len(seq.input_ids) for r in rs for seq in r.sequences()]  # per sample
+    return {f"reward/{scope}/mean": mean(r.reward for r in rs),
+            f"seq_len/{scope}/mean": mean(lens),
+            f"seq_len/{scope}/max": max(lens),
+            f"is_truncated/{scope}/mean": mean(float(r.is_truncated) for r in rs),
+            f"num_turns/{scope}/mean": mean(r.num_turns for r in rs),
+            f"samples_per_rollout/{scope}/mean": mean(1 + len(r.branches) for r in rs),  # > 1: branching
+            f"empty_rollouts/{scope}": mean(float(r.empty and not r.error) for r in rs),
+            f"errored_rollouts/{scope}": mean(float(bool(r.error)) for r in rs)}
+
+
+class StepMetrics:
+    def __init__(self, logger: Any, extras: LogExtrasConfig, seed: int, gauges: Callable[[], dict]) -> None:
+        self.logger = logger  # runtime.metrics.MetricsLogger
+        self.extras = extras
+        self.seed = seed
+        self.gauges = gauges
+
+    def row(self, step: int, fill: StepFill, kept: list[Rollout]) -> dict:
+        m: dict = {}
+        by_env: dict = defaultdict(list)
+        for r in fill.finished:
+            by_env[r.env].append(r)
+        for scope, rs in (("all", fill.finished), *sorted(by_env.items())):
+            if rs:
+                m.update(rollout_metrics(scope, rs))
+        lags = [step - r.oldest_policy for r in kept]
+        m.update({
+            "off_policy/lag/mean": mean(lags) if lags else 0.0,
+            "off_policy/lag/max": max(lags) if lags else 0,
+            "off_policy/stale_share": fill.dropped[Drop.STALE] / max(fill.judged, 1),
+            "off_policy/spanning_rollouts": fill.spanning,
+            "filter/judged_groups": fill.judged,
+            **{d.metric: fill.dropped[d] for d in Drop},
+            **self.gauges(),
+            "time/step": time.monotonic() - fill.t0,
+            "time/wait_for_ckpt": fill.t_wait,
+        })
+        return m
+
+    def log_step(self, step: int, fill: StepFill, kept: list[Rollout]) -> dict:
+        """The row of a step written, its extras, and the trainer's new rows into the same W&B run."""
+        m = self.row(step, fill, kept)
+        self.logger.log(step, m)
+        self.log_extras(step, kept)
+        self.logger.forward()
+        return m
+
+    def log_unfilled(self, step: int, fill: StepFill) -> None:
+        """A row for a step that will not be filled: what it judged and why groups were
+        dropped, `filter/unfilled` 1; no reward keys (nothing of it is trained)."""
+        m = self.row(step, fill, [])
+        self.logger.log(step, {**{k: v for k, v in m.items() if not k.startswith("reward/")},
+                               "filter/accepted_groups": len(fill.accepted), "filter/unfilled": 1})
+
+    def log_extras(self, step: int, kept: list[Rollout]) -> None:
+        """Every `wandb.log_extras.interval` steps: a table of sampled rollouts and
+        histograms of the step's rewards and advantages (W&B only)."""
+        every = self.extras.interval
+        if self.logger.wandb is None or not every or step % every or not kept:
+            return
+        if self.extras.samples:
+            n = max(1, round(len(kept) * self.extras.sample_ratio))
+            picked = random.Random(f"{self.seed}:{step}").sample(kept, min(n, len(kept)))
+            self.logger.log_table(step, "samples", ["step", "env", "example_id", "prompt", "completion", "reward",
+                                                    "advantage"],
+                                  [[step, r.env, str(r.example_id), r.prompt_text, r.completion_text, r.reward,
+                                    r.advantage] for r in picked])
+        if self.extras.distributions:
+            self.logger.log_histograms(step, {"distributions/reward": [r.reward for r in kept],
+                                              "distributions/advantage": [r.advantage for r in kept]})
+
+    async def wait_for_trainer(self, run: RunDir, step: int, timeout_s: float = TRAINER_WAIT_S) -> None:
+        """With W&B, at the end: until the trainer's heartbeat says it is done or at `step`
+        (bounded), so that its last rows go into the same W&B run."""
+        if self.logger.wandb is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                beat = read_json(run.heartbeat("trainer", 0))
+            except (OSError, ValueError):
+                beat = {}
+            if beat.get("done") or int(beat.get("step", 0)) >= step:
+                return
+            await asyncio.sleep(0.5)
