@@ -71,7 +71,8 @@ def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Pat
 
 
 class Supervisor:
-    """The job script, told apart from a later process that reuses its pid."""
+    """The job script, told apart from a later process that reuses its pid by its start
+    time (where that cannot be read, no /proc, the script is not watched)."""
 
     def __init__(self, job_id: str, pid: int) -> None:
         from prime_hpc.rundir.jobs import start_time
@@ -83,7 +84,7 @@ class Supervisor:
         from prime_hpc.job.attempt import supervisor_died
         from prime_hpc.rundir.jobs import start_time
 
-        if self.started is not None and start_time(self.pid) == self.started:
+        if self.started is None or start_time(self.pid) == self.started:
             return False
         print(supervisor_died(run, self.job_id, self.pid) or "prime-hpc watchdog: the job script ended",
               file=sys.stderr, flush=True)
