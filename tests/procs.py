@@ -10,10 +10,13 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def stat(pid: int) -> Optional[tuple[int, int, float]]:
-    """(parent pid, start time, CPU seconds used) of a live process, or None."""
+    """(parent pid, start time, CPU seconds used) of a live process, or None (also for a
+    zombie: it has exited, only its parent has not collected its exit status yet)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
+        return None
+    if fields[0] == "Z":
         return None
     return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / TICK
 

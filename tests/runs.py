@@ -17,6 +17,31 @@ def run_processes(logs: Path) -> dict[int, int]:
     return {pid: now[pid][1] for pid in procs.descendants(procs.with_env(f"PRIME_HPC_LOGS={logs}", now), now)}
 
 
+def supervisor_pid(ref: jobs.JobRef) -> int:
+    """The job script's process: for cluster=local the one job.json records; on SLURM the
+    batch script, the parent of the run's processes that carries the job's SLURM_JOB_ID
+    (slurmstepd, the parent of the step tasks, does not)."""
+    job = jobs.read_job(ref.run)
+    if ref.backend == "local":
+        assert jobs.supervisor_alive(job), job
+        return int(job["pid"])
+    now = procs.table()
+    started = procs.with_env(f"PRIME_HPC_LOGS={ref.run.latest_logs.resolve()}", now)
+    parents = {now[p][0] for p in started if now[p][0] not in started}
+    found = procs.with_env(f"SLURM_JOB_ID={ref.job_id}", {p: now[p] for p in parents if p in now})
+    assert len(found) == 1, (found, parents)
+    return found.pop()
+
+
+def agent_pid(run: RunDir) -> int:
+    """torchrun's agent: the parent of trainer rank 0 (whose pid its heartbeat holds)."""
+    rank0 = int(json.loads(run.heartbeat("trainer", 0).read_text())["pid"])
+    st = procs.stat(rank0)
+    assert st is not None, "trainer rank 0 is not running"
+    assert procs.with_env("TORCHELASTIC_RUN_ID=", {rank0: st}, prefix=True), "rank 0 does not run under torchrun"
+    return st[0]
+
+
 def still_alive(started: dict[int, int]) -> list[str]:
     out = []
     for pid, start in started.items():

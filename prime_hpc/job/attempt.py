@@ -121,9 +121,13 @@ def resume_point(run: RunDir, restarted: bool) -> Optional[int]:
 
 
 # ----------------------------------------------------------------------------- end
-def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = "", state: str = "") -> str:
-    """Record how this attempt ended. A job that no longer owns the run directory (it was
-    cancelled and the directory reused) records nothing; a cancel stays a cancel."""
+SUPERVISOR = "supervisor"  # the job script itself, as job.json names it
+
+
+def end(run: RunDir, job_id: str, rc: Optional[int], component: str = "", reason: str = "", state: str = "") -> str:
+    """Record how this attempt ended (`rc`: the exit code, None when unknown). A job that
+    no longer owns the run directory (it was cancelled and the directory reused) records
+    nothing; a cancel stays a cancel."""
     logs = run.latest_logs.resolve()
     with editing_job(run) as job:
         ids = [str(i) for i in job.get("job_ids", [])]
@@ -140,6 +144,8 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
         if rc != 0:
             if component == "watchdog":  # a stall: name the component that stalled
                 component, reason, where = stall_record(run, logs, reason)
+            elif component == SUPERVISOR:
+                where = {"node": None, "log": str(run.batch_log(job_id))}
             else:
                 where = where_it_died(logs, component) if component else {"log": str(logs)}
                 reason, where = own_cause(run, component, reason, where)
@@ -149,6 +155,16 @@ def end(run: RunDir, job_id: str, rc: int, component: str = "", reason: str = ""
         f = job["failure"]
         return f"prime-hpc: run failed: {(component + on_node(f) + ' ') if component else ''}{reason}; see {f['log']}"
     return f"prime-hpc: run completed; logs in {logs}"
+
+
+def supervisor_died(run: RunDir, job_id: str, pid: int) -> Optional[str]:
+    """The job script (`pid`) is gone without having ended its attempt (`kill -9`, the OOM
+    killer): record that, naming it (rc unknown). None if the attempt had ended already."""
+    job = read_job(run)
+    if job.get("state") != RUNNING or job.get("ended_at"):
+        return None
+    return end(run, job_id, None, SUPERVISOR,
+               f"died without ending the attempt (the job script, pid {pid} on {socket.gethostname()})")
 
 
 def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:

@@ -15,6 +15,10 @@ Components that said they are done, and heartbeats of servers the run has lost, 
 watched. On a stall the watchdog prints one line (component, how long it was silent, the
 last line of its log), writes `control/stall.json` for the supervisor's record, and
 exits 3; the supervisor then ends the job like any failed component.
+
+It also watches the job script (`--supervisor-pid`): a script that dies without ending its
+attempt (`kill -9`, the OOM killer) cannot record that, so the watchdog does (job.json:
+FAILED, `failure.component = supervisor`, its batch output as the log) and exits.
 """
 from __future__ import annotations
 
@@ -70,9 +74,33 @@ def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Pat
     return RunDir.component_log(logs, component)
 
 
-def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, poll_s: float = POLL_S) -> int:
+class Supervisor:
+    """The job script, told apart from a later process that reuses its pid by its start
+    time (where that cannot be read, no /proc, the script is not watched)."""
+
+    def __init__(self, job_id: str, pid: int) -> None:
+        from prime_hpc.rundir.jobs import start_time
+
+        self.job_id, self.pid, self.started = job_id, pid, start_time(pid)
+
+    def died(self, run: RunDir) -> bool:
+        """True (and recorded in job.json) once the script is gone."""
+        from prime_hpc.job.attempt import supervisor_died
+        from prime_hpc.rundir.jobs import start_time
+
+        if self.started is None or start_time(self.pid) == self.started:
+            return False
+        print(supervisor_died(run, self.job_id, self.pid) or "prime-hpc watchdog: the job script ended",
+              file=sys.stderr, flush=True)
+        return True
+
+
+def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, poll_s: float = POLL_S,
+          supervisor: Optional[Supervisor] = None) -> int:
     while True:
         time.sleep(poll_s)
+        if supervisor is not None and supervisor.died(run):
+            return 0
         s = stalled(run.beats(), timeout_s, time.time())
         if s is None:
             continue
@@ -95,13 +123,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("output_dir")
     p.add_argument("--stall-timeout-s", type=float, required=True)
     p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--job-id", default="")
+    p.add_argument("--supervisor-pid", type=int, help="the job script's pid: its death ends the attempt")
     a = p.parse_args(argv)
     if a.stall_timeout_s <= 0:
         return 0
     run = RunDir(a.output_dir)
     logs = jobenv.logs_dir() or run.latest_logs
+    supervisor = Supervisor(a.job_id, a.supervisor_pid) if a.supervisor_pid else None
     try:
-        return watch(run, a.stall_timeout_s, logs, a.ranks_per_node)
+        return watch(run, a.stall_timeout_s, logs, a.ranks_per_node, supervisor=supervisor)
     except KeyboardInterrupt:
         return 0
 

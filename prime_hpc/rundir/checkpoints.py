@@ -13,9 +13,29 @@ class CheckpointWriteError(RuntimeError):
     the earlier checkpoints are untouched."""
 
     def __init__(self, step: int, where: Any, cause: BaseException) -> None:
+        cause = root_cause(cause)
         super().__init__(f"the checkpoint of step {step} could not be written to {where}: "
                          f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
                          "the earlier checkpoints are kept")
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """What a user can act on behind a failed write: the first `OSError` (disk full, no
+    permission) in the error's chain, else the error itself. A torch DCP
+    `CheckpointException` carries each rank's error in `failures`; a writer that saw
+    ENOSPC raises its own error with the `OSError` as context."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    seen: set[int] = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return error
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -77,11 +97,16 @@ def remove_marked(directory: Any) -> None:
 
 def rotate(run: RunDir, component: str, keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
     """Apply `rotation` to `component`'s complete parts; a step directory goes once every
-    component has removed its part. Returns the steps whose part was removed."""
+    component has removed its part. An unmarked part older than the newest complete one
+    is what a kill left halfway through writing or deleting it: it goes too. Returns the
+    steps whose part was removed. Call right after marking a part (nothing of
+    `component` is being written then)."""
     from prime_hpc.rundir import is_stable
 
-    steps = [s for s in run.checkpoint_steps(component) if is_stable(run.checkpoint_part(s, component))]
-    gone = rotation(steps, keep_last, keep_interval)
+    parts = run.checkpoint_steps(component)
+    steps = [s for s in parts if is_stable(run.checkpoint_part(s, component))]
+    torn = [s for s in parts if steps and s < steps[-1] and s not in steps]
+    gone = sorted(rotation(steps, keep_last, keep_interval) + torn)
     for s in gone:
         remove_marked(run.checkpoint_part(s, component))
         try:

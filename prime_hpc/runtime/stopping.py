@@ -83,18 +83,20 @@ def checkpointed_step(run: RunDir) -> Optional[int]:
         return None
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
+def die_with_parent(sig: int = signal.SIGKILL, parent: Optional[int] = None) -> None:
     """Have the kernel send `sig` to this process when its parent dies, however the parent
     dies (a SIGKILL included). A component's children (vLLM's engine and workers, the
     trainer's ranks under torchrun) then never outlive it, also where SLURM tracks a
-    step's processes by parent chain (proctrack/linuxproc) and loses the orphans. Linux
-    only; elsewhere a no-op."""
+    step's processes by parent chain (proctrack/linuxproc) and loses the orphans; and the
+    local job script's components never outlive the script (`prime_hpc.job.child`).
+    `parent`: the pid the parent must have (default: the parent now); if it is already
+    gone, `sig` comes at once. Survives exec. Linux only; elsewhere a no-op."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
-        parent = os.getppid()
+        parent = os.getppid() if parent is None else parent
         if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             return
         if os.getppid() != parent:  # the parent died before the request took effect

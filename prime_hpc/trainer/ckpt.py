@@ -22,15 +22,17 @@ so the resumed run continues bit for bit as the original would have.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from prime_hpc.core import device as devices
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir.checkpoints import CheckpointWriteError, remove_marked, rotate
+from prime_hpc.rundir.checkpoints import CheckpointWriteError, remove_marked, root_cause, rotate
 from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
 from prime_hpc.trainer.dist import DistEnv
 
@@ -42,6 +44,7 @@ class Checkpointer:
 
     def __init__(self, run: RunDir, cfg: Any, env: DistEnv) -> None:
         self.run, self.cfg, self.env = run, cfg, env
+        self._fs = _RecordingFileSystem()
         self._pending: Optional[tuple[int, Any]] = None
         self._group = dist.new_group(backend="gloo") if cfg.save_async else None
         self.saved: list[int] = []  # steps whose checkpoint is on disk and marked
@@ -50,16 +53,18 @@ class Checkpointer:
     def save(self, step: int, engine: Any, state: dict) -> None:
         """Write checkpoint `step` (`state`: progress and dataloader, JSON-able); raises
         `CheckpointWriteError` when the filesystem refuses it."""
+        from torch.distributed.checkpoint import CheckpointException  # DCP's wrapper of a writer's error: no Exception
+
         self.wait()
         self.requested.append(step)
         try:
             self._save(step, engine, state)
-        except (OSError, dist.DistBackendError) as e:
-            raise CheckpointWriteError(step, self.run.checkpoint_part(step, PART), e) from e
-        except Exception as e:  # DCP wraps the writers' errors in its own type
-            if type(e).__name__ != "CheckpointException":
-                raise
-            raise CheckpointWriteError(step, self.run.checkpoint_part(step, PART), e) from e
+        except (OSError, dist.DistBackendError, CheckpointException) as e:
+            raise self._write_error(step, e) from e
+
+    def _write_error(self, step: int, error: BaseException) -> CheckpointWriteError:
+        cause, self._fs.error = self._fs.error or error, None
+        return CheckpointWriteError(step, self.run.checkpoint_part(step, PART), cause)
 
     def _save(self, step: int, engine: Any, state: dict) -> None:
         import torch.distributed.checkpoint as dcp
@@ -75,10 +80,12 @@ class Checkpointer:
             atomic_write_json(d / "state.json", {"step": step, "world_size": self.env.world_size,
                                                  "scheduler": engine.scheduler.state_dict(), **state})
         payload = {"model": model_sd, "optim": optim_sd}
+        writer = dcp.FileSystemWriter(str(d))
+        writer.fs = self._fs
         if self._group is not None:
-            self._pending = (step, dcp.async_save(payload, checkpoint_id=str(d), process_group=self._group))
+            self._pending = (step, dcp.async_save(payload, storage_writer=writer, process_group=self._group))
         else:
-            dcp.save(payload, checkpoint_id=str(d))
+            dcp.save(payload, storage_writer=writer)
             self._finish(step)
 
     def _finish(self, step: int) -> None:
@@ -94,14 +101,16 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the background save (if any) is on disk, then mark it."""
+        from torch.distributed.checkpoint import CheckpointException
+
         if self._pending is None:
             return
         step, fut = self._pending
         self._pending = None
         try:
             fut.result()
-        except Exception as e:
-            raise CheckpointWriteError(step, self.run.checkpoint_part(step, PART), e) from e
+        except (Exception, CheckpointException) as e:  # the background writer's error
+            raise self._write_error(step, e) from e
         self._finish(step)
 
     def _rotate(self) -> None:
@@ -128,6 +137,25 @@ class Checkpointer:
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
+
+
+class _RecordingFileSystem(FileSystem):
+    """DCP's own file access, remembering the first `OSError` behind a failed write (disk
+    full, no permission). DCP hands a rank's error on pickled, which drops what a user can
+    act on: torch.save reports ENOSPC only as the context of its own RuntimeError."""
+
+    error: Optional[OSError] = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except BaseException as e:
+            cause = root_cause(e)
+            if isinstance(cause, OSError) and self.error is None:
+                self.error = cause
+            raise
 
 
 def save_rng(path: Path, device_kind: str) -> None:

@@ -1,96 +1,165 @@
-"""Checkpoints survive kills: a trainer that saves every step is SIGKILLed again and again,
-at the moment a checkpoint is being written or rotated away. After every kill, the step a
-resume would pick (`ckpt.step=-1`) loads and training continues from it; a torn
-checkpoint is never picked. An unwritable checkpoint fails the trainer in one line and
-keeps the checkpoints before it."""
+"""Checkpoints survive kills: the trainer is SIGKILLed at the exact moment it writes a
+checkpoint (synchronously, and from the background thread of `ckpt.save_async`) or deletes
+one in rotation (`tests/killpoint.py` stops it before a chosen file operation). After each
+kill the test first checks that the kill left what it meant to (a torn, unmarked
+checkpoint), then resumes as `prime-hpc resume` does: the step picked is the previous
+complete one, it loads, and training continues from it. A checkpoint the disk has no room
+for (a real ENOSPC, on a small tmpfs) fails the trainer in one line and keeps the earlier
+ones."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
+import pytest
+
+from prime_hpc.job.attempt import resume_point
 from prime_hpc.rundir import STABLE, RunDir
-from tests.trainer_support import child_env, explain, run_trainer, trainer_cmd, trainer_yaml
+from tests.trainer_support import child_env, explain, run_trainer, trainer_yaml
 
 SFT = "prime_hpc.trainer.sft"
 DATA = ["trainer=sft", "seq_len=128", "trainer.data.name=reverse_text:make_sft_dataset",
         "+trainer.data.args={num_examples: 400}", "trainer.data.batch_size=8", "trainer.micro_batch_size=4"]
-CKPT = ["max_steps=60", "ckpt.interval=1", "ckpt.keep_last=2"]
-KILLS = 4
+CKPT = ["ckpt.interval=1", "ckpt.keep_last=2"]
+SHARD, DCP_METADATA = "__0_0.distcp", ".metadata"  # one rank: DCP writes one shard file, then its metadata
+WHOLE = {SHARD, DCP_METADATA, "rng_rank_0.pt", "state.json", STABLE}  # a complete trainer checkpoint
 
 
-def _in_progress(run: RunDir) -> bool:
-    """A trainer checkpoint being written (its directory exists, its marker not yet) or a
-    marked one being rotated away (more than keep_last marked parts on disk)."""
+def _kill_trainer_at(run: RunDir, overrides: list[str], kind: str, step: int, name: str, nth: int = 1) -> str:
+    """Run the SFT trainer and SIGKILL it before its `nth` `kind` operation (write, rename,
+    remove) on a file of `checkpoints/step_<step>/trainer/` whose name starts with `name`;
+    returns the line saying where it was killed. A resume (`ckpt.step=-1`) goes the way
+    `prime-hpc resume` goes: the step is picked and what came after it cleared first."""
+    config = trainer_yaml(run.root, [*DATA, *CKPT, *overrides])
+    if "ckpt.step=-1" in overrides:
+        resume_point(run, restarted=False)
+    pattern = re.escape(f"{run.checkpoint_part(step, 'trainer')}/{name}")
+    proc = subprocess.run([sys.executable, "-m", "tests.killpoint", kind, pattern, str(nth), "-m", SFT,
+                           "--config", str(config)], capture_output=True, text=True, timeout=900,
+                          env=child_env(), cwd=str(config.parent))
+    assert proc.returncode == -signal.SIGKILL, explain(proc)
+    return next(line for line in proc.stderr.splitlines() if line.startswith("killpoint: "))
+
+
+def _files(run: RunDir, step: int) -> set[str]:
+    return {p.name for p in run.checkpoint_part(step, "trainer").iterdir()}
+
+
+def _assert_torn_write(run: RunDir, step: int) -> None:
+    """Step `step` was being written: its shard is on disk, DCP's metadata and the marker are not."""
+    files = _files(run, step)
+    assert SHARD in files and (run.checkpoint_part(step, "trainer") / SHARD).stat().st_size > 0, files
+    assert DCP_METADATA not in files and STABLE not in files, files
+
+
+def _resume(run: RunDir, picks: int, overrides: list[str], kill: tuple) -> str:
+    """Resume (`ckpt.step=-1`): the pick must be `picks`; then run until the kill `kill`."""
+    complete = run.complete_checkpoint_steps(("trainer",))
+    assert complete and complete[-1] == picks, complete
+    return _kill_trainer_at(run, ["ckpt.step=-1", *overrides], *kill)
+
+
+def _steps_trained(run: RunDir) -> list[int]:
+    return [json.loads(line)["step"] for line in run.metrics("trainer").read_text().splitlines()]
+
+
+def test_a_trainer_killed_while_checkpointing_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    run = RunDir(tmp_path / "run")
+    # 1. killed while writing step 3 (its shard written, DCP's metadata next)
+    _kill_trainer_at(run, ["max_steps=8"], "write", 3, DCP_METADATA)
+    _assert_torn_write(run, 3)
+    assert run.complete_checkpoint_steps(("trainer",)) == [1, 2]
+    # 2. resumed from 2 (not the torn 3), it writes 3 and 4; killed while rotation deletes
+    #    step 2 (its marker and one file gone, the rest not yet)
+    _resume(run, 2, ["max_steps=8"], ("remove", 2, "", 3))
+    left = _files(run, 2)
+    assert STABLE not in left and 0 < len(left) < len(WHOLE) - 1, left
+    assert run.complete_checkpoint_steps(("trainer",)) == [3, 4]
+    assert _steps_trained(run) == [1, 2, 3]  # from step 2 on (4's row follows its checkpoint: killed before)
+    # 3. resumed from 4 (not the half-deleted 2) with background saves: killed while the
+    #    background thread writes step 5, as the training thread goes on
+    where = _resume(run, 4, ["max_steps=8", "ckpt.save_async=true"], ("write", 5, DCP_METADATA))
+    assert "in thread MainThread" not in where, where
+    _assert_torn_write(run, 5)
+    assert run.complete_checkpoint_steps(("trainer",)) == [3, 4]
+    # 4. resumed from 4 once more: the pick loads, training continues to the end, and the
+    #    next rotation removes what the kills left (the half-deleted step 2)
+    complete = run.complete_checkpoint_steps(("trainer",))
+    assert complete[-1] == 4, complete
+    config = trainer_yaml(run.root, [*DATA, *CKPT, "ckpt.save_async=true", "ckpt.step=-1", "max_steps=7"])
+    assert resume_point(run, restarted=False) == 4
+    proc = run_trainer(SFT, config, nproc=1)
+    assert proc.returncode == 0, explain(proc)
+    assert _steps_trained(run) == [1, 2, 3, 5, 6, 7]  # each step once: every resume went on from its pick
+    assert run.complete_checkpoint_steps(("trainer",)) == run.checkpoint_steps("trainer") == [6, 7]
+    assert _files(run, 7) == WHOLE
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[None]:
+    """A tmpfs of `size` mounted at `where` for the duration (root only: CI runs as root)."""
+    where.mkdir(parents=True)
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.fail(f"this test needs to mount a tmpfs (root, as in CI): mount at {where} failed: "
+                    f"{got.stderr.strip()}", pytrace=False)
     try:
-        parts = [run.checkpoint_part(s, "trainer") for s in run.checkpoint_steps("trainer")]
-    except OSError:
-        return False
-    marked = [p for p in parts if (p / STABLE).exists()]
-    return any(p.is_dir() and not (p / STABLE).exists() for p in parts) or len(marked) > 2
-
-
-def _kill_while_saving(run: RunDir, config: Path, timeout_s: float = 300) -> None:
-    proc = subprocess.Popen(trainer_cmd(SFT, config, nproc=1), env=child_env(), cwd=str(config.parent),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        start = run.complete_checkpoint_steps(("trainer",))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before it could be killed"
-            if run.complete_checkpoint_steps(("trainer",)) != start and _in_progress(run):
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(30)
-                return
-            time.sleep(0.001)
-        raise AssertionError("no checkpoint write to interrupt")
+        yield
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        if subprocess.run(["umount", str(where)]).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(where)])
 
 
-def test_a_trainer_killed_while_checkpointing_resumes_from_a_complete_checkpoint(tmp_path):
+def _error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, explain(proc)
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("save_async", [False, True], ids=["save", "save_async"])
+def test_a_full_disk_fails_the_checkpoint_in_one_line_and_keeps_the_earlier_ones(tmp_path, save_async):
+    """A real ENOSPC: checkpoints/ is a tmpfs with room for the first checkpoint (10.2 MB
+    with one rank: model, Adam state, RNG) and not for the second."""
     run = RunDir(tmp_path / "run")
-    resumed = []
-    for k in range(KILLS):
-        config = trainer_yaml(run.root, [*DATA, *CKPT, *(["ckpt.step=-1"] if k else [])])
-        _kill_while_saving(run, config)
-        complete = run.complete_checkpoint_steps(("trainer",))
-        assert complete, "no complete checkpoint after the kill"
-        latest = complete[-1]
-        files = {p.name for p in run.checkpoint_part(latest, "trainer").iterdir()}
-        assert {".metadata", "state.json", STABLE} <= files, files
-        resumed.append(latest)
-    # the last kill's pick loads: a short continuation from it trains and saves again
-    config = trainer_yaml(run.root, [*DATA, "ckpt.interval=1", "ckpt.keep_last=2", "ckpt.step=-1",
-                                     f"max_steps={resumed[-1] + 2}"])
-    proc = run_trainer(SFT, config, nproc=1)
-    assert proc.returncode == 0, explain(proc)
-    rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
-    assert [r["step"] for r in rows][-2:] == [resumed[-1] + 1, resumed[-1] + 2]
-    assert resumed == sorted(resumed) and len(set(resumed)) == KILLS, resumed  # each attempt got further
+    with _tmpfs(run.checkpoints_dir, "16m"):
+        overrides = [*DATA, "max_steps=3", "ckpt.interval=1", f"ckpt.save_async={str(save_async).lower()}"]
+        proc = run_trainer(SFT, trainer_yaml(run.root, overrides), nproc=1)
+        assert _error_line(proc) == (
+            f"python -m {SFT}: error: the checkpoint of step 2 could not be written to "
+            f"{run.checkpoint_part(2, 'trainer')}: OSError: [Errno 28] No space left on device; "
+            "the earlier checkpoints are kept")
+        assert run.complete_checkpoint_steps(("trainer",)) == [1] and _files(run, 1) == WHOLE
+        # room again: the resume loads step 1 and goes on
+        subprocess.run(["mount", "-o", "remount,size=64m", str(run.checkpoints_dir)], check=True)
+        config = trainer_yaml(run.root, [*DATA, "max_steps=3", "ckpt.interval=1", "ckpt.step=-1"])
+        assert resume_point(run, restarted=False) == 1
+        proc = run_trainer(SFT, config, nproc=1)
+        assert proc.returncode == 0, explain(proc)
+        assert _steps_trained(run) == [1, 2, 3]
+        assert run.complete_checkpoint_steps(("trainer",)) == [1, 2, 3]
 
 
-def test_an_unwritable_checkpoint_fails_in_one_line_and_keeps_the_earlier_ones(tmp_path):
+def test_a_checkpoint_directory_that_cannot_be_made_fails_in_one_line_and_keeps_the_earlier_ones(tmp_path):
     run = RunDir(tmp_path / "run")
-    proc = run_trainer(SFT, trainer_yaml(run.root, [*DATA, "max_steps=2", "ckpt.interval=1"]), nproc=1)
-    assert proc.returncode == 0, explain(proc)
-    assert run.complete_checkpoint_steps(("trainer",)) == [1, 2]
-    run.checkpoint_step(3).parent.mkdir(exist_ok=True)
-    run.checkpoint_step(3).write_text("in the way")  # a file where step 3's directory must go
-    config = trainer_yaml(run.root, [*DATA, "max_steps=4", "ckpt.interval=1", "ckpt.step=-1"])
-    proc = run_trainer(SFT, config, nproc=1)
-    assert proc.returncode == 1, explain(proc)
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "the checkpoint of step 3 could not be written" in last and str(run.checkpoint_step(3)) in last and "Traceback" not in last, last
-    assert run.complete_checkpoint_steps(("trainer",)) == [1, 2]
-    assert os.path.isfile(run.checkpoint_step(3))
+    run.checkpoint_step(2).parent.mkdir(parents=True)
+    run.checkpoint_step(2).write_text("in the way")  # a file where step 2's directory must go
+    proc = run_trainer(SFT, trainer_yaml(run.root, [*DATA, "max_steps=3", "ckpt.interval=1"]), nproc=1)
+    last = _error_line(proc)
+    assert f"the checkpoint of step 2 could not be written to {run.checkpoint_part(2, 'trainer')}: " in last, last
+    assert last.endswith("; the earlier checkpoints are kept"), last
+    assert run.complete_checkpoint_steps(("trainer",)) == [1] and _files(run, 1) == WHOLE
+    assert os.path.isfile(run.checkpoint_step(2))
 
 
+KILLS = 4
 ORCHESTRATOR_SAVES = r"""
 import sys
 from prime_hpc.config.compose import compose, component_config

@@ -1,8 +1,10 @@
 """Faults on the real dev cluster: a component that cannot be replaced is killed (SIGKILL)
 or frozen (SIGSTOP) mid-run. The job must end soon, name the component, its node, its exit
-code and the log of the process that died, and leave no process of the run behind
-(children included, found by their parent chain). Losing one of several inference servers
-is survived: tests/integration/test_slurm_rl.py."""
+code and the log of the process that died, and leave no process of the run behind:
+neither those listed before the fault (children included, found by their parent chain)
+nor any found afresh after the end by the job's environment. torchrun's agent and the job
+script itself are killed too, on SLURM and in cluster=local. Losing one of several
+inference servers is survived: tests/integration/test_slurm_rl.py."""
 from __future__ import annotations
 
 import json
@@ -19,8 +21,9 @@ from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S
 from prime_hpc.rundir import RunDir
+from tests import procs
 from tests.conftest import cli
-from tests.runs import run_processes, still_alive, wait_for_step
+from tests.runs import agent_pid, run_processes, still_alive, supervisor_pid, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -45,6 +48,15 @@ def wait_ended(run: RunDir, timeout_s: float) -> dict:
             return job
         time.sleep(0.5)
     raise AssertionError(f"the job did not end within {timeout_s}s of the fault: {jobs.read_job(run)}")
+
+
+def assert_nothing_left(logs: Path, listed: dict[int, int], wait_s: float = 30) -> None:
+    """No process of the run is alive: none of those `listed` before the fault, and none
+    found afresh by the job's environment (a process started after that listing)."""
+    deadline = time.monotonic() + wait_s  # SLURM's step cleanup may lag the job's end by a moment
+    while (left := still_alive({**listed, **run_processes(logs)})) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"processes of the run outlived it: {left}"
 
 
 def victim_pid(run: RunDir, target: str) -> int:
@@ -97,10 +109,10 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tm
     try:
         wait_for_step(run, 2)
         logs = run.latest_logs.resolve()
-        procs = run_processes(logs)
-        assert len(procs) >= 4, procs  # orchestrator, server, router, torchrun + rank, watchdog (at least)
+        listed = run_processes(logs)
+        assert len(listed) >= 4, listed  # orchestrator, server, router, torchrun + rank, watchdog (at least)
         pid = victim_pid(run, target)
-        assert pid in procs, (pid, procs)
+        assert pid in listed, (pid, listed)
         key = check_job_key(run) if (how, target) == ("kill", "trainer") else None
         t0 = time.time()
         if how == "kill":
@@ -132,10 +144,7 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tm
         # status says the same, in one line
         out = cli("status", str(run.root)).stdout
         assert f"failed: {named}" in out and str(f["log"]) in out, out
-        deadline = time.monotonic() + 30  # SLURM's step cleanup may lag the job's end by a moment
-        while (left := still_alive(procs)) and time.monotonic() < deadline:
-            time.sleep(1)
-        assert not left, f"processes of the run outlived it: {left}"
+        assert_nothing_left(logs, listed)
         if key:  # no secret of the environment lands in a file of the run
             for path in run.root.rglob("*"):
                 if path.is_file() and path.stat().st_size < 50_000_000:
@@ -149,3 +158,45 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tm
             except OSError:
                 pass
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
+
+
+KILLS = [  # (cluster, what is killed with SIGKILL, what job.json must name)
+    ("dev", "agent", "trainer"),
+    ("dev", "supervisor", "supervisor"),
+    ("local", "agent", "trainer"),
+    ("local", "supervisor", "supervisor"),
+]
+
+
+@pytest.mark.parametrize("cluster, target, named", KILLS, ids=[f"{c}-kill-{t}" for c, t, _ in KILLS])
+def test_a_killed_torchrun_agent_or_job_script_ends_the_job_and_leaves_nothing(tmp_path, cluster, target, named):
+    """SFT jobs (the trainer is all they run: no vLLM to wait for). torchrun's agent is
+    found by parent chain (rank 0's parent), the job script as the parent of the run's
+    processes (on SLURM: the one with the job's SLURM_JOB_ID; locally: job.json's pid)."""
+    cfg = compose(["+experiment=reverse_text_sft", f"cluster={cluster}", f"output_dir={tmp_path}/run",
+                   "max_steps=2000", "trainer.data.args.num_examples=4000", "trainer.val.interval=null"])
+    sub = launch.submit(cfg, [])
+    run = sub.ref.run
+    logs = None
+    try:
+        wait_for_step(run, 2)
+        logs = run.latest_logs.resolve()
+        listed = run_processes(logs)
+        pid = agent_pid(run) if target == "agent" else supervisor_pid(sub.ref)
+        assert (pid in listed) == (target == "agent"), (pid, listed)  # the job script is no child of itself
+        listed[pid] = procs.stat(pid)[1]
+        os.kill(pid, signal.SIGKILL)
+        assert launch.wait_done(sub, 120) == "FAILED"
+        f = wait_ended(run, 60)["failure"]
+        assert f["component"] == named, f
+        if target == "agent":
+            assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0 and f["rc"] != 0, f
+        else:
+            assert f["log"] == str(run.batch_log(sub.ref.job_id)) and f"pid {pid} " in f["reason"], f
+        assert f"failed: {named}" in cli("status", str(run.root)).stdout
+        assert_nothing_left(logs, listed, wait_s=60)
+    finally:
+        if cluster == "dev":
+            subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
+        for pid in run_processes(logs) if logs else ():  # what a failed test left of its own run
+            os.kill(pid, signal.SIGKILL)

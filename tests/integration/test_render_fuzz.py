@@ -107,8 +107,10 @@ def test_a_thousand_hostile_values_render_inert_scripts(tmp_path):
             py = [c[1:] for c in calls if c[0] == "PY"]
             starts = [a for a in py if a[:4] == ["-m", "prime_hpc.job.attempt", "start", out]]
             assert starts, (value, py)  # the output dir reached the interpreter as one exact argument
-            launched = [c for c in calls if c[0] == "CMD" and str(python) in c]
-            assert launched, (value, calls)  # ...and so did the interpreter's own path
+            # ...and so did the interpreter's own path (locally: started through prime_hpc.job.child)
+            launched = [c for c in calls if str(python) in c[1:] and (c[0] == "CMD" or c[1:3] == [
+                "-m", "prime_hpc.job.child"])]
+            assert launched, (value, calls)
             if text.startswith("#!/bin/bash\n# prime-hpc rl run: one heterogeneous"):
                 for opt in ("partition", "account", "qos"):  # what sbatch would read
                     assert f"#SBATCH --{opt}=" in text

@@ -427,6 +427,36 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     assert o.progress_at >= before and not o.sink.waiting_for_trainer()
 
 
+def test_watchdog_records_a_job_script_that_died_and_nothing_after_a_recorded_end(tmp_path):
+    import subprocess
+
+    from prime_hpc.job.watchdog import Supervisor
+    from prime_hpc.rundir import jobs
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    atomic_write_json(run.job_json, {"job_ids": ["local-ab12"], "state": "RUNNING", "attempts": [
+        {"attempt": 0, "job_id": "local-ab12", "logs": str(run.logs_root / "attempt_0")}]})
+    script = subprocess.Popen(["sleep", "60"])
+    try:
+        watched = Supervisor("local-ab12", script.pid)
+        assert not watched.died(run) and jobs.read_job(run)["state"] == "RUNNING"
+    finally:
+        script.kill()
+        script.wait()
+    assert watched.died(run)
+    job = jobs.read_job(run)
+    assert job["state"] == "FAILED" and job["ended_at"] and job["attempts"][-1]["end"] == "FAILED", job
+    f = job["failure"]
+    assert f["component"] == "supervisor" and f["rc"] is None and f["log"] == str(run.batch_log("local-ab12")), f
+    assert f["reason"].startswith(f"died without ending the attempt (the job script, pid {script.pid} on "), f
+    # an attempt that ended (completed, cancelled, requeued) before its script is not rewritten
+    for state in ("COMPLETED", "CANCELLED", "REQUEUED"):
+        atomic_write_json(run.job_json, {"job_ids": ["local-ab12"], "state": state, "ended_at": 1.0})
+        assert attempt.supervisor_died(run, "local-ab12", script.pid) is None
+        assert jobs.read_job(run) == {"job_ids": ["local-ab12"], "state": state, "ended_at": 1.0}
+
+
 def test_a_failure_names_the_node_that_failed_first(tmp_path):
     logs = tmp_path / "logs" / "attempt_0"
     (logs / "trainer").mkdir(parents=True)

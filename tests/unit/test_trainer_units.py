@@ -77,6 +77,42 @@ def test_resume_step_resolution(tmp_path):
         resolve_resume_step(run, 7, sft)
 
 
+def test_rotation_also_removes_what_a_kill_left_halfway(tmp_path):
+    """An unmarked part older than the newest complete one (a write or a deletion that was
+    killed) goes at the next rotation; another component's part and newer steps stay."""
+    from prime_hpc.rundir.checkpoints import rotate
+
+    run = RunDir(tmp_path)
+    for s in (1, 3, 4):
+        _ckpt(run, s)
+    _ckpt(run, 2, stable=False)  # torn: trainer and orchestrator part, no marker
+    _ckpt(run, 5, parts=("trainer",), stable=False)  # newer than the newest complete one
+    assert rotate(run, "trainer", 2, None) == [1, 2]
+    assert run.checkpoint_steps("trainer") == [3, 4, 5]
+    assert run.checkpoint_steps("orchestrator") == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_write_error_names_the_os_error_behind_it():
+    from prime_hpc.rundir.checkpoints import CheckpointWriteError
+
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        wrapped = e
+
+    class CheckpointException(BaseException):  # DCP's shape: each rank's (error, traceback)
+        failures = {0: (wrapped, None)}
+
+    msg = str(CheckpointWriteError(2, "/ck/step_2/trainer", CheckpointException()))
+    assert msg == ("the checkpoint of step 2 could not be written to /ck/step_2/trainer: OSError: [Errno 28] No "
+                   "space left on device; the earlier checkpoints are kept")
+    other = str(CheckpointWriteError(2, "/d", ValueError("bad\nmore")))
+    assert other == "the checkpoint of step 2 could not be written to /d: ValueError: bad; the earlier checkpoints are kept"
+
+
 def test_teacher_completions_train_with_nll():
     from types import SimpleNamespace as NS
 
