@@ -86,12 +86,20 @@ class PolicyGate:
                 self._writers_waiting -= 1
                 self.cond.notify_all()
             self._writer = True
+            self.progress_at = time.time()  # an update is work: its own progress is its end
         try:
             yield
         finally:
             async with self.cond:
                 self._writer = False
+                self.progress_at = time.time()
                 self.cond.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Generations in flight or an update under way: work that must make progress (an
+        engine that hangs holds them)."""
+        return self.active > 0 or self._writer
 
 
 class MissingKey(RuntimeError):

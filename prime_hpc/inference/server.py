@@ -157,11 +157,11 @@ class Server:
 
     def beat(self) -> None:
         """The heartbeat: from the serving loop, so it stops when the loop does; its progress
-        is a finished generation (an engine that hangs with requests in flight makes none),
-        and an idle server only waits for the orchestrator."""
+        is a finished generation or update (an engine that hangs with either under way makes
+        none), and an idle server only waits for the orchestrator."""
         gate = self.gate
         self.run.beat("inference", self.node, policy_step=gate.step, in_flight=gate.active,
-                      progress_at=gate.progress_at, waiting_on=None if gate.active else "orchestrator")
+                      progress_at=gate.progress_at, waiting_on=None if gate.busy else "orchestrator")
 
     def unpublish(self) -> None:
         try:

@@ -40,13 +40,17 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
     """The stall to report among heartbeats {"trainer_0": {...}, ...}, or None: an
     inference server's first (a hung engine also starves the orchestrator, which then
     stalls with it: the server is the cause), else the longest silence."""
+    # a server at work (not only waiting); one that hangs is what an orchestrator waiting for
+    # inference waits on: without one, that wait is no excuse
+    serving = any(n.startswith("inference_") and not b.get("waiting_on") and not b.get("done") for n, b in beats.items())
     stalls = []
     for name, b in beats.items():
         if b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):
             continue
         silent = now - float(b["time"])
         why = "no heartbeat"
-        if silent <= timeout_s and isinstance(b.get("progress_at"), (int, float)) and not b.get("waiting_on"):
+        waiting = b.get("waiting_on") if b.get("waiting_on") != "inference" or serving else None
+        if silent <= timeout_s and isinstance(b.get("progress_at"), (int, float)) and not waiting:
             silent, why = now - float(b["progress_at"]), "no progress"
         if silent > timeout_s:
             component, _, rank = name.rpartition("_")

@@ -224,7 +224,8 @@ class Orchestrator:
 
     def beat(self, **info: Any) -> None:
         self.run.beat("orchestrator", 0, step=self.sink.step, policy=self.relay.policy, progress_at=self.progress_at,
-                      waiting_on="trainer" if self.sink.waiting_for_trainer() else None, **info)
+                      waiting_on="trainer" if self.sink.waiting_for_trainer() else
+                      "inference" if self.source.waiting_for_inference() else None, **info)
 
     # ------------------------------------------------------------------ checkpoints, by step (scripts and tests)
     @property

@@ -6,7 +6,9 @@ the policy the servers serve now (a callable: the relay changes it). Produces: f
 groups (lists of `Rollout`s) in the order they finish, through `next_finished`. The sink
 asks it to `admit` before each wait, saying which step it fills and how many groups it
 already holds. `started` counts the tasks started (`progress/total_problems`; a resumed
-run starts from its checkpoint's count).
+run starts from its checkpoint's count). While groups generate but none has finished for
+`QUIET_S`, it only waits for inference (`waiting_for_inference`: the heartbeat says so,
+and the watchdog then looks at the servers, which hold the work).
 
 Admission (`admission_limit`): a group started now, under policy p, can train steps up to
 p + async_level (`rundir/window.py`); only as many groups are generating as those steps
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Callable, Optional
 
 from prime_hpc.config.schema import OrchestratorConfig
@@ -25,6 +28,8 @@ from prime_hpc.orchestrator.envs import EnvSampler
 from prime_hpc.orchestrator.generate import Generator
 from prime_hpc.orchestrator.rollouts import Rollout
 from prime_hpc.rundir import window
+
+QUIET_S = 10.0  # groups generating and none finished for this long: only waiting for inference
 
 
 class GroupSource:
@@ -40,6 +45,7 @@ class GroupSource:
         self.oversampling = ocfg.oversampling_factor
         self.inflight: set[asyncio.Task] = set()  # groups generating
         self.started = 0  # tasks started, over the run
+        self.finished_at = time.time()  # a group last finished (or generation started from none)
 
     def admission_limit(self, step: int, accepted: int, waiting: int) -> int:
         """How many groups may be generating while step `step` is filled, with `accepted`
@@ -58,6 +64,8 @@ class GroupSource:
                 return
             slot, row = picked
             self.started += 1
+            if not self.inflight:
+                self.finished_at = time.time()
             self.inflight.add(asyncio.create_task(self.generator.group(slot, row)))
 
     def used_up(self, held: int) -> bool:
@@ -72,7 +80,14 @@ class GroupSource:
             await asyncio.sleep(0.01)
             return []
         done, self.inflight = await asyncio.wait(self.inflight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            self.finished_at = time.time()
         return [d.result() for d in done]
+
+    def waiting_for_inference(self) -> bool:
+        """Groups generating, and none finished for `QUIET_S`: what the run waits for is
+        the servers' work."""
+        return bool(self.inflight) and time.time() - self.finished_at > QUIET_S
 
     async def aclose(self) -> None:
         """Cancel the groups generating."""

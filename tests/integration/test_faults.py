@@ -68,7 +68,35 @@ def victim_pid(run: RunDir, target: str) -> int:
             assert time.monotonic() < deadline, "the orchestrator never beat"
             time.sleep(0.5)
         return int(json.loads(run.heartbeat("orchestrator", 0).read_text())["pid"])
-    return int(json.loads(run.inference_endpoint(0).read_text())["pid"])
+    server = int(json.loads(run.inference_endpoint(0).read_text())["pid"])
+    if target == "engine":  # vLLM's engine process under the server (it names itself VLLM::EngineCore)
+        engines = [p for p in procs.descendants([server]) if _comm(p).startswith("VLLM::EngineCor")]
+        assert len(engines) == 1, (server, engines)
+        return engines[0]
+    return server
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def kill_router_past_its_restarts(run: RunDir) -> float:
+    """SIGKILL the router's serving process as often as its supervisor restarts it, and
+    once more; returns when the last kill was sent."""
+    from prime_hpc.inference.router import MAX_RESTARTS
+
+    for k in range(MAX_RESTARTS + 1):
+        deadline = time.monotonic() + 120
+        while (rec := json.loads(run.router_endpoint.read_text()) if run.router_endpoint.exists() else {}) \
+                .get("restarts") != k:
+            assert time.monotonic() < deadline, f"the router was not restarted a {k}th time: {rec}"
+            time.sleep(0.2)
+        t0 = time.time()
+        os.kill(int(rec["pid"]), signal.SIGKILL)
+    return t0
 
 
 def check_job_key(run: RunDir) -> str:
@@ -92,8 +120,10 @@ FAULTS = [  # (what is done, to which component, what job.json must name)
     ("kill", "trainer", "trainer"),
     ("kill", "orchestrator", "orchestrator"),
     ("kill", "inference", "inference_0"),
+    ("kill", "router", "router"),  # past its restarts
     ("stop", "orchestrator", "orchestrator"),
     ("stop", "trainer", "trainer"),
+    ("stop", "engine", "inference_0"),  # vLLM's engine hangs; its server still beats
 ]
 
 
@@ -111,11 +141,13 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tm
         logs = run.latest_logs.resolve()
         listed = run_processes(logs)
         assert len(listed) >= 4, listed  # orchestrator, server, router, torchrun + rank, watchdog (at least)
-        pid = victim_pid(run, target)
+        pid = victim_pid(run, target) if target != "router" else json.loads(run.router_endpoint.read_text())["pid"]
         assert pid in listed, (pid, listed)
         key = check_job_key(run) if (how, target) == ("kill", "trainer") else None
         t0 = time.time()
-        if how == "kill":
+        if target == "router":
+            t0 = kill_router_past_its_restarts(run)
+        elif how == "kill":
             os.kill(pid, signal.SIGKILL)
         else:
             os.kill(pid, signal.SIGSTOP)
@@ -130,12 +162,19 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tm
         assert f["component"] == named, f
         if named.startswith("inference_"):
             assert f["log"] == str(RunDir.node_log(logs, "inference", 0)), f
+        elif named == "router":
+            assert f["log"] == str(RunDir.router_log(logs, 0)), f
+            assert "giving up" in RunDir.router_log(logs, 0).read_text()
         elif named == "trainer":
             assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0, f
         else:
             assert f["log"] == str(RunDir.component_log(logs, named)), f
         if how == "kill":
             assert f["rc"] != 0 and f["reason"], f
+        elif target == "engine":  # its API loop still beats: the server is stalled by its work
+            assert f["reason"].startswith("stalled: alive, but no progress for "), f
+            silent = int(f["reason"].split(" for ")[1].split("s")[0])
+            assert STALL_S <= silent <= STALL_S + 10, f
         else:
             assert f["reason"].startswith("stalled: no heartbeat for "), f
             assert "last line of its log: " in f["reason"] and "(empty)" not in f["reason"], f

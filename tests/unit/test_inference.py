@@ -212,7 +212,14 @@ def test_the_gate_counts_progress_only_while_generations_finish():
         assert gate.progress_at == started  # nothing finished while it hangs
         model.release["slow"].set()
         await slow
-        assert gate.active == 0 and gate.progress_at > started
+        assert gate.active == 0 and gate.progress_at > started and not gate.busy
+        # an update under way is work too: a reload that hangs makes no progress either
+        async with gate.exclusive(5):
+            assert gate.busy
+            updating = gate.progress_at
+            await asyncio.sleep(0.05)
+            assert gate.progress_at == updating
+        assert gate.progress_at > updating and not gate.busy
 
     asyncio.run(main())
 

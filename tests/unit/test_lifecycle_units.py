@@ -358,8 +358,14 @@ def test_a_hung_inference_server_is_named_before_the_orchestrator_it_starves():
     }
     s = stalled(beats, 60, now)
     assert (s["component"], s["rank"], s["why"], s["silent_s"]) == ("inference", 0, "no progress", 70)
-    beats["inference_0"].update(waiting_on="orchestrator", in_flight=0)  # idle: it only waits
-    assert stalled(beats, 60, now)["component"] == "orchestrator"
+    # the orchestrator says it only waits for its generations (none finished for a while)
+    beats["orchestrator_0"]["waiting_on"] = "inference"
+    assert stalled(beats, 60, now)["component"] == "inference"
+    beats["inference_0"]["progress_at"] = now - 5  # the server works on (long rollouts): a wait, no stall
+    assert stalled(beats, 60, now) is None
+    beats["inference_0"].update(waiting_on="orchestrator", in_flight=0)  # idle: nothing of inference
+    s = stalled(beats, 60, now)  # works for the orchestrator (a stuck router, say): its own stall
+    assert (s["component"], s["why"], s["silent_s"]) == ("orchestrator", "no progress", 200)
 
 
 def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_judged(tmp_path):

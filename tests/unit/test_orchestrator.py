@@ -389,3 +389,22 @@ def test_doctor_imports_env_ids_as_the_orchestrator_loads_them(tmp_path, monkeyp
             preflight._imports("router")
     finally:
         sys.modules.pop("echo_word_doctor", None)
+
+
+def test_the_orchestrator_only_waits_for_inference_while_its_groups_generate_and_none_finishes():
+    """The heartbeat's `waiting_on="inference"`: groups in flight and none finished for
+    `QUIET_S` (an engine that hangs holds them); never with nothing in flight."""
+    import time
+    from types import SimpleNamespace
+
+    from prime_hpc.orchestrator.source import QUIET_S, GroupSource
+
+    ocfg = SimpleNamespace(batch_size=16, group_size=8, oversampling_factor=1.0)
+    src = GroupSource(sampler=None, generator=SimpleNamespace(max_groups=4), policy=lambda: 0, ocfg=ocfg,
+                      async_level=1, max_steps=10)
+    src.finished_at = time.time() - QUIET_S - 1
+    assert not src.waiting_for_inference()  # nothing generating
+    src.inflight = {"a group"}
+    assert src.waiting_for_inference()
+    src.finished_at = time.time()  # one just finished
+    assert not src.waiting_for_inference()
