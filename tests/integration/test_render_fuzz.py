@@ -52,7 +52,8 @@ def hostile_values(n: int, seed: int = 7) -> list[str]:
 
 def run_sandboxed(script: str, cwd: Path, record: Path, logs: Path) -> subprocess.CompletedProcess:
     record.write_bytes(b"")
-    env = {"PATH": "/nonexistent", "FUZZ_RECORD": str(record), "FUZZ_LOGS": str(logs), "SLURM_JOB_ID": "1", "HOME": str(cwd)}
+    env = {"PATH": "/nonexistent", "FUZZ_RECORD": str(record), "FUZZ_LOGS": str(logs), "SLURM_JOB_ID": "1", "HOME": str(cwd),
+           "INFERENCE_SERVER_API_KEY": "fuzz-key"}  # the key reaches the job: its absence is tested on its own
     body = script.split("\n", 1)[1]  # the sandbox goes first, after the shebang
     return subprocess.run(["/bin/bash", "-c", SANDBOX + body], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=60)
