@@ -1,33 +1,50 @@
-"""The shipped SFT recipe teaches the offline tiny model to reverse strings: the whole
-`prime-hpc submit +experiment=reverse_text_sft` run (local mode, the trainer alone), then
-`prime-hpc eval` of its final weights, greedy, on held-out strings."""
+"""The shipped SFT recipe, `prime-hpc submit +experiment=reverse_text_sft` on the dev
+cluster with a time limit shorter than the run: at the warning before each time limit the
+trainer checkpoints, the same job goes back to the queue and the next attempt continues
+where it stopped; no step or sample is lost or trained twice. Then `prime-hpc eval` of the
+final weights, greedy, on held-out strings: the offline tiny model learned to reverse
+them."""
 from __future__ import annotations
 
 import json
-import time
+import subprocess
 
 import pytest
 
-from prime_hpc.rundir import jobs
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import cli
+from tests.integration.test_slurm_lifecycle import _release_held, _rows, _wait
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 
-def test_reverse_text_sft_reaches_80_of_100_exact_reversals(tmp_path):
+def test_reverse_text_sft_outlives_its_time_limits_and_reaches_80_of_100_exact_reversals(tmp_path):
     out = tmp_path / "sft"
-    r = cli("submit", "+experiment=reverse_text_sft", f"output_dir={out}")
+    r = cli("submit", "+experiment=reverse_text_sft", "cluster=dev", f"output_dir={out}", "cluster.time=3",
+            "cluster.signal_delay_s=45")
     assert r.returncode == 0, r.stderr
     run = RunDir(out)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and jobs.read_job(run).get("state") not in jobs.FINAL_STATES:
-        time.sleep(2)
+    job_id = jobs.read_job(run)["job_ids"][-1]
+    try:
+        _wait(lambda: _release_held(job_id) or jobs.read_job(run).get("state") in jobs.FINAL_STATES, 1500,
+              "the end of the run", run, poll_s=2)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
     job = jobs.read_job(run)
-    assert job["state"] == "COMPLETED", job
+    ends = [a["end"] for a in job["attempts"]]
+    assert job["state"] == "COMPLETED" and len(ends) >= 2, job
+    assert ends[:-1] == ["TIMEOUT"] * (len(ends) - 1) and ends[-1] == "COMPLETED"
+    assert job["requeues"] == len(ends) - 1 and job["job_ids"] == [job_id]  # the same job, requeued
     assert job["groups"] == ["trainer"] and not (out / "configs" / "inference.yaml").exists()
+    # each attempt continued from the step the previous one checkpointed when warned
+    resumed = [a["resumed_from"] for a in job["attempts"]]
+    assert resumed[0] is None and all(b > (a or 0) for a, b in zip(resumed, resumed[1:]))
+    rows = [r for r in _rows(run, "trainer") if "loss/mean" in r]
     final = run.weight_steps()[-1]
-    assert final == 1000
+    assert final == 1000 and [r["step"] for r in rows] == list(range(1, final + 1))
+    # no sample trained twice or skipped: the data position continues across attempts
+    samples = [r["progress/num_samples"] for r in rows]
+    assert all(b > a for a, b in zip(samples, samples[1:]))
     # greedy: pass@1 is the share of exact reversals, avg@1 the mean LCS ratio
     e = cli("eval", str(out), f"steps={final}", "orchestrator.sampling.temperature=0",
             "orchestrator.eval.rollouts_per_example=1", timeout=900)
