@@ -18,7 +18,13 @@ from prime_hpc.rundir import RunDir, WaitTimeout
 from prime_hpc.rundir.window import prunable
 
 if TYPE_CHECKING:  # the heavy modules are imported inside the functions
+    from prime_hpc.runtime.metrics import MetricsLogger
+    from prime_hpc.runtime.stopping import Stop
+    from prime_hpc.trainer.ckpt import Checkpointer
     from prime_hpc.trainer.config import TrainerRunConfig
+    from prime_hpc.trainer.dist import DistEnv
+    from prime_hpc.trainer.engine import Engine, StepResult
+    from prime_hpc.trainer.model import Policy
 
 
 def setup_logging(level: str, rank: int) -> None:
@@ -63,11 +69,11 @@ def main(run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: s
 class Session:
     cfg: "TrainerRunConfig"
     run: RunDir
-    env: Any  # DistEnv
-    policy: Any  # Policy
-    engine: Any  # Engine
-    ckpt: Any  # Checkpointer
-    metrics: Any  # MetricsLogger on rank 0, None elsewhere
+    env: "DistEnv"
+    policy: "Policy"
+    engine: "Engine"
+    ckpt: "Checkpointer"
+    metrics: "Optional[MetricsLogger]"  # on rank 0, None elsewhere
     start_step: int  # last completed step (0 = base model)
     resumed: Optional[dict]  # state.json of the checkpoint resumed from
     num_params: int
@@ -162,7 +168,7 @@ def checkpoint_if_due(s: Session, step: int, final: bool, state: dict) -> tuple[
     return True, time.perf_counter() - t0
 
 
-def step_metrics(s: Session, result: Any, t_step: float, t_wait: float) -> dict[str, Any]:
+def step_metrics(s: Session, result: "StepResult", t_step: float, t_wait: float) -> dict[str, Any]:
     """Optimizer and performance metrics of one step (`result`: engine.StepResult)."""
     from prime_hpc.core import device as devices
     from prime_hpc.trainer.engine import mfu
@@ -191,7 +197,7 @@ def step_metrics(s: Session, result: Any, t_step: float, t_wait: float) -> dict[
     return out
 
 
-def agreed_stop(s: Session, stop: Any, not_ready: bool = False) -> tuple[int, bool]:
+def agreed_stop(s: Session, stop: "Stop", not_ready: bool = False) -> tuple[int, bool]:
     """What every rank does next, agreed over the process group (one small all-reduce):
     the strongest stop decision of any rank (`prime_hpc.runtime.stopping`: CONTINUE, EXIT,
     CHECKPOINT), and whether any rank found no more data (`not_ready`)."""

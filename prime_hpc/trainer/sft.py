@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.trainer import runner
 from prime_hpc.trainer.config import TrainerRunConfig
+
+if TYPE_CHECKING:
+    from prime_hpc.config.schema import LossMaskConfig, SFTDataConfig
+    from prime_hpc.trainer.dist import DistEnv
+    from prime_hpc.trainer.runner import Session
 
 PROG = "python -m prime_hpc.trainer.sft"
 PARTS = ("trainer",)  # an SFT checkpoint step is complete without an orchestrator part
 
 
-def load_samples(data_cfg: Any, tokenizer: Any, loss_mask: Any) -> list:
+def load_samples(data_cfg: SFTDataConfig, tokenizer: Any, loss_mask: LossMaskConfig) -> list:
     from prime_hpc.core.errors import UserError
     from prime_hpc.trainer import sft_data
 
@@ -43,7 +48,7 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def validation_batches(samples: list, seq_len: int, env: Any, micro_batch_size: int, pad_id: int) -> list[dict]:
+def validation_batches(samples: list, seq_len: int, env: DistEnv, micro_batch_size: int, pad_id: int) -> list[dict]:
     from prime_hpc.trainer import sft_data
 
     rows = sft_data.pack(samples, seq_len)
@@ -140,7 +145,7 @@ def train(cfg: TrainerRunConfig) -> None:
         logger.info(f"done at step {step}")
 
 
-def _validate(s: Any, step: int, val: list[dict], log: bool = True) -> dict[str, float]:
+def _validate(s: Session, step: int, val: list[dict], log: bool = True) -> dict[str, float]:
     sums = s.engine.evaluate(val, _nll)
     out = {"val/loss": sums["loss"] / max(sums["tokens"], 1.0)}
     if log and s.metrics is not None:
