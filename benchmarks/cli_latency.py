@@ -12,6 +12,7 @@ each run (a new learning rate and output_dir: the cached composition of the expe
 the values applied to it), and composed by Hydra every time (`PRIME_HPC_COMPOSE_CACHE=0`:
 the first use of an experiment or cluster choice).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,11 +70,15 @@ def main() -> int:
         rows.append(("squeue", ["squeue"]))
     rows += [("prime-hpc --help", cli + ["--help"]), ("prime-hpc list", cli + ["list"])]
     if job:
-        rows += [("prime-hpc status JOB", cli + ["status", job]),
-                 ("prime-hpc tail JOB --no-follow", cli + ["tail", job, "--no-follow"])]
+        rows += [
+            ("prime-hpc status JOB", cli + ["status", job]),
+            ("prime-hpc tail JOB --no-follow", cli + ["tail", job, "--no-follow"]),
+        ]
     submit = cli + ["submit", "+experiment=reverse_text", "--dry-run", f"output_dir={dry}/run", "clean_output_dir=true"]
     rows.append(("prime-hpc submit --dry-run", submit))  # composed before: from the composition cache
-    rows.append(("  ... new values (lr, output_dir)", [*submit[:-2], f"output_dir={dry}/{{i}}", "trainer.optim.lr=1{i}e-7"]))
+    rows.append(
+        ("  ... new values (lr, output_dir)", [*submit[:-2], f"output_dir={dry}/{{i}}", "trainer.optim.lr=1{i}e-7"])
+    )
     rows.append(("  ... composed by Hydra", submit, {"PRIME_HPC_COMPOSE_CACHE": "0"}))
     base = None
     print(f"{'command':34} {'median s':>9} {'min-max s':>13} {'x python':>9}")

@@ -16,6 +16,7 @@ router's, the trainer's first metrics row):
 * first step: submitted -> the trainer's first step logged (everything, incl. the first
   generation and the trainer's own start, which overlap vLLM's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,16 @@ def one_run(run: Path, cache: Path) -> dict:
     import os
 
     os.environ["PRIME_HPC_CACHE"] = str(cache)
-    overrides = ["+experiment=reverse_text", "cluster=dev", "warmup.experiment=null", "model.name=tiny",
-                 "name=bench_first_step", "max_steps=3", "orchestrator.eval.interval=0", f"output_dir={run}"]
+    overrides = [
+        "+experiment=reverse_text",
+        "cluster=dev",
+        "warmup.experiment=null",
+        "model.name=tiny",
+        "name=bench_first_step",
+        "max_steps=3",
+        "orchestrator.eval.interval=0",
+        f"output_dir={run}",
+    ]
     r = prime_hpc("submit", *overrides)
     if r.returncode:
         raise SystemExit(f"submit failed:\n{r.stderr}")
@@ -50,7 +59,7 @@ def one_run(run: Path, cache: Path) -> dict:
     while time.monotonic() < deadline and first is None:
         server = server if server and server.get("healthy_at") else read(run / "endpoints" / "inference_0.json")
         router = router or read(run / "endpoints" / "router.json")
-        rows = (run / "metrics" / "trainer.jsonl")
+        rows = run / "metrics" / "trainer.jsonl"
         if rows.exists() and rows.read_text().strip():
             first = json.loads(rows.read_text().splitlines()[0])
         job = read(run / "job.json") or {}
@@ -64,10 +73,12 @@ def one_run(run: Path, cache: Path) -> dict:
         time.sleep(1)
         job = read(run / "job.json")
     submitted, started = job["submitted_at"], job["attempts"][0]["started_at"]
-    return {"queue + launch": started - submitted,
-            "vLLM start": server["healthy_at"] - server["process_started_at"],
-            "router": router["started_at"] - server["healthy_at"],
-            "first step": first["time"] - submitted}
+    return {
+        "queue + launch": started - submitted,
+        "vLLM start": server["healthy_at"] - server["process_started_at"],
+        "router": router["started_at"] - server["healthy_at"],
+        "first step": first["time"] - submitted,
+    }
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ From the repository root:
 
 A finished run in `--workdir` is read again instead of re-run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,16 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="more overrides for the run, e.g. inference.extra_args=[...]")
     a = ap.parse_args()
     run = a.workdir.resolve() / "rl"
-    overrides = ["+experiment=reverse_text", "cluster=local", "warmup.experiment=null", "model.name=tiny",
-                 "name=bench_overhead", f"max_steps={a.steps}", "orchestrator.eval.interval=0", *a.overrides]
+    overrides = [
+        "+experiment=reverse_text",
+        "cluster=local",
+        "warmup.experiment=null",
+        "model.name=tiny",
+        "name=bench_overhead",
+        f"max_steps={a.steps}",
+        "orchestrator.eval.interval=0",
+        *a.overrides,
+    ]
     print(f"[overhead] {' '.join(overrides)}", flush=True)
     submit_and_wait(run, overrides, "overhead", a.steps)
     trainer = [r for r in read_jsonl(run / "metrics" / "trainer.jsonl") if r.get("step", 0) > SKIP_STEPS]
@@ -109,10 +118,14 @@ def main() -> int:
         print(f"{'  ' + name:34} {v:8.3f} s  {v / step:6.1%}")
     print(f"{'  machinery, all of the above':34} {machinery:8.3f} s  {machinery / step:6.1%}   goal <= 5%")
     print()
-    print(f"{'weight sync (publish+handoff+load)':34} {sync:8.3f} s   = {parts['weight publish']:.3f} + "
-          f"{weight_handoff:.3f} + {weight_update:.3f}")
-    print(f"{'  of the update: drain, load':34} {drain:8.3f} s, {load:.3f} s (the slowest server's wait for its "
-          f"in-flight generations, then its load)")
+    print(
+        f"{'weight sync (publish+handoff+load)':34} {sync:8.3f} s   = {parts['weight publish']:.3f} + "
+        f"{weight_handoff:.3f} + {weight_update:.3f}"
+    )
+    print(
+        f"{'  of the update: drain, load':34} {drain:8.3f} s, {load:.3f} s (the slowest server's wait for its "
+        f"in-flight generations, then its load)"
+    )
     print(f"{'plain copy + fsync, same bytes':34} {copy_s:8.3f} s   ({size / 1e6:.1f} MB)")
     print(f"{'ratio':34} {sync / copy_s:8.2f} x   goal <= 2x")
     print()

@@ -13,6 +13,7 @@ the 2 cores: steps run slower while profiled.
 Needs py-spy (`.venv/bin/pip install py-spy`; it reads other processes' memory: root, or
 ptrace allowed). The run is cancelled when the profile is taken.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import machine, project_versions, prime_hpc, read_jsonl  # noqa: E402
+from vs_trl import machine, prime_hpc, project_versions, read_jsonl  # noqa: E402
 
 # (category, regex over the whole collapsed stack): the first that matches wins
 TRAINER = [
@@ -84,8 +85,22 @@ def run_processes(run: Path) -> dict[str, int]:
 
 
 def record(pyspy: str, pid: int, seconds: int, out: Path, subprocesses: bool) -> None:
-    argv = [pyspy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "200", "--idle",
-            "--format", "raw", "--output", str(out), "--nonblocking"]
+    argv = [
+        pyspy,
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(seconds),
+        "--rate",
+        "200",
+        "--idle",
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        "--nonblocking",
+    ]
     if subprocesses:
         argv.append("--subprocesses")
     subprocess.run(argv, check=True, capture_output=True, text=True)
@@ -108,8 +123,11 @@ def shares(raw: Path, categories: list[tuple[str, str]]) -> tuple[Counter, int]:
             main_total += int(n)
         elif idle:
             continue
-        name = "idle (waiting: event loop, locks, sleeps)" if idle else \
-            next((c for c, pat in categories if re.search(pat, stack)), "other")
+        name = (
+            "idle (waiting: event loop, locks, sleeps)"
+            if idle
+            else next((c for c, pat in categories if re.search(pat, stack)), "other")
+        )
         counts[name if main else f"in threads: {name}"] += int(n)
     return counts, main_total
 
@@ -125,8 +143,16 @@ def main() -> int:
     work = a.workdir.resolve()
     shutil.rmtree(work, ignore_errors=True)
     run = work / "rl"
-    overrides = ["+experiment=reverse_text", "cluster=local", "warmup.experiment=null", "model.name=tiny",
-                 "name=bench_profile", "max_steps=1000", "orchestrator.eval.interval=0", *a.overrides]
+    overrides = [
+        "+experiment=reverse_text",
+        "cluster=local",
+        "warmup.experiment=null",
+        "model.name=tiny",
+        "name=bench_profile",
+        "max_steps=1000",
+        "orchestrator.eval.interval=0",
+        *a.overrides,
+    ]
     print(f"[profile] {' '.join(overrides)}", flush=True)
     r = prime_hpc("submit", *overrides, f"output_dir={run}")
     if r.returncode:
@@ -141,8 +167,12 @@ def main() -> int:
         if set(pids) != {"trainer", "orchestrator"}:
             raise SystemExit(f"[profile] found {pids}, not the trainer and the orchestrator")
         first = len(steps(run))
-        procs = [subprocess.Popen([sys.executable, __file__, "--_record", name, str(pid), str(a.seconds),
-                                   str(work / f"{name}.txt")]) for name, pid in pids.items()]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--_record", name, str(pid), str(a.seconds), str(work / f"{name}.txt")]
+            )
+            for name, pid in pids.items()
+        ]
         for p in procs:
             p.wait()
         last = len(steps(run))
@@ -154,13 +184,18 @@ def main() -> int:
     print(f"prime-hpc: {project_versions()}")
     print(f"profile:   py-spy, {a.seconds} s of wall time at 200 Hz, idle included; steps {first + 1}-{last}")
     if rows:
-        med = {k: statistics.median(float(row[k]) for row in rows)
-               for k in ("time/step", "time/forward_backward", "time/wait_for_batch", "time/save_weights")}
+        med = {
+            k: statistics.median(float(row[k]) for row in rows)
+            for k in ("time/step", "time/forward_backward", "time/wait_for_batch", "time/save_weights")
+        }
         print("run's own timers (median): " + ", ".join(f"{k} {v:.3f} s" for k, v in med.items()))
     for name, cats in (("trainer", TRAINER), ("orchestrator", ORCHESTRATOR)):
         counts, total = shares(work / f"{name}.txt", cats)
-        print(f"\n{name}" + (" (rank 0)" if name == "trainer" else " (with its environment workers)")
-              + f": {total} samples of its main thread = 100%")
+        print(
+            f"\n{name}"
+            + (" (rank 0)" if name == "trainer" else " (with its environment workers)")
+            + f": {total} samples of its main thread = 100%"
+        )
         for cat, n in counts.most_common():
             print(f"  {cat:48} {n / max(total, 1):6.1%}")
     return 0

@@ -11,6 +11,7 @@ root of its own. The table gives each start's seconds, the engine's own
 initialisation (vLLM's "init engine ... took" line) and the ratio to the cold start.
 Extra `key=value` arguments are overrides of the composed run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,24 +41,40 @@ def launch_server(root: Path, overrides: list[str], extra_env: dict | None = Non
     logs = root / "logs"
     (logs / "inference").mkdir(parents=True, exist_ok=True)
     log = logs / "inference" / "node_0.log"
-    env = {**os.environ, "PRIME_HPC_LOGS": str(logs), "PRIME_HPC_NODE_RANK": "0", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "INFERENCE_SERVER_API_KEY": secrets.token_urlsafe(24), **(extra_env or {})}
+    env = {
+        **os.environ,
+        "PRIME_HPC_LOGS": str(logs),
+        "PRIME_HPC_NODE_RANK": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "INFERENCE_SERVER_API_KEY": secrets.token_urlsafe(24),
+        **(extra_env or {}),
+    }
     with open(log, "ab") as f:
-        p = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
-                             stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     return p, log
 
 
-def start_once(root: Path, cache: Path, overrides: list[str], experiment: str,
-               extra_env: dict | None = None) -> tuple[float, float | None]:
+def start_once(
+    root: Path, cache: Path, overrides: list[str], experiment: str, extra_env: dict | None = None
+) -> tuple[float, float | None]:
     from prime_hpc.rundir import RunDir
 
     run = RunDir(root)
     t0 = time.monotonic()
-    p, log = launch_server(root, [f"+experiment={experiment}", "warmup.experiment=null", *overrides],
-                           {"PRIME_HPC_CACHE": str(cache), **(extra_env or {})})
+    p, log = launch_server(
+        root,
+        [f"+experiment={experiment}", "warmup.experiment=null", *overrides],
+        {"PRIME_HPC_CACHE": str(cache), **(extra_env or {})},
+    )
     try:
         endpoint = run.inference_endpoint(0)
         while not endpoint.exists():
@@ -81,11 +98,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--experiment", default="reverse_text")
-    ap.add_argument("--engine", default="fork,spawn",
-                    help="how the API server starts its engine process, each with a fresh cache: fork (the "
-                         "default of prime-hpc on CPU), spawn (vLLM's own)")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="keep each start's run directory (its logs) here instead of a temporary directory")
+    ap.add_argument(
+        "--engine",
+        default="fork,spawn",
+        help="how the API server starts its engine process, each with a fresh cache: fork (the "
+        "default of prime-hpc on CPU), spawn (vLLM's own)",
+    )
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep each start's run directory (its logs) here instead of a temporary directory",
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     rows = []

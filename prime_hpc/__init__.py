@@ -1,2 +1,3 @@
 """prime-hpc: SLURM-native asynchronous RL and SFT for language models."""
+
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """Shared fixtures. Every test that starts a process or a job cleans it up itself."""
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     print("\n[tests] the dev cluster is not running: starting it (tools/dev-cluster start)", flush=True)
     r = subprocess.run([str(REPO / "tools" / "dev-cluster"), "start"], capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"[tests] could not start the dev cluster (exit {r.returncode}): {(r.stderr or r.stdout).strip()}",
-              flush=True)
+        print(
+            f"[tests] could not start the dev cluster (exit {r.returncode}): {(r.stderr or r.stdout).strip()}",
+            flush=True,
+        )
         return
     session.config.stash[_STARTED] = True
 
@@ -73,11 +76,17 @@ def _isolated_state(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PRIME_HPC_STATE_DIR", str(tmp_path_factory.mktemp("state")))
 
 
-def cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run the real `prime-hpc` entry point in a subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "prime_hpc.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or REPO,
+        env={**os.environ, **(env or {})},
     )
 
 

@@ -1,5 +1,6 @@
 """Start the run's real inference (our vLLM servers + the router) as local processes,
 the way the launcher does on each node, and stop exactly those processes afterwards."""
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-
 from prime_hpc.config.compose import compose, write_component_config
 from prime_hpc.inference.client import Admin, Endpoints, discover
 from prime_hpc.rundir import RunDir, tail
@@ -20,8 +20,14 @@ API_KEY = "test-key-7c1d"  # tests only
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     env.update(extra)
     return env
 
@@ -51,8 +57,13 @@ class Inference:
 
     def start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
         f = open(self.log(name), "ab")
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                             env=child_env(PRIME_HPC_LOGS=str(self.logs), **env))
+        p = subprocess.Popen(
+            argv,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=child_env(PRIME_HPC_LOGS=str(self.logs), **env),
+        )
         f.close()
         self.procs[name] = p
         return p
@@ -84,8 +95,9 @@ class Inference:
         return "\n".join(f"--- {n} (rc={p.poll()}) ---\n{tail(self.log(n), 30)}" for n, p in self.procs.items())
 
 
-def start_inference(root: Path, nodes: int = 2, key: str = API_KEY, overrides: list[str] = (),
-                    timeout_s: float = 600) -> Inference:
+def start_inference(
+    root: Path, nodes: int = 2, key: str = API_KEY, overrides: list[str] = (), timeout_s: float = 600
+) -> Inference:
     """`nodes` servers (node ranks 0..nodes-1) and the router, from the run's config, all
     demanding `key`."""
     config = write_inference_config(root, [f"cluster.inference.nodes={nodes}", *overrides])
@@ -94,10 +106,17 @@ def start_inference(root: Path, nodes: int = 2, key: str = API_KEY, overrides: l
     inf = Inference(root=root, logs=logs, key=key)
     extra = {"INFERENCE_SERVER_API_KEY": key}
     for node in range(nodes):
-        inf.start(f"inference/node_{node}", [sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
-                  PRIME_HPC_NODE_RANK=str(node), **extra)
-    inf.start("inference/router_0", [sys.executable, "-u", "-m", "prime_hpc.inference.router", "--config", str(config)],
-              **extra)
+        inf.start(
+            f"inference/node_{node}",
+            [sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(config)],
+            PRIME_HPC_NODE_RANK=str(node),
+            **extra,
+        )
+    inf.start(
+        "inference/router_0",
+        [sys.executable, "-u", "-m", "prime_hpc.inference.router", "--config", str(config)],
+        **extra,
+    )
     try:
         inf.endpoints = discover(inf.run, nodes, timeout_s=timeout_s, logs=logs, alive=inf.alive)
     except Exception as e:

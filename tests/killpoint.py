@@ -11,6 +11,7 @@ process prints one line to stderr (`killpoint: SIGKILL before <event> <path> in 
 operation happens, as `kill -9` from outside would at that instant. The hook is Python's
 audit hook (PEP 578): the program itself is not changed, only watched.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ def install(kind: str, pattern: str, nth: int) -> None:
             return
         seen[0] += 1
         if seen[0] == nth:
-            os.write(2, f"killpoint: SIGKILL before {kind} {hit[1]} in thread {threading.current_thread().name}\n"
-                     .encode())
+            os.write(
+                2, f"killpoint: SIGKILL before {kind} {hit[1]} in thread {threading.current_thread().name}\n".encode()
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
     sys.addaudithook(hook)

@@ -1,6 +1,7 @@
 """Which TCP sockets the processes of a run hold, read from /proc (no tools needed):
 every process whose environment names the run's output dir (the launcher exports it to
 every component; their children inherit it)."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -74,8 +75,13 @@ def run_sockets(output_dir: Path) -> dict:
             endpoints.append(json.loads((ep_dir / name).read_text())["host"])
         except (OSError, ValueError, KeyError):
             continue
-    return {"pids": len(pids), "endpoints": endpoints, "listening": listening, "exposed": exposed,
-            "remote_peers": remote}
+    return {
+        "pids": len(pids),
+        "endpoints": endpoints,
+        "listening": listening,
+        "exposed": exposed,
+        "remote_peers": remote,
+    }
 
 
 # What a caller without the job's key tries on every port: generation, an admin route, a

@@ -1,5 +1,6 @@
 """The processes of this machine as the tests see them, read from /proc (no tools, no
 command-line matching: processes are found by their environment and parent chain)."""
+
 from __future__ import annotations
 
 import os
@@ -61,7 +62,7 @@ def with_env(entry: str, procs: Optional[dict] = None, prefix: bool = False) -> 
     entry that starts with it)."""
     needle = entry.encode()
     out = set()
-    for pid in (table() if procs is None else procs):
+    for pid in table() if procs is None else procs:
         try:
             entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             if any(e.startswith(needle) for e in entries) if prefix else needle in entries:

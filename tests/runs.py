@@ -1,5 +1,6 @@
 """Helpers for tests that run a job: its processes (found by environment and parent chain,
 never by command line) and its progress."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Helpers for the trainer tests: the trainer's YAML as the launcher writes it, torchrun in
 a subprocess, and a stand-in orchestrator that writes real rollout files (sampled from a
 real policy, scored with the reverse-text reward) through `prime_hpc.rundir.batch`."""
+
 from __future__ import annotations
 
 import os
@@ -10,10 +11,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-
-from prime_hpc.rundir import batch
 from prime_hpc.config.compose import compose, write_component_config
-from prime_hpc.rundir import RunDir, wait_stable
+from prime_hpc.rundir import RunDir, batch, wait_stable
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "reverse_text"
@@ -29,21 +28,43 @@ def child_env(extra: Optional[dict] = None) -> dict:
     """The environment of a trainer subprocess: this checkout first on the path (so a
     fresh clone tests itself), no network."""
     path = os.pathsep.join([str(REPO), str(EXAMPLES), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "WANDB_MODE": "offline", **(extra or {})}
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        **(extra or {}),
+    }
 
 
 def trainer_cmd(module: str, config: Path, nproc: int = 2) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", module, "--config", str(config)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", module, "--config", str(config)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        "--config",
+        str(config),
+    ]
 
 
-def run_trainer(module: str, config: Path, nproc: int = 2, env: Optional[dict] = None,
-                timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(trainer_cmd(module, config, nproc), capture_output=True, text=True, timeout=timeout,
-                          env=child_env(env), cwd=str(config.parent))
+def run_trainer(
+    module: str, config: Path, nproc: int = 2, env: Optional[dict] = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        trainer_cmd(module, config, nproc),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(env),
+        cwd=str(config.parent),
+    )
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
@@ -51,8 +72,9 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 
 
 # ----------------------------------------------------------------------------- stand-in orchestrator
-def sample_rollouts(policy_dir: Path, texts: list[str], group_size: int, max_new_tokens: int, seed: int,
-                    policy_step: int) -> list[batch.Sample]:
+def sample_rollouts(
+    policy_dir: Path, texts: list[str], group_size: int, max_new_tokens: int, seed: int, policy_step: int
+) -> list[batch.Sample]:
     """Sample `group_size` completions per prompt from the HF model in `policy_dir`,
     record their log-probabilities, score them (reverse-text LCS ratio) and give each the
     group-centred reward as advantage."""
@@ -65,8 +87,9 @@ def sample_rollouts(policy_dir: Path, texts: list[str], group_size: int, max_new
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for text in texts:
-        prompt = list(tok.apply_chat_template(build_prompt(text), add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+        prompt = list(
+            tok.apply_chat_template(build_prompt(text), add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         group = []
         for _ in range(group_size):
             ids = list(prompt)
@@ -85,9 +108,16 @@ def sample_rollouts(policy_dir: Path, texts: list[str], group_size: int, max_new
             group.append((ids, n_prompt, [lp if i >= n_prompt else 0.0 for i, lp in enumerate(lps)], reward))
         mean = sum(g[3] for g in group) / len(group)
         for ids, n_prompt, lps, reward in group:
-            samples.append(batch.Sample(input_ids=ids, loss_mask=[i >= n_prompt for i in range(len(ids))],
-                                        inference_logprobs=lps, advantage=reward - mean, policy_step=policy_step,
-                                        reward=reward))
+            samples.append(
+                batch.Sample(
+                    input_ids=ids,
+                    loss_mask=[i >= n_prompt for i in range(len(ids))],
+                    inference_logprobs=lps,
+                    advantage=reward - mean,
+                    policy_step=policy_step,
+                    reward=reward,
+                )
+            )
     return samples
 
 
@@ -96,8 +126,18 @@ class StandInOrchestrator(threading.Thread):
     async level allows (policy n - 1, i.e. fully on-policy when async_level >= 1; the
     base model for step 1), exactly as the orchestrator hands them to the trainer."""
 
-    def __init__(self, run: RunDir, base_dir: Path, steps: int, ranks: int, micro_batch_size: int,
-                 texts: list[str], group_size: int = 2, max_new_tokens: int = 10, timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        base_dir: Path,
+        steps: int,
+        ranks: int,
+        micro_batch_size: int,
+        texts: list[str],
+        group_size: int = 2,
+        max_new_tokens: int = 10,
+        timeout_s: float = 600,
+    ) -> None:
         super().__init__(daemon=True)
         self.rundir, self.base_dir, self.steps, self.ranks = run, base_dir, steps, ranks
         self.mbs, self.texts, self.group_size, self.max_new_tokens = micro_batch_size, texts, group_size, max_new_tokens
@@ -108,10 +148,14 @@ class StandInOrchestrator(threading.Thread):
     def run(self) -> None:  # noqa: D102 (thread body)
         try:
             for n in range(1, self.steps + 1):
-                policy = self.base_dir if n == 1 else wait_stable(self.rundir.weights_step(n - 1),
-                                                                  timeout_s=self.timeout_s, producer="trainer")
-                samples = sample_rollouts(policy, self.texts, self.group_size, self.max_new_tokens, seed=n,
-                                          policy_step=n - 1)
+                policy = (
+                    self.base_dir
+                    if n == 1
+                    else wait_stable(self.rundir.weights_step(n - 1), timeout_s=self.timeout_s, producer="trainer")
+                )
+                samples = sample_rollouts(
+                    policy, self.texts, self.group_size, self.max_new_tokens, seed=n, policy_step=n - 1
+                )
                 batch.write_step(self.rundir, n, batch.shard(samples, self.ranks, self.mbs), info={"temperature": 1.0})
                 self.written.append(n)
         except BaseException as e:  # reported by the test

@@ -1,6 +1,7 @@
 """Read the history of an offline W&B run (`run-<id>.wandb`): the file is a sequence of
 protobuf `Record`s in LevelDB's log format (32 KiB blocks of chunks, each with a 7-byte
 header: crc32, length, type FULL=1 FIRST=2 MIDDLE=3 LAST=4) after a 7-byte W&B header."""
+
 from __future__ import annotations
 
 import struct
@@ -17,11 +18,11 @@ def _chunks(data: bytes) -> Iterator[bytes]:
         if left < 7:
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:  # block padding
             pos += left
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 1:
             yield chunk

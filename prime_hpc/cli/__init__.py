@@ -4,6 +4,7 @@ the library: it adds its arguments to the parser (`add_parser`) and runs (`run`)
 Heavy modules are imported inside the commands that need them; `--help`, `status`,
 `list`, `tail` and `submit --dry-run` never import torch or vllm.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,12 @@ def command(name: str):
 def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The whole CLI, or with `only` just that command's sub-parser (what parsing its
     arguments needs: the other commands' modules are not imported)."""
-    p = argparse.ArgumentParser(prog="prime-hpc", description="SLURM-native asynchronous RL and SFT for LLMs.",
-                                epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="prime-hpc",
+        description="SLURM-native asynchronous RL and SFT for LLMs.",
+        epilog=USAGE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name in [only] if only in COMMANDS else COMMANDS:
         mod = command(name)

@@ -1,4 +1,5 @@
 """`prime-hpc cancel JOB`: a job, both jobs of a pipeline, or every point of a sweep."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import state
+    from prime_hpc.rundir import jobs
 
     # a sweep's last points first: cancelling a point must not release the one that waits for it
     for point in jobs.resolve_many(a.job)[::-1]:

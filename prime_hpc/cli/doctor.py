@@ -1,5 +1,6 @@
 """`prime-hpc doctor [--require MODULE]... [--timeout S] [overrides]`: submit the run's job
 layout with a preflight on every node and print a pass/fail row per node."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,13 @@ from typing import Any
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="preflight the run's job layout on the cluster and print a pass/fail table")
     d.add_argument("--timeout", type=float, default=900, help="seconds to wait for the preflight job")
-    d.add_argument("--require", action="append", default=[], metavar="MODULE",
-                   help="also check that every node can import MODULE (repeatable)")
+    d.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also check that every node can import MODULE (repeatable)",
+    )
     d.add_argument("overrides", nargs="*")
     return d
 
@@ -28,8 +34,10 @@ def run(a: argparse.Namespace) -> int:
     require = ",".join(dict.fromkeys([*envs, *a.require]))
     sub = launch.submit(cfg, a.overrides, mode="doctor", extra_env={"PRIME_HPC_PREFLIGHT_REQUIRE": require})
     run = sub.ref.run
-    print(f"preflight job {sub.ref.job_id} submitted ({sub.ref.backend}); waiting (up to {a.timeout:g}s)...",
-          file=sys.stderr)
+    print(
+        f"preflight job {sub.ref.job_id} submitted ({sub.ref.backend}); waiting (up to {a.timeout:g}s)...",
+        file=sys.stderr,
+    )
     try:
         state = launch.wait_done(sub, a.timeout)
     except KeyboardInterrupt:

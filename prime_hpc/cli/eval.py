@@ -1,4 +1,5 @@
 """`prime-hpc eval TARGET [steps=N,M] [overrides]`: score saved weights on the eval envs."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,15 +7,28 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    e = sub.add_parser("eval", help="score saved weights/step_N on the run's eval envs, or any model or endpoint on "
-                                    "any envs (starts an inference server unless given one)")
-    e.add_argument("target", help="job id, run name, output dir, or <run>/weights/step_N; or model=<name|path> "
-                                  "(or client.base_url=<endpoint>) followed by env=<id>[,<id>...]")
-    e.add_argument("--trust-run-code", action="store_true",
-                   help="a run of someone else's: also load what its config names that would run their code (eval "
-                        "env ids that are paths, model.trust_remote_code=true, inference.extra_args)")
-    e.add_argument("args", nargs="*", help="steps=N,M (default: every saved step) and overrides of the run config; "
-                                           "without a run: env=, rollouts=K, examples=N, client.model=, out=DIR")
+    e = sub.add_parser(
+        "eval",
+        help="score saved weights/step_N on the run's eval envs, or any model or endpoint on "
+        "any envs (starts an inference server unless given one)",
+    )
+    e.add_argument(
+        "target",
+        help="job id, run name, output dir, or <run>/weights/step_N; or model=<name|path> "
+        "(or client.base_url=<endpoint>) followed by env=<id>[,<id>...]",
+    )
+    e.add_argument(
+        "--trust-run-code",
+        action="store_true",
+        help="a run of someone else's: also load what its config names that would run their code (eval "
+        "env ids that are paths, model.trust_remote_code=true, inference.extra_args)",
+    )
+    e.add_argument(
+        "args",
+        nargs="*",
+        help="steps=N,M (default: every saved step) and overrides of the run config; "
+        "without a run: env=, rollouts=K, examples=N, client.model=, out=DIR",
+    )
     return e
 
 

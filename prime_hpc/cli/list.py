@@ -1,5 +1,6 @@
 """`prime-hpc list [-n N]`: the newest jobs, a pipeline's warm-up under its run and a
 sweep's points under the sweep."""
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,8 @@ def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:
     """SLURM's states of these jobs, and a note when SLURM could not be asked."""
     if not refs or not shutil.which("squeue"):
         return {}, ""
-    from prime_hpc.rundir import jobs
     from prime_hpc.launcher.slurm_state import live_states as ask
+    from prime_hpc.rundir import jobs
 
     states, note = ask({r.job_id: len(jobs.job_groups(records[r.output_dir])) for r in refs})
     return states, (f"SLURM could not be asked ({note}); other states as recorded in each job.json" if note else "")

@@ -1,5 +1,6 @@
 """`prime-hpc plot JOB... [-o FILE]`: one PNG of the runs' curves (reward, loss, mismatch
 KL, entropy, seconds per step); a sweep's points overlay, labelled by their swept values."""
+
 from __future__ import annotations
 
 import argparse

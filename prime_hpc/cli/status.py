@@ -2,6 +2,7 @@
 and the run's vital signs (steps, reward and its trend, eval, loss, mismatch KL, s/step,
 throughput, ETA). A pipeline shows both jobs; a sweep one line per point. When SLURM
 cannot be asked, the answer comes from the run directory, saying so in one line."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="state, attempts and vital signs of a job (or of a pipeline or a sweep)")
     st.add_argument("job", nargs="?", help="job id, run name, output dir or sweep id (default: the newest job)")
     st.add_argument("--json", action="store_true", help="print one JSON object instead (for scripts)")
-    st.add_argument("--watch", nargs="?", const=5.0, type=float, default=None, metavar="S",
-                    help="refresh every S seconds (default 5) until Ctrl-C")
+    st.add_argument(
+        "--watch",
+        nargs="?",
+        const=5.0,
+        type=float,
+        default=None,
+        metavar="S",
+        help="refresh every S seconds (default 5) until Ctrl-C",
+    )
     return st
 
 
@@ -38,9 +46,9 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
-    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import state
     from prime_hpc.launcher.slurm_state import aggregate
+    from prime_hpc.rundir import jobs
     from prime_hpc.watch.vitals import vitals
 
     job = jobs.read_job(ref.run)
@@ -50,11 +58,20 @@ def job_status(ref: Any) -> dict[str, Any]:
         overall = job.get("state", "UNKNOWN")
     beats = {g: heartbeat(ref.run, g) for g in groups}
     return {
-        "job_id": ref.job_id, "name": ref.name, "state": overall, "backend": ref.backend,
-        "kind": job.get("kind", ref.kind), "mode": ref.mode, "output_dir": ref.output_dir, "slurm_note": note,
+        "job_id": ref.job_id,
+        "name": ref.name,
+        "state": overall,
+        "backend": ref.backend,
+        "kind": job.get("kind", ref.kind),
+        "mode": ref.mode,
+        "output_dir": ref.output_dir,
+        "slurm_note": note,
         "groups": {g: {"state": st, "heartbeat": beats[g]} for g, st in groups.items()},
-        "attempts": job.get("attempts", []), "requeues": job.get("requeues", 0),
-        "failure": job.get("failure"), "sweep": job.get("sweep"), "pipeline": job.get("pipeline"),
+        "attempts": job.get("attempts", []),
+        "requeues": job.get("requeues", 0),
+        "failure": job.get("failure"),
+        "sweep": job.get("sweep"),
+        "pipeline": job.get("pipeline"),
         "vitals": vitals(ref.run, _max_steps(ref.run), ended=overall in jobs.FINAL_STATES),
     }
 
@@ -74,9 +91,11 @@ def format_job(s: dict[str, Any]) -> list[str]:
 
     attempts = s["attempts"]
     requeues = f", {s['requeues']} requeue(s)" if s["requeues"] else ""
-    out = [f"job {s['job_id']}  {s['name']}  {s['state']}  ({s['backend']}, {s['kind']}"
-           f"{', preflight' if s['mode'] == 'doctor' else ''}, attempt {len(attempts) or '-'}{requeues})",
-           f"output dir: {s['output_dir']}"]
+    out = [
+        f"job {s['job_id']}  {s['name']}  {s['state']}  ({s['backend']}, {s['kind']}"
+        f"{', preflight' if s['mode'] == 'doctor' else ''}, attempt {len(attempts) or '-'}{requeues})",
+        f"output dir: {s['output_dir']}",
+    ]
     if s["slurm_note"]:
         out.append(s["slurm_note"])
     rows = [("GROUP", "STATE", "HEARTBEAT")]
@@ -86,15 +105,19 @@ def format_job(s: dict[str, Any]) -> list[str]:
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     out += ["  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
     for i, a in enumerate(attempts[:-1] if len(attempts) > 1 else []):
-        out.append(f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"
-                   + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else ""))
+        out.append(
+            f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"
+            + (f", resumed from step {a['resumed_from']}" if a.get("resumed_from") else "")
+        )
     v = s["vitals"]
     if s["mode"] != "doctor" and (v["trainer_step"] is not None or v["orchestrator_step"] or v.get("unfilled")):
         out += format_vitals(s["vitals"], s["kind"])
     for lost in (attempts[-1].get("lost") or []) if attempts else []:
-        out.append(f"lost: {lost['component']}{jobs.on_node(lost)} exited with code {lost['rc']} at "
-                   f"{time.strftime('%H:%M:%S', time.localtime(lost['at']))}; the run went on without it; "
-                   f"see {lost.get('log')}")
+        out.append(
+            f"lost: {lost['component']}{jobs.on_node(lost)} exited with code {lost['rc']} at "
+            f"{time.strftime('%H:%M:%S', time.localtime(lost['at']))}; the run went on without it; "
+            f"see {lost.get('log')}"
+        )
     if s["failure"]:
         f = s["failure"]
         out.append(f"failed: {f.get('component') or 'job'}{jobs.on_node(f)} {f.get('reason', '')}; see {f.get('log')}")
@@ -109,20 +132,30 @@ def sweep_lines(refs: list, statuses: list[dict]) -> list[str]:
     for st in statuses:
         v, sw = st["vitals"], st["sweep"] or {}
         step = v["trainer_step"] if v["trainer_step"] is not None else "-"
-        rows.append((str(sw.get("point", "?")), st["job_id"], st["state"],
-                     f"{step}/{v['max_steps']}" if v["max_steps"] else str(step),
-                     "-" if v["reward"] is None else f"{v['reward']:.3f}",
-                     "-" if v["loss"] is None else f"{v['loss']:.4f}", sw.get("swept", "")))
+        rows.append(
+            (
+                str(sw.get("point", "?")),
+                st["job_id"],
+                st["state"],
+                f"{step}/{v['max_steps']}" if v["max_steps"] else str(step),
+                "-" if v["reward"] is None else f"{v['reward']:.3f}",
+                "-" if v["loss"] is None else f"{v['loss']:.4f}",
+                sw.get("swept", ""),
+            )
+        )
     w = [max(len(r[i]) for r in rows) for i in range(6)]
     notes = [st["slurm_note"] for st in statuses if st["slurm_note"]]
-    return [f"sweep {sweep.get('id')}: {len(refs)} points"] + notes[:1] + [
-        "  " + "  ".join(c.ljust(x) for c, x in zip(r[:6], w)) + "  " + r[6] for r in rows]
+    return (
+        [f"sweep {sweep.get('id')}: {len(refs)} points"]
+        + notes[:1]
+        + ["  " + "  ".join(c.ljust(x) for c, x in zip(r[:6], w)) + "  " + r[6] for r in rows]
+    )
 
 
 def snapshot(name: Optional[str]) -> tuple[list[str], Any]:
     """(lines, json object) for a job, a pipeline or a sweep."""
-    from prime_hpc.rundir import jobs
     from prime_hpc.launcher import state
+    from prime_hpc.rundir import jobs
 
     if name:
         refs = jobs.resolve_many(name)
@@ -138,8 +171,9 @@ def snapshot(name: Optional[str]) -> tuple[list[str], Any]:
     statuses = [job_status(r) for r in stages]
     lines: list[str] = []
     if len(stages) > 1:
-        lines.append(f"pipeline: {stages[0].name} (warm-up, job {stages[0].job_id}) -> "
-                     f"{stages[1].name} (job {stages[1].job_id})")
+        lines.append(
+            f"pipeline: {stages[0].name} (warm-up, job {stages[0].job_id}) -> {stages[1].name} (job {stages[1].job_id})"
+        )
     for i, st in enumerate(statuses):
         lines += ([""] if i else []) + format_job(st)
     obj = statuses[0] if len(statuses) == 1 else {"pipeline": statuses}

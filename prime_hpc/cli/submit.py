@@ -1,4 +1,5 @@
 """`prime-hpc submit [overrides] [-m] [--dry-run] [-f] [--max-parallel K] [--bench [PART]]`."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ class _Bench(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
         super().__init__(option_strings, dest=dest, nargs="?", const="all", default=None, **kw)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
-                 option_string: Any = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, option_string: Any = None
+    ) -> None:
         if value is not None and value not in BENCH_MODES:
             if "=" in value or value.startswith(("+", "~")):
                 namespace.bench_overrides = [*getattr(namespace, "bench_overrides", []), value]
@@ -52,31 +54,57 @@ def groups_help() -> str:
         options = sorted(f.stem for f in group.glob("*.yaml"))
         if options:
             lines.append(f"  {group.name:<14}{', '.join(options)}")
-    lines.append("any key of the schema can be overridden: key=value, ~key (remove), +key=value (add);"
-                 " see docs/configuration.md")
+    lines.append(
+        "any key of the schema can be overridden: key=value, ~key (remove), +key=value (add); see docs/configuration.md"
+    )
     return "\n".join(lines)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    s = sub.add_parser("submit", help="compose a run from Hydra overrides and submit it (with its warm-up, if any)",
-                       add_help=False)
+    s = sub.add_parser(
+        "submit", help="compose a run from Hydra overrides and submit it (with its warm-up, if any)", add_help=False
+    )
     s.add_argument("-h", "--help", action=_HelpWithGroups, help="show this help, with the config groups, and exit")
-    s.add_argument("--cfg", choices=["job", "all"], default=None,
-                   help="print the composed config and exit, writing nothing (job: the run; all: its warm-up too)")
+    s.add_argument(
+        "--cfg",
+        choices=["job", "all"],
+        default=None,
+        help="print the composed config and exit, writing nothing (job: the run; all: its warm-up too)",
+    )
     s.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations (as the run sees them)")
-    s.add_argument("--info", choices=["defaults"], default=None,
-                   help="defaults: the config group options the run is composed from, and exit")
+    s.add_argument(
+        "--info",
+        choices=["defaults"],
+        default=None,
+        help="defaults: the config group options the run is composed from, and exit",
+    )
     s.add_argument("-m", "--multirun", action="store_true", help="sweep: one run per combination of a=x,y values")
-    s.add_argument("--dry-run", action="store_true",
-                   help="write config.yaml, configs/ and submit/<rl|sft>.sbatch only (for a warm-up too)")
-    s.add_argument("-f", "--follow", action="store_true",
-                   help="then follow the run's logs until it ends (Ctrl-C stops following, not the run)")
-    s.add_argument("--max-parallel", type=int, default=None, metavar="K",
-                   help="sweep: at most K points at a time (each point waits for the one K before it to end)")
-    s.add_argument("--bench", action=_Bench, metavar="PART",
-                   help="benchmark instead of training: the run's config and placement on synthetic data for "
-                        "bench.steps steps, then a table (bench.json); PART: all (default), trainer (fake batches "
-                        "of the configured shape), inference (fixed prompts, no env)")
+    s.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write config.yaml, configs/ and submit/<rl|sft>.sbatch only (for a warm-up too)",
+    )
+    s.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="then follow the run's logs until it ends (Ctrl-C stops following, not the run)",
+    )
+    s.add_argument(
+        "--max-parallel",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sweep: at most K points at a time (each point waits for the one K before it to end)",
+    )
+    s.add_argument(
+        "--bench",
+        action=_Bench,
+        metavar="PART",
+        help="benchmark instead of training: the run's config and placement on synthetic data for "
+        "bench.steps steps, then a table (bench.json); PART: all (default), trainer (fake batches "
+        "of the configured shape), inference (fixed prompts, no env)",
+    )
     s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=reverse_text max_steps=50")
     return s
 
@@ -92,7 +120,9 @@ def compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], l
 
     points = expand_sweep(overrides) if multirun else [overrides]
     # each point gets <output_dir>/<i>, unless the sweep varies output_dir itself
-    sweeps_dir = len(points) > 1 and len({o for p in points for o in p if o.lstrip("+~").startswith("output_dir=")}) <= 1
+    sweeps_dir = (
+        len(points) > 1 and len({o for p in points for o in p if o.lstrip("+~").startswith("output_dir=")}) <= 1
+    )
     composed = []
     for i, point in enumerate(points):
         try:
@@ -171,9 +201,14 @@ def run(a: argparse.Namespace) -> int:
         for _, stages in composed:
             for cfg in stages:
                 run_dir, plan = launch.prepare(cfg, "run", dry_run=True, validated=True)  # by compose_all
-                files = [run_dir.component_config(g) for g in plan.group_names if g != "orchestrator" or plan.kind == "rl"]
-                print(f"dry run: nothing submitted; wrote {run_dir.config_yaml}, "
-                      + ", ".join(map(str, files)) + f", {run_dir.sbatch_script(plan.kind)}")
+                files = [
+                    run_dir.component_config(g) for g in plan.group_names if g != "orchestrator" or plan.kind == "rl"
+                ]
+                print(
+                    f"dry run: nothing submitted; wrote {run_dir.config_yaml}, "
+                    + ", ".join(map(str, files))
+                    + f", {run_dir.sbatch_script(plan.kind)}"
+                )
         return 0
     import secrets
 
@@ -184,15 +219,20 @@ def run(a: argparse.Namespace) -> int:
         if a.max_parallel and i >= a.max_parallel:
             prior = submitted[i - a.max_parallel][-1].ref
             after = [After(job_id=prior.job_id, output_dir=prior.output_dir, ok=False)]
-        sweep = {"id": sweep_id, "point": i, "points": len(composed), "swept": swept(point, a.overrides)} \
-            if sweep_id else None
+        sweep = (
+            {"id": sweep_id, "point": i, "points": len(composed), "swept": swept(point, a.overrides)}
+            if sweep_id
+            else None
+        )
         subs = launch.submit_stages(stages, point, after=after, sweep=sweep)
         submitted.append(subs)
         _report(subs, sweep)
     if sweep_id:
-        print(f"sweep {sweep_id}: {len(composed)} runs"
-              + (f", at most {a.max_parallel} at a time" if a.max_parallel else "")
-              + f"    state: prime-hpc status {sweep_id}    curves: prime-hpc plot {sweep_id}")
+        print(
+            f"sweep {sweep_id}: {len(composed)} runs"
+            + (f", at most {a.max_parallel} at a time" if a.max_parallel else "")
+            + f"    state: prime-hpc status {sweep_id}    curves: prime-hpc plot {sweep_id}"
+        )
     if a.follow:
         from prime_hpc.cli.tail import follow_ref
 
@@ -209,9 +249,11 @@ def _report(subs: list, sweep: Any) -> None:
     for sub in subs:
         ref = sub.ref
         what = "warm-up" if len(subs) > 1 and sub is subs[0] else "run"
-        print(f"submitted {what} job {ref.job_id} ({ref.name}, {ref.kind}, {ref.backend})"
-              + (f", starts after job {subs[0].ref.job_id} completes" if what == "run" and len(subs) > 1 else "")
-              + (f" [{sweep['swept']}]" if sweep and sub is subs[-1] else ""))
+        print(
+            f"submitted {what} job {ref.job_id} ({ref.name}, {ref.kind}, {ref.backend})"
+            + (f", starts after job {subs[0].ref.job_id} completes" if what == "run" and len(subs) > 1 else "")
+            + (f" [{sweep['swept']}]" if sweep and sub is subs[-1] else "")
+        )
         print(f"  output dir: {ref.output_dir}")
     ref = subs[-1].ref
     print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}", file=sys.stdout)
@@ -229,8 +271,17 @@ def bench_config(overrides: list[str], mode: Optional[str]) -> Any:
     from prime_hpc.rundir import RunDir
 
     extra = [f"bench.mode={mode}"] if mode else []
-    cfg = compose([*overrides, *extra, "warmup.experiment=null", "wandb.enabled=false", "ckpt.enabled=false",
-                   "ckpt.interval=null", "ckpt.step=null"])
+    cfg = compose(
+        [
+            *overrides,
+            *extra,
+            "warmup.experiment=null",
+            "wandb.enabled=false",
+            "ckpt.enabled=false",
+            "ckpt.interval=null",
+            "ckpt.step=null",
+        ]
+    )
     if cfg.trainer.type == "sft" and cfg.bench.mode == "all":
         cfg.bench.mode = "trainer"  # an SFT run is only a trainer
     cfg.name = f"{cfg.name}{BENCH_SUFFIX}"
@@ -251,11 +302,14 @@ def run_bench(a: argparse.Namespace) -> int:
     from prime_hpc.launcher import launch
 
     if a.bench is not None and a.bench not in BENCH_MODES:
-        raise UserError(f"--bench {a.bench}: unknown part; choose from {', '.join(BENCH_MODES)} "
-                        f"(or --bench alone: all of them)")
+        raise UserError(
+            f"--bench {a.bench}: unknown part; choose from {', '.join(BENCH_MODES)} (or --bench alone: all of them)"
+        )
     if a.multirun or a.max_parallel:
-        raise UserError("--bench measures one run; drop -m / --max-parallel (or sweep with bench.mode=... and read "
-                        "each run's bench.json)")
+        raise UserError(
+            "--bench measures one run; drop -m / --max-parallel (or sweep with bench.mode=... and read "
+            "each run's bench.json)"
+        )
     cfg = bench_config(a.overrides, a.bench)
     launch.check_fresh(cfg, dry_run=a.dry_run)
     if a.dry_run:
@@ -264,14 +318,18 @@ def run_bench(a: argparse.Namespace) -> int:
         return 0
     sub = launch.submit(cfg, a.overrides)
     ref = sub.ref
-    print(f"submitted bench job {ref.job_id} ({ref.name}, {cfg.bench.mode}: {', '.join(sub.plan.group_names)}, "
-          f"{ref.backend}): {cfg.bench.warmup_steps} warm-up + {cfg.bench.steps} measured step(s)")
+    print(
+        f"submitted bench job {ref.job_id} ({ref.name}, {cfg.bench.mode}: {', '.join(sub.plan.group_names)}, "
+        f"{ref.backend}): {cfg.bench.warmup_steps} warm-up + {cfg.bench.steps} measured step(s)"
+    )
     print(f"  output dir: {ref.output_dir}")
     try:
         state = _follow_bench(ref, a.follow)
     except KeyboardInterrupt:
-        print(f"\nstopped waiting; the bench goes on (prime-hpc status {ref.job_id}); "
-              f"results: {ref.run.bench_json}", file=sys.stderr)
+        print(
+            f"\nstopped waiting; the bench goes on (prime-hpc status {ref.job_id}); results: {ref.run.bench_json}",
+            file=sys.stderr,
+        )
         return 130
     return print_bench(ref, state)
 
@@ -280,8 +338,8 @@ def _follow_bench(ref: Any, follow: bool) -> str:
     """Until the bench job ends; its final state."""
     import time
 
-    from prime_hpc.rundir import jobs
     from prime_hpc.cli.tail import follow_ref, state_fn
+    from prime_hpc.rundir import jobs
 
     if follow:
         follow_ref(ref)
@@ -294,16 +352,17 @@ def _follow_bench(ref: Any, follow: bool) -> str:
 
 
 def print_bench(ref: Any, state: str) -> int:
-    from prime_hpc.rundir import bench, jobs
-    from prime_hpc.rundir import read_json
+    from prime_hpc.rundir import bench, jobs, read_json
 
     try:
         results = read_json(ref.run.bench_json)
     except (OSError, ValueError):
         results = None
     if state != jobs.COMPLETED or results is None:
-        raise LaunchError(f"bench job {ref.job_id} ended {state} without results; see prime-hpc tail {ref.job_id} "
-                        f"--no-follow (logs: {ref.run.latest_logs})")
+        raise LaunchError(
+            f"bench job {ref.job_id} ended {state} without results; see prime-hpc tail {ref.job_id} "
+            f"--no-follow (logs: {ref.run.latest_logs})"
+        )
     print(bench.table(results))
     print(f"results: {ref.run.bench_json}")
     return 0

@@ -4,14 +4,23 @@ the edge, into the dataclasses below (the trainer's: `prime_hpc.trainer.config`)
 field has its type and default in one place, the schema: the run-level values here have no
 default of their own (`MISSING`: a config file without one is refused), and a component
 reads attributes, never a dict with a default restated."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Type, TypeVar
 
-from prime_hpc.config.schema import (MISSING, BenchConfig, CkptConfig, InferenceConfig, LogConfig, ModelConfig,
-                                     OrchestratorConfig, WandbConfig)
+from prime_hpc.config.schema import (
+    MISSING,
+    BenchConfig,
+    CkptConfig,
+    InferenceConfig,
+    LogConfig,
+    ModelConfig,
+    OrchestratorConfig,
+    WandbConfig,
+)
 from prime_hpc.core.errors import UserError
 
 T = TypeVar("T")

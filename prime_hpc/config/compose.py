@@ -1,6 +1,7 @@
 """Compose a run config from `conf/` + command-line overrides with Hydra's compose API,
 onto the typed schema, and turn every Hydra/OmegaConf complaint into one `ConfigError`
 line naming the key. Imports only hydra/omegaconf (no torch, no vllm)."""
+
 from __future__ import annotations
 
 import os
@@ -177,7 +178,7 @@ def _check_schema(cfg: DictConfig) -> None:
             for k in node.keys():
                 walk(node._get_node(k), f"{prefix}{k}.")
         elif OmegaConf.is_list(node):
-            for i, item in enumerate(node):  # type: ignore[arg-type]
+            for i in range(len(node)):  # type: ignore[arg-type]
                 walk(node._get_node(i), f"{prefix}{i}.")  # type: ignore[union-attr]
 
     walk(cfg, "")
@@ -213,8 +214,11 @@ def recorded_config(path: Path | IO[str], overrides: Sequence[str] = ()) -> Dict
         if isinstance(node, str) and node == "__missing__":
             raise ConfigError(key, f"unknown key; {_valid_siblings(key)}")
         if isinstance(node, DictConfig) and not isinstance(o.value(), dict):
-            raise ConfigError(key, f"is a config section: config groups cannot be switched on a recorded run; "
-                                   f"change its keys instead (e.g. {key}.<key>=...)")
+            raise ConfigError(
+                key,
+                f"is a config section: config groups cannot be switched on a recorded run; "
+                f"change its keys instead (e.g. {key}.<key>=...)",
+            )
         try:
             OmegaConf.update(cfg, key, o.value(), merge=True)
         except Exception as e:

@@ -14,6 +14,7 @@ current environment. A file that is not the user's own, or that others can write
 symlink, is never unpickled (checked on the descriptor it is read from).
 `PRIME_HPC_COMPOSE_CACHE=0` composes with Hydra every time.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,8 +53,11 @@ def _install_stamp(module: str) -> str:
 def key(conf: Path, overrides: Sequence[str]) -> str:
     """Hash of everything a composition depends on."""
     h = hashlib.sha256()
-    h.update(json.dumps([sys.version, str(conf), list(overrides),
-                         _install_stamp("hydra"), _install_stamp("omegaconf")]).encode())
+    h.update(
+        json.dumps(
+            [sys.version, str(conf), list(overrides), _install_stamp("hydra"), _install_stamp("omegaconf")]
+        ).encode()
+    )
     here = Path(__file__).resolve().parent
     for name in _CODE:
         h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")

@@ -21,6 +21,7 @@ Anything else is a name, never looked up on disk:
 
 An id none of these finds fails with one line listing what was tried.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -98,8 +99,10 @@ def resolve_path(env_id: str) -> EnvTarget:
     if path.is_dir() and (path / "__init__.py").is_file():
         return EnvTarget(module=path.name, path=path)
     if not (path.is_dir() and (path / "pyproject.toml").is_file()):
-        raise UnknownEnv(f"{env_id}: a path, but neither a .py file, a package directory (with __init__.py) nor an "
-                         "environment project (a directory with pyproject.toml)")
+        raise UnknownEnv(
+            f"{env_id}: a path, but neither a .py file, a package directory (with __init__.py) nor an "
+            "environment project (a directory with pyproject.toml)"
+        )
     tried = []
     for name in _project_names(path):
         if (path / f"{name}.py").is_file():
@@ -107,8 +110,9 @@ def resolve_path(env_id: str) -> EnvTarget:
         if (path / name / "__init__.py").is_file():
             return EnvTarget(module=name, path=path / name)
         tried += [f"{name}.py", f"{name}/__init__.py"]
-    raise UnknownEnv(f"{env_id}: an environment project (pyproject.toml) without its module (tried {', '.join(tried)} "
-                     "in it)")
+    raise UnknownEnv(
+        f"{env_id}: an environment project (pyproject.toml) without its module (tried {', '.join(tried)} in it)"
+    )
 
 
 def resolve(env_id: str) -> EnvTarget:
@@ -129,8 +133,10 @@ def resolve(env_id: str) -> EnvTarget:
             return EnvTarget(module=module)
         tried.append(f"installed distribution {name!r}")
     here = f"; to load the directory {env_id!r} here, give it as ./{env_id}" if Path(env_id).exists() else ""
-    raise UnknownEnv(f"no environment {env_id!r} (tried {', '.join(tried)} in {Path(sys.executable).parent.parent}); "
-                     f"install its package (pip install -e <path>) or give a path (./, ../, / or ~){here}")
+    raise UnknownEnv(
+        f"no environment {env_id!r} (tried {', '.join(tried)} in {Path(sys.executable).parent.parent}); "
+        f"install its package (pip install -e <path>) or give a path (./, ../, / or ~){here}"
+    )
 
 
 def import_error(env_id: str) -> Optional[str]:

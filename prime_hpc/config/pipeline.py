@@ -9,6 +9,7 @@ a run directory, which stands for its latest weights (`prime_hpc.model.resolve_m
 warm-up's final weights, whenever it stopped (at max_steps, or early at
 `trainer.val.stop_below`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,13 +31,21 @@ def warmup_config(cfg: DictConfig) -> Optional[DictConfig]:
         return None
     out = Path(cfg.output_dir) / WARMUP_DIR
     try:
-        wcfg = compose([*warmup_overrides(cfg), override("output_dir", out), override("name", f"{cfg.name}_{WARMUP_DIR}"),
-                        "warmup.experiment=null"])
+        wcfg = compose(
+            [
+                *warmup_overrides(cfg),
+                override("output_dir", out),
+                override("name", f"{cfg.name}_{WARMUP_DIR}"),
+                "warmup.experiment=null",
+            ]
+        )
     except ConfigError as e:
         raise ConfigError(f"warmup ({e.key})", str(e).split(": ", 1)[-1]) from None
     if wcfg.trainer.type != "sft":
-        raise ConfigError("warmup.experiment", f"{w.experiment!r} is an {wcfg.trainer.type} run; a warm-up must be an "
-                                               "SFT experiment (trainer.type=sft)")
+        raise ConfigError(
+            "warmup.experiment",
+            f"{w.experiment!r} is an {wcfg.trainer.type} run; a warm-up must be an SFT experiment (trainer.type=sft)",
+        )
     wcfg.merge_with({"cluster": OmegaConf.to_container(cfg.cluster)})  # the run's cluster, verbatim
     wcfg.cluster.cache_dir = cache_root(cfg)  # and its cache (not one inside the run's directory)
     return wcfg
@@ -66,6 +75,9 @@ def check_model_not_replaced(overrides: Sequence[str], cfg: DictConfig) -> None:
     was meant."""
     for o in overrides:
         if o.partition("=")[0].lstrip("+~") in ("model", "model.name"):
-            raise ConfigError("model.name", f"{o} would be replaced by the weights of this run's warm-up "
-                                            f"({cfg.warmup.experiment}): add warmup.experiment=null to start from "
-                                            f"that model, or add '{o}' to warmup.overrides to warm it up first")
+            raise ConfigError(
+                "model.name",
+                f"{o} would be replaced by the weights of this run's warm-up "
+                f"({cfg.warmup.experiment}): add warmup.experiment=null to start from "
+                f"that model, or add '{o}' to warmup.overrides to warm it up first",
+            )

@@ -4,6 +4,7 @@ key or a wrongly-typed value fails at composition, before anything is written.
 Each component receives only its own sub-tree (plus the few run-level values it needs,
 copied in explicitly by `prime_hpc.config.components`). Units live in field names.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,8 +35,12 @@ class Rule:
             return None if value in self.choices else f"unknown value {value!r}; choose from {', '.join(self.choices)}"
         lo = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
         hi = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else None
-        ok = ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-              and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        ok = (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
         if ok:
             return None
         if lo and hi:
@@ -103,7 +108,9 @@ class OptimConfig:
     max_norm: float = ruled(1.0, gt=0)  # gradient clipping norm
     betas: Tuple[float, float] = (0.9, 0.999)  # AdamW's (beta1, beta2); a Tuple field takes exactly its length
     warmup_steps: int = ruled(0, ge=0)
-    schedule: str = one_of("constant", "constant", "linear", "cosine")  # after warm-up (decay to min_lr_ratio * lr at max_steps)
+    schedule: str = one_of(
+        "constant", "constant", "linear", "cosine"
+    )  # after warm-up (decay to min_lr_ratio * lr at max_steps)
     min_lr_ratio: float = ruled(0.0, ge=0, le=1)  # linear/cosine: the last step's lr as a fraction of lr
 
 
@@ -241,7 +248,9 @@ class OrchestratorConfig:
     # interleaved: a multi-turn rollout is one sample (each turn's prompt must extend the tokens so far)
     # | branching: a new sample where it does not (chat templates that drop earlier reasoning, e.g. Qwen3's)
     trajectory_strategy: str = one_of("interleaved", "interleaved", "branching")
-    advantage: str = one_of("mean", "mean", "std", "loo")  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
+    advantage: str = one_of(
+        "mean", "mean", "std", "loo"
+    )  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

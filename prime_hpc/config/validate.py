@@ -3,6 +3,7 @@ submit time (and at `--dry-run`), and raises one `ConfigError` naming the key an
 
 Type and unknown-key errors are caught earlier, by the typed schema during composition.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from prime_hpc.core.errors import ConfigError
 from prime_hpc.core.jobenv import API_KEY_VAR
+
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
     node: Any = cfg
@@ -82,14 +84,18 @@ def length_violation(hint: Any, value: Any, default: Any = None) -> Optional[str
 def check_difficulty_filter(cfg: DictConfig) -> None:
     f = cfg.orchestrator.difficulty_filter
     if f.min_reward is not None and f.max_reward is not None and f.min_reward > f.max_reward:
-        raise ConfigError("orchestrator.difficulty_filter.min_reward",
-                          f"{f.min_reward} is above max_reward={f.max_reward}: every group would be dropped")
+        raise ConfigError(
+            "orchestrator.difficulty_filter.min_reward",
+            f"{f.min_reward} is above max_reward={f.max_reward}: every group would be dropped",
+        )
 
 
 def check_positive(cfg: DictConfig) -> None:
     if cfg.async_level < 1:
-        raise ConfigError("async_level", f"must be >= 1 (got {cfg.async_level}); 1 is fully on-policy (step n "
-                                         "trains on rollouts of policy n-1)")
+        raise ConfigError(
+            "async_level",
+            f"must be >= 1 (got {cfg.async_level}); 1 is fully on-policy (step n trains on rollouts of policy n-1)",
+        )
     for g in ("orchestrator", "inference", "trainer"):
         ids = cfg.cluster[g].cpu_ids
         if ids is not None and ids != "auto" and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(ids)):
@@ -117,10 +123,14 @@ def check_group_size(cfg: DictConfig) -> None:
     o = cfg.orchestrator
     if o.group_size >= 2 or cfg.trainer.type != "rl" or cfg.bench.mode is not None:
         return
-    why = ("an RL group of one has zero advantage: its reward minus the group's mean" if o.training_mode == "rl"
-           else f"the orchestrator keeps no group of fewer than 2 rollouts, with training_mode={o.training_mode} too")
-    raise ConfigError("orchestrator.group_size", f"{o.group_size}: every group would be dropped ({why}); "
-                                                 "set it to 2 or more")
+    why = (
+        "an RL group of one has zero advantage: its reward minus the group's mean"
+        if o.training_mode == "rl"
+        else f"the orchestrator keeps no group of fewer than 2 rollouts, with training_mode={o.training_mode} too"
+    )
+    raise ConfigError(
+        "orchestrator.group_size", f"{o.group_size}: every group would be dropped ({why}); set it to 2 or more"
+    )
 
 
 def check_lengths(cfg: DictConfig) -> None:
@@ -160,13 +170,16 @@ def check_gpu_ids(cfg: DictConfig) -> None:
         if len(set(got)) != len(got):
             raise ConfigError(key, f"{spec!r} names a GPU twice")
         if len(got) != int(c[name].gpus_per_node):
-            raise ConfigError(key, f"{len(got)} GPU(s) but cluster.{name}.gpus_per_node={c[name].gpus_per_node}; "
-                                   "make them equal")
+            raise ConfigError(
+                key, f"{len(got)} GPU(s) but cluster.{name}.gpus_per_node={c[name].gpus_per_node}; make them equal"
+            )
         ids[name] = set(got)
     both = ids.get("inference", set()) & ids.get("trainer", set())
     if both and not c.share_gpus:
-        raise ConfigError("cluster.trainer.gpu_ids", f"GPU(s) {sorted(both)} are also inference's; give each its own "
-                                                     "or set cluster.share_gpus=true")
+        raise ConfigError(
+            "cluster.trainer.gpu_ids",
+            f"GPU(s) {sorted(both)} are also inference's; give each its own or set cluster.share_gpus=true",
+        )
 
 
 def check_gpus(cfg: DictConfig) -> None:
@@ -186,8 +199,7 @@ def check_gpus(cfg: DictConfig) -> None:
     if dp is None and (gpus < tp or gpus % tp):
         raise ConfigError(
             "cluster.inference.gpus_per_node",
-            f"{gpus} GPUs per node cannot hold replicas of inference.tensor_parallel_size={tp}; "
-            f"use a multiple of {tp}",
+            f"{gpus} GPUs per node cannot hold replicas of inference.tensor_parallel_size={tp}; use a multiple of {tp}",
         )
     if dp is not None and tp * dp != gpus:
         raise ConfigError(
@@ -230,15 +242,18 @@ def check_slurm(cfg: DictConfig) -> None:
     try:
         limit = minutes(c.time)
     except ValueError:
-        raise ConfigError("cluster.time", f"{c.time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or "
-                                          "UNLIMITED") from None
+        raise ConfigError(
+            "cluster.time", f"{c.time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or UNLIMITED"
+        ) from None
     if c.signal_delay_s < 0 or (limit is not None and c.signal_delay_s >= limit * 60):
-        raise ConfigError("cluster.signal_delay_s", f"{c.signal_delay_s}s must be >= 0 and shorter than "
-                                                    f"cluster.time={c.time}")
+        raise ConfigError(
+            "cluster.signal_delay_s", f"{c.signal_delay_s}s must be >= 0 and shorter than cluster.time={c.time}"
+        )
     for i, line in enumerate(c.sbatch_extra):
         if "\n" in line or not line.strip().startswith("-"):
-            raise ConfigError(f"cluster.sbatch_extra.{i}", f"{line!r} must be one sbatch option such as "
-                                                           "--mail-type=END (no newline)")
+            raise ConfigError(
+                f"cluster.sbatch_extra.{i}", f"{line!r} must be one sbatch option such as --mail-type=END (no newline)"
+            )
         check_sbatch_option(i, line)
     for g in ("orchestrator", "inference", "trainer"):
         r = c[g]
@@ -262,10 +277,13 @@ def check_sbatch_option(i: int, line: str) -> None:
 
     option = re.split(r"[=\s]", line.strip(), maxsplit=1)[0]
     if option == "--export" or (option.startswith("--export-") and "--export-file".startswith(option)):
-        raise ConfigError(f"cluster.sbatch_extra.{i}", f"{line.strip()!r}: prime-hpc passes the job the submitting "
-                                                       f"environment itself (${API_KEY_VAR} reaches the job only that "
-                                                       "way); drop this line and set variables in cluster.env_setup, "
-                                                       "e.g. 'export NAME=value'")
+        raise ConfigError(
+            f"cluster.sbatch_extra.{i}",
+            f"{line.strip()!r}: prime-hpc passes the job the submitting "
+            f"environment itself (${API_KEY_VAR} reaches the job only that "
+            "way); drop this line and set variables in cluster.env_setup, "
+            "e.g. 'export NAME=value'",
+        )
 
 
 def check_memory(cfg: DictConfig) -> None:
@@ -289,8 +307,11 @@ def check_models(cfg: DictConfig) -> None:
 
     from_warmup = bool(cfg.warmup.experiment) and path == Path(cfg.output_dir) / WARMUP_DIR  # the warm-up writes it
     if str(ref).startswith(("/", "./", "../", "~")) and not path.exists() and not from_warmup:
-        raise ConfigError("model.name", f"{ref}: no such directory (a local path; a hub id has no leading / or ./); "
-                                        "give an existing model directory, a run directory or a hub id")
+        raise ConfigError(
+            "model.name",
+            f"{ref}: no such directory (a local path; a hub id has no leading / or ./); "
+            "give an existing model directory, a run directory or a hub id",
+        )
     for key in ("trainer.model.name", "trainer.tokenizer.name", "inference.model.name", "orchestrator.model.name"):
         if _get(cfg, key) != ref:
             raise ConfigError(
@@ -347,26 +368,37 @@ def check_sft(cfg: DictConfig) -> None:
     if t.type != "sft":
         return
     if not t.data.name and cfg.bench.mode is None:  # a bench trains on synthetic rows
-        raise ConfigError("trainer.data.name", "an SFT run needs a dataset; set it to a HF dataset name, a local "
-                                               "path or module:function")
+        raise ConfigError(
+            "trainer.data.name",
+            "an SFT run needs a dataset; set it to a HF dataset name, a local path or module:function",
+        )
     if t.data.batch_size < t.data.seq_len:
-        raise ConfigError("trainer.data.batch_size", f"{t.data.batch_size} tokens per step is less than one packed "
-                                                     f"row of trainer.data.seq_len={t.data.seq_len}; raise it to a "
-                                                     f"multiple of {t.data.seq_len}")
+        raise ConfigError(
+            "trainer.data.batch_size",
+            f"{t.data.batch_size} tokens per step is less than one packed "
+            f"row of trainer.data.seq_len={t.data.seq_len}; raise it to a "
+            f"multiple of {t.data.seq_len}",
+        )
     if t.val.interval is not None:  # its range is the field's own rule
         if not t.val.data.name:
-            raise ConfigError("trainer.val.data.name", "trainer.val.interval is set but there is no validation "
-                                                       "dataset; name one (same forms as trainer.data.name)")
+            raise ConfigError(
+                "trainer.val.data.name",
+                "trainer.val.interval is set but there is no validation "
+                "dataset; name one (same forms as trainer.data.name)",
+            )
     if t.val.stop_below is not None and not t.val.interval:
-        raise ConfigError("trainer.val.stop_below", "needs validation: set trainer.val.interval (and "
-                                                    "trainer.val.data.name)")
+        raise ConfigError(
+            "trainer.val.stop_below", "needs validation: set trainer.val.interval (and trainer.val.data.name)"
+        )
 
 
 def check_trainer(cfg: DictConfig) -> None:
     m = cfg.trainer.model
     if m.lora.enabled:
         if not m.lora.target_modules:
-            raise ConfigError("trainer.model.lora.target_modules", "name at least one linear layer, e.g. [q_proj, v_proj]")
+            raise ConfigError(
+                "trainer.model.lora.target_modules", "name at least one linear layer, e.g. [q_proj, v_proj]"
+            )
 
 
 def check_ckpt(cfg: DictConfig) -> None:
@@ -383,11 +415,16 @@ def check_bench(cfg: DictConfig) -> None:
     group = b.group_size or cfg.orchestrator.group_size
     samples = b.samples_per_step or cfg.orchestrator.batch_size
     if cfg.trainer.type == "rl" and samples % group:
-        raise ConfigError("bench.samples_per_step", f"{samples} is not a multiple of the group size {group}; "
-                                                    f"set it to a multiple, e.g. {max(group, samples - samples % group)}")
+        raise ConfigError(
+            "bench.samples_per_step",
+            f"{samples} is not a multiple of the group size {group}; "
+            f"set it to a multiple, e.g. {max(group, samples - samples % group)}",
+        )
     if b.completion_len is not None and b.completion_len >= cfg.seq_len:
-        raise ConfigError("bench.completion_len", f"{b.completion_len} leaves no prompt token within "
-                                                  f"seq_len={cfg.seq_len}; set it below seq_len")
+        raise ConfigError(
+            "bench.completion_len",
+            f"{b.completion_len} leaves no prompt token within seq_len={cfg.seq_len}; set it below seq_len",
+        )
 
 
 def check_output_dir(cfg: DictConfig) -> None:
@@ -397,8 +434,11 @@ def check_output_dir(cfg: DictConfig) -> None:
 
     path = Path(cfg.output_dir)
     if any(c in str(path) for c in "%\\\n"):
-        raise ConfigError("output_dir", f"{str(path)!r} contains '%', a backslash or a newline, which SLURM and "
-                                        "submitit interpret in paths; choose a path without them")
+        raise ConfigError(
+            "output_dir",
+            f"{str(path)!r} contains '%', a backslash or a newline, which SLURM and "
+            "submitit interpret in paths; choose a path without them",
+        )
     if path.exists() and not path.is_dir():
         raise ConfigError("output_dir", f"{path} exists and is not a directory; choose another output_dir")
     probe = path
@@ -410,7 +450,8 @@ def check_output_dir(cfg: DictConfig) -> None:
         tempfile.TemporaryDirectory(prefix=".prime-hpc-probe-", dir=probe).cleanup()
     except OSError as e:
         raise ConfigError(
-            "output_dir", f"cannot write in {probe} ({e.strerror}); choose an output_dir on a writable shared filesystem"
+            "output_dir",
+            f"cannot write in {probe} ({e.strerror}); choose an output_dir on a writable shared filesystem",
         ) from None
 
 

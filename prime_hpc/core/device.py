@@ -4,6 +4,7 @@ Components never test for CUDA themselves: they ask here for the torch.distribut
 backend, the torch device of a local rank and the environment the inference engine needs.
 Importing this module is cheap (torch is imported inside the functions).
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,9 @@ def visible_devices_env(device: str, gpu_ids: Optional[str]) -> dict[str, str]:
     return {}
 
 
-def inference_env(device: str, kvcache_space_gb: Optional[float] = None, threads: Optional[int] = None,
-                  cpu_ids: Optional[str] = None) -> dict[str, str]:
+def inference_env(
+    device: str, kvcache_space_gb: Optional[float] = None, threads: Optional[int] = None, cpu_ids: Optional[str] = None
+) -> dict[str, str]:
     """Environment variables the vLLM engine needs on this device. Its compile caches go
     to the user's private directory of the run's shared cache
     (`$PRIME_HPC_CACHE/compile-<uid>/{vllm,inductor}`, `usercache.compile_dir`: checked

@@ -1,5 +1,6 @@
 """The few exceptions a user can cause. Each carries a one-line message that names
 what is wrong and how to fix it; the CLI prints it and exits with `exit_code`."""
+
 from __future__ import annotations
 
 

@@ -14,6 +14,7 @@ components read them here and nowhere else.
 - `PRIME_HPC_PG_STORE`: when every node is this machine, the file where the trainer's
   ranks set up their process group (torch's TCP store would listen on every interface).
 """
+
 from __future__ import annotations
 
 import os
@@ -60,5 +61,8 @@ def process_group_init() -> dict:
     path = os.environ.get(PG_STORE_VAR)
     if not path:
         return {}
-    return {"init_method": "file://" + path, "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"])}
+    return {
+        "init_method": "file://" + path,
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }

@@ -6,6 +6,7 @@ Which address: `cluster.address` when the run sets one (`127.0.0.1` for `cluster
 and `cluster=dev`, where every "node" is this machine: then every socket of the run binds
 to and talks over loopback), else the node's own routable address (real clusters). The
 launcher exports the run's choice to every component (`one_host_env`)."""
+
 from __future__ import annotations
 
 import ipaddress

@@ -15,6 +15,7 @@ relative to that descriptor (`dir_fd=`, `O_NOFOLLOW`), `fstat`ed and read from t
 descriptor. A symlink, someone else's directory or file, or one that group or others can
 write is never loaded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,12 @@ from prime_hpc.core.errors import ConfigError
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO cannot hang a read
-_WHY = {errno.ELOOP: "is a symbolic link", errno.ENOTDIR: "is not a directory", errno.ENOENT: "does not exist",
-        errno.EACCES: "cannot be opened (permission denied)"}
+_WHY = {
+    errno.ELOOP: "is a symbolic link",
+    errno.ENOTDIR: "is not a directory",
+    errno.ENOENT: "does not exist",
+    errno.EACCES: "cannot be opened (permission denied)",
+}
 COMPILE_FIX = "compiled code is loaded only from a directory of your own that nobody else can write"
 
 

@@ -5,6 +5,7 @@ with any OpenAI client (`base_url = endpoints.router + "/v1"`).
 Light imports (httpx only); the API key comes from `$INFERENCE_SERVER_API_KEY` and is
 never written anywhere.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,26 +42,39 @@ class Endpoints:
         return self.router + "/v1"
 
 
-def wait_for_servers(run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None,
-                     alive: Any = None) -> list[dict]:
+def wait_for_servers(
+    run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None, alive: Any = None
+) -> list[dict]:
     """Every server's endpoint record, in node order, once all have published one."""
     records = []
     for node in range(nodes):
         path = run.inference_endpoint(node)
-        wait_for(lambda p=path: p.exists(), what=str(path), timeout_s=timeout_s,
-                 producer=f"inference server on node {node}",
-                 producer_log=RunDir.node_log(logs, "inference", node) if logs else None, alive=alive)
+        wait_for(
+            lambda p=path: p.exists(),
+            what=str(path),
+            timeout_s=timeout_s,
+            producer=f"inference server on node {node}",
+            producer_log=RunDir.node_log(logs, "inference", node) if logs else None,
+            alive=alive,
+        )
         records.append(read_json(path))
     return records
 
 
-def discover(run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[Path] = None,
-             alive: Any = None) -> Endpoints:
+def discover(
+    run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[Path] = None, alive: Any = None
+) -> Endpoints:
     """Wait until every server and the router have published their endpoints."""
     records = wait_for_servers(run, nodes, timeout_s, logs, alive)
     path = run.router_endpoint
-    wait_for(lambda: path.exists(), what=str(path), timeout_s=timeout_s, producer="router",
-             producer_log=RunDir.router_log(logs, 0) if logs else None, alive=alive)
+    wait_for(
+        lambda: path.exists(),
+        what=str(path),
+        timeout_s=timeout_s,
+        producer="router",
+        producer_log=RunDir.router_log(logs, 0) if logs else None,
+        alive=alive,
+    )
     router = read_json(path)
     return Endpoints(router=router["url"], servers=[r["url"] for r in records], server_records=records)
 
@@ -72,8 +86,9 @@ class Admin:
     goes on with the others; only when none is left does a call raise. Any other failure
     (a server that answers with an error) raises one `InferenceError` naming it."""
 
-    def __init__(self, servers: list[str], key: Optional[str] = None, timeout_s: float = 900.0,
-                 on_lost: Any = None) -> None:
+    def __init__(
+        self, servers: list[str], key: Optional[str] = None, timeout_s: float = 900.0, on_lost: Any = None
+    ) -> None:
         self.servers = list(servers)
         self.key = key if key is not None else api_key()
         self.timeout_s = timeout_s
@@ -119,8 +134,11 @@ class Admin:
                 r = await client.post(base + path, json=body or {})
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
-                if isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException) \
-                        and await self._gone(client, base):
+                if (
+                    isinstance(e, httpx.TransportError)
+                    and not isinstance(e, httpx.TimeoutException)
+                    and await self._gone(client, base)
+                ):
                     return {"lost": why}
                 raise InferenceError(f"{base}{path}: {why}") from None
             if r.status_code != 200:
@@ -155,7 +173,9 @@ class Admin:
         return await self._post_all("/reload_weights", None)
 
     async def load_lora(self, name: str, path: os.PathLike | str, step: int) -> list[dict]:
-        return await self._post_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "step": int(step)})
+        return await self._post_all(
+            "/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "step": int(step)}
+        )
 
     async def policies(self) -> list[dict]:
         rs = await asyncio.gather(*(self.client().get(s + "/policy", timeout=30) for s in self.live))

@@ -11,6 +11,7 @@ whose step the server stamps on the response (`policy_step` in the JSON body and
 
 Pure ASGI, no vLLM import: unit-testable with any ASGI app.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -143,8 +144,13 @@ class ApiKey:
 
 async def send_json(send: Send, status: int, obj: Any) -> None:
     body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

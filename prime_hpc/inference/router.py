@@ -20,6 +20,7 @@ published in `endpoints/`: `/add_worker` refuses any other address, so the job's
 Admin routes (key required): `GET /workers` (each server and whether it is up),
 `POST /add_worker?url=`, `POST /remove_worker?url=`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -112,6 +113,7 @@ class Router:
 
         async with httpx.AsyncClient(timeout=HEALTH_EVERY_S) as client:
             while True:
+
                 async def one(w: str) -> None:
                     try:
                         ok = (await client.get(w + "/health")).status_code == 200
@@ -138,8 +140,9 @@ class Router:
         if not self.key.allows(scope):
             return await self.key.refuse(send)
         if path in ("/workers", "/list_workers") and method == "GET":
-            return await send_json(send, 200, {"workers": [{"url": w, "up": w in self.up()} for w in self.workers],
-                                               "policy": POLICY})
+            return await send_json(
+                send, 200, {"workers": [{"url": w, "up": w in self.up()} for w in self.workers], "policy": POLICY}
+            )
         if path in ("/add_worker", "/remove_worker") and method == "POST":
             return await self.admin(path, scope, send)
         return await self.forward(scope, receive, send)
@@ -166,8 +169,9 @@ class Router:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         if self.client is None:  # no pool limit: the run's own concurrency bounds it
-            self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
-                                                                              max_keepalive_connections=256))
+            self.client = httpx.AsyncClient(
+                timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            )
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in HOP_HEADERS]
@@ -189,8 +193,13 @@ class Router:
     @staticmethod
     async def relay(response: Any, send: Any) -> None:
         try:
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS],
+                }
+            )
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -218,8 +227,7 @@ def serve(fd: int, workers: list[str], run: Optional[RunDir]) -> None:
     import uvicorn
 
     app = Router(workers, api_key(), run)
-    config = uvicorn.Config(app, fd=fd, log_level="warning", access_log=False, lifespan="on",
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(app, fd=fd, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=30)
     uvicorn.Server(config).run()
 
 
@@ -250,8 +258,18 @@ def listening_socket(host: str) -> socket.socket:
 
 
 def child_argv(config: str, fd: int, workers: list[str]) -> list[str]:
-    return [sys.executable, "-u", "-m", "prime_hpc.inference.router", "--config", config, "--serve-fd", str(fd),
-            "--workers", *workers]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "prime_hpc.inference.router",
+        "--config",
+        config,
+        "--serve-fd",
+        str(fd),
+        "--workers",
+        *workers,
+    ]
 
 
 def supervise(config: str, run: RunDir, sock: socket.socket, workers: list[str]) -> int:
@@ -268,29 +286,48 @@ def supervise(config: str, run: RunDir, sock: socket.socket, workers: list[str])
         signal.signal(sig, on_signal)
     restarts, rc = 0, 0
     while True:
-        proc = state["proc"] = subprocess.Popen(child_argv(config, sock.fileno(), workers), pass_fds=[sock.fileno()],
-                                                preexec_fn=die_with_parent)  # never outlives this process
+        proc = state["proc"] = subprocess.Popen(
+            child_argv(config, sock.fileno(), workers), pass_fds=[sock.fileno()], preexec_fn=die_with_parent
+        )  # never outlives this process
         try:
             wait_ready(proc, url(host, port), timeout_s=READY_TIMEOUT_S)
         except (WaitTimeout, RuntimeError) as e:
             proc.terminate()
             print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
             return 1
-        atomic_write_json(run.router_endpoint, {
-            "url": url(host, port), "host": host, "port": port, "pid": proc.pid, "supervisor_pid": os.getpid(),
-            "policy": POLICY, "workers": workers, "restarts": restarts, "started_at": time.time()})
+        atomic_write_json(
+            run.router_endpoint,
+            {
+                "url": url(host, port),
+                "host": host,
+                "port": port,
+                "pid": proc.pid,
+                "supervisor_pid": os.getpid(),
+                "policy": POLICY,
+                "workers": workers,
+                "restarts": restarts,
+                "started_at": time.time(),
+            },
+        )
         print(f"prime-hpc router: serving at {url(host, port)} in front of {len(workers)} server(s)", flush=True)
         rc = proc.wait()
         if state["stopping"] or restarts >= MAX_RESTARTS:
             break
         restarts += 1
         workers = live_workers(workers) or workers
-        print(f"prime-hpc router: the router exited with code {rc}; restarting it on the same socket "
-              f"(restart {restarts} of at most {MAX_RESTARTS})", file=sys.stderr, flush=True)
+        print(
+            f"prime-hpc router: the router exited with code {rc}; restarting it on the same socket "
+            f"(restart {restarts} of at most {MAX_RESTARTS})",
+            file=sys.stderr,
+            flush=True,
+        )
     run.router_endpoint.unlink(missing_ok=True)
     if not state["stopping"]:
-        print(f"prime-hpc router: the router exited with code {rc} after {restarts} restart(s); giving up",
-              file=sys.stderr, flush=True)
+        print(
+            f"prime-hpc router: the router exited with code {rc} after {restarts} restart(s); giving up",
+            file=sys.stderr,
+            flush=True,
+        )
         return rc or 1
     return 0
 
@@ -319,8 +356,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--workers", nargs="*", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if not api_key():
-        print(f"prime-hpc router: {jobenv.API_KEY_VAR} is not set: the router never serves without the job's key "
-              f"(the job's environment must carry it)", file=sys.stderr, flush=True)
+        print(
+            f"prime-hpc router: {jobenv.API_KEY_VAR} is not set: the router never serves without the job's key "
+            f"(the job's environment must carry it)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     try:
         cfg = load(a.config, InferenceRunConfig, "inference")

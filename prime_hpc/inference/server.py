@@ -20,6 +20,7 @@ start.
 Once healthy, the server publishes `endpoints/inference_<node>.json` (address, port,
 model, policy step), and rewrites it after each update.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,15 @@ from typing import Any, Optional
 
 from fastapi import Request
 
-from prime_hpc.core import jobenv
-from prime_hpc.core import device as devices
 from prime_hpc.config.component import InferenceRunConfig, load
 from prime_hpc.config.schema import InferenceConfig
+from prime_hpc.core import device as devices
+from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.inference.client import API_KEY_VAR, api_key
-from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
-from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.core.net import node_address, url
+from prime_hpc.inference.client import API_KEY_VAR, api_key
+from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
+from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
@@ -67,17 +68,26 @@ def vllm_args(cfg: InferenceRunConfig, model_path: str, host: str) -> list[str]:
     inf = cfg.inference
     m = inf.model
     argv = [
-        "--model", model_path,
-        "--served-model-name", cfg.model.name,
-        "--host", host,
-        "--port", "0",
-        "--dtype", inf.dtype,
-        "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-        "--tensor-parallel-size", str(inf.tensor_parallel_size),
-        "--seed", str(cfg.seed),
+        "--model",
+        model_path,
+        "--served-model-name",
+        cfg.model.name,
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--dtype",
+        inf.dtype,
+        "--gpu-memory-utilization",
+        str(inf.gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(inf.tensor_parallel_size),
+        "--seed",
+        str(cfg.seed),
         # logprobs after temperature/top-k/top-p, i.e. of the distribution actually sampled
         # from: what the trainer's importance ratio compares against
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode",
+        "processed_logprobs",
     ]
     if inf.max_model_len:
         argv += ["--max-model-len", str(inf.max_model_len)]
@@ -102,8 +112,13 @@ def engine_env(cfg: InferenceRunConfig) -> dict[str, str]:
     threads from the config, or from the CPUs SLURM gave this task)."""
     inf = cfg.inference
     cpu_ids = os.environ.get(devices.CPUS_VAR) or None  # the cores the launcher pinned this server to
-    threads = inf.cpu_threads or (None if cpu_ids else int(os.environ["SLURM_CPUS_PER_TASK"])
-                                         if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit() else None)
+    threads = inf.cpu_threads or (
+        None
+        if cpu_ids
+        else int(os.environ["SLURM_CPUS_PER_TASK"])
+        if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit()
+        else None
+    )
     env = devices.inference_env(cfg.device, inf.cpu_kvcache_space_gb, threads, cpu_ids)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
@@ -160,8 +175,14 @@ class Server:
         is a finished generation or update (an engine that hangs with either under way makes
         none), and an idle server only waits for the orchestrator."""
         gate = self.gate
-        self.run.beat("inference", self.node, policy_step=gate.step, in_flight=gate.active,
-                      progress_at=gate.progress_at, waiting_on=None if gate.busy else "orchestrator")
+        self.run.beat(
+            "inference",
+            self.node,
+            policy_step=gate.step,
+            in_flight=gate.active,
+            progress_at=gate.progress_at,
+            waiting_on=None if gate.busy else "orchestrator",
+        )
 
     def unpublish(self) -> None:
         try:
@@ -182,8 +203,13 @@ class Server:
         except UpdateTimeout as e:
             return _error(503, f"update not applied: {e}")
         self.publish()
-        return {"status": "ok", "policy_step": step, "weight_dir": weight_dir,
-                "drain_s": round(waited, 4), "load_s": round(time.monotonic() - t0 - waited, 4)}
+        return {
+            "status": "ok",
+            "policy_step": step,
+            "weight_dir": weight_dir,
+            "drain_s": round(waited, 4),
+            "load_s": round(time.monotonic() - t0 - waited, 4),
+        }
 
     async def update_weights(self, body: dict) -> Any:
         weight_dir = body.get("weight_dir") or body.get("weights_path")
@@ -196,8 +222,11 @@ class Server:
         if step is None:
             return _error(400, f"give 'step': it cannot be read from {weight_dir} (expected .../step_<n>)")
         if self.tied_on_cpu:
-            return _error(409, "this model ties its input and output embeddings: in-place updates are wrong "
-                               "on CPU vLLM; use a model with tie_word_embeddings=false")
+            return _error(
+                409,
+                "this model ties its input and output embeddings: in-place updates are wrong "
+                "on CPU vLLM; use a model with tie_word_embeddings=false",
+            )
         if await self.engine.is_paused():
             return _error(409, "generation is paused (POST /resume first): /update_weights pauses by itself")
 
@@ -228,7 +257,8 @@ class Server:
         async def load():
             models = self.app.state.openai_serving_models
             resp = await models.load_lora_adapter(
-                LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path), load_inplace=True))
+                LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path), load_inplace=True)
+            )
             if not isinstance(resp, str):
                 result["error"] = resp.model_dump() if hasattr(resp, "model_dump") else str(resp)
 
@@ -259,8 +289,13 @@ def add_routes(app: Any, server: Server) -> None:
 
     @app.get("/policy")
     async def policy():
-        return {"policy_step": server.gate.step, "weight_dir": server.gate.weight_dir,
-                "in_flight": server.gate.active, "served": server.gate.served, "updates": server.updates}
+        return {
+            "policy_step": server.gate.step,
+            "weight_dir": server.gate.weight_dir,
+            "in_flight": server.gate.active,
+            "served": server.gate.served,
+            "updates": server.updates,
+        }
 
 
 async def _json(request: Any) -> dict:
@@ -284,14 +319,19 @@ async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> N
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                print(f"prime-hpc inference: node {server.node} not healthy after {timeout_s:g}s; see {log}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"prime-hpc inference: node {server.node} not healthy after {timeout_s:g}s; see {log}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
             await asyncio.sleep(0.5)
     server.healthy, server.healthy_at = True, time.time()
     server.publish()
-    print(f"prime-hpc inference: node {server.node} serving {server.cfg.model.name} at "
-          f"{url(server.host, server.port)}", flush=True)
+    print(
+        f"prime-hpc inference: node {server.node} serving {server.cfg.model.name} at {url(server.host, server.port)}",
+        flush=True,
+    )
     while True:  # heartbeat while serving
         server.beat()
         await asyncio.sleep(BEAT_S)
@@ -301,8 +341,8 @@ async def serve(cfg: InferenceRunConfig, log: str) -> None:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from prime_hpc.model import resolve_model
@@ -321,8 +361,7 @@ async def serve(cfg: InferenceRunConfig, log: str) -> None:
         async with build_async_engine_client(args) as engine:
             server.engine = engine
             hf = engine.model_config.hf_config
-            server.tied_on_cpu = cfg.device == "cpu" and bool(
-                getattr(hf, "tie_word_embeddings", False))
+            server.tied_on_cpu = cfg.device == "cpu" and bool(getattr(hf, "tie_word_embeddings", False))
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
             server.app = app
@@ -331,10 +370,16 @@ async def serve(cfg: InferenceRunConfig, log: str) -> None:
             app.add_middleware(GateMiddleware, gate=server.gate, api_key=api_key())
             await init_app_state(engine, app.state, args, tasks)
             publisher = asyncio.get_running_loop().create_task(
-                _publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log))
-            shutdown = await serve_http(app, sock=sock, host=host, port=server.port,
-                                        log_level=args.uvicorn_log_level,
-                                        access_log=not args.disable_uvicorn_access_log)
+                _publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log)
+            )
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=host,
+                port=server.port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+            )
         try:
             await shutdown
         finally:
@@ -349,8 +394,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
     a = p.parse_args(argv)
     if not api_key():
-        print(f"prime-hpc inference: {API_KEY_VAR} is not set: a server never serves without the job's key "
-              f"(the job's environment must carry it)", file=sys.stderr, flush=True)
+        print(
+            f"prime-hpc inference: {API_KEY_VAR} is not set: a server never serves without the job's key "
+            f"(the job's environment must carry it)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     try:
         cfg = load_config(a.config)
@@ -371,7 +420,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     except Exception as e:  # the traceback above for the log; one line for the reader
         traceback.print_exc()
-        print(f"prime-hpc inference: node {node} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-              f"; see {log}", file=sys.stderr, flush=True)
+        print(
+            f"prime-hpc inference: node {node} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f"; see {log}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0

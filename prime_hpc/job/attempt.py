@@ -1,21 +1,22 @@
 """Runtime helpers the job script calls (light imports: a few calls per attempt).
 
-  python -m prime_hpc.job.attempt <command> <output_dir> --job-id ID [options]
+python -m prime_hpc.job.attempt <command> <output_dir> --job-id ID [options]
 
-  start       new log tree logs/attempt_<k>/ (+ logs/latest); on a restart (requeue) or a
-              resume, pick the checkpoint to continue from and clear what came after it;
-              job.json RUNNING; prints the log tree's path
-  end         --rc N [--component C] [--reason R] [--state S]: how the attempt ended
-  lost        --component C --rc N: one of several interchangeable servers (inference_<n>)
-              exited and the run goes on without it
-  checkpoint  --reason R: ask the trainer and the orchestrator to checkpoint and exit
-  requeue     --reason R: record the attempt as ended by R and put the job back in the queue
-              (SLURM), unless cluster.max_requeues is reached (then exit 1)
-  cause       [--checkpoint] print why the job is being stopped: CANCELLED, TIMEOUT, PREEMPTED
-              or REQUEUED; with --checkpoint, for the last three also ask for the checkpoint
-  wait-for    DIR: (local pipelines) wait until the run in DIR completed; fail otherwise
-  rendezvous  print <address>:<port> of this node with a port free there (torchrun c10d)
+start       new log tree logs/attempt_<k>/ (+ logs/latest); on a restart (requeue) or a
+            resume, pick the checkpoint to continue from and clear what came after it;
+            job.json RUNNING; prints the log tree's path
+end         --rc N [--component C] [--reason R] [--state S]: how the attempt ended
+lost        --component C --rc N: one of several interchangeable servers (inference_<n>)
+            exited and the run goes on without it
+checkpoint  --reason R: ask the trainer and the orchestrator to checkpoint and exit
+requeue     --reason R: record the attempt as ended by R and put the job back in the queue
+            (SLURM), unless cluster.max_requeues is reached (then exit 1)
+cause       [--checkpoint] print why the job is being stopped: CANCELLED, TIMEOUT, PREEMPTED
+            or REQUEUED; with --checkpoint, for the last three also ask for the checkpoint
+wait-for    DIR: (local pipelines) wait until the run in DIR completed; fail otherwise
+rendezvous  print <address>:<port> of this node with a port free there (torchrun c10d)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir.jobs import (CANCELLED, COMPLETED, FAILED, FINAL_STATES, REQUEUED, RUNNING, editing_job, local_state,
-                           on_node, read_job)
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text, read_json
+from prime_hpc.rundir.jobs import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    FINAL_STATES,
+    REQUEUED,
+    RUNNING,
+    editing_job,
+    local_state,
+    on_node,
+    read_job,
+)
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
 
@@ -44,8 +55,10 @@ def start(run: RunDir, job_id: str) -> str:
     restarted = any(str(a.get("job_id")) == str(job_id) for a in job.get("attempts", []))
     limit = (job.get("failure") or {}).get("max_requeues")
     if restarted and limit is not None:  # SLURM brought back a job that had used its requeues: nothing written
-        raise UserError(f"job {job_id} was requeued after it had reached cluster.max_requeues={limit}; not "
-                        f"continued (continue with: prime-hpc resume {run.root})")
+        raise UserError(
+            f"job {job_id} was requeued after it had reached cluster.max_requeues={limit}; not "
+            f"continued (continue with: prime-hpc resume {run.root})"
+        )
     k, logs = run.new_attempt()
     # endpoints and requests are per attempt: nobody may find a previous attempt's servers
     for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir):
@@ -63,14 +76,24 @@ def start(run: RunDir, job_id: str) -> str:
         resumed_from = resume_point(run, restarted)
     except UserError as e:
         with editing_job(run) as job:
-            job.update(state=FAILED, ended_at=time.time(),
-                       failure={"component": None, "rc": 1, "reason": str(e), "log": str(logs)})
+            job.update(
+                state=FAILED,
+                ended_at=time.time(),
+                failure={"component": None, "rc": 1, "reason": str(e), "log": str(logs)},
+            )
         raise
     with editing_job(run) as job:
         job.update(state=RUNNING, attempt=k, failure=None, ended_at=None)
         job.setdefault("attempts", []).append(
-            {"attempt": k, "job_id": job_id, "host": socket.gethostname(), "started_at": time.time(),
-             "logs": str(logs), "resumed_from": resumed_from})
+            {
+                "attempt": k,
+                "job_id": job_id,
+                "host": socket.gethostname(),
+                "started_at": time.time(),
+                "logs": str(logs),
+                "resumed_from": resumed_from,
+            }
+        )
     return str(logs)
 
 
@@ -163,8 +186,13 @@ def supervisor_died(run: RunDir, job_id: str, pid: int) -> Optional[str]:
     job = read_job(run)
     if job.get("state") != RUNNING or job.get("ended_at"):
         return None
-    return end(run, job_id, None, SUPERVISOR,
-               f"died without ending the attempt (the job script, pid {pid} on {socket.gethostname()})")
+    return end(
+        run,
+        job_id,
+        None,
+        SUPERVISOR,
+        f"died without ending the attempt (the job script, pid {pid} on {socket.gethostname()})",
+    )
 
 
 def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:
@@ -245,8 +273,15 @@ def _end_attempt(job: dict, job_id: str, how: str, reason: str = "") -> None:
     attempts = job.setdefault("attempts", [])
     last = attempts[-1] if attempts else {}
     if str(last.get("job_id")) != str(job_id) or last.get("ended_at"):
-        last = {"attempt": None, "job_id": job_id, "host": socket.gethostname(), "started_at": None,
-                "logs": None, "resumed_from": None, "note": "ended before the attempt started"}
+        last = {
+            "attempt": None,
+            "job_id": job_id,
+            "host": socket.gethostname(),
+            "started_at": None,
+            "logs": None,
+            "resumed_from": None,
+            "note": "ended before the attempt started",
+        }
         attempts.append(last)
     last.update(ended_at=time.time(), end=how, reason=reason or None)
 
@@ -306,21 +341,32 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
             what = f"{reason} by SLURM: not continued" if reason == REQUEUED else f"{reason}: not requeued"
             what += f" ({why})"
             job["state"] = FAILED if reason == REQUEUED else reason
-            job["failure"] = {"component": None, "rc": 0, "reason": f"{what}; continue with: prime-hpc resume "
-                              f"{run.root}", "log": str(run.latest_logs.resolve()),
-                              **({} if local else {"max_requeues": limit})}
+            job["failure"] = {
+                "component": None,
+                "rc": 0,
+                "reason": f"{what}; continue with: prime-hpc resume {run.root}",
+                "log": str(run.latest_logs.resolve()),
+                **({} if local else {"max_requeues": limit}),
+            }
             return f"prime-hpc: {what}", False
         job["state"] = REQUEUED
         job["requeues"] = done + 1
     if reason == REQUEUED:
-        return (f"prime-hpc: the job was requeued by SLURM (requeue {done + 1} of at most {limit}); its next "
-                f"attempt continues from the latest checkpoint", True)
+        return (
+            f"prime-hpc: the job was requeued by SLURM (requeue {done + 1} of at most {limit}); its next "
+            f"attempt continues from the latest checkpoint",
+            True,
+        )
     err = _scontrol_requeue(job_id)
     if err:
         with editing_job(run) as job:
             job["state"] = reason
-            job["failure"] = {"component": None, "rc": 0, "reason": f"{reason}: requeue failed: {err}",
-                              "log": str(run.batch_log(job_id))}
+            job["failure"] = {
+                "component": None,
+                "rc": 0,
+                "reason": f"{reason}: requeue failed: {err}",
+                "log": str(run.batch_log(job_id)),
+            }
         return f"prime-hpc: {reason}; requeue failed: {err}", False
     return f"prime-hpc: {reason}; requeued (requeue {done + 1} of at most {limit})", True
 
@@ -342,8 +388,12 @@ def _scontrol_requeue(job_id: str) -> str:
     out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         return (out.stderr or out.stdout).strip() or f"scontrol exited with code {out.returncode}"
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{REQUEUE_START_DELAY_S}"],
-                   capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{REQUEUE_START_DELAY_S}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return ""
 
 
@@ -377,8 +427,9 @@ def stop_cause(info: dict[str, str], restart_count: int) -> str:
 def slurm_job_fields(job_id: str) -> dict[str, str]:
     """`scontrol show job -o <id>` of the job (its first record: the het leader)."""
     try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
-                             timeout=30).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     first = out.splitlines()[0] if out.strip() else ""
@@ -401,10 +452,17 @@ def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0, any_
     failure = prior.get("failure") or {}
     where = failure.get("log") or before.latest_logs
     with editing_job(run) as job:
-        job.update(state=FAILED, ended_at=time.time(), failure={
-            "component": None, "rc": 1, "log": str(where),
-            "reason": f"not started: {prior.get('name', before.root)} (job {(prior.get('job_ids') or ['?'])[-1]}), "
-                      f"which this run starts from, ended {state}"})
+        job.update(
+            state=FAILED,
+            ended_at=time.time(),
+            failure={
+                "component": None,
+                "rc": 1,
+                "log": str(where),
+                "reason": f"not started: {prior.get('name', before.root)} (job {(prior.get('job_ids') or ['?'])[-1]}), "
+                f"which this run starts from, ended {state}",
+            },
+        )
     print(f"prime-hpc: not started: the run it continues from ended {state}; see {where}", file=sys.stderr)
     return 1
 

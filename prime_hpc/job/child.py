@@ -6,6 +6,7 @@ script leaves no component running. A component's own processes follow it the sa
 (vLLM's engine and workers, torchrun's ranks, vllm-router). Nothing stays in between: this
 process becomes CMD. (On SLURM, the components are steps that SLURM ends with the job.)
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ locally it runs as `python -m prime_hpc.job.head`. Checkpoint and requeue at a t
 limit are the job script's (sbatch_templates/_functions.sh.j2): submitit's own protocol
 handles one process that checkpoints itself, not a job of several groups, nor an SFT job
 without a head."""
+
 from __future__ import annotations
 
 import argparse

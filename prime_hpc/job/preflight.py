@@ -7,6 +7,7 @@ group (gloo on CPU, NCCL on GPU) under the same torchrun/rendezvous the trainer 
   head (group 0):  run_head()  -> preflight/head.json, waits for every report, report.json
   nodes (1, 2):    python -m prime_hpc.job.preflight node --group inference|trainer --output-dir D
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,10 @@ import time
 from typing import Any, Callable, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.job.attempt import component_log
 from prime_hpc.core.net import node_address
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import MissingKey
+from prime_hpc.job.attempt import component_log
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
 
 IMPORTS = {
@@ -43,6 +44,8 @@ def _greeting() -> bytes:
     """What a node sends the head: the handshake and the digest of the job's key (the head
     answers only a node of its own job)."""
     return HANDSHAKE + hashlib.sha256((api_key() or "").encode()).hexdigest().encode()
+
+
 REPORT_TIMEOUT_S = float(os.environ.get("PRIME_HPC_PREFLIGHT_TIMEOUT_S", "600"))
 
 
@@ -201,8 +204,9 @@ class _HeadServer:
 
     def __init__(self) -> None:
         if not api_key():
-            raise MissingKey(f"{jobenv.API_KEY_VAR} is not set: the preflight's head port never opens without the "
-                             "job's key")
+            raise MissingKey(
+                f"{jobenv.API_KEY_VAR} is not set: the preflight's head port never opens without the job's key"
+            )
         self.expected = _greeting()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -241,8 +245,9 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
     server = _HeadServer()
     run.beat("orchestrator", 0, phase="preflight")
     try:
-        atomic_write_json(run.preflight_head, {"host": socket.gethostname(), "address": server.address,
-                                               "port": server.port})
+        atomic_write_json(
+            run.preflight_head, {"host": socket.gethostname(), "address": server.address, "port": server.port}
+        )
         device = jobenv.device()
         write_report(run, "orchestrator", 0, node_checks(run, "orchestrator", 0, device))
         reports = {"orchestrator": [read_json(run.preflight_report("orchestrator", 0))]}
@@ -253,12 +258,23 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
             for rank in range(n):
                 path = run.preflight_report(group, rank)
                 try:
-                    wait_file(path, timeout_s=max(0.0, deadline - time.monotonic()), producer=f"{group} rank {rank}",
-                              producer_log=component_log(logs, group))
+                    wait_file(
+                        path,
+                        timeout_s=max(0.0, deadline - time.monotonic()),
+                        producer=f"{group} rank {rank}",
+                        producer_log=component_log(logs, group),
+                    )
                     reports[group].append(read_json(path))
                 except WaitTimeout as e:
-                    reports[group].append({"group": group, "rank": rank, "host": None, "ok": False,
-                                           "checks": [{"name": "report", "ok": False, "detail": str(e).splitlines()[0]}]})
+                    reports[group].append(
+                        {
+                            "group": group,
+                            "rank": rank,
+                            "host": None,
+                            "ok": False,
+                            "checks": [{"name": "report", "ok": False, "detail": str(e).splitlines()[0]}],
+                        }
+                    )
     finally:
         server.close()
     summary = {"ok": all(r["ok"] for rs in reports.values() for r in rs), "groups": reports}
@@ -275,8 +291,15 @@ def collect(run: RunDir, expected: dict[str, int], why_missing: str) -> dict[str
             try:
                 groups[group].append(read_json(run.preflight_report(group, rank)))
             except (OSError, ValueError):
-                groups[group].append({"group": group, "rank": rank, "host": None, "ok": False,
-                                      "checks": [{"name": "report", "ok": False, "detail": why_missing}]})
+                groups[group].append(
+                    {
+                        "group": group,
+                        "rank": rank,
+                        "host": None,
+                        "ok": False,
+                        "checks": [{"name": "report", "ok": False, "detail": why_missing}],
+                    }
+                )
     return {"ok": False, "groups": groups}
 
 
@@ -287,8 +310,7 @@ def format_table(summary: dict[str, Any]) -> str:
     for group, reports in sorted(summary["groups"].items(), key=lambda kv: order.get(kv[0], 9)):
         for r in reports:
             failed = [f"{c['name']}: {c['detail']}" for c in r["checks"] if not c["ok"]]
-            detail = "; ".join(failed) if failed else ", ".join(
-                f"{c['name']}" for c in r["checks"])
+            detail = "; ".join(failed) if failed else ", ".join(f"{c['name']}" for c in r["checks"])
             host = (r.get("host") or "-") + (f" ({r['slurm_node']})" if r.get("slurm_node") else "")
             rows.append((group, str(r["rank"]), "PASS" if r["ok"] else "FAIL", host, detail))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -20,6 +20,7 @@ It also watches the job script (`--supervisor-pid`): a script that dies without 
 attempt (`kill -9`, the OOM killer) cannot record that, so the watchdog does (job.json:
 FAILED, `failure.component = supervisor`, its batch output as the log) and exits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,9 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
     stalls with it: the server is the cause), else the longest silence."""
     # a server at work (not only waiting); one that hangs is what an orchestrator waiting for
     # inference waits on: without one, that wait is no excuse
-    serving = any(n.startswith("inference_") and not b.get("waiting_on") and not b.get("done") for n, b in beats.items())
+    serving = any(
+        n.startswith("inference_") and not b.get("waiting_on") and not b.get("done") for n, b in beats.items()
+    )
     stalls = []
     for name, b in beats.items():
         if b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):
@@ -54,8 +57,15 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
             silent, why = now - float(b["progress_at"]), "no progress"
         if silent > timeout_s:
             component, _, rank = name.rpartition("_")
-            stalls.append({"component": component, "rank": int(rank) if rank.isdigit() else 0,
-                           "silent_s": int(silent), "why": why, "step": b.get("step")})
+            stalls.append(
+                {
+                    "component": component,
+                    "rank": int(rank) if rank.isdigit() else 0,
+                    "silent_s": int(silent),
+                    "why": why,
+                    "step": b.get("step"),
+                }
+            )
     return max(stalls, key=lambda x: (x["component"] == "inference", x["silent_s"]), default=None)
 
 
@@ -94,13 +104,22 @@ class Supervisor:
 
         if self.started is None or start_time(self.pid) == self.started:
             return False
-        print(supervisor_died(run, self.job_id, self.pid) or "prime-hpc watchdog: the job script ended",
-              file=sys.stderr, flush=True)
+        print(
+            supervisor_died(run, self.job_id, self.pid) or "prime-hpc watchdog: the job script ended",
+            file=sys.stderr,
+            flush=True,
+        )
         return True
 
 
-def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, poll_s: float = POLL_S,
-          supervisor: Optional[Supervisor] = None) -> int:
+def watch(
+    run: RunDir,
+    timeout_s: float,
+    logs: Path,
+    ranks_per_node: int = 1,
+    poll_s: float = POLL_S,
+    supervisor: Optional[Supervisor] = None,
+) -> int:
     while True:
         time.sleep(poll_s)
         if supervisor is not None and supervisor.died(run):
@@ -109,15 +128,23 @@ def watch(run: RunDir, timeout_s: float, logs: Path, ranks_per_node: int = 1, po
         if s is None:
             continue
         log = stall_log(logs, s["component"], s["rank"], ranks_per_node)
-        who = s["component"] + (f" rank {s['rank']}" if s["component"] == "trainer" else
-                                f" node {s['rank']}" if s["component"] == "inference" else "")
+        who = s["component"] + (
+            f" rank {s['rank']}"
+            if s["component"] == "trainer"
+            else f" node {s['rank']}"
+            if s["component"] == "inference"
+            else ""
+        )
         what = "no heartbeat" if s["why"] == "no heartbeat" else "alive, but no progress"
-        reason = (f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g})"
-                  + (f" at step {s['step']}" if s.get("step") is not None else "")
-                  + f"; last line of its log: {last_line(log) or '(empty)'}")
+        reason = (
+            f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g})"
+            + (f" at step {s['step']}" if s.get("step") is not None else "")
+            + f"; last line of its log: {last_line(log) or '(empty)'}"
+        )
         node = s["rank"] // max(1, ranks_per_node) if s["component"] == "trainer" else s["rank"]
-        atomic_write_json(run.stall_record, {**s, "who": who, "reason": reason, "log": str(log),
-                                                            "node": node, "at": time.time()})
+        atomic_write_json(
+            run.stall_record, {**s, "who": who, "reason": reason, "log": str(log), "node": node, "at": time.time()}
+        )
         print(f"prime-hpc watchdog: {who} {reason}; see {log}", file=sys.stderr, flush=True)
         return STALLED
 

@@ -1,5 +1,6 @@
 """Submit a run (or its preflight): validate, write the run directory's launch files,
 render, hand to the backend, record the job. Shared by both backends."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,18 +12,18 @@ from typing import Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from prime_hpc.rundir import jobs
 from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
+from prime_hpc.config.pipeline import warmup_overrides
 from prime_hpc.config.validate import validate
 from prime_hpc.core.errors import ConfigError, LaunchError
-from prime_hpc.config.pipeline import warmup_overrides
 from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.job.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_sbatch
-from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text, with_umask
+
 # re-exported: what a job is doing, light for the read-only commands
 from prime_hpc.launcher.state import cancel, group_states, job_state, pipeline_refs  # noqa: F401
+from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text, jobs, with_umask
 
 
 @dataclass
@@ -55,16 +56,23 @@ def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) ->
     if resume or run.is_fresh():
         return
     if dry_run:
-        raise ConfigError("output_dir", f"{run.root} holds a run; a dry run never overwrites one; "
-                                        "choose another output_dir")
+        raise ConfigError(
+            "output_dir", f"{run.root} holds a run; a dry run never overwrites one; choose another output_dir"
+        )
     if cfg.clean_output_dir:
         if not (run.job_json.exists() or run.config_yaml.exists()):
-            raise ConfigError("clean_output_dir", f"{run.root} is not a prime-hpc run directory (no job.json or "
-                                                  "config.yaml); refusing to wipe it; choose another output_dir")
+            raise ConfigError(
+                "clean_output_dir",
+                f"{run.root} is not a prime-hpc run directory (no job.json or "
+                "config.yaml); refusing to wipe it; choose another output_dir",
+            )
         job_id = active_job(run)
         if job_id:
-            raise ConfigError("clean_output_dir", f"{run.root} belongs to job {job_id}, which is still alive; "
-                                                  f"cancel it (prime-hpc cancel {job_id}) and let it stop first")
+            raise ConfigError(
+                "clean_output_dir",
+                f"{run.root} belongs to job {job_id}, which is still alive; "
+                f"cancel it (prime-hpc cancel {job_id}) and let it stop first",
+            )
         return
     job = jobs.read_job(run)
     owner = f" (run {job.get('name')!r}, job {', '.join(map(str, job.get('job_ids', [])))})" if job else ""
@@ -117,9 +125,15 @@ def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
     atomic_write_text(run.sbatch_script(plan.kind), render_sbatch(plan))
 
 
-def prepare(cfg: DictConfig, mode: str = "run", resume: bool = False,
-            extra_env: Optional[dict[str, str]] = None, dry_run: bool = False,
-            after: Sequence[After] = (), validated: bool = False) -> tuple[RunDir, Plan]:
+def prepare(
+    cfg: DictConfig,
+    mode: str = "run",
+    resume: bool = False,
+    extra_env: Optional[dict[str, str]] = None,
+    dry_run: bool = False,
+    after: Sequence[After] = (),
+    validated: bool = False,
+) -> tuple[RunDir, Plan]:
     """Validate (unless the caller just did) and write everything a launch needs; returns
     the run dir used by the job (the run's own, or `<output_dir>/doctor/` for a preflight)."""
     if not validated:
@@ -157,16 +171,21 @@ def reset_doctor_dir(run: RunDir) -> None:
         st = None
     if st is not None:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            raise ConfigError("output_dir", f"{root} is not a directory prime-hpc doctor made (a symlink, a file or "
-                                            "someone else's); move it away or choose another output_dir")
+            raise ConfigError(
+                "output_dir",
+                f"{root} is not a directory prime-hpc doctor made (a symlink, a file or "
+                "someone else's); move it away or choose another output_dir",
+            )
         try:
             mark = os.lstat(run.doctor_marker)
             ours = stat.S_ISREG(mark.st_mode) and mark.st_uid == os.getuid()
         except FileNotFoundError:
             ours = False
         if not ours and any(os.scandir(root)):
-            raise ConfigError("output_dir", f"{root} holds files prime-hpc doctor did not write; move them away "
-                                            "or choose another output_dir")
+            raise ConfigError(
+                "output_dir",
+                f"{root} holds files prime-hpc doctor did not write; move them away or choose another output_dir",
+            )
         run.wipe()
     atomic_write_text(run.doctor_marker, "written by prime-hpc doctor: this directory is emptied at each doctor run\n")
 
@@ -182,17 +201,32 @@ def expected_reports(plan: Plan) -> dict[str, int]:
     return out
 
 
-def submit(cfg: DictConfig, overrides: Sequence[str], mode: str = "run", resume: bool = False,
-           extra_env: Optional[dict[str, str]] = None, after: Sequence[After] = (),
-           pipeline: Optional[dict] = None, sweep: Optional[dict] = None) -> Submitted:
+def submit(
+    cfg: DictConfig,
+    overrides: Sequence[str],
+    mode: str = "run",
+    resume: bool = False,
+    extra_env: Optional[dict[str, str]] = None,
+    after: Sequence[After] = (),
+    pipeline: Optional[dict] = None,
+    sweep: Optional[dict] = None,
+) -> Submitted:
     """Submit one job. `after`: jobs it starts after (a pipeline's warm-up, an earlier
     point of a sweep); `pipeline`, `sweep`: recorded in job.json to tie the jobs together."""
     with with_umask(cfg.cluster.umask):  # the run dir, and sbatch's output files
         return _submit(cfg, overrides, mode, resume, extra_env, after, pipeline, sweep)
 
 
-def _submit(cfg: DictConfig, overrides: Sequence[str], mode: str, resume: bool, extra_env: Optional[dict[str, str]],
-            after: Sequence[After], pipeline: Optional[dict], sweep: Optional[dict]) -> Submitted:
+def _submit(
+    cfg: DictConfig,
+    overrides: Sequence[str],
+    mode: str,
+    resume: bool,
+    extra_env: Optional[dict[str, str]],
+    after: Sequence[After],
+    pipeline: Optional[dict],
+    sweep: Optional[dict],
+) -> Submitted:
     run, plan = prepare(cfg, mode, resume, extra_env, after=after)
     task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
     prior = jobs.read_job(run) if resume else {}
@@ -235,15 +269,23 @@ def _submit(cfg: DictConfig, overrides: Sequence[str], mode: str, resume: bool, 
             run.job_json.unlink(missing_ok=True)
         raise
     jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **proc)
-    ref = jobs.JobRef(job_id=job_id, name=plan.name, output_dir=str(run.root), backend=plan.backend,
-                      submitted_at=now, mode=mode, kind=plan.kind,
-                      sweep=(sweep or prior.get("sweep") or {}).get("id"))
+    ref = jobs.JobRef(
+        job_id=job_id,
+        name=plan.name,
+        output_dir=str(run.root),
+        backend=plan.backend,
+        submitted_at=now,
+        mode=mode,
+        kind=plan.kind,
+        sweep=(sweep or prior.get("sweep") or {}).get("id"),
+    )
     jobs.record(ref)
     return Submitted(ref=ref, plan=plan, job=job_obj)
 
 
-def submit_stages(stages: Sequence[DictConfig], overrides: Sequence[str], after: Sequence[After] = (),
-                  sweep: Optional[dict] = None) -> list[Submitted]:
+def submit_stages(
+    stages: Sequence[DictConfig], overrides: Sequence[str], after: Sequence[After] = (), sweep: Optional[dict] = None
+) -> list[Submitted]:
     """Submit a run, or a pipeline [warm-up, run]: the run starts only once the warm-up
     completed (SLURM afterok; locally it waits), and both job.json record the pipeline.
     `after`: what the first job waits for; `sweep`: the sweep this point belongs to."""
@@ -257,9 +299,13 @@ def submit_stages(stages: Sequence[DictConfig], overrides: Sequence[str], after:
         cfg.clean_output_dir = False
     warm = submit(warm_cfg, warmup_overrides(cfg), after=after, pipeline={"run": str(run.root)})
     try:
-        run = submit(cfg, overrides, after=[After(job_id=warm.ref.job_id, output_dir=warm.ref.output_dir)],
-                     sweep=sweep, pipeline={"warmup": {
-                         "job_id": warm.ref.job_id, "name": warm.ref.name, "output_dir": warm.ref.output_dir}})
+        run = submit(
+            cfg,
+            overrides,
+            after=[After(job_id=warm.ref.job_id, output_dir=warm.ref.output_dir)],
+            sweep=sweep,
+            pipeline={"warmup": {"job_id": warm.ref.job_id, "name": warm.ref.name, "output_dir": warm.ref.output_dir}},
+        )
     except BaseException:
         cancel(warm.ref)
         raise
@@ -272,22 +318,27 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
     recorded config plus `overrides` (`ckpt.step` defaults to -1, the latest complete
     checkpoint). Refuses while a job of the run is alive or when the step is not a
     complete checkpoint (naming the complete ones)."""
-    from prime_hpc.rundir.checkpoints import resolve_resume_step
     from prime_hpc.config.compose import recorded_config
+    from prime_hpc.rundir.checkpoints import resolve_resume_step
 
     run = ref.run
     live = active_job(run)
     if live:
-        raise ConfigError("resume", f"job {live} of {run.root} is still alive; let it end or cancel it first "
-                                    f"(prime-hpc cancel {live})")
+        raise ConfigError(
+            "resume",
+            f"job {live} of {run.root} is still alive; let it end or cancel it first (prime-hpc cancel {live})",
+        )
     cfg = recorded_config(run.config_yaml, overrides)
     if cfg.ckpt.step is None or not any(o.split("=", 1)[0].lstrip("+") == "ckpt.step" for o in overrides):
         cfg.ckpt.step = -1
     parts = ("trainer",) if cfg.trainer.type == "sft" else CHECKPOINT_PARTS
     step = resolve_resume_step(run, int(cfg.ckpt.step), parts)
     if step is not None and cfg.max_steps is not None and step >= cfg.max_steps:
-        raise ConfigError("max_steps", f"the run already reached step {step} (max_steps={cfg.max_steps}); "
-                                       f"raise it to continue, e.g. max_steps={step + (cfg.max_steps or 10)}")
+        raise ConfigError(
+            "max_steps",
+            f"the run already reached step {step} (max_steps={cfg.max_steps}); "
+            f"raise it to continue, e.g. max_steps={step + (cfg.max_steps or 10)}",
+        )
     sub = submit(cfg, overrides, resume=True)
     sub.resume_step = step
     return sub
@@ -301,5 +352,6 @@ def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 2.0) -> str:
         if st in jobs.FINAL_STATES:
             return st
         time.sleep(poll_s)
-    raise LaunchError(f"job {sub.ref.job_id} still {job_state(sub.ref)} after {timeout_s:g}s; "
-                      f"see {sub.ref.run.latest_logs}")
+    raise LaunchError(
+        f"job {sub.ref.job_id} still {job_state(sub.ref)} after {timeout_s:g}s; see {sub.ref.run.latest_logs}"
+    )

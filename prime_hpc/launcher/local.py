@@ -1,5 +1,6 @@
 """Local backend (cluster=local): the same three components as processes on this
 machine, supervised by the rendered `submit/rl.local.sh` in its own session."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import signal
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from prime_hpc.rundir.jobs import read_job, start_time, supervisor_alive
 from prime_hpc.rundir import RunDir, atomic_write_text
+from prime_hpc.rundir.jobs import read_job, start_time, supervisor_alive
 
 if TYPE_CHECKING:
     from prime_hpc.launcher.plan import Plan

@@ -5,6 +5,7 @@ free of logic.
 Het group 0 = orchestrator (head node), 1 = inference servers (+ router on the first),
 2 = trainer (torchrun, c10d rendezvous on the first trainer node).
 """
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,8 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from prime_hpc.core import jobenv
 from prime_hpc.config.compose import cache_root, trainer_nproc_per_node
+from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env, is_loopback
 from prime_hpc.rundir import COMPONENTS, RunDir
@@ -54,6 +55,7 @@ class TrainerLaunch:
 class After:
     """A job this one starts after: only if it completed (`ok`, SLURM afterok: a pipeline's
     warm-up), or whatever its end (SLURM afterany: a sweep's --max-parallel chain)."""
+
     job_id: str
     output_dir: str
     ok: bool = True
@@ -170,8 +172,11 @@ def group_cpus(cfg: DictConfig, groups: list[str], cores: Optional[list[int]] = 
     this machine's), or None where the allocation decides."""
     wanted = {name: cfg.cluster[name].cpu_ids for name in groups}
     take_turns = int(cfg.async_level) <= 1
-    auto = (one_host_cores(cores if cores is not None else machine_cores(), groups, take_turns)
-            if "auto" in wanted.values() else {})
+    auto = (
+        one_host_cores(cores if cores is not None else machine_cores(), groups, take_turns)
+        if "auto" in wanted.values()
+        else {}
+    )
     return {name: (_id_list(auto[name]) if v == "auto" else v) for name, v in wanted.items()}
 
 
@@ -191,8 +196,14 @@ def group_gpus(cfg: DictConfig, groups: list[str]) -> dict[str, Optional[str]]:
     return out
 
 
-def group_env(name: str, cpu_ids: Optional[str], cpus_per_task: int, nproc_per_node: int, device: str = "cpu",
-              gpu_ids: Optional[str] = None) -> dict[str, str]:
+def group_env(
+    name: str,
+    cpu_ids: Optional[str],
+    cpus_per_task: int,
+    nproc_per_node: int,
+    device: str = "cpu",
+    gpu_ids: Optional[str] = None,
+) -> dict[str, str]:
     """Threads per process from the cores the group has: its pinned cores, else the CPUs
     SLURM gives each task; the trainer's are divided among its ranks on the node. The
     orchestrator computes little and gets one thread. On cuda, the group's GPUs."""
@@ -209,8 +220,9 @@ def _argv(python: str, module: str, *args: str) -> list[str]:
     return [python, "-u", "-m", module, *args]
 
 
-def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
-              cores: Optional[list[int]] = None) -> Plan:
+def make_plan(
+    cfg: DictConfig, mode: str = "run", python: Optional[str] = None, cores: Optional[list[int]] = None
+) -> Plan:
     """The placement of one run (`mode=run`) or of its preflight (`mode=doctor`);
     `cores`: this machine's cores for `cpu_ids: auto` (default: what this process may use)."""
     if mode not in MODES:
@@ -292,9 +304,17 @@ def make_plan(cfg: DictConfig, mode: str = "run", python: Optional[str] = None,
         address=c.address,
         router_argv=router,
         umask=str(c.umask),
-        watchdog_argv=_argv(py, "prime_hpc.job.watchdog", out, "--stall-timeout-s",
-                            f"{float(cfg.watchdog.stall_timeout_s):g}", "--ranks-per-node", str(nproc))
-        if mode == "run" and float(cfg.watchdog.stall_timeout_s) > 0 else [],
+        watchdog_argv=_argv(
+            py,
+            "prime_hpc.job.watchdog",
+            out,
+            "--stall-timeout-s",
+            f"{float(cfg.watchdog.stall_timeout_s):g}",
+            "--ranks-per-node",
+            str(nproc),
+        )
+        if mode == "run" and float(cfg.watchdog.stall_timeout_s) > 0
+        else [],
         # submitit runs the pickled head task from its folder (the SLURM path)
         head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),
     )

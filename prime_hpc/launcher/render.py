@@ -3,6 +3,7 @@
 Every interpolated value goes through a quoting filter: `q` (POSIX shell), `qjoin`
 (an argv) or `sbatch_q` (a value on an `#SBATCH` line, which sbatch parses itself).
 """
+
 from __future__ import annotations
 
 import shlex
@@ -81,8 +82,19 @@ def checkpoint_budget_s(signal_delay_s: int) -> int:
 
 def _render(template: str, plan: Plan, **extra: object) -> str:
     budget_s = checkpoint_budget_s(plan.signal_delay_s)
-    return _env().get_template(template).render(plan=plan, grace_s=STOP_GRACE_S, layout=RunDir, LOGS="$LOGS",
-                                                stalled_rc=STALLED, checkpoint_budget_s=budget_s, **extra)
+    return (
+        _env()
+        .get_template(template)
+        .render(
+            plan=plan,
+            grace_s=STOP_GRACE_S,
+            layout=RunDir,
+            LOGS="$LOGS",
+            stalled_rc=STALLED,
+            checkpoint_budget_s=budget_s,
+            **extra,
+        )
+    )
 
 
 def render_sbatch(plan: Plan) -> str:

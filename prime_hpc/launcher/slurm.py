@@ -2,6 +2,7 @@
 job id and tracks state through sacct; we render the het script (submitit cannot emit het
 jobs itself) and aggregate the per-component states of a het job (sacct lists them as
 `<id>+0`, `<id>+1`, ... and never as a bare `<id>`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,13 +12,14 @@ import subprocess
 from typing import Any, Optional
 
 import submitit
-from submitit.slurm.slurm import SlurmJob, SlurmInfoWatcher
+from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
 from prime_hpc.config.validate import minutes
 from prime_hpc.core.errors import LaunchError
-from prime_hpc.launcher.slurm_state import ACTIVE, aggregate, squeue_components  # the light state queries
 from prime_hpc.launcher.plan import GROUP_NAMES, Plan
 from prime_hpc.launcher.render import render_sbatch
+from prime_hpc.launcher.slurm_state import ACTIVE, aggregate, squeue_components  # the light state queries
+
 
 class HetSlurmJob(SlurmJob):
     """A job of a run: a het job, whose state is the aggregate of its components
@@ -80,8 +82,10 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 def submit(plan: Plan, task: Any) -> HetSlurmJob:
     """Submit the het job running `task` on the head group; returns at once."""
     if not _have_slurm():
-        raise LaunchError("cluster.backend=slurm but no SLURM here (sbatch not found); use cluster=local "
-                          "or start the dev cluster: tools/dev-cluster start")
+        raise LaunchError(
+            "cluster.backend=slurm but no SLURM here (sbatch not found); use cluster=local "
+            "or start the dev cluster: tools/dev-cluster start"
+        )
     executor = HetSlurmExecutor(plan)
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # sbatch's complaint is re-raised as one line

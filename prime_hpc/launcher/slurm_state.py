@@ -1,12 +1,25 @@
 """What SLURM says of a run's jobs, asked with squeue and sacct directly: light enough
 for `status`, `list`, `tail` and `cancel` (no submitit, no config, no rendering)."""
+
 from __future__ import annotations
 
 import subprocess
 from typing import Optional
 
-ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "RESIZING", "SUSPENDED", "REQUEUE_HOLD",
-          "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
+ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "COMPLETING",
+    "CONFIGURING",
+    "RESIZING",
+    "SUSPENDED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+}
 FAILED_FIRST = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "CANCELLED")
 
 
@@ -53,7 +66,7 @@ def _last_error(tool: str, stderr: str) -> str:
     last = lines[-1] if lines else ""
     for prefix in (f"{tool}: ", "error: "):
         if last.startswith(prefix):
-            last = last[len(prefix):]
+            last = last[len(prefix) :]
     return last[:200]
 
 
@@ -108,8 +121,9 @@ def live_states(groups: dict[str, int]) -> tuple[dict[str, str], Optional[str]]:
     rest = [j for j in job_ids if j not in found]
     if rest:
         try:
-            found.update(_components(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)],
-                                     strict=True))
+            found.update(
+                _components(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(rest)], strict=True)
+            )
         except SlurmUnreachable as e:
             note = "; ".join(filter(None, [note, str(e)]))
     return {j: aggregate(list(s.values())) for j, s in found.items() if j in groups and len(s) >= groups[j]}, note

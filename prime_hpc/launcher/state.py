@@ -1,13 +1,13 @@
 """A submitted job's state, its pipeline and its cancellation, from job.json and the
 backend (squeue/sacct, or the local supervisor). Light: what `status`, `list`, `tail` and
 `cancel` need, without the config, planning or rendering of `submit`."""
+
 from __future__ import annotations
 
 import time
 from typing import Optional
 
-from prime_hpc.rundir import jobs
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 
 
 def pipeline_refs(ref: jobs.JobRef) -> list[jobs.JobRef]:

@@ -88,9 +88,7 @@ def build_tokenizer():
     # pieces back without separators, which also makes streaming detokenization exact.
     tok = Tokenizer(models.BPE(vocab=_vocab(), merges=[], unk_token=UNK_TOKEN))
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -117,9 +115,7 @@ def _params(overrides: dict[str, Any]) -> dict[str, Any]:
 def params_hash(seed: int = 0, **overrides: Any) -> str:
     """Short hash of everything that determines the built files."""
     params = _params(overrides)
-    blob = json.dumps(
-        {"builder_version": BUILDER_VERSION, "seed": seed, **params}, sort_keys=True
-    )
+    blob = json.dumps({"builder_version": BUILDER_VERSION, "seed": seed, **params}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -238,14 +234,11 @@ def default_cache_root() -> Path:
 
 def _is_complete(path: Path) -> bool:
     return all(
-        (path / f).is_file()
-        for f in ("config.json", "model.safetensors", "tokenizer.json", "prime_hpc_tiny.json")
+        (path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json", "prime_hpc_tiny.json")
     )
 
 
-def ensure_tiny_model(
-    cache_root: str | os.PathLike | None = None, seed: int = 0, **overrides: Any
-) -> Path:
+def ensure_tiny_model(cache_root: str | os.PathLike | None = None, seed: int = 0, **overrides: Any) -> Path:
     """Build the tiny model once into ``<cache_root>/tiny-seed<seed>-<hash>``; return it.
 
     Safe with concurrent callers (threads, processes, SLURM tasks on a shared

@@ -5,6 +5,7 @@ to the inference servers and periodic eval. Runs on the head node (het group 0).
 `main(["--config", "<run>/configs/orchestrator.yaml"])` returns a summary dict on success
 and raises SystemExit with one line naming the cause (and where to look) on failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,10 @@ from typing import Optional
 def main(argv: Optional[list[str]] = None) -> dict:
     from loguru import logger
 
-    from prime_hpc.rundir.checkpoints import CheckpointWriteError
     from prime_hpc.config.component import OrchestratorRunConfig, load
     from prime_hpc.core.errors import UserError
     from prime_hpc.rundir import WaitTimeout
+    from prime_hpc.rundir.checkpoints import CheckpointWriteError
 
     p = argparse.ArgumentParser(prog="python -m prime_hpc.orchestrator")
     p.add_argument("--config", required=True, help="the run's configs/orchestrator.yaml")
@@ -27,15 +28,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from prime_hpc.inference.client import API_KEY_VAR, api_key
 
     if not api_key():  # every server of the job demands it: nothing could be asked of them
-        raise SystemExit(f"prime-hpc orchestrator: {API_KEY_VAR} is not set: the job's servers answer only with "
-                         "the job's key (the job's environment must carry it)")
+        raise SystemExit(
+            f"prime-hpc orchestrator: {API_KEY_VAR} is not set: the job's servers answer only with "
+            "the job's key (the job's environment must carry it)"
+        )
     try:
         cfg = load(a.config, OrchestratorRunConfig, "orchestrator")
     except UserError as e:
         raise SystemExit(f"prime-hpc orchestrator: {e}") from None
     logger.remove()
-    logger.add(sys.stdout, level=cfg.orchestrator.log.level.upper(),
-               format="{time:HH:mm:ss} {level} orchestrator: {message}")
+    logger.add(
+        sys.stdout, level=cfg.orchestrator.log.level.upper(), format="{time:HH:mm:ss} {level} orchestrator: {message}"
+    )
     from prime_hpc.orchestrator.loop import Orchestrator
 
     try:
@@ -59,8 +63,9 @@ def record_failure(output_dir: str, cause: str, log: object = None) -> None:
     from prime_hpc.rundir import RunDir, atomic_write_json
 
     try:
-        atomic_write_json(RunDir(output_dir).failure_record("orchestrator"),
-                          {"reason": cause, "log": str(log) if log else None})
+        atomic_write_json(
+            RunDir(output_dir).failure_record("orchestrator"), {"reason": cause, "log": str(log) if log else None}
+        )
     except OSError:
         pass
 

@@ -10,6 +10,7 @@ once (at most `max_concurrent` in flight), every completion exactly `completion_
 last completion. Writes `bench/inference.json`; then, when the trainer is benched too,
 waits for its part and merges both into `bench.json`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,12 +45,16 @@ def prompt_fill(cfg: OrchestratorRunConfig, budget: int, longest: tuple[int, int
 
         from prime_hpc.model import resolve_model
 
-        tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model.name, cfg.model.seed),
-                                            trust_remote_code=cfg.model.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(
+            resolve_model(cfg.model.name, cfg.model.seed), trust_remote_code=cfg.model.trust_remote_code
+        )
 
         def length(fill: int) -> int:
-            return len(tok.apply_chat_template(prompt(*longest, fill), tokenize=True, add_generation_prompt=True,
-                                               return_dict=False))
+            return len(
+                tok.apply_chat_template(
+                    prompt(*longest, fill), tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
     except Exception as e:
         logger.info(f"bench: no tokenizer for {cfg.model.name} here ({type(e).__name__}); short prompts")
         return 0
@@ -79,8 +84,9 @@ def choice_tokens(choice: Any) -> int:
     return len(content or [])
 
 
-async def one_step(client: Any, model: str, step: int, groups: int, group_size: int, args: dict,
-                   max_concurrent: int, fill: int) -> tuple[float, int, int, int]:
+async def one_step(
+    client: Any, model: str, step: int, groups: int, group_size: int, args: dict, max_concurrent: int, fill: int
+) -> tuple[float, int, int, int]:
     """(seconds, completions, completion tokens, prompt tokens computed once per group)."""
     sem = asyncio.Semaphore(max_concurrent)
 
@@ -142,31 +148,51 @@ async def run(cfg: OrchestratorRunConfig) -> dict:
     total = int(b.warmup_steps) + int(b.steps)
     fill = await asyncio.to_thread(prompt_fill, cfg, int(cfg.seq_len) - completion, (total, groups - 1))
     times, tokens, samples, computed = [], [], [], []
-    logger.info(f"bench: {groups} prompts x {group_size} completions of {completion} tokens per step, "
-                f"router {ep.router}, {len(ep.servers)} server(s)")
+    logger.info(
+        f"bench: {groups} prompts x {group_size} completions of {completion} tokens per step, "
+        f"router {ep.router}, {len(ep.servers)} server(s)"
+    )
     for step in range(1, total + 1):
         run_dir.beat("orchestrator", 0, step=step - 1, progress_at=time.time())
-        seconds, n, comp_tok, prompt_tok = await one_step(client, cfg.model.name, step, groups, group_size, args,
-                                                          int(o.max_concurrent), fill)
+        seconds, n, comp_tok, prompt_tok = await one_step(
+            client, cfg.model.name, step, groups, group_size, args, int(o.max_concurrent), fill
+        )
         measured = step > int(b.warmup_steps)
         if measured:
             times.append(seconds)
             tokens.append(comp_tok)
             samples.append(n)
             computed.append(comp_tok + prompt_tok)
-        logger.info(f"bench step {step}/{total}{'' if measured else ' (warm-up)'}: {seconds:.3f}s, "
-                    f"{comp_tok / seconds:.0f} generated tok/s")
+        logger.info(
+            f"bench step {step}/{total}{'' if measured else ' (warm-up)'}: {seconds:.3f}s, "
+            f"{comp_tok / seconds:.0f} generated tok/s"
+        )
     params, peak, name, n_devices = served_model(cfg)
-    result = bench.summarize(times, tokens, samples, devices.inference_flops_per_token(params or 0), params or 0,
-                             n_devices, name, peak if params else None, flops_tokens=computed,
-                             shape={"prompts": groups, "group_size": group_size, "completion_len": completion,
-                                    "prompt_len": (computed[0] - tokens[0]) // groups if groups else 0,
-                                    "servers": len(ep.servers)})
+    result = bench.summarize(
+        times,
+        tokens,
+        samples,
+        devices.inference_flops_per_token(params or 0),
+        params or 0,
+        n_devices,
+        name,
+        peak if params else None,
+        flops_tokens=computed,
+        shape={
+            "prompts": groups,
+            "group_size": group_size,
+            "completion_len": completion,
+            "prompt_len": (computed[0] - tokens[0]) // groups if groups else 0,
+            "servers": len(ep.servers),
+        },
+    )
     bench.write_part(run_dir, "inference", result)
     if b.mode == "all":
         await wait_for_trainer(run_dir, total)
     merged = bench.merge(run_dir, bench.header(b.mode, cfg.name, cfg.device, b.steps, b.warmup_steps))
     run_dir.beat("orchestrator", 0, step=total, progress_at=time.time(), done=True)
-    logger.info(f"bench: inference {result['step_time_s']:.3f}s per step (median), "
-                f"{result['tokens_per_s']:.0f} generated tok/s; {run_dir.bench_json}")
+    logger.info(
+        f"bench: inference {result['step_time_s']:.3f}s per step (median), "
+        f"{result['tokens_per_s']:.0f} generated tok/s; {run_dir.bench_json}"
+    )
     return {"bench": merged}

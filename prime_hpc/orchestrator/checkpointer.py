@@ -11,6 +11,7 @@ snapshots); rotation of its own parts like the trainer's (`ckpt.keep_last`,
 `ckpt.keep_interval`). On resume, `load` returns a step's saved state. A part that cannot
 be written raises `CheckpointWriteError` (the earlier ones are untouched).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,8 +76,10 @@ class Checkpointer:
             await asyncio.sleep(0.2)
             saved = checkpointed_step(self.run)
         if saved is None:
-            logger.warning(f"the trainer did not say which step it saved within {CHECKPOINT_WAIT_S:g}s; "
-                           f"the next attempt continues from the last complete checkpoint")
+            logger.warning(
+                f"the trainer did not say which step it saved within {CHECKPOINT_WAIT_S:g}s; "
+                f"the next attempt continues from the last complete checkpoint"
+            )
         elif saved in self.snapshots:
             self.save(saved)
             logger.info(f"checkpointed step {saved} as asked ({reason}); stopping")

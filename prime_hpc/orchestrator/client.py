@@ -15,6 +15,7 @@
   answers 400 "max_tokens must be at least 1") counts like any other over-long prompt.
   Both raise verifiers' OverlongPromptError, which ends the rollout with `is_truncated`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,8 +57,9 @@ def make_client(base_url: str, key: Optional[str], coalesce: bool = True, max_co
                 r.policy_step = extra["policy_step"]
             return r
 
-        async def get_native_response(self, prompt: Any, model: str, sampling_args: Any, tools: Any = None,
-                                      **kwargs: Any) -> Any:
+        async def get_native_response(
+            self, prompt: Any, model: str, sampling_args: Any, tools: Any = None, **kwargs: Any
+        ) -> Any:
             state = kwargs.pop("state", None)  # the rollout's state: not part of the request
             used = context_used(state)
             if max_context is not None and used >= max_context:
@@ -87,7 +89,8 @@ def make_client(base_url: str, key: Optional[str], coalesce: bool = True, max_co
             twins = self._waiting.pop(key)
             try:
                 response = await super().get_native_response(
-                    prompt, model, {**args, "n": len(twins)} if len(twins) > 1 else args, tools)
+                    prompt, model, {**args, "n": len(twins)} if len(twins) > 1 else args, tools
+                )
             except BaseException as e:  # every twin sees the failure
                 for f in twins:
                     if not f.done():

@@ -2,6 +2,7 @@
 sample tasks by ratio, route each env's log records to its own file, and notice reward
 functions that raise (verifiers scores them 0 and logs; we also count them as errors).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -162,8 +163,13 @@ class EnvLogRouter(logging.Handler):
 def route_env_logs(logs: Path, slots: dict[str, list["EnvSlot"]], vf_level: str) -> EnvLogRouter:
     """An attached router of each env's records (`slots` by kind) into its worker log under
     the attempt's `logs`; close it at the end."""
-    router = EnvLogRouter({f"{kind}/{s.name}": RunDir.env_worker_log(logs, kind, s.name)
-                           for kind, of_kind in slots.items() for s in of_kind})
+    router = EnvLogRouter(
+        {
+            f"{kind}/{s.name}": RunDir.env_worker_log(logs, kind, s.name)
+            for kind, of_kind in slots.items()
+            for s in of_kind
+        }
+    )
     router.attach(vf_level)
     return router
 
@@ -239,8 +245,10 @@ class EnvSampler:
 
     def state(self) -> dict:
         st = self.rng.getstate()
-        return {"rng": [st[0], list(st[1]), st[2]],
-                "envs": {s.name: {"epoch": s.epoch, "cursor": s.cursor} for s in self.slots}}
+        return {
+            "rng": [st[0], list(st[1]), st[2]],
+            "envs": {s.name: {"epoch": s.epoch, "cursor": s.cursor} for s in self.slots},
+        }
 
     def load_state(self, state: dict) -> None:
         v, internal, gauss = state["rng"]

@@ -19,6 +19,7 @@ unless the user restates them as overrides or passes `--trust-run-code`.
 instead of a model) scores any model or running endpoint on any env ids, without a run:
 see `run_standalone`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,9 @@ def target_run(target: str) -> tuple[RunDir, Optional[int]]:
     if path.is_dir() and (path / "config.json").exists():
         found = RunDir.of_weights_step(path)
         if found is None:
-            raise UserError(f"{path}: a weights dir must be <run>/weights/step_<n> (the run's config names the eval envs)")
+            raise UserError(
+                f"{path}: a weights dir must be <run>/weights/step_<n> (the run's config names the eval envs)"
+            )
         return found
     if path.is_dir() and RunDir(path).config_yaml.exists():  # a run directory (submitted or not)
         return RunDir(path), None
@@ -105,9 +108,11 @@ def check_foreign_run(run: RunDir, owner: int, cfg: Any, overrides: list[str], t
         return
     found = foreign_code(cfg, overrides)
     if found:
-        raise UserError(f"{run.config_yaml} belongs to {owner_name(owner)}: refusing what would run code of theirs: "
-                        f"{', '.join(found)}; to allow it pass --trust-run-code, or restate it as an override "
-                        f"(e.g. {found[0].split(' ')[0]})")
+        raise UserError(
+            f"{run.config_yaml} belongs to {owner_name(owner)}: refusing what would run code of theirs: "
+            f"{', '.join(found)}; to allow it pass --trust-run-code, or restate it as an override "
+            f"(e.g. {found[0].split(' ')[0]})"
+        )
 
 
 @contextlib.contextmanager
@@ -120,8 +125,8 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
 
     from prime_hpc.config.compose import write_component_config
     from prime_hpc.core.jobenv import CACHE_VAR
-    from prime_hpc.inference.client import wait_for_servers
     from prime_hpc.core.net import address_env
+    from prime_hpc.inference.client import wait_for_servers
 
     key = secrets.token_urlsafe(32)
     cfg.output_dir = str(edir.root)
@@ -134,15 +139,32 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
     except OSError:
         pass
     with open(log, "ab") as f:
-        server = subprocess.Popen([sys.executable, "-u", "-m", "prime_hpc.inference", "--config",
-                                   str(inference_yaml)], stdout=f, stderr=subprocess.STDOUT,
-                                  env={**os.environ, jobenv.LOGS_VAR: str(edir.logs_root), jobenv.NODE_RANK_VAR: "0",
-                                       CACHE_VAR: cache, jobenv.API_KEY_VAR: key, **address_env(cfg.cluster.address)},
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-u", "-m", "prime_hpc.inference", "--config", str(inference_yaml)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                jobenv.LOGS_VAR: str(edir.logs_root),
+                jobenv.NODE_RANK_VAR: "0",
+                CACHE_VAR: cache,
+                jobenv.API_KEY_VAR: key,
+                **address_env(cfg.cluster.address),
+            },
+            start_new_session=True,
+        )
     try:
         print(f"prime-hpc eval: starting an inference server for {cfg.model.name} (log: {log})", flush=True)
-        yield wait_for_servers(edir, 1, float(cfg.inference.startup_timeout_s), logs=edir.logs_root,
-                               alive=lambda: server.poll() is None)[0]["url"], key
+        yield (
+            wait_for_servers(
+                edir,
+                1,
+                float(cfg.inference.startup_timeout_s),
+                logs=edir.logs_root,
+                alive=lambda: server.poll() is None,
+            )[0]["url"],
+            key,
+        )
     finally:
         server.terminate()
         try:
@@ -168,8 +190,9 @@ def run_eval(target: str, args: list[str], trust_run_code: bool = False) -> int:
     steps = parse_steps(steps_arg[-1][6:]) if steps_arg else ([one_step] if one_step is not None else available)
     missing = [s for s in steps if s not in available]
     if missing or not steps:
-        raise UserError(f"no complete weights for step(s) {missing or steps} in {run.weights_dir}; "
-                        f"available: {available or 'none'}")
+        raise UserError(
+            f"no complete weights for step(s) {missing or steps} in {run.weights_dir}; available: {available or 'none'}"
+        )
     cfg, owner = recorded_run(run, overrides)
     if not cfg.orchestrator.eval.env:
         raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
@@ -215,8 +238,9 @@ def run_evaluator(cfg: Any, client: Any, model: str) -> Any:
 
     rcfg = typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
     o = rcfg.orchestrator
-    return Evaluator(o.eval, load_slots(o.eval.env, "eval", o.eval.num_examples),
-                     Generator(o, rcfg.seq_len, client, lambda: model))
+    return Evaluator(
+        o.eval, load_slots(o.eval.env, "eval", o.eval.num_examples), Generator(o, rcfg.seq_len, client, lambda: model)
+    )
 
 
 STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model")
@@ -266,8 +290,9 @@ def run_standalone(args: list[str]) -> int:
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts:
             base = opts["client.base_url"].rstrip("/")
-            metrics = evaluate(base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name,
-                               api_key())
+            metrics = evaluate(
+                base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, api_key()
+            )
             where = base
         else:
             usercache.compile_dir(cache_root(cfg), create=False)
@@ -275,12 +300,22 @@ def run_standalone(args: list[str]) -> int:
             with eval_server(cfg, edir, cache_root(cfg)) as (url, key):
                 metrics = evaluate(url + "/v1", cfg.model.name, key)
             where = "a server started for it"
-        result = {"model": name, "endpoint": where, "envs": envs, "rollouts_per_example": k, "num_examples": n,
-                  "metrics": metrics, "time_s": round(time.monotonic() - t0, 1), "at": time.time()}
+        result = {
+            "model": name,
+            "endpoint": where,
+            "envs": envs,
+            "rollouts_per_example": k,
+            "num_examples": n,
+            "metrics": metrics,
+            "time_s": round(time.monotonic() - t0, 1),
+            "at": time.time(),
+        }
         path = atomic_write_json(out / "eval.json", result)
     print(f"{'ENV':24} {f'AVG@{k}':>8} {f'PASS@{k}':>8}")
     for e in (env_name(EnvEntry(id=e)) for e in envs):
-        print(f"{e:24} {metrics.get(f'eval/{e}/avg@{k}', float('nan')):8.3f} "
-              f"{metrics.get(f'eval/{e}/pass@{k}', float('nan')):8.3f}")
+        print(
+            f"{e:24} {metrics.get(f'eval/{e}/avg@{k}', float('nan')):8.3f} "
+            f"{metrics.get(f'eval/{e}/pass@{k}', float('nan')):8.3f}"
+        )
     print(f"prime-hpc eval: {name} on {', '.join(envs)} ({where}); wrote {path}")
     return 0

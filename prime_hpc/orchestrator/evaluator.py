@@ -15,6 +15,7 @@ last), and the loop `wait`s for the last one at the end; `run` logs the row with
 `time/eval` at the step it was started after. An eval that fails logs one warning and
 writes no row; the run goes on.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,14 @@ from prime_hpc.orchestrator.rollouts import Rollout, pass_at_k
 
 
 class Evaluator:
-    def __init__(self, ecfg: EvalConfig, slots: list[EnvSlot], generator: Generator,
-                 log: Optional[Callable[[int, dict], Any]] = None, on_group: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        ecfg: EvalConfig,
+        slots: list[EnvSlot],
+        generator: Generator,
+        log: Optional[Callable[[int, dict], Any]] = None,
+        on_group: Callable[[], None] = lambda: None,
+    ) -> None:
         self.k = ecfg.rollouts_per_example
         self.interval = ecfg.interval if slots else 0
         self.slots = slots
@@ -86,4 +93,3 @@ class Evaluator:
         if self.pending is not None:
             self.pending.cancel()
             await asyncio.gather(self.pending, return_exceptions=True)
-

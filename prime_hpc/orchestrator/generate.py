@@ -9,6 +9,7 @@ comes back as `n` errored rollouts carrying the exception, which the sink counts
 (`Drop.ERRORED`). While a group runs, its env's log records go to the env's worker log
 (`envs.CURRENT_ENV`). No state of its own beyond its arguments.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -60,14 +61,30 @@ class Generator:
         n = n or self.group_size
         token = CURRENT_ENV.set(f"{kind}/{slot.name}")
         try:
-            outs = await slot.env.run_group([dict(row) for _ in range(n)], self.client, self.model(),
-                                            sampling_args(self.sampling), state_columns=["trajectory", REWARD_ERROR])
+            outs = await slot.env.run_group(
+                [dict(row) for _ in range(n)],
+                self.client,
+                self.model(),
+                sampling_args(self.sampling),
+                state_columns=["trajectory", REWARD_ERROR],
+            )
             return [from_output(o, slot.name, self.seq_len, self.strategy) for o in outs]
         except Exception as e:  # a crashed group is counted, never fatal
             logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
-            return [Rollout(env=slot.name, example_id=row.get("example_id"), reward=0.0, input_ids=[], loss_mask=[],
-                            logprobs=[], policy_steps=[], num_turns=0, is_truncated=False,
-                            error=f"{type(e).__name__}: {e}")
-                    for _ in range(n)]
+            return [
+                Rollout(
+                    env=slot.name,
+                    example_id=row.get("example_id"),
+                    reward=0.0,
+                    input_ids=[],
+                    loss_mask=[],
+                    logprobs=[],
+                    policy_steps=[],
+                    num_turns=0,
+                    is_truncated=False,
+                    error=f"{type(e).__name__}: {e}",
+                )
+                for _ in range(n)
+            ]
         finally:
             CURRENT_ENV.reset(token)

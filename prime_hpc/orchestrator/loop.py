@@ -17,6 +17,7 @@ The heartbeat's progress is a step written, a new policy served (a step trained)
 eval group finished, never a train group judged: a loop that judges groups forever
 without filling a step is a stall for the watchdog.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,9 @@ class Orchestrator:
         self.stop: Any = None  # prime_hpc.runtime.stopping.Stop, installed by main()
         self.stop_code: Optional[int] = None
 
-    def wire(self, client: Any, model: Optional[str], admin: Any, metrics: Any, train: list[EnvSlot],
-             evals: list[EnvSlot]) -> None:
+    def wire(
+        self, client: Any, model: Optional[str], admin: Any, metrics: Any, train: list[EnvSlot], evals: list[EnvSlot]
+    ) -> None:
         """The parts, around the runtime handles: the policy `client` (asking for `model`,
         None: the run's), the servers' `admin`, the `metrics` logger and the env slots."""
         o, cfg = self.ocfg, self.cfg
@@ -69,12 +71,26 @@ class Orchestrator:
         self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = EnvSampler(train, cfg.seed, 1 if self.max_steps is None else None)  # null: the data once
         self.source = GroupSource(sampler, self.generator, lambda: relay.policy, o, self.async_level, self.max_steps)
-        self.step_metrics = StepMetrics(metrics, cfg.wandb.log_extras, cfg.seed, lambda: {
-            **relay.gauges(), **{f"progress/total_{k}": v for k, v in self.totals().items()}})
+        self.step_metrics = StepMetrics(
+            metrics,
+            cfg.wandb.log_extras,
+            cfg.seed,
+            lambda: {**relay.gauges(), **{f"progress/total_{k}": v for k, v in self.totals().items()}},
+        )
         self.teacher = Teacher(o.teacher.client, lambda: relay.model) if o.training_mode == "opd" else None
-        self.sink = StepSink(o, self.async_level, self.source, policy=lambda: relay.policy, teacher=self.teacher,
-                             stopping=self.stopping, unfilled=self.step_metrics.log_unfilled, run=self.run,
-                             logs=self.logs, ranks=cfg.trainer_ranks, micro_batch_size=cfg.micro_batch_size)
+        self.sink = StepSink(
+            o,
+            self.async_level,
+            self.source,
+            policy=lambda: relay.policy,
+            teacher=self.teacher,
+            stopping=self.stopping,
+            unfilled=self.step_metrics.log_unfilled,
+            run=self.run,
+            logs=self.logs,
+            ranks=cfg.trainer_ranks,
+            micro_batch_size=cfg.micro_batch_size,
+        )
         self.evaluator = Evaluator(o.eval, evals, self.generator, metrics.log if metrics else None, self.progress)
 
     def restore(self, state: dict) -> None:
@@ -87,8 +103,12 @@ class Orchestrator:
 
     def state(self) -> dict:
         """What this component's checkpoint of the step just written holds."""
-        return {"step": self.sink.step, "policy": self.relay.policy, "totals": self.totals(),
-                "sampler": self.source.sampler.state()}
+        return {
+            "step": self.sink.step,
+            "policy": self.relay.policy,
+            "totals": self.totals(),
+            "sampler": self.source.sampler.state(),
+        }
 
     def totals(self) -> dict:
         """Over the run (a resumed run's include its checkpoint's): tokens and samples
@@ -116,8 +136,10 @@ class Orchestrator:
             if start is not None and self.run.weights_step(start).exists():
                 await self.relay.serve(start)
             metrics.follow("trainer", start or 0)  # one W&B run: the trainer's rows go in through this logger
-            logger.info(f"orchestrator: {len(train)} train env(s), {len(evals)} eval env(s), router {ep.router}, "
-                        f"{len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}")
+            logger.info(
+                f"orchestrator: {len(train)} train env(s), {len(evals)} eval env(s), router {ep.router}, "
+                f"{len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}"
+            )
             self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
             await self.loop(start or 0, eval_first=start is None and o.eval.at_start and bool(self.evaluator.interval))
             if self.stop_code is None:
@@ -171,8 +193,9 @@ class Orchestrator:
             logger.info(f"last step written: {self.sink.step} ({self.run.rollouts_done})")
         finally:
             beats.cancel()
-            await asyncio.gather(beats, self.relay.aclose(), self.source.aclose(), self.evaluator.aclose(),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                beats, self.relay.aclose(), self.source.aclose(), self.evaluator.aclose(), return_exceptions=True
+            )
             self.beat(done=True)
 
     def write_step(self, step: int, fill: StepFill) -> None:
@@ -183,8 +206,10 @@ class Orchestrator:
         row = self.step_metrics.log_step(step, fill, fill.kept)
         self.progress()
         self.beat()
-        logger.info(f"step {step}: {samples} samples, reward {row.get('reward/all/mean', 0):.3f}, "
-                    f"policy {self.relay.policy}, waited {fill.t_wait:.2f}s for weights")
+        logger.info(
+            f"step {step}: {samples} samples, reward {row.get('reward/all/mean', 0):.3f}, "
+            f"policy {self.relay.policy}, waited {fill.t_wait:.2f}s for weights"
+        )
 
     # ------------------------------------------------------------------ stopping
     async def stopping(self) -> Optional[int]:
@@ -223,9 +248,19 @@ class Orchestrator:
             await asyncio.sleep(BEAT_S)
 
     def beat(self, **info: Any) -> None:
-        self.run.beat("orchestrator", 0, step=self.sink.step, policy=self.relay.policy, progress_at=self.progress_at,
-                      waiting_on="trainer" if self.sink.waiting_for_trainer() else
-                      "inference" if self.source.waiting_for_inference() else None, **info)
+        self.run.beat(
+            "orchestrator",
+            0,
+            step=self.sink.step,
+            policy=self.relay.policy,
+            progress_at=self.progress_at,
+            waiting_on="trainer"
+            if self.sink.waiting_for_trainer()
+            else "inference"
+            if self.source.waiting_for_inference()
+            else None,
+            **info,
+        )
 
     # ------------------------------------------------------------------ checkpoints, by step (scripts and tests)
     @property

@@ -16,6 +16,7 @@ A server that stops answering is lost (`Admin` drops it): `server_lost` says so 
 line and asks the router to forget it; the run goes on with the others. An update that
 fails otherwise stops the relay; `check` then raises its error in the loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,18 +63,24 @@ class WeightRelay:
             serve = read_json(d / STABLE).get("serve")  # the marker holds the weights' metadata
         except (OSError, ValueError):
             serve = None
-        if serve == "adapter" or (serve is None and not any(d.glob("*.safetensors"))
-                                  and self.run.weights_adapter(step).is_dir()):
+        if serve == "adapter" or (
+            serve is None and not any(d.glob("*.safetensors")) and self.run.weights_adapter(step).is_dir()
+        ):
             # LoRA with save_adapter_separately: the servers keep the base model and load the adapter
             answers = await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(step), step)
             self.model = LORA_NAME
         else:
             answers = await self.admin.update_weights(d, step)
-        self.updates.append({
-            "step": step, "seconds": time.monotonic() - t0, "handoff": handoff,
-            # the slowest server's wait for its in-flight generations, and its load
-            "drain": max((float(a.get("drain_s", 0)) for a in answers), default=0.0),
-            "load": max((float(a.get("load_s", 0)) for a in answers), default=0.0)})
+        self.updates.append(
+            {
+                "step": step,
+                "seconds": time.monotonic() - t0,
+                "handoff": handoff,
+                # the slowest server's wait for its in-flight generations, and its load
+                "drain": max((float(a.get("drain_s", 0)) for a in answers), default=0.0),
+                "load": max((float(a.get("load_s", 0)) for a in answers), default=0.0),
+            }
+        )
         logger.info(f"inference now serves policy {step} ({time.monotonic() - t0:.2f}s)")
         self.policy = step
         self.on_policy()  # a step trained: a wait for the trainer's weights ends
@@ -95,17 +102,23 @@ class WeightRelay:
     def gauges(self) -> dict:
         """The relay's numbers in a step's metrics row (the newest update's times)."""
         last = self.updates[-1] if self.updates else {}
-        return {"off_policy/policy": self.policy,
-                "inference/servers": len(self.admin.live) if self.admin is not None else 0,
-                # the newest policy update: weights marked -> seen by the relay, and the update call to every server
-                "time/weight_handoff": last.get("handoff", 0.0), "time/weight_update": last.get("seconds", 0.0),
-                "time/weight_drain": last.get("drain", 0.0), "time/weight_load": last.get("load", 0.0)}
+        return {
+            "off_policy/policy": self.policy,
+            "inference/servers": len(self.admin.live) if self.admin is not None else 0,
+            # the newest policy update: weights marked -> seen by the relay, and the update call to every server
+            "time/weight_handoff": last.get("handoff", 0.0),
+            "time/weight_update": last.get("seconds", 0.0),
+            "time/weight_drain": last.get("drain", 0.0),
+            "time/weight_load": last.get("load", 0.0),
+        }
 
 
 def server_lost(ep: Endpoints, admin: Any, server: str, why: str) -> None:
     """A server stopped answering: the run goes on with the others. The router is told
     to stop sending to it (it would also find out by its own health checks)."""
     node = next((r.get("node") for r in ep.server_records if r.get("url") == server), "?")
-    logger.warning(f"inference server on node {node} ({server}) is gone ({why}); "
-                   f"{len(admin.live)} server(s) left; weight updates skip it from now on")
+    logger.warning(
+        f"inference server on node {node} ({server}) is gone ({why}); "
+        f"{len(admin.live)} server(s) left; weight updates skip it from now on"
+    )
     asyncio.get_running_loop().create_task(forget_worker(ep.router, server))

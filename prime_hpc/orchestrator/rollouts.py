@@ -16,16 +16,17 @@ Policy-lag rules (step n, `async_level` k, `max_off_policy_steps` m):
 - a rollout *spans* max - min + 1 policies (the policies its turns came from and every
   one in between); it is dropped when that exceeds m.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any, Optional
 
+from prime_hpc.orchestrator.envs import REWARD_ERROR
 from prime_hpc.rundir import window
 from prime_hpc.rundir.batch import Sample
 from prime_hpc.rundir.drops import Drop
-from prime_hpc.orchestrator.envs import REWARD_ERROR
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -40,6 +41,7 @@ TRAJECTORY_STRATEGIES = ("interleaved", "branching")
 @dataclass
 class Branch:
     """One further sample of a branched rollout (token-aligned lists)."""
+
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -84,17 +86,32 @@ class Rollout:
         return [self, *self.branches]
 
     def to_sample(self) -> Sample:
-        return Sample(input_ids=self.input_ids, loss_mask=self.loss_mask, inference_logprobs=self.logprobs,
-                      advantage=self.advantage, policy_step=self.oldest_policy, env=self.env, reward=self.reward,
-                      token_advantages=self.token_advantages)
+        return Sample(
+            input_ids=self.input_ids,
+            loss_mask=self.loss_mask,
+            inference_logprobs=self.logprobs,
+            advantage=self.advantage,
+            policy_step=self.oldest_policy,
+            env=self.env,
+            reward=self.reward,
+            token_advantages=self.token_advantages,
+        )
 
     def to_samples(self) -> list[Sample]:
         """One sample per branch (one in all unless branched), each with the rollout's advantage."""
         return [self.to_sample()] + [
-            Sample(input_ids=b.input_ids, loss_mask=b.loss_mask, inference_logprobs=b.logprobs,
-                   advantage=self.advantage, policy_step=self.oldest_policy, env=self.env, reward=self.reward,
-                   token_advantages=b.token_advantages)
-            for b in self.branches]
+            Sample(
+                input_ids=b.input_ids,
+                loss_mask=b.loss_mask,
+                inference_logprobs=b.logprobs,
+                advantage=self.advantage,
+                policy_step=self.oldest_policy,
+                env=self.env,
+                reward=self.reward,
+                token_advantages=b.token_advantages,
+            )
+            for b in self.branches
+        ]
 
 
 def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved") -> Rollout:
@@ -124,13 +141,15 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved"
         comp_lps = list(_get(tokens, "completion_logprobs") or [])
         cur = seqs[-1] if seqs else None
         if cur is not None and prompt[: len(cur.input_ids)] == cur.input_ids:
-            new_prompt = prompt[len(cur.input_ids):]
+            new_prompt = prompt[len(cur.input_ids) :]
         elif cur is None or strategy == "branching":
             cur, new_prompt = Branch(), prompt
             seqs.append(cur)
         else:
-            error_text = error_text or ("turn tokens do not extend the previous turns (the chat template rewrites "
-                                        "history; orchestrator.trajectory_strategy=branching trains such rollouts)")
+            error_text = error_text or (
+                "turn tokens do not extend the previous turns (the chat template rewrites "
+                "history; orchestrator.trajectory_strategy=branching trains such rollouts)"
+            )
             break
         cur.input_ids += new_prompt + completion
         cur.loss_mask += [False] * len(new_prompt) + [True] * len(completion)
@@ -150,10 +169,21 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved"
         # turns without tokens (an empty trajectory is a rollout that ended before any model turn: empty)
         error_text = "no token ids in the rollout (the server must return token ids and logprobs)"
     first = seqs[0] if seqs else Branch()
-    r = Rollout(env=env, example_id=out.get("example_id"), reward=float(out.get("reward") or 0.0),
-                input_ids=first.input_ids, loss_mask=first.loss_mask, logprobs=first.logprobs, policy_steps=steps,
-                num_turns=len(steps), is_truncated=truncated, error=error_text, branches=seqs[1:],
-                prompt_text=_text(out.get("prompt"), last_only=True), completion_text=_text(out.get("completion")))
+    r = Rollout(
+        env=env,
+        example_id=out.get("example_id"),
+        reward=float(out.get("reward") or 0.0),
+        input_ids=first.input_ids,
+        loss_mask=first.loss_mask,
+        logprobs=first.logprobs,
+        policy_steps=steps,
+        num_turns=len(steps),
+        is_truncated=truncated,
+        error=error_text,
+        branches=seqs[1:],
+        prompt_text=_text(out.get("prompt"), last_only=True),
+        completion_text=_text(out.get("completion")),
+    )
     r.empty = r.completion_tokens == 0
     return r
 
@@ -196,6 +226,7 @@ def group_error(group: list[Rollout]) -> Optional[str]:
 class ErrorStreak:
     """Errored groups (`group_error`) in a row, in the order groups are judged; any other
     group ends the streak. `add` says when `limit` groups in a row errored (limit 0: never)."""
+
     limit: int
     count: int = 0
     error: Optional[str] = None  # the last errored group's error
@@ -231,8 +262,15 @@ def advantages(rewards: list[float], kind: str = "mean") -> list[float]:
     raise ValueError(f"unknown advantage {kind!r}; choose from {', '.join(ADVANTAGES)}")
 
 
-def judge_group(group: list[Rollout], step: int, async_level: int, max_off_policy_steps: int,
-                filter_zero_variance: bool, advantage: str = "mean", difficulty: Any = None) -> GroupVerdict:
+def judge_group(
+    group: list[Rollout],
+    step: int,
+    async_level: int,
+    max_off_policy_steps: int,
+    filter_zero_variance: bool,
+    advantage: str = "mean",
+    difficulty: Any = None,
+) -> GroupVerdict:
     """Which rollouts of a finished group train step `step`, with their advantages
     (`advantages` over the group's valid rollouts). `difficulty` (`orchestrator.
     difficulty_filter`) drops groups by their valid rollouts' mean reward and variance."""

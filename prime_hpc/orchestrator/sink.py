@@ -20,6 +20,7 @@ not fill (and the orchestrator is not only waiting for the trainer's weights), o
 every `FILL_LOG_S` says how far it got and why groups were dropped; a stall message of
 the watchdog quotes it.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,6 +47,7 @@ ERROR_QUOTED = 300  # characters of the env's error in the give-up line
 @dataclass
 class StepFill:
     """What filling one step collected."""
+
     t0: float  # when filling began (monotonic)
     t_wait: float = 0.0  # waiting for recent-enough weights
     accepted: list[list[Rollout]] = field(default_factory=list)  # groups for the step
@@ -61,10 +63,21 @@ class StepFill:
 
 
 class StepSink:
-    def __init__(self, ocfg: OrchestratorConfig, async_level: int, source: GroupSource, *, policy: Callable[[], int],
-                 teacher: Optional[Teacher], stopping: Callable[[], Awaitable[Optional[int]]],
-                 unfilled: Callable[[int, StepFill], None], run: RunDir, logs: Optional[Path], ranks: int,
-                 micro_batch_size: int) -> None:
+    def __init__(
+        self,
+        ocfg: OrchestratorConfig,
+        async_level: int,
+        source: GroupSource,
+        *,
+        policy: Callable[[], int],
+        teacher: Optional[Teacher],
+        stopping: Callable[[], Awaitable[Optional[int]]],
+        unfilled: Callable[[int, StepFill], None],
+        run: RunDir,
+        logs: Optional[Path],
+        ranks: int,
+        micro_batch_size: int,
+    ) -> None:
         self.ocfg = ocfg
         self.async_level = async_level
         self.groups_per_step = ocfg.batch_size // ocfg.group_size
@@ -134,8 +147,15 @@ class StepSink:
                 self.give_up(step, fill)
             return
         o = self.ocfg
-        v = judge_group(group, step, self.async_level, o.max_off_policy_steps, o.online_difficulty_filtering,
-                        o.advantage, o.difficulty_filter)
+        v = judge_group(
+            group,
+            step,
+            self.async_level,
+            o.max_off_policy_steps,
+            o.online_difficulty_filtering,
+            o.advantage,
+            o.difficulty_filter,
+        )
         fill.spanning += v.dropped_spanning
         if v.reason:
             fill.dropped[v.reason] += 1
@@ -150,14 +170,19 @@ class StepSink:
         e = self.errors
         self.unfilled(step, fill)
         error = e.error if len(e.error or "") <= ERROR_QUOTED else e.error[:ERROR_QUOTED] + "..."
-        raise EnvFailed(f"train env {e.env!r}: {e.count} groups in a row errored (orchestrator.max_errored_groups="
-                        f"{e.limit}); the last: {error}",
-                        RunDir.env_worker_log(self.logs, "train", e.env) if self.logs is not None else None)
+        raise EnvFailed(
+            f"train env {e.env!r}: {e.count} groups in a row errored (orchestrator.max_errored_groups="
+            f"{e.limit}); the last: {error}",
+            RunDir.env_worker_log(self.logs, "train", e.env) if self.logs is not None else None,
+        )
 
     def waiting_for_trainer(self) -> bool:
         """Nothing generating, and the served policy too old for the step being filled."""
-        return not self.source.inflight and self.filling is not None and \
-            window.is_stale(self.policy(), self.filling, self.async_level)
+        return (
+            not self.source.inflight
+            and self.filling is not None
+            and window.is_stale(self.policy(), self.filling, self.async_level)
+        )
 
     def report(self, step: int, fill: StepFill) -> None:
         """Every `FILL_LOG_S` while `step` does not fill (unless only waiting for the
@@ -167,8 +192,10 @@ class StepSink:
             return
         fill.reported = now
         why = ", ".join(f"{d}: {n}" for d, n in sorted(fill.dropped.items()) if n)
-        logger.info(f"step {step}: {len(fill.accepted)}/{self.groups_per_step} groups accepted after "
-                    f"{fill.judged} judged in {now - fill.t0:.0f}s" + (f" ({why})" if why else ""))
+        logger.info(
+            f"step {step}: {len(fill.accepted)}/{self.groups_per_step} groups accepted after "
+            f"{fill.judged} judged in {now - fill.t0:.0f}s" + (f" ({why})" if why else "")
+        )
 
     def write(self, step: int, fill: StepFill) -> int:
         """`rollouts/step_<n>/` (one file per trainer rank, balanced by tokens); the totals.
@@ -176,8 +203,11 @@ class StepSink:
         kept = fill.kept
         samples = [s for r in kept for s in r.to_samples()]
         per_rank = batch.shard(samples, self.ranks, self.micro_batch_size)
-        info = {"policies": sorted({r.oldest_policy for r in kept}), "mode": self.ocfg.training_mode,
-                "temperature": float(self.ocfg.sampling.temperature)}
+        info = {
+            "policies": sorted({r.oldest_policy for r in kept}),
+            "mode": self.ocfg.training_mode,
+            "temperature": float(self.ocfg.sampling.temperature),
+        }
         batch.write_step(self.run, step, per_rank, info)
         self.step = step
         self.samples += len(samples)

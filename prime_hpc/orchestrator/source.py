@@ -16,6 +16,7 @@ p + async_level (`rundir/window.py`); only as many groups are generating as thos
 accepted or waiting to be judged; at most `max_concurrent / group_size`. Generating more
 would only make groups that turn stale before a step can use them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,15 @@ QUIET_S = 10.0  # groups generating and none finished for this long: only waitin
 
 
 class GroupSource:
-    def __init__(self, sampler: EnvSampler, generator: Generator, policy: Callable[[], int],
-                 ocfg: OrchestratorConfig, async_level: int, max_steps: Optional[int]) -> None:
+    def __init__(
+        self,
+        sampler: EnvSampler,
+        generator: Generator,
+        policy: Callable[[], int],
+        ocfg: OrchestratorConfig,
+        async_level: int,
+        max_steps: Optional[int],
+    ) -> None:
         self.sampler = sampler
         self.generator = generator
         self.policy = policy

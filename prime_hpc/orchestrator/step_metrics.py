@@ -12,6 +12,7 @@ reward keys and with `filter/unfilled` 1 (`log_unfilled`). Every
 `wandb.log_extras.interval` steps with W&B, a table of sampled rollouts and histograms of
 rewards and advantages (`log_extras`). The names are documented in docs/orchestrator.md.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,14 +33,16 @@ TRAINER_WAIT_S = 300.0  # at the end, with W&B: how long to wait for the trainer
 
 def rollout_metrics(scope: str, rs: list[Rollout]) -> dict:
     lens = [len(seq.input_ids) for r in rs for seq in r.sequences()]  # per sample
-    return {f"reward/{scope}/mean": mean(r.reward for r in rs),
-            f"seq_len/{scope}/mean": mean(lens),
-            f"seq_len/{scope}/max": max(lens),
-            f"is_truncated/{scope}/mean": mean(float(r.is_truncated) for r in rs),
-            f"num_turns/{scope}/mean": mean(r.num_turns for r in rs),
-            f"samples_per_rollout/{scope}/mean": mean(1 + len(r.branches) for r in rs),  # > 1: branching
-            f"empty_rollouts/{scope}": mean(float(r.empty and not r.error) for r in rs),
-            f"errored_rollouts/{scope}": mean(float(bool(r.error)) for r in rs)}
+    return {
+        f"reward/{scope}/mean": mean(r.reward for r in rs),
+        f"seq_len/{scope}/mean": mean(lens),
+        f"seq_len/{scope}/max": max(lens),
+        f"is_truncated/{scope}/mean": mean(float(r.is_truncated) for r in rs),
+        f"num_turns/{scope}/mean": mean(r.num_turns for r in rs),
+        f"samples_per_rollout/{scope}/mean": mean(1 + len(r.branches) for r in rs),  # > 1: branching
+        f"empty_rollouts/{scope}": mean(float(r.empty and not r.error) for r in rs),
+        f"errored_rollouts/{scope}": mean(float(bool(r.error)) for r in rs),
+    }
 
 
 class StepMetrics:
@@ -58,17 +61,19 @@ class StepMetrics:
             if rs:
                 m.update(rollout_metrics(scope, rs))
         lags = [step - r.oldest_policy for r in kept]
-        m.update({
-            "off_policy/lag/mean": mean(lags) if lags else 0.0,
-            "off_policy/lag/max": max(lags) if lags else 0,
-            "off_policy/stale_share": fill.dropped[Drop.STALE] / max(fill.judged, 1),
-            "off_policy/spanning_rollouts": fill.spanning,
-            "filter/judged_groups": fill.judged,
-            **{d.metric: fill.dropped[d] for d in Drop},
-            **self.gauges(),
-            "time/step": time.monotonic() - fill.t0,
-            "time/wait_for_ckpt": fill.t_wait,
-        })
+        m.update(
+            {
+                "off_policy/lag/mean": mean(lags) if lags else 0.0,
+                "off_policy/lag/max": max(lags) if lags else 0,
+                "off_policy/stale_share": fill.dropped[Drop.STALE] / max(fill.judged, 1),
+                "off_policy/spanning_rollouts": fill.spanning,
+                "filter/judged_groups": fill.judged,
+                **{d.metric: fill.dropped[d] for d in Drop},
+                **self.gauges(),
+                "time/step": time.monotonic() - fill.t0,
+                "time/wait_for_ckpt": fill.t_wait,
+            }
+        )
         return m
 
     def log_step(self, step: int, fill: StepFill, kept: list[Rollout]) -> dict:
@@ -83,8 +88,14 @@ class StepMetrics:
         """A row for a step that will not be filled: what it judged and why groups were
         dropped, `filter/unfilled` 1; no reward keys (nothing of it is trained)."""
         m = self.row(step, fill, [])
-        self.logger.log(step, {**{k: v for k, v in m.items() if not k.startswith("reward/")},
-                               "filter/accepted_groups": len(fill.accepted), "filter/unfilled": 1})
+        self.logger.log(
+            step,
+            {
+                **{k: v for k, v in m.items() if not k.startswith("reward/")},
+                "filter/accepted_groups": len(fill.accepted),
+                "filter/unfilled": 1,
+            },
+        )
 
     def log_extras(self, step: int, kept: list[Rollout]) -> None:
         """Every `wandb.log_extras.interval` steps: a table of sampled rollouts and
@@ -95,13 +106,23 @@ class StepMetrics:
         if self.extras.samples:
             n = max(1, round(len(kept) * self.extras.sample_ratio))
             picked = random.Random(f"{self.seed}:{step}").sample(kept, min(n, len(kept)))
-            self.logger.log_table(step, "samples", ["step", "env", "example_id", "prompt", "completion", "reward",
-                                                    "advantage"],
-                                  [[step, r.env, str(r.example_id), r.prompt_text, r.completion_text, r.reward,
-                                    r.advantage] for r in picked])
+            self.logger.log_table(
+                step,
+                "samples",
+                ["step", "env", "example_id", "prompt", "completion", "reward", "advantage"],
+                [
+                    [step, r.env, str(r.example_id), r.prompt_text, r.completion_text, r.reward, r.advantage]
+                    for r in picked
+                ],
+            )
         if self.extras.distributions:
-            self.logger.log_histograms(step, {"distributions/reward": [r.reward for r in kept],
-                                              "distributions/advantage": [r.advantage for r in kept]})
+            self.logger.log_histograms(
+                step,
+                {
+                    "distributions/reward": [r.reward for r in kept],
+                    "distributions/advantage": [r.advantage for r in kept],
+                },
+            )
 
     async def wait_for_trainer(self, run: RunDir, step: int, timeout_s: float = TRAINER_WAIT_S) -> None:
         """With W&B, at the end: until the trainer's heartbeat says it is done or at `step`

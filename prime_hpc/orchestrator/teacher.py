@@ -10,6 +10,7 @@ first token) and the per-token advantages log p_teacher - log p_student
 sequence as the prompt, `max_tokens` 1 and `prompt_logprobs` 0, through one HTTP client
 kept for the run (opened on first use, closed by `aclose`). A failed request raises.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -38,14 +39,22 @@ class Teacher:
 
     async def add_logprobs(self, group: list[Rollout]) -> None:
         for r in (seq for rollout in group for seq in rollout.sequences()):
-            resp = await self.http().post(self.url, json={
-                "model": self.model or self.default_model(), "prompt": r.input_ids, "max_tokens": 1,
-                "prompt_logprobs": 0, "temperature": 1.0})
+            resp = await self.http().post(
+                self.url,
+                json={
+                    "model": self.model or self.default_model(),
+                    "prompt": r.input_ids,
+                    "max_tokens": 1,
+                    "prompt_logprobs": 0,
+                    "temperature": 1.0,
+                },
+            )
             resp.raise_for_status()
             body = resp.json()
             plp = body["choices"][0].get("prompt_logprobs") or body.get("prompt_logprobs")
-            r.teacher_logprobs = [0.0] + [float(entry[str(tok)]["logprob"])
-                                          for tok, entry in zip(r.input_ids[1:], plp[1:])]
+            r.teacher_logprobs = [0.0] + [
+                float(entry[str(tok)]["logprob"]) for tok, entry in zip(r.input_ids[1:], plp[1:])
+            ]
             r.token_advantages = opd_token_advantages(r)
 
     async def aclose(self) -> None:

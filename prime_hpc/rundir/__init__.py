@@ -10,13 +10,52 @@ and the trainer, on the shared filesystem.
 - `jobs`: `job.json`, the launcher's record of a run, and the list of recent runs;
 - `bench`: a bench run's results (`bench.json`).
 """
-from prime_hpc.rundir.files import (STABLE, TMP_PREFIX, WaitTimeout, atomic_write_bytes, atomic_write_json,
-                                    atomic_write_text, exists_fresh, is_stable, mark_stable, publish_dir, read_json,
-                                    stable_time, staging_dir, tail, truncate_jsonl, wait_file, wait_for, wait_stable,
-                                    with_umask)
+
+from prime_hpc.rundir.files import (
+    STABLE,
+    TMP_PREFIX,
+    WaitTimeout,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    exists_fresh,
+    is_stable,
+    mark_stable,
+    publish_dir,
+    read_json,
+    stable_time,
+    staging_dir,
+    tail,
+    truncate_jsonl,
+    wait_file,
+    wait_for,
+    wait_stable,
+    with_umask,
+)
 from prime_hpc.rundir.layout import BEAT_S, CHECKPOINT_PARTS, COMPONENTS, RunDir
 
-__all__ = ["BEAT_S", "CHECKPOINT_PARTS", "COMPONENTS", "STABLE", "TMP_PREFIX", "RunDir", "WaitTimeout",
-           "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "exists_fresh", "is_stable", "mark_stable",
-           "publish_dir", "read_json", "stable_time", "staging_dir", "tail", "truncate_jsonl", "wait_file", "wait_for",
-           "wait_stable"]
+__all__ = [
+    "BEAT_S",
+    "CHECKPOINT_PARTS",
+    "COMPONENTS",
+    "STABLE",
+    "TMP_PREFIX",
+    "RunDir",
+    "WaitTimeout",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "exists_fresh",
+    "is_stable",
+    "mark_stable",
+    "publish_dir",
+    "read_json",
+    "stable_time",
+    "staging_dir",
+    "tail",
+    "truncate_jsonl",
+    "wait_file",
+    "wait_for",
+    "wait_stable",
+    "with_umask",
+]

@@ -21,6 +21,7 @@ the log-probability its logits at t-1 assign to token t with `inference_logprobs
 Every rank gets the same number of micro-batches (FSDP ranks must run the same number of
 forward passes); missing ones are empty (B=1, all masks False).
 """
+
 from __future__ import annotations
 
 import io
@@ -164,7 +165,9 @@ def read_rank(run: RunDir, step: int, rank: int, timeout_s: float = 24 * 3600, *
     data = torch.load(path, map_location="cpu", weights_only=True)
     if data.get("format") != FORMAT:
         raise RuntimeError(f"{path}: rollout format {data.get('format')!r}, expected {FORMAT}")
-    return RolloutBatch(step=int(data["step"]), rank=int(data["rank"]), micro_batches=data["micro_batches"], info=data["info"])
+    return RolloutBatch(
+        step=int(data["step"]), rank=int(data["rank"]), micro_batches=data["micro_batches"], info=data["info"]
+    )
 
 
 def remove_step(run: RunDir, step: int) -> None:

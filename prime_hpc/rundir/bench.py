@@ -22,6 +22,7 @@ PART: `step_times_s` (the measured steps), `step_time_s` (their median),
 
 Light to import (no torch): the CLI reads results with it.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,10 +49,18 @@ def completion_len(configured: Optional[int], seq_len: int) -> int:
     return max(1, min(n, seq_len - 1))
 
 
-def summarize(step_times_s: Sequence[float], tokens: Sequence[float], samples: Sequence[float],
-              flops_per_token: float, params: int, devices_used: int, device_name: str,
-              peak_flops_per_device: Optional[float], flops_tokens: Optional[Sequence[float]] = None,
-              shape: Optional[dict] = None) -> dict:
+def summarize(
+    step_times_s: Sequence[float],
+    tokens: Sequence[float],
+    samples: Sequence[float],
+    flops_per_token: float,
+    params: int,
+    devices_used: int,
+    device_name: str,
+    peak_flops_per_device: Optional[float],
+    flops_tokens: Optional[Sequence[float]] = None,
+    shape: Optional[dict] = None,
+) -> dict:
     """One part's figures from its measured steps (`tokens`, `samples`: per step).
     `flops_tokens`: tokens per step that cost `flops_per_token` each, when they differ from
     the throughput's tokens (inference: prompts are computed too, once per group)."""
@@ -120,8 +129,10 @@ def mfu_text(part: dict) -> str:
 
 def table(results: dict) -> str:
     """The one-screen summary of `bench.json`."""
-    lines = [f"bench {results.get('name')} ({results.get('device')}): {results.get('steps')} measured step(s) "
-             f"after {results.get('warmup_steps')} warm-up"]
+    lines = [
+        f"bench {results.get('name')} ({results.get('device')}): {results.get('steps')} measured step(s) "
+        f"after {results.get('warmup_steps')} warm-up"
+    ]
     rows = [("part", "step time (median)", "tokens/s", "samples/s", "MFU")]
     notes = []
     for part in PARTS:
@@ -132,8 +143,10 @@ def table(results: dict) -> str:
             continue
         rows.append((part, f"{r['step_time_s']:.3f} s", _num(r["tokens_per_s"]), _num(r["samples_per_s"]), mfu_text(r)))
         shape = ", ".join(f"{k} {v}" for k, v in r.get("shape", {}).items())
-        notes.append(f"{part}: {_num(r['tokens_per_step'])} tokens and {_num(r['samples_per_step'])} samples per step "
-                     f"on {r['devices']} device(s), {r['params'] / 1e6:.2f}M parameters; {shape}")
+        notes.append(
+            f"{part}: {_num(r['tokens_per_step'])} tokens and {_num(r['samples_per_step'])} samples per step "
+            f"on {r['devices']} device(s), {r['params'] / 1e6:.2f}M parameters; {shape}"
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

@@ -1,5 +1,6 @@
 """Checkpoint rules every component applies the same way (pure, no torch): when a step is
 checkpointed, which steps rotation deletes, and which step a resume loads."""
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -14,9 +15,11 @@ class CheckpointWriteError(RuntimeError):
 
     def __init__(self, step: int, where: Any, cause: BaseException) -> None:
         cause = root_cause(cause)
-        super().__init__(f"the checkpoint of step {step} could not be written to {where}: "
-                         f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
-                         "the earlier checkpoints are kept")
+        super().__init__(
+            f"the checkpoint of step {step} could not be written to {where}: "
+            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
+            "the earlier checkpoints are kept"
+        )
 
 
 def root_cause(error: BaseException) -> BaseException:

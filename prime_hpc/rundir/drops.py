@@ -6,6 +6,7 @@ The orchestrator counts (`orchestrator/sink.py`), its fill-progress line and
 and `status` reads the counts back from a step's metrics row (`watch/vitals.py`). A
 member is its text (`Drop.STALE == "stale"`); `.metric` is its key.
 """
+
 from __future__ import annotations
 
 from enum import StrEnum
@@ -13,6 +14,7 @@ from enum import StrEnum
 
 class Drop(StrEnum):
     """In the order `status` lists them."""
+
     ERRORED = "errored", "filter/errored_groups"  # nothing of the group can train (`rollouts.group_error`)
     ZERO_VARIANCE = "no reward variance", "filter/zero_variance_groups"  # online_difficulty_filtering
     INVALID = "too few valid rollouts", "filter/invalid_groups"  # fewer than 2 rollouts left to compare

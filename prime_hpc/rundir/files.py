@@ -10,6 +10,7 @@ Waiting works under NFS attribute caching: instead of trusting a cached `stat`, 
 lists the parent directory (readdir revalidates the directory) and opens the file
 (close-to-open consistency), polling with a short back-off so latency stays sub-second.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,7 @@ def _dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
-def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = True,
-                       mode: Optional[int] = None) -> Path:
+def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = True, mode: Optional[int] = None) -> Path:
     """Write `data` to `path` so that a reader sees either nothing, the old content, or
     all of the new content: temp file in the same directory, fsync, `os.replace`.
     `durable=False` skips the fsyncs (file and directory): for records that are rewritten

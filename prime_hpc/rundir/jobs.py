@@ -3,6 +3,7 @@ requeues and resumes, overrides, git sha, cluster, state, attempts, failure) and
 index of submitted runs in the user's state dir, so a job can be named by SLURM id, run
 name or output dir. Light imports only: this backs `status` and `list`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,17 @@ from prime_hpc.rundir import RunDir, atomic_write_json, read_json
 # job.json "state" values (SLURM's vocabulary where it has one)
 PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
 REQUEUED = "REQUEUED"  # an attempt ended (time limit, preemption, requeue); the next one is queued
-FINAL_STATES = {COMPLETED, FAILED, CANCELLED, "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-                "DEADLINE"}
+FINAL_STATES = {
+    COMPLETED,
+    FAILED,
+    CANCELLED,
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def state_dir() -> Path:
@@ -157,10 +167,16 @@ def resolve(name: str) -> JobRef:
     if path.is_dir() and (path / "job.json").exists():
         job = read_job(RunDir(path))
         ids = job.get("job_ids") or ["?"]
-        return JobRef(job_id=str(ids[-1]), name=job.get("name", path.name), output_dir=str(RunDir(path).root),
-                      backend=job.get("backend", "?"), submitted_at=job.get("submitted_at", 0),
-                      mode=job.get("mode", "run"), kind=job.get("kind", "rl"),
-                      sweep=(job.get("sweep") or {}).get("id"))
+        return JobRef(
+            job_id=str(ids[-1]),
+            name=job.get("name", path.name),
+            output_dir=str(RunDir(path).root),
+            backend=job.get("backend", "?"),
+            submitted_at=job.get("submitted_at", 0),
+            mode=job.get("mode", "run"),
+            kind=job.get("kind", "rl"),
+            sweep=(job.get("sweep") or {}).get("id"),
+        )
     refs = recent()
     for ref in refs:
         if ref.job_id == name or ref.job_id.split("_")[0] == name:

@@ -1,6 +1,7 @@
 """The layout of the run directory: every shared path is a property or method of `RunDir`;
 nobody else builds these strings (the job scripts render theirs from it too).
 """
+
 from __future__ import annotations
 
 import json
@@ -160,8 +161,9 @@ class RunDir:
         by the loop that does the work, at least every `BEAT_S` while it runs; with
         `progress_at` (the last time it got something done) and `waiting_on` (the
         component it waits for, if it only waits), the watchdog tells a stall from a wait."""
-        atomic_write_json(self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info},
-                          durable=False)
+        atomic_write_json(
+            self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info}, durable=False
+        )
 
     def beats(self, component: Optional[str] = None) -> dict[str, dict]:
         """The heartbeats there are, {"trainer_0": {...}, ...} (of `component`'s ranks only
@@ -267,8 +269,11 @@ class RunDir:
 
     def checkpoint_steps(self, component: str) -> list[int]:
         """Steps that have a `component` part at all (complete or not), ascending."""
-        return [s for s in _steps_in(self.checkpoints_dir, require_stable=False)
-                if self.checkpoint_part(s, component).is_dir()]
+        return [
+            s
+            for s in _steps_in(self.checkpoints_dir, require_stable=False)
+            if self.checkpoint_part(s, component).is_dir()
+        ]
 
     @property
     def metrics_dir(self) -> Path:

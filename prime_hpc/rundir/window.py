@@ -5,6 +5,7 @@ the trainer (which `weights/step_k` to prune).
 With `async_level` k, step n trains on rollouts whose every turn came from a policy no
 older than n - k (policy m = the weights after trainer step m; 0 = the initial model).
 """
+
 from __future__ import annotations
 
 

@@ -20,6 +20,7 @@ W&B's caches and settings are redirected into `<output_dir>/wandb/` too (unless 
 environment already says where they go), so nothing lands in the home directory.
 Importing this module is cheap; wandb is imported only when enabled.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -92,9 +93,16 @@ class MetricsLogger:
         name = _get(cfg, "name") or run_name or self.run.root.name
         if is_dataclass(config):
             config = asdict(config)
-        return wandb.init(id=run_id(self.run), name=name, project=_get(cfg, "project"), entity=_get(cfg, "entity"),
-                          dir=str(d), config=dict(config or {}), resume="allow",
-                          mode="offline" if _get(cfg, "offline", False) else "online")
+        return wandb.init(
+            id=run_id(self.run),
+            name=name,
+            project=_get(cfg, "project"),
+            entity=_get(cfg, "entity"),
+            dir=str(d),
+            config=dict(config or {}),
+            resume="allow",
+            mode="offline" if _get(cfg, "offline", False) else "online",
+        )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record `metrics` of `step` (one JSONL line, and a W&B row when enabled)."""

@@ -15,6 +15,7 @@ EXIT (stop now: a cancel). After a SIGTERM without a request, the answer waits u
 `DECIDE_S` for one, the time the supervisor needs to ask SLURM. The codes are ordered so
 that data-parallel ranks agree by taking the maximum.
 """
+
 from __future__ import annotations
 
 import os

@@ -16,6 +16,7 @@ forward, backward and optimizer, synchronised; no weights are written), logs eac
 `metrics/trainer.jsonl`, and rank 0 writes `bench/trainer.json` (and `bench.json` when the
 trainer is the only part benched).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,10 @@ def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed
     logprobs = (-torch.rand(n, seq, generator=g) * 4).tolist()
     adv = torch.randn(n, generator=g).tolist()
     mask = [False] * (seq - completion) + [True] * completion
-    samples = [Sample(input_ids=ids[i], loss_mask=list(mask), inference_logprobs=logprobs[i], advantage=adv[i])
-               for i in range(n)]
+    samples = [
+        Sample(input_ids=ids[i], loss_mask=list(mask), inference_logprobs=logprobs[i], advantage=adv[i])
+        for i in range(n)
+    ]
     return shard(samples, world, int(cfg.trainer.micro_batch_size))[rank]
 
 
@@ -77,11 +80,21 @@ def loss_for(cfg: TrainerRunConfig) -> Any:
 def shape(cfg: TrainerRunConfig, world: int) -> dict:
     t = cfg.trainer
     if t.type == "sft":
-        return {"type": "sft", "rows": max(1, int(t.data.batch_size) // int(t.data.seq_len)),
-                "seq_len": int(t.data.seq_len), "micro_batch_size": int(t.micro_batch_size), "ranks": world}
-    return {"type": "rl", "samples": int(cfg.bench.samples_per_step), "seq_len": int(cfg.seq_len),
-            "completion_len": bench.completion_len(cfg.bench.completion_len, int(cfg.seq_len)),
-            "micro_batch_size": int(t.micro_batch_size), "ranks": world}
+        return {
+            "type": "sft",
+            "rows": max(1, int(t.data.batch_size) // int(t.data.seq_len)),
+            "seq_len": int(t.data.seq_len),
+            "micro_batch_size": int(t.micro_batch_size),
+            "ranks": world,
+        }
+    return {
+        "type": "rl",
+        "samples": int(cfg.bench.samples_per_step),
+        "seq_len": int(cfg.seq_len),
+        "completion_len": bench.completion_len(cfg.bench.completion_len, int(cfg.seq_len)),
+        "micro_batch_size": int(t.micro_batch_size),
+        "ranks": world,
+    }
 
 
 def wait_for_inference(s: Any) -> None:
@@ -102,8 +115,9 @@ def wait_for_inference(s: Any) -> None:
         return part.exists()
 
     logger.info(f"bench: waiting for the inference part ({part}) before measuring the trainer")
-    wait_for(ready, what=str(part), timeout_s=24 * 3600, producer="orchestrator",
-             producer_log=runner.orchestrator_log())
+    wait_for(
+        ready, what=str(part), timeout_s=24 * 3600, producer="orchestrator", producer_log=runner.orchestrator_log()
+    )
 
 
 def run(cfg: TrainerRunConfig) -> None:
@@ -135,25 +149,40 @@ def run(cfg: TrainerRunConfig) -> None:
                 samples.append(result.sums["num_samples"])
             if s.metrics is not None:
                 s.metrics.log(step, {**runner.step_metrics(s, result, t, 0.0), "bench/measured": float(measured)})
-            logger.info(f"bench step {step}/{total}{'' if measured else ' (warm-up)'}: {t:.3f}s, "
-                        f"{result.sums['num_tokens'] / t:.0f} tok/s")
+            logger.info(
+                f"bench step {step}/{total}{'' if measured else ' (warm-up)'}: {t:.3f}s, "
+                f"{result.sums['num_tokens'] / t:.0f} tok/s"
+            )
             runner.beat(s, step)
         if env.is_main:
             result = bench.summarize(
-                times, tokens, samples, devices.train_flops_per_token(s.num_params), s.num_params, env.world_size,
-                devices.accelerator_name(cfg.device, env.local_rank), devices.peak_flops(cfg.device, env.local_rank),
-                shape=shape(cfg, env.world_size))
+                times,
+                tokens,
+                samples,
+                devices.train_flops_per_token(s.num_params),
+                s.num_params,
+                env.world_size,
+                devices.accelerator_name(cfg.device, env.local_rank),
+                devices.peak_flops(cfg.device, env.local_rank),
+                shape=shape(cfg, env.world_size),
+            )
             bench.write_part(s.run, "trainer", result)
             if b.mode == "trainer" or cfg.trainer.type == "sft":
                 bench.merge(s.run, bench.header("trainer", cfg.name, cfg.device, b.steps, b.warmup_steps))
-            logger.info(f"bench: trainer {result['step_time_s']:.3f}s per step (median), "
-                        f"{result['tokens_per_s']:.0f} tok/s; {s.run.bench_part('trainer')}")
+            logger.info(
+                f"bench: trainer {result['step_time_s']:.3f}s per step (median), "
+                f"{result['tokens_per_s']:.0f} tok/s; {s.run.bench_part('trainer')}"
+            )
         runner.beat(s, total, done=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return runner.main(run, "python -m prime_hpc.trainer.bench",
-                       "Bench trainer: the run's trainer step on synthetic batches (bench.*).", argv)
+    return runner.main(
+        run,
+        "python -m prime_hpc.trainer.bench",
+        "Bench trainer: the run's trainer step on synthetic batches (bench.*).",
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ base model. Asking for a step that is not complete (or `-1` when none is) fails 
 line listing the complete and incomplete steps. Model, optimizer, schedule, RNG and dataloader position are restored exactly,
 so the resumed run continues bit for bit as the original would have.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from prime_hpc.core import device as devices
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir.checkpoints import CheckpointWriteError, remove_marked, root_cause, rotate
 from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
+from prime_hpc.rundir.checkpoints import CheckpointWriteError, remove_marked, root_cause, rotate
 from prime_hpc.trainer.dist import DistEnv
 
 PART = "trainer"
@@ -77,8 +78,10 @@ class Checkpointer:
         model_sd, optim_sd = engine.state_dicts()
         save_rng(d / f"rng_rank_{self.env.rank}.pt", self.env.device_kind)
         if self.env.is_main:
-            atomic_write_json(d / "state.json", {"step": step, "world_size": self.env.world_size,
-                                                 "scheduler": engine.scheduler.state_dict(), **state})
+            atomic_write_json(
+                d / "state.json",
+                {"step": step, "world_size": self.env.world_size, "scheduler": engine.scheduler.state_dict(), **state},
+            )
         payload = {"model": model_sd, "optim": optim_sd}
         writer = dcp.FileSystemWriter(str(d))
         writer.fs = self._fs
@@ -179,6 +182,6 @@ def load_rng(path: Path, device_kind: str) -> None:
         devices.set_rng_state(device_kind, state)
     except (pickle.UnpicklingError, KeyError, TypeError, ValueError, RuntimeError) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{path}: not an RNG state as the trainer writes it ({why}); resume from another "
-                        f"checkpoint (ckpt.step=N)") from None
-
+        raise UserError(
+            f"{path}: not an RNG state as the trainer writes it ({why}); resume from another checkpoint (ckpt.step=N)"
+        ) from None

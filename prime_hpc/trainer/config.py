@@ -2,6 +2,7 @@
 `prime_hpc.config.compose.component_config(cfg, "trainer")` — the trainer's own sub-tree
 plus the run-level values it needs. Loaded once, at the edge, into typed dataclasses; the
 run-level values have no default here (the schema's is the one default)."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def load_config(path: str | Path) -> TrainerRunConfig:
 
 def parse_args(prog: str, description: str, argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", required=True,
-                        help="the trainer's YAML (<output_dir>/configs/trainer.yaml, written at submit time)")
+    parser.add_argument(
+        "--config", required=True, help="the trainer's YAML (<output_dir>/configs/trainer.yaml, written at submit time)"
+    )
     return parser.parse_args(argv)

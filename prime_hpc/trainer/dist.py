@@ -1,6 +1,7 @@
 """The trainer's process group: torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT or a c10d rendezvous), or a one-rank group when started without
 torchrun. The backend comes from `prime_hpc.core.device` (gloo on CPU, NCCL on GPU)."""
+
 from __future__ import annotations
 
 import contextlib

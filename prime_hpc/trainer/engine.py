@@ -11,6 +11,7 @@ micro-batch's loss is its token-loss sum divided by that count. FSDP averages gr
 over ranks, so the loss is scaled by the world size to make the gradient exactly
 `sum over all tokens / all tokens`.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,9 @@ from prime_hpc.trainer.model import Policy
 LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
 
 
-def lr_factor(warmup_steps: int, schedule: str = "constant", total_steps: Optional[int] = None,
-              min_ratio: float = 0.0) -> Callable[[int], float]:
+def lr_factor(
+    warmup_steps: int, schedule: str = "constant", total_steps: Optional[int] = None, min_ratio: float = 0.0
+) -> Callable[[int], float]:
     """LR multiplier for the (i+1)-th optimizer step: linear warm-up to 1 over
     `warmup_steps`, then `constant`, or a `linear` / `cosine` decay reaching `min_ratio` at
     step `total_steps` (needs max_steps; constant without it)."""
@@ -43,6 +45,7 @@ def lr_factor(warmup_steps: int, schedule: str = "constant", total_steps: Option
         frac = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
         shape = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
         return min_ratio + (1.0 - min_ratio) * shape
+
     return f
 
 
@@ -61,10 +64,12 @@ class Engine:
         self.policy, self.env, self.cfg = policy, env, optim_cfg
         self.model = policy.model
         self.params = policy.trainable
-        self.optimizer = torch.optim.AdamW(self.params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                                           weight_decay=optim_cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(
-            optim_cfg.warmup_steps, optim_cfg.schedule, total_steps, optim_cfg.min_lr_ratio))
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_factor(optim_cfg.warmup_steps, optim_cfg.schedule, total_steps, optim_cfg.min_lr_ratio)
+        )
 
     def forward(self, mb: dict, temperature: float = 1.0, with_entropy: bool = True, model: Any = None):
         """Per-token log-probabilities (and entropies) of `mb` under the policy, or under

@@ -15,6 +15,7 @@ On disk (what vLLM `/v1/load_lora_adapter` and `peft.PeftModel.from_pretrained` 
 `base_model.model.<module>.lora_{A,B}.weight`. `merge_lora` folds the adapter into the
 base weights (W + alpha/rank * B @ A) for a plain HF checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,12 +66,17 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     targets = set(target_modules)
     if rank < 1:
         raise UserError(f"trainer.model.lora.rank must be >= 1 (got {rank})")
-    found = [(name, mod) for name, mod in model.named_modules()
-             if isinstance(mod, nn.Linear) and not isinstance(mod, LoRALinear) and name.rsplit(".", 1)[-1] in targets]
+    found = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and not isinstance(mod, LoRALinear) and name.rsplit(".", 1)[-1] in targets
+    ]
     if not found:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise UserError(f"trainer.model.lora.target_modules={sorted(targets)} matches no linear layer of the model; "
-                        f"its linear layers are named: {', '.join(linears)}")
+        raise UserError(
+            f"trainer.model.lora.target_modules={sorted(targets)} matches no linear layer of the model; "
+            f"its linear layers are named: {', '.join(linears)}"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     for name, mod in found:
@@ -104,7 +110,9 @@ def adapter_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
     return {PEFT_PREFIX + k: v for k, v in state_dict.items() if is_lora_key(k)}
 
 
-def adapter_config(base_model: str, rank: int, alpha: float, dropout: float, target_modules: Iterable[str]) -> dict[str, Any]:
+def adapter_config(
+    base_model: str, rank: int, alpha: float, dropout: float, target_modules: Iterable[str]
+) -> dict[str, Any]:
     """PEFT's `adapter_config.json` for a plain LoRA adapter."""
     return {
         "peft_type": "LORA",

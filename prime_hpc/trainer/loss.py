@@ -40,6 +40,7 @@ the `masked_advantage_{positive,negative}/mean` metrics.
 
 SFT loss: `-sum(m * lp) / normalizer` (token-level cross-entropy).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,9 @@ class LossOutput:
     sums: dict[str, torch.Tensor]  # detached sums over loss tokens (for metrics)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each token given the ones before it, and the entropy of that
     next-token distribution: `lp[:, t] = log softmax(logits[:, t-1] / temperature)[input_ids[:, t]]`.
     Position 0 has no prediction and gets 0 in both."""

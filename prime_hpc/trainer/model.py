@@ -20,6 +20,7 @@ adapter (`/v1/load_lora_adapter`) instead of the merged weights. The `STABLE` ma
 what is there and what to serve: `{"step": n, "merged": true, "adapter": "adapter" | null,
 "serve": "merged" | "adapter"}`.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,16 @@ from prime_hpc.trainer import lora as lora_mod
 from prime_hpc.trainer.config import TrainerRunConfig
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 @dataclass
@@ -72,8 +81,9 @@ def load_tokenizer(cfg: TrainerRunConfig) -> Any:
 
     name = cfg.trainer.tokenizer.name
     try:
-        return AutoTokenizer.from_pretrained(resolve_model(name, seed=cfg.model.seed),
-                                             trust_remote_code=cfg.model.trust_remote_code)
+        return AutoTokenizer.from_pretrained(
+            resolve_model(name, seed=cfg.model.seed), trust_remote_code=cfg.model.trust_remote_code
+        )
     except (OSError, ValueError) as e:
         raise UserError(f"tokenizer {name!r} not found: {str(e).splitlines()[0]}") from None
 
@@ -93,14 +103,17 @@ def load_hf(cfg: TrainerRunConfig) -> tuple[nn.Module, Any, str, Any]:
     try:
         hf_config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
     except (OSError, ValueError) as e:
-        raise UserError(f"model {name!r} not found: {str(e).splitlines()[0]} (model.name takes a HF id, a local "
-                        f"directory with config.json, or 'tiny'; no download happens when HF_HUB_OFFLINE=1)") from None
+        raise UserError(
+            f"model {name!r} not found: {str(e).splitlines()[0]} (model.name takes a HF id, a local "
+            f"directory with config.json, or 'tiny'; no download happens when HF_HUB_OFFLINE=1)"
+        ) from None
     src_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     if isinstance(src_dtype, str):
         src_dtype = getattr(torch, src_dtype)
     tokenizer = load_tokenizer(cfg)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, trust_remote_code=trust,
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch.float32, trust_remote_code=trust, attn_implementation="sdpa"
+    )
     model.config.use_cache = False
     return model, tokenizer, source, src_dtype
 
@@ -141,8 +154,14 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
 
     model, tokenizer, source, src_dtype = load_hf(cfg)
     mcfg = cfg.trainer.model
-    pol = Policy(model=model, tokenizer=tokenizer, source=source, hf_config=model.config,
-                 generation_config=getattr(model, "generation_config", None), save_dtype=src_dtype)
+    pol = Policy(
+        model=model,
+        tokenizer=tokenizer,
+        source=source,
+        hf_config=model.config,
+        generation_config=getattr(model, "generation_config", None),
+        save_dtype=src_dtype,
+    )
     if mcfg.lora.enabled:
         lc = mcfg.lora
         with torch.random.fork_rng(devices=[]):
@@ -150,8 +169,9 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
             pol.lora_modules = lora_mod.apply_lora(model, lc.rank, lc.alpha, lc.dropout, lc.target_modules)
         pol.lora_scaling = lc.alpha / lc.rank
         hit = sorted({m.rsplit(".", 1)[-1] for m in pol.lora_modules})
-        pol.lora_config = lora_mod.adapter_config(cfg.trainer.model.name if cfg.trainer.model.name != "tiny" else source,
-                                                  lc.rank, lc.alpha, lc.dropout, hit)
+        pol.lora_config = lora_mod.adapter_config(
+            cfg.trainer.model.name if cfg.trainer.model.name != "tiny" else source, lc.rank, lc.alpha, lc.dropout, hit
+        )
     layers = decoder_layers(model)
     apply_activation_checkpointing(layers, mcfg.ac.freq)
     model.to(mesh.device_type)
@@ -222,8 +242,14 @@ def _write_tokenizer(pol: Policy, out: Path) -> None:
         pol.tokenizer.save_pretrained(out)
 
 
-def write_weights(run: RunDir, step: int, pol: Policy, sd: dict[str, torch.Tensor], serve_adapter: bool = False,
-                  info: Optional[dict] = None) -> Path:
+def write_weights(
+    run: RunDir,
+    step: int,
+    pol: Policy,
+    sd: dict[str, torch.Tensor],
+    serve_adapter: bool = False,
+    info: Optional[dict] = None,
+) -> Path:
     """Rank 0: write `weights/step_<step>/` from a full state dict (see the module
     docstring for the layout) in a staging dir, move it into place, `STABLE` last. A LoRA
     run writes the adapter next to the merged weights; `serve_adapter` records that the
@@ -248,8 +274,13 @@ def write_weights(run: RunDir, step: int, pol: Policy, sd: dict[str, torch.Tenso
             pol.generation_config.save_pretrained(tmp)
         _write_tokenizer(pol, tmp)
         lora = pol.lora_config is not None
-        meta = {"step": step, "merged": True, "adapter": "adapter" if lora else None,
-                "serve": "adapter" if lora and serve_adapter else "merged", **(info or {})}
+        meta = {
+            "step": step,
+            "merged": True,
+            "adapter": "adapter" if lora else None,
+            "serve": "adapter" if lora and serve_adapter else "merged",
+            **(info or {}),
+        }
         (tmp / "prime_hpc_weights.json").write_text(json.dumps(meta, indent=2) + "\n")
         return publish_dir(tmp, final, meta)
     except BaseException:

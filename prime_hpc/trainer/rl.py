@@ -18,6 +18,7 @@ Step n (n = 1, 2, ...; policy 0 is the base model, resume from N continues at N+
 It ends after step `max_steps` (or at `rollouts/DONE`); the last step's weights stay, and
 the heartbeat of every rank says `{"step": n, "done": true}`.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,9 +51,15 @@ def rollouts_done_before(run: RunDir, step: int) -> bool:
         return False
 
 
-def wait_for_rollouts(run: RunDir, step: int, timeout_s: float, producer_log: Optional[os.PathLike | str],
-                      on_wait: Optional[Callable[[], None]] = None, beat_every_s: float = 30.0,
-                      stop: Optional[Stop] = None) -> str:
+def wait_for_rollouts(
+    run: RunDir,
+    step: int,
+    timeout_s: float,
+    producer_log: Optional[os.PathLike | str],
+    on_wait: Optional[Callable[[], None]] = None,
+    beat_every_s: float = 30.0,
+    stop: Optional[Stop] = None,
+) -> str:
     """Block until step `step`'s rollouts are complete ("ready"), the orchestrator is done
     before it ("done"), or something asks this trainer to stop ("stop"). `on_wait` is
     called every `beat_every_s` while waiting (heartbeat)."""
@@ -70,8 +77,14 @@ def wait_for_rollouts(run: RunDir, step: int, timeout_s: float, producer_log: Op
 
     # polled at most every 0.02 s: at async_level 1 the trainer waits for every batch, and
     # each poll of its wait is latency of the step (a few stat calls per poll)
-    return wait_for(ready, what=f"rollouts of step {step} ({run.rollout_step(step)}/STABLE)", timeout_s=timeout_s,
-                    producer="orchestrator", producer_log=producer_log, poll_max_s=0.02)
+    return wait_for(
+        ready,
+        what=f"rollouts of step {step} ({run.rollout_step(step)}/STABLE)",
+        timeout_s=timeout_s,
+        producer="orchestrator",
+        producer_log=producer_log,
+        poll_max_s=0.02,
+    )
 
 
 def make_loss_fn(loss_cfg: LossConfig, step: int, mode: str = "rl"):
@@ -85,8 +98,15 @@ def make_loss_fn(loss_cfg: LossConfig, step: int, mode: str = "rl"):
         if mode == "sft":
             out = sft_loss(lp, mb["loss_mask"], normalizer)
         else:
-            out = rl_loss(lp, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalizer,
-                          ref_logprobs=mb.get("ref_logprobs"))
+            out = rl_loss(
+                lp,
+                mb["inference_logprobs"],
+                mb["advantages"],
+                mb["loss_mask"],
+                loss_cfg,
+                normalizer,
+                ref_logprobs=mb.get("ref_logprobs"),
+            )
         rows = mb["loss_mask"].any(-1)
         lag = (step - 1 - mb["policy_steps"]).clamp(min=0)
         out.sums["off_policy_steps"] = (lag * rows).sum().float()
@@ -143,14 +163,20 @@ def _reference_policy(cfg: TrainerRunConfig, env: DistEnv) -> Optional[nn.Module
 def _wait_for_batch(s: Session, stop: Stop, step: int, producer_log: Optional[os.PathLike | str]) -> str:
     """Wait for step `step`'s rollouts ("ready"), the orchestrator's end ("done") or a stop
     request ("stop"), beating as waiting on the orchestrator."""
-    return wait_for_rollouts(s.run, step, s.cfg.trainer.rollout_timeout_s, producer_log,
-                             on_wait=lambda: runner.beat(s, step - 1, progress=False, waiting_for=step,
-                                                         waiting_on="orchestrator"),
-                             beat_every_s=BEAT_S, stop=stop)
+    return wait_for_rollouts(
+        s.run,
+        step,
+        s.cfg.trainer.rollout_timeout_s,
+        producer_log,
+        on_wait=lambda: runner.beat(s, step - 1, progress=False, waiting_for=step, waiting_on="orchestrator"),
+        beat_every_s=BEAT_S,
+        stop=stop,
+    )
 
 
-def _read_batch(s: Session, step: int, producer_log: Optional[os.PathLike | str],
-                waiting_since: float) -> tuple[RolloutBatch, dict]:
+def _read_batch(
+    s: Session, step: int, producer_log: Optional[os.PathLike | str], waiting_since: float
+) -> tuple[RolloutBatch, dict]:
     """This rank's rollout file of `step`, and the hand-off timers. The hand-off is the
     time from the rollouts being marked complete to the trainer seeing them, counted only
     while the trainer was waiting for them (a batch that was ready before the trainer
@@ -159,8 +185,9 @@ def _read_batch(s: Session, step: int, producer_log: Optional[os.PathLike | str]
 
     handoff = max(0.0, time.time() - max(stable_time(s.run.rollout_step(step)), waiting_since))
     t_read = time.perf_counter()
-    data = rollout_batch.read_rank(s.run, step, s.env.rank, timeout_s=s.cfg.trainer.rollout_timeout_s,
-                                   producer_log=producer_log)
+    data = rollout_batch.read_rank(
+        s.run, step, s.env.rank, timeout_s=s.cfg.trainer.rollout_timeout_s, producer_log=producer_log
+    )
     return data, {"time/rollout_handoff": handoff, "time/read_batch": time.perf_counter() - t_read}
 
 
@@ -209,8 +236,17 @@ def _finish(s: Session, step: int, progress: dict) -> None:
     runner.beat(s, step, done=True)
 
 
-def _log_step(s: Session, step: int, result: StepResult, t_step: float, t_wait: float, t_weights: float,
-              t_ckpt: float, progress: dict, timers: dict) -> None:
+def _log_step(
+    s: Session,
+    step: int,
+    result: StepResult,
+    t_step: float,
+    t_wait: float,
+    t_weights: float,
+    t_ckpt: float,
+    progress: dict,
+    timers: dict,
+) -> None:
     from loguru import logger
 
     sums = result.sums
@@ -219,24 +255,30 @@ def _log_step(s: Session, step: int, result: StepResult, t_step: float, t_wait: 
     if "ref_kl" in sums:
         m["ref_kl/mean"] = sums["ref_kl"] / tok
     if "mismatch_kl" in sums:  # not in training_mode=sft (teacher completions, NLL)
-        m.update({
-            "mismatch_kl/mean": sums["mismatch_kl"] / tok,
-            "masked_advantage_positive/mean": sums["masked_positive"] / tok,
-            "masked_advantage_negative/mean": sums["masked_negative"] / tok,
-        })
-    m.update({
-        "off_policy_steps/mean": sums["off_policy_steps"] / max(sums["num_samples"], 1.0),
-        "time/save_weights": t_weights,
-        "time/save_ckpt": t_ckpt,
-        "progress/num_tokens": progress["num_tokens"],
-        "progress/num_samples": progress["num_samples"],
-        **timers,
-    })
+        m.update(
+            {
+                "mismatch_kl/mean": sums["mismatch_kl"] / tok,
+                "masked_advantage_positive/mean": sums["masked_positive"] / tok,
+                "masked_advantage_negative/mean": sums["masked_negative"] / tok,
+            }
+        )
+    m.update(
+        {
+            "off_policy_steps/mean": sums["off_policy_steps"] / max(sums["num_samples"], 1.0),
+            "time/save_weights": t_weights,
+            "time/save_ckpt": t_ckpt,
+            "progress/num_tokens": progress["num_tokens"],
+            "progress/num_samples": progress["num_samples"],
+            **timers,
+        }
+    )
     if s.metrics is not None:
         s.metrics.log(step, m)
-    logger.info(f"step {step} | loss {m['loss/mean']:.4f} | mismatch_kl {m.get('mismatch_kl/mean', 0.0):.2e} | "
-                f"grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | {t_step:.2f}s "
-                f"(waited {t_wait:.2f}s) | {m['perf/throughput']:.0f} tok/s")
+    logger.info(
+        f"step {step} | loss {m['loss/mean']:.4f} | mismatch_kl {m.get('mismatch_kl/mean', 0.0):.2e} | "
+        f"grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | {t_step:.2f}s "
+        f"(waited {t_wait:.2f}s) | {m['perf/throughput']:.0f} tok/s"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:

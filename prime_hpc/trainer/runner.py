@@ -1,6 +1,7 @@
 """What the RL and SFT entrypoints share: logging, the error contract, the session (process
 group, policy, optimizer, checkpointer, metrics; resume), weights export and retention,
 and the per-step metrics every trainer reports."""
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,9 @@ def setup_logging(level: str, rank: int) -> None:
     logger.add(sys.stdout, level=level.upper(), format=fmt, colorize=False)
 
 
-def main(run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: str,
-         argv: Optional[list[str]] = None) -> int:
+def main(
+    run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: str, argv: Optional[list[str]] = None
+) -> int:
     """Parse `--config`, run, and turn a user's mistake or a missing peer into one line on
     stderr (exit 2, resp. 1) instead of a traceback."""
     from prime_hpc.rundir.checkpoints import CheckpointWriteError
@@ -87,8 +89,8 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
     import torch
     from loguru import logger
 
-    from prime_hpc.runtime.metrics import MetricsLogger
     from prime_hpc.rundir.checkpoints import resolve_resume_step
+    from prime_hpc.runtime.metrics import MetricsLogger
     from prime_hpc.trainer.ckpt import Checkpointer
     from prime_hpc.trainer.dist import process_group
     from prime_hpc.trainer.engine import Engine, param_count
@@ -110,13 +112,20 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
                 state = ckpt.load(resume, engine)
             if env.is_main:
                 # an RL run's W&B run is written by the orchestrator, which forwards these rows
-                metrics = MetricsLogger(run, "trainer", cfg.wandb, run_name=cfg.name,
-                                        config={"trainer": _plain(cfg.trainer), "max_steps": cfg.max_steps},
-                                        wandb_writer=cfg.trainer.type == "sft")
+                metrics = MetricsLogger(
+                    run,
+                    "trainer",
+                    cfg.wandb,
+                    run_name=cfg.name,
+                    config={"trainer": _plain(cfg.trainer), "max_steps": cfg.max_steps},
+                    wandb_writer=cfg.trainer.type == "sft",
+                )
             n = param_count(policy)
-            logger.info(f"model {cfg.trainer.model.name} ({n / 1e6:.2f}M parameters, "
-                        f"{sum(p.numel() for p in policy.trainable) / 1e6:.3f}M trainable) on {env.world_size} "
-                        f"rank(s), device {cfg.device}")
+            logger.info(
+                f"model {cfg.trainer.model.name} ({n / 1e6:.2f}M parameters, "
+                f"{sum(p.numel() for p in policy.trainable) / 1e6:.3f}M trainable) on {env.world_size} "
+                f"rank(s), device {cfg.device}"
+            )
             yield Session(cfg, run, env, policy, engine, ckpt, metrics, resume or 0, state, n)
         finally:
             ckpt.close()
@@ -138,8 +147,9 @@ def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
     t0 = time.perf_counter()
     sd = full_state_dict(s.policy.model)
     if s.env.is_main:
-        write_weights(s.run, step, s.policy, sd, serve_adapter=bool(s.cfg.ckpt.weights.save_adapter_separately),
-                      info=info)
+        write_weights(
+            s.run, step, s.policy, sd, serve_adapter=bool(s.cfg.ckpt.weights.save_adapter_separately), info=info
+        )
     return time.perf_counter() - t0
 
 
@@ -214,8 +224,8 @@ def stop_here(s: Session, step: int, code: int, state: dict) -> None:
     tell the orchestrator which step that is (`control/checkpointed.json`)."""
     from loguru import logger
 
-    from prime_hpc.runtime import stopping
     from prime_hpc.rundir import atomic_write_json
+    from prime_hpc.runtime import stopping
 
     if code == stopping.CHECKPOINT:
         if step > s.start_step and step not in s.ckpt.requested:

@@ -13,6 +13,7 @@ The run ends at `max_steps`, or after one epoch when `max_steps` is null. Weight
 last step; checkpoints additionally hold the dataloader position, so a resume continues
 with the same samples in the same order.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,16 +80,21 @@ def train(cfg: TrainerRunConfig) -> None:
         if not t.val.data.name:
             raise UserError("trainer.val.interval is set but trainer.val.data.name is not; name a validation dataset")
         val_samples = load_samples(t.val.data, tokenizer, t.loss_mask)
-    logger.info(f"{len(samples)} training samples from {t.data.name}"
-                + (f", {len(val_samples)} validation samples from {t.val.data.name}" if val_samples else ""))
+    logger.info(
+        f"{len(samples)} training samples from {t.data.name}"
+        + (f", {len(val_samples)} validation samples from {t.val.data.name}" if val_samples else "")
+    )
     with runner.session(cfg, PARTS) as s:
         env, pad_id = s.env, _pad_id(tokenizer)
         rows_per_rank = math.ceil(max(1, t.data.batch_size // t.data.seq_len) / env.world_size)
         stream = sft_data.SFTStream(samples, t.data.seq_len, cfg.seed, epochs=None if cfg.max_steps else 1)
         if s.resumed:
             stream.load_state(s.resumed["dataloader"])
-        val = (validation_batches(val_samples, t.val.data.seq_len, env, t.micro_batch_size, pad_id)
-               if val_samples else None)
+        val = (
+            validation_batches(val_samples, t.val.data.seq_len, env, t.micro_batch_size, pad_id)
+            if val_samples
+            else None
+        )
         progress = dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0}))
         step = s.start_step
         if val is not None and step == 0:
@@ -105,14 +111,17 @@ def train(cfg: TrainerRunConfig) -> None:
             if not rows:
                 break
             step += 1
-            mbs = sft_data.micro_batches(sft_data.split_rows(rows, env.rank, env.world_size, rows_per_rank),
-                                         t.micro_batch_size, pad_id)
+            mbs = sft_data.micro_batches(
+                sft_data.split_rows(rows, env.rank, env.world_size, rows_per_rank), t.micro_batch_size, pad_id
+            )
             t_data = time.perf_counter() - t0
             result = s.engine.train_step(mbs, _nll)
             progress["num_tokens"] += int(result.sums["num_tokens"])
             progress["num_samples"] += used
             last = step == cfg.max_steps or stream.exhausted()
-            val_m = _validate(s, step, val, log=False) if val is not None and (step % t.val.interval == 0 or last) else {}
+            val_m = (
+                _validate(s, step, val, log=False) if val is not None and (step % t.val.interval == 0 or last) else {}
+            )
             early = bool(val_m) and t.val.stop_below is not None and val_m["val/loss"] < t.val.stop_below
             final = last or early
             state = {"progress": progress, "dataloader": stream.state()}
@@ -123,20 +132,30 @@ def train(cfg: TrainerRunConfig) -> None:
                 if env.is_main:
                     runner.prune_weights(s.run, step, 0)
             m = runner.step_metrics(s, result, time.perf_counter() - t0, t_data)
-            m.update({"progress/epoch": stream.progress_epochs, "progress/num_samples": progress["num_samples"],
-                      "progress/num_tokens": progress["num_tokens"], "time/save_ckpt": t_ckpt,
-                      "time/save_weights": t_weights})
+            m.update(
+                {
+                    "progress/epoch": stream.progress_epochs,
+                    "progress/num_samples": progress["num_samples"],
+                    "progress/num_tokens": progress["num_tokens"],
+                    "time/save_ckpt": t_ckpt,
+                    "time/save_weights": t_weights,
+                }
+            )
             m.update(val_m)
             if s.metrics is not None:
                 s.metrics.log(step, m)
-            logger.info(f"step {step} | loss {m['loss/mean']:.4f}"
-                        + (f" | val/loss {m['val/loss']:.4f}" if "val/loss" in m else "")
-                        + f" | grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | "
-                        f"epoch {m['progress/epoch']:.2f} | {m['perf/throughput']:.0f} tok/s")
+            logger.info(
+                f"step {step} | loss {m['loss/mean']:.4f}"
+                + (f" | val/loss {m['val/loss']:.4f}" if "val/loss" in m else "")
+                + f" | grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | "
+                f"epoch {m['progress/epoch']:.2f} | {m['perf/throughput']:.0f} tok/s"
+            )
             runner.beat(s, step)
             if early:
-                logger.info(f"val/loss {val_m['val/loss']:.4f} < trainer.val.stop_below={t.val.stop_below}: "
-                            f"stopping at step {step}")
+                logger.info(
+                    f"val/loss {val_m['val/loss']:.4f} < trainer.val.stop_below={t.val.stop_below}: "
+                    f"stopping at step {step}"
+                )
                 break
         s.ckpt.wait()
         if env.is_main:  # a background save may have rotated a checkpoint away just now

@@ -26,6 +26,7 @@ masking keeps samples from attending to each other, and the first token of every
 is never trained (it would be predicted from the previous sample). One step takes
 `rows_per_step` rows; the order is a fresh permutation of the dataset per epoch.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -60,8 +61,10 @@ def load_dataset(name: str, split: str = "train", args: Optional[dict] = None) -
         if path.is_file():
             builder = _FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:
-                raise UserError(f"dataset {name!r}: unsupported file type {path.suffix!r}; use "
-                                f"{', '.join(sorted(_FILE_BUILDERS))} or a save_to_disk directory")
+                raise UserError(
+                    f"dataset {name!r}: unsupported file type {path.suffix!r}; use "
+                    f"{', '.join(sorted(_FILE_BUILDERS))} or a save_to_disk directory"
+                )
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         return datasets.load_dataset(name, split=split, **args)
     except UserError:
@@ -103,8 +106,10 @@ def layout(ds: Any, name: str) -> str:
         return "messages"
     if "prompt" in cols and "completion" in cols:
         return "prompt_completion"
-    raise UserError(f"dataset {name!r} needs a 'messages' column or 'prompt' and 'completion' columns; "
-                    f"columns found: {', '.join(cols) or 'none'}")
+    raise UserError(
+        f"dataset {name!r} needs a 'messages' column or 'prompt' and 'completion' columns; "
+        f"columns found: {', '.join(cols) or 'none'}"
+    )
 
 
 # ----------------------------------------------------------------------------- tokenizing
@@ -117,13 +122,20 @@ def _as_messages(value: Any, default_role: str, where: str) -> list[dict]:
 
 
 def _render(tokenizer: Any, messages: list[dict], tools: Any, generation_prompt: bool = False) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False,
-                                        add_generation_prompt=generation_prompt)
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=False, add_generation_prompt=generation_prompt
+    )
     return list(ids)
 
 
-def tokenize_messages(tokenizer: Any, messages: list[dict], trainable: dict[str, bool], first_trainable: int = 0,
-                      tools: Any = None, where: str = "sample") -> tuple[list[int], list[bool]]:
+def tokenize_messages(
+    tokenizer: Any,
+    messages: list[dict],
+    trainable: dict[str, bool],
+    first_trainable: int = 0,
+    tools: Any = None,
+    where: str = "sample",
+) -> tuple[list[int], list[bool]]:
     """Token ids of the whole conversation and a per-token loss mask: message i's tokens
     are trained when `trainable[role]` and i >= `first_trainable`."""
     ids: list[int] = []
@@ -147,12 +159,16 @@ def tokenize_messages(tokenizer: Any, messages: list[dict], trainable: dict[str,
 
 def _check_prefix(prefix: list[int], full: list[int], where: str) -> None:
     if full[: len(prefix)] != prefix:
-        raise UserError(f"{where}: the chat template is not prefix-stable (rendering fewer messages is not a prefix "
-                        "of rendering more), so role-based loss masks cannot be built; use a template that keeps "
-                        "earlier turns unchanged")
+        raise UserError(
+            f"{where}: the chat template is not prefix-stable (rendering fewer messages is not a prefix "
+            "of rendering more), so role-based loss masks cannot be built; use a template that keeps "
+            "earlier turns unchanged"
+        )
 
 
-def tokenize_dataset(ds: Any, name: str, tokenizer: Any, loss_mask: Any, seq_len: int) -> list[tuple[list[int], list[bool]]]:
+def tokenize_dataset(
+    ds: Any, name: str, tokenizer: Any, loss_mask: Any, seq_len: int
+) -> list[tuple[list[int], list[bool]]]:
     """Every sample as (ids, mask), truncated to `seq_len`; samples without any trained
     token are dropped. UserError when nothing is left."""
     kind = layout(ds, name)
@@ -178,8 +194,10 @@ def tokenize_dataset(ds: Any, name: str, tokenizer: Any, loss_mask: Any, seq_len
             out.append((ids, mask))
     if not out:
         on = [r for r in ROLES if trainable[r]]
-        raise UserError(f"dataset {name!r}: no sample has a trained token (loss_mask trains roles {on or 'none'}); "
-                        f"check trainer.loss_mask and the dataset's roles")
+        raise UserError(
+            f"dataset {name!r}: no sample has a trained token (loss_mask trains roles {on or 'none'}); "
+            f"check trainer.loss_mask and the dataset's roles"
+        )
     return out
 
 
@@ -207,14 +225,18 @@ def collate_rows(rows: list[Row], pad_id: int) -> dict:
         at = 0
         for s_ids, s_mask in row.samples:
             n = len(s_ids)
-            ids[i, at: at + n] = torch.tensor(s_ids)
-            pos[i, at: at + n] = torch.arange(n)
-            mask[i, at: at + n] = torch.tensor(s_mask)
+            ids[i, at : at + n] = torch.tensor(s_ids)
+            pos[i, at : at + n] = torch.arange(n)
+            mask[i, at : at + n] = torch.tensor(s_mask)
             at += n
         pos[i, at:] = torch.arange(t - at)
-    return {"input_ids": ids, "position_ids": pos, "loss_mask": mask,
-            "num_tokens": torch.tensor(sum(r.num_tokens for r in rows)),
-            "num_samples": torch.tensor(sum(len(r.samples) for r in rows))}
+    return {
+        "input_ids": ids,
+        "position_ids": pos,
+        "loss_mask": mask,
+        "num_tokens": torch.tensor(sum(r.num_tokens for r in rows)),
+        "num_samples": torch.tensor(sum(len(r.samples) for r in rows)),
+    }
 
 
 def pack(samples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> list[Row]:
@@ -235,8 +257,9 @@ class SFTStream:
     """The training stream: per-epoch shuffled samples packed into rows, a step at a time.
     Its position (`state()`) is what a checkpoint stores."""
 
-    def __init__(self, samples: list[tuple[list[int], list[bool]]], seq_len: int, seed: int,
-                 epochs: Optional[int] = None) -> None:
+    def __init__(
+        self, samples: list[tuple[list[int], list[bool]]], seq_len: int, seed: int, epochs: Optional[int] = None
+    ) -> None:
         self.samples, self.seq_len, self.seed, self.epochs = samples, seq_len, seed, epochs
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
@@ -293,4 +316,4 @@ def split_rows(rows: list[Row], rank: int, world: int, rows_per_rank: int) -> li
 
 
 def micro_batches(rows: list[Row], micro_batch_size: int, pad_id: int) -> list[dict]:
-    return [collate_rows(rows[i: i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]
+    return [collate_rows(rows[i : i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]

@@ -17,6 +17,7 @@ so importing this module stays cheap.
 
     plot_runs([("lr=1e-06", RunDir(a)), ("lr=3e-06", RunDir(b))], Path("curves.png"))
 """
+
 from __future__ import annotations
 
 import io
@@ -195,8 +196,9 @@ def _draw_panel(ax: Any, panel: Panel, colours: list, markers: dict[str, str]) -
         ax.set_yticks([])
 
 
-def _draw_legends(fig: Any, cell: Any, labels: Sequence[str], colours: list, markers: dict[str, str],
-                  dashed: bool) -> None:
+def _draw_legends(
+    fig: Any, cell: Any, labels: Sequence[str], colours: list, markers: dict[str, str], dashed: bool
+) -> None:
     """The figure's legend of the runs in the spare grid cell and, right below it, a key
     of the series drawn with markers or dashes."""
     from matplotlib.lines import Line2D
@@ -205,8 +207,16 @@ def _draw_legends(fig: Any, cell: Any, labels: Sequence[str], colours: list, mar
     cell.axis("off")
     runs = [Line2D([], [], color=c, linewidth=2.5) for c in colours]
     size = {"fontsize": 9} if len(runs) <= 12 else {"fontsize": 7, "ncols": 2}  # big sweeps: two columns
-    legend = fig.legend(runs, list(labels), title="run", loc="upper center", bbox_to_anchor=(0.5, 1.0),
-                        bbox_transform=cell.transAxes, frameon=False, **size)
+    legend = fig.legend(
+        runs,
+        list(labels),
+        title="run",
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1.0),
+        bbox_transform=cell.transAxes,
+        frameon=False,
+        **size,
+    )
     key = [(Line2D([], [], color="0.3", marker=m, linewidth=1), k) for k, m in markers.items()]
     if dashed:
         key.append((Line2D([], [], color="0.3", linestyle="--"), "orchestrator time/step"))
@@ -214,8 +224,16 @@ def _draw_legends(fig: Any, cell: Any, labels: Sequence[str], colours: list, mar
         # the run legend's height does not depend on where the layout puts the cell
         height = legend.get_window_extent(fig.canvas.get_renderer()).height / fig.dpi
         below = cell.transAxes + ScaledTranslation(0, -height - 0.1, fig.dpi_scale_trans)
-        fig.legend([h for h, _ in key], [k for _, k in key], title="series", loc="upper center",
-                   bbox_to_anchor=(0.5, 1.0), bbox_transform=below, fontsize=8, frameon=False)
+        fig.legend(
+            [h for h, _ in key],
+            [k for _, k in key],
+            title="series",
+            loc="upper center",
+            bbox_to_anchor=(0.5, 1.0),
+            bbox_transform=below,
+            fontsize=8,
+            frameon=False,
+        )
 
 
 def _figure_height(n_runs: int, n_key: int) -> float:
@@ -252,8 +270,11 @@ def build_figure(runs: Sequence[tuple[str, Union[RunDir, os.PathLike, str]]], ti
     return fig
 
 
-def plot_runs(runs: Sequence[tuple[str, Union[RunDir, os.PathLike, str]]], out: Union[os.PathLike, str],
-              title: Optional[str] = None) -> Path:
+def plot_runs(
+    runs: Sequence[tuple[str, Union[RunDir, os.PathLike, str]]],
+    out: Union[os.PathLike, str],
+    title: Optional[str] = None,
+) -> Path:
     """Draw `runs` ((legend label, run directory) pairs) into the PNG `out` (written
     atomically, parent directories created) and return its path."""
     fig = build_figure(runs, title)

@@ -25,6 +25,7 @@ every weight update; the engine's throughput lines stay. `show_all` prints every
 The job's state comes from `state_fn` (default: `job.json`, which the job's supervisor
 keeps current); nothing here asks SLURM.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
-from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 from prime_hpc.rundir import RunDir
+from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 
 COMPONENTS = ("orchestrator", "inference", "router", "trainer", "envs")
 POLL_S = 0.5
@@ -51,7 +52,8 @@ _NOISE = re.compile(
     r'INFO:\s+\S+ - "[A-Z]+ \S+ HTTP/[\d.]+" [23]\d\d\b'  # uvicorn access line of a successful request
     r"|\b(?:started|finished) processing request\b|\bHTTP request completed\b"  # the router, per request
     r"|Successfully reset prefix cache"  # every weight update, on every server ...
-    r"|Reloading and processing weights took|RotaryEmbedding: Failed to load weights")  # ... and its reload
+    r"|Reloading and processing weights took|RotaryEmbedding: Failed to load weights"
+)  # ... and its reload
 _RANK_PREFIX = re.compile(r"\[[A-Za-z_][\w-]*?(\d+)\]:")  # torchrun: [<role><local rank>]:
 
 
@@ -75,7 +77,7 @@ def split_rank(line: str) -> tuple[Optional[int], str]:
     """(local rank, rest) of a torchrun-prefixed line `[default<l>]:...`; (None, line)
     for torchrun's own lines."""
     m = _RANK_PREFIX.match(line)
-    return (int(m.group(1)), line[m.end():]) if m else (None, line)
+    return (int(m.group(1)), line[m.end() :]) if m else (None, line)
 
 
 def parse_rank(value: Rank) -> Rank:
@@ -158,7 +160,7 @@ def _listdir(path: Path) -> list[str]:
 
 def _indexed(directory: Path, prefix: str) -> list[int]:
     """The i of every `<prefix><i>.log` in `directory`, ascending."""
-    found = [n[len(prefix):-4] for n in _listdir(directory) if n.startswith(prefix) and n.endswith(".log")]
+    found = [n[len(prefix) : -4] for n in _listdir(directory) if n.startswith(prefix) and n.endswith(".log")]
     return sorted(int(i) for i in found if i.isdigit())
 
 
@@ -182,14 +184,20 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
     if "orchestrator" in components and orchestrator.is_file():
         found.append(Source(orchestrator, "orchestrator"))
     if "inference" in components:
-        found += [Source(RunDir.node_log(logs, "inference", i), f"inference[{i}]")
-                  for i in _indexed(RunDir.group_log_dir(logs, "inference"), "node_")]
+        found += [
+            Source(RunDir.node_log(logs, "inference", i), f"inference[{i}]")
+            for i in _indexed(RunDir.group_log_dir(logs, "inference"), "node_")
+        ]
     if "router" in components:
-        found += [Source(RunDir.router_log(logs, i), "router" if i == 0 else f"router[{i}]")
-                  for i in _indexed(RunDir.group_log_dir(logs, "inference"), "router_")]
+        found += [
+            Source(RunDir.router_log(logs, i), "router" if i == 0 else f"router[{i}]")
+            for i in _indexed(RunDir.group_log_dir(logs, "inference"), "router_")
+        ]
     if "trainer" in components:
-        found += [Source(RunDir.node_log(logs, "trainer", i), f"torchrun[{i}]", node=i)
-                  for i in _indexed(RunDir.group_log_dir(logs, "trainer"), "node_")]
+        found += [
+            Source(RunDir.node_log(logs, "trainer", i), f"torchrun[{i}]", node=i)
+            for i in _indexed(RunDir.group_log_dir(logs, "trainer"), "node_")
+        ]
     if "envs" in components:
         found += _env_sources(logs)
     return found
@@ -303,7 +311,7 @@ class Tail:
             start = max(0, src.path.stat().st_size - TAIL_WINDOW)
         except OSError:
             return
-        lines = read_lines(src, start)[1 if start else 0:]  # from mid-file, the first line is cut
+        lines = read_lines(src, start)[1 if start else 0 :]  # from mid-file, the first line is cut
         picked = [s for s in (self.select(src, line) for line in lines) if s]
         for label, text in last_per_label(picked, n):
             self.emit(label, text)
@@ -339,9 +347,18 @@ class Tail:
 
 
 # ----------------------------------------------------------------------------- follow
-def follow(run: RunDir, *, components: Optional[Sequence[str]] = None, rank: Rank = 0, show_all: bool = False,
-           once: bool = False, lines: int = 10, poll_s: float = POLL_S, state_fn: Optional[StateFn] = None,
-           out: Optional[TextIO] = None) -> int:
+def follow(
+    run: RunDir,
+    *,
+    components: Optional[Sequence[str]] = None,
+    rank: Rank = 0,
+    show_all: bool = False,
+    once: bool = False,
+    lines: int = 10,
+    poll_s: float = POLL_S,
+    state_fn: Optional[StateFn] = None,
+    out: Optional[TextIO] = None,
+) -> int:
     """Print the logs of `run`'s latest attempt and follow them until the job ends.
 
     components: any of COMPONENTS (orchestrator, inference, router, trainer, envs);

@@ -3,6 +3,7 @@ the reward moves, the latest eval, loss, mismatch KL, seconds per step, throughp
 ETA. What `prime-hpc status` prints (and `--json` returns). Pure and light: reads at most
 `TAIL_BYTES` of each metrics file, imports nothing heavy.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ def _series(rows: list[dict], key: str) -> list[float]:
     return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
 
 
-def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = None,
-           ended: bool = False) -> dict[str, Any]:
+def vitals(
+    run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = None, ended: bool = False
+) -> dict[str, Any]:
     """Vital signs of `run` (keys with None when unknown). `max_steps` from its config;
     `ended`: the job is over, so there is no ETA (an SFT run may stop early)."""
     now = time.time() if now is None else now
@@ -74,16 +76,25 @@ def vitals(run: RunDir, max_steps: Optional[int] = None, now: Optional[float] = 
     out["unfilled"] = unfilled(orch, out["orchestrator_step"])
     rewards = _series(orch, "reward/all/mean")
     out["reward"] = rewards[-1] if rewards else None
-    recent, before = rewards[-TREND_WINDOW:], rewards[-2 * TREND_WINDOW:-TREND_WINDOW]
+    recent, before = rewards[-TREND_WINDOW:], rewards[-2 * TREND_WINDOW : -TREND_WINDOW]
     out["reward_trend"] = (mean(recent) - mean(before)) if recent and before else None
     out["reward_spark"] = sparkline(rewards[-30:])
-    evals = [(r["step"], k, float(v)) for r in orch for k, v in r.items()
-             if k.startswith("eval/") and "/avg@" in k and isinstance(v, (int, float))]
-    out["eval"] = ({"step": evals[-1][0], **{k: v for s, k, v in evals if s == evals[-1][0]}} if evals else None)
+    evals = [
+        (r["step"], k, float(v))
+        for r in orch
+        for k, v in r.items()
+        if k.startswith("eval/") and "/avg@" in k and isinstance(v, (int, float))
+    ]
+    out["eval"] = {"step": evals[-1][0], **{k: v for s, k, v in evals if s == evals[-1][0]}} if evals else None
     first_eval = [(s, k, v) for s, k, v in evals if s == evals[0][0]] if evals else []
     out["eval_first"] = {"step": first_eval[0][0], **{k: v for _, k, v in first_eval}} if first_eval else None
-    for key, name in (("loss/mean", "loss"), ("val/loss", "val_loss"), ("mismatch_kl/mean", "mismatch_kl"),
-                      ("entropy/mean", "entropy"), ("perf/throughput", "tokens_per_s")):
+    for key, name in (
+        ("loss/mean", "loss"),
+        ("val/loss", "val_loss"),
+        ("mismatch_kl/mean", "mismatch_kl"),
+        ("entropy/mean", "entropy"),
+        ("perf/throughput", "tokens_per_s"),
+    ):
         got = _last(trainer, key)
         out[name] = got[1] if got else None
     step_times = _series(trainer, "time/step")[-TREND_WINDOW:]
@@ -104,8 +115,12 @@ def unfilled(rows: list[dict], written: Optional[int]) -> Optional[dict[str, Any
     row = next((r for r in reversed(rows) if r.get("filter/unfilled")), None)
     if row is None or (written is not None and row["step"] <= written):
         return None
-    return {"step": row["step"], "accepted": row.get("filter/accepted_groups", 0),
-            "judged": row.get("filter/judged_groups", 0), **{why: row[k] for k, why in UNFILLED_KEYS if row.get(k)}}
+    return {
+        "step": row["step"],
+        "accepted": row.get("filter/accepted_groups", 0),
+        "judged": row.get("filter/judged_groups", 0),
+        **{why: row[k] for k, why in UNFILLED_KEYS if row.get(k)},
+    }
 
 
 def _fmt(v: Optional[float], spec: str = ".3f") -> str:
@@ -124,8 +139,10 @@ def format_vitals(v: dict[str, Any], kind: str = "rl") -> list[str]:
     if v.get("unfilled"):
         u = v["unfilled"]
         why = ", ".join(f"{k}: {n}" for k, n in u.items() if k not in ("step", "accepted", "judged"))
-        lines.append(f"step {u['step']} not filled: {u['accepted']} group(s) accepted of {u['judged']} judged"
-                     + (f" ({why})" if why else ""))
+        lines.append(
+            f"step {u['step']} not filled: {u['accepted']} group(s) accepted of {u['judged']} judged"
+            + (f" ({why})" if why else "")
+        )
     if v.get("reward") is not None:
         trend = v.get("reward_trend")
         arrow = "" if trend is None else f" ({'+' if trend >= 0 else ''}{trend:.3f} over the last {TREND_WINDOW} steps)"
@@ -135,16 +152,24 @@ def format_vitals(v: dict[str, Any], kind: str = "rl") -> list[str]:
         first = v.get("eval_first")
         since = ""
         if first and first["step"] != v["eval"]["step"]:
-            since = " (step " + str(first["step"]) + ": " + ", ".join(
-                f"{x:.3f}" for k, x in first.items() if k != "step") + ")"
+            since = (
+                " (step "
+                + str(first["step"])
+                + ": "
+                + ", ".join(f"{x:.3f}" for k, x in first.items() if k != "step")
+                + ")"
+            )
         lines.append(f"eval at step {v['eval']['step']}: {scores}{since}")
     parts = [f"loss {_fmt(v.get('loss'), '.4f')}"]
     if v.get("val_loss") is not None:
         parts.append(f"val/loss {_fmt(v['val_loss'], '.4f')}")
     if v.get("mismatch_kl") is not None:
         parts.append(f"mismatch_kl {_fmt(v['mismatch_kl'], '.2e')}")
-    parts += [f"entropy {_fmt(v.get('entropy'))}", f"{_fmt(v.get('s_per_step'), '.2f')} s/step",
-              f"{_fmt(v.get('tokens_per_s'), '.0f')} tok/s"]
+    parts += [
+        f"entropy {_fmt(v.get('entropy'))}",
+        f"{_fmt(v.get('s_per_step'), '.2f')} s/step",
+        f"{_fmt(v.get('tokens_per_s'), '.0f')} tok/s",
+    ]
     lines.append("trainer: " + ", ".join(parts))
     return lines
 

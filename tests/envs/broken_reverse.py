@@ -7,6 +7,7 @@ with one line naming the env's error.
   always holds): no completion at all.
 
 (A reward function that always raises: flaky_reverse with raise_every=1.)"""
+
 import reverse_text
 import verifiers as vf
 
@@ -30,5 +31,12 @@ def load_environment(fail: str = "rollout", **kwargs):
     if fail not in FAILS:
         raise ValueError(f"fail must be one of {', '.join(FAILS)} (got {fail!r})")
     base = reverse_text.load_environment(**kwargs)
-    return BrokenReverse(fail, dataset=base.dataset, eval_dataset=base.eval_dataset, system_prompt=None,
-                         parser=base.parser, rubric=base.rubric, max_turns=2)
+    return BrokenReverse(
+        fail,
+        dataset=base.dataset,
+        eval_dataset=base.eval_dataset,
+        system_prompt=None,
+        parser=base.parser,
+        rubric=base.rubric,
+        max_turns=2,
+    )

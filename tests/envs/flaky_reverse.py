@@ -1,5 +1,6 @@
 """A test environment: reverse_text whose reward raises on some examples and is constant
 on others (to exercise errored rollouts and difficulty filtering)."""
+
 import reverse_text
 import verifiers as vf
 
@@ -17,5 +18,10 @@ def load_environment(raise_every: int = 0, constant_every: int = 0, fail_load: b
             return 1.0
         return reverse_text.lcs_reward(completion, answer, parser=base.parser)
 
-    return vf.SingleTurnEnv(dataset=base.dataset, eval_dataset=base.eval_dataset, system_prompt=None,
-                            parser=base.parser, rubric=vf.Rubric(funcs=[reward], parser=base.parser))
+    return vf.SingleTurnEnv(
+        dataset=base.dataset,
+        eval_dataset=base.eval_dataset,
+        system_prompt=None,
+        parser=base.parser,
+        rubric=vf.Rubric(funcs=[reward], parser=base.parser),
+    )

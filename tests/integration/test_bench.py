@@ -1,5 +1,6 @@
 """One real bench (`prime-hpc submit ... --bench`) of the reverse_text recipe on this
 machine: inference and trainer, no environment."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,16 @@ def test_bench_reverse_text_locally_without_an_env(tmp_path):
     id that does not exist: the table and bench.json agree, and their figures with each
     other; the trainer ran warm-up + measured steps of the configured shape."""
     out = tmp_path / "run"
-    r = cli("submit", *RL, "cluster=local", f"output_dir={out}", "--bench", "bench.steps=2",
-            "orchestrator.env.0.id=no_such_env_pkg", timeout=300)
+    r = cli(
+        "submit",
+        *RL,
+        "cluster=local",
+        f"output_dir={out}",
+        "--bench",
+        "bench.steps=2",
+        "orchestrator.env.0.id=no_such_env_pkg",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     run = out.parent / "run-bench"
     assert not out.exists()  # the run's own directory stays free
@@ -37,8 +46,12 @@ def test_bench_reverse_text_locally_without_an_env(tmp_path):
         assert part["samples_per_s"] == pytest.approx(part["samples_per_step"] / part["step_time_s"])
         assert part["params"] > 0 and part["mfu"] is None and part["peak_flops_per_device"] is None  # CPU
     # the printed table shows the same figures
-    rows = {m.group(1): m.groups()[1:] for m in re.finditer(
-        r"^\s+(trainer|inference)\s+([\d.]+) s\s+([\d,]+)\s+([\d,.]+)\s+peak unknown", r.stdout, re.M)}
+    rows = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(
+            r"^\s+(trainer|inference)\s+([\d.]+) s\s+([\d,]+)\s+([\d,.]+)\s+peak unknown", r.stdout, re.M
+        )
+    }
     assert set(rows) == {"trainer", "inference"}, r.stdout
     for name, part in (("trainer", tr), ("inference", inf)):
         step, tok_s, _ = rows[name]

@@ -6,6 +6,7 @@ checkpoint), then resumes as `prime-hpc resume` does: the step picked is the pre
 complete one, it loads, and training continues from it. A checkpoint the disk has no room
 for (a real ENOSPC, on a small tmpfs) fails the trainer in one line and keeps the earlier
 ones."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,14 @@ from prime_hpc.rundir import STABLE, RunDir
 from tests.trainer_support import child_env, explain, run_trainer, trainer_yaml
 
 SFT = "prime_hpc.trainer.sft"
-DATA = ["trainer=sft", "seq_len=128", "trainer.data.name=reverse_text:make_sft_dataset",
-        "+trainer.data.args={num_examples: 400}", "trainer.data.batch_size=8", "trainer.micro_batch_size=4"]
+DATA = [
+    "trainer=sft",
+    "seq_len=128",
+    "trainer.data.name=reverse_text:make_sft_dataset",
+    "+trainer.data.args={num_examples: 400}",
+    "trainer.data.batch_size=8",
+    "trainer.micro_batch_size=4",
+]
 CKPT = ["ckpt.interval=1", "ckpt.keep_last=2"]
 SHARD, DCP_METADATA = "__0_0.distcp", ".metadata"  # one rank: DCP writes one shard file, then its metadata
 WHOLE = {SHARD, DCP_METADATA, "rng_rank_0.pt", "state.json", STABLE}  # a complete trainer checkpoint
@@ -42,9 +49,14 @@ def _kill_trainer_at(run: RunDir, overrides: list[str], kind: str, step: int, na
     if "ckpt.step=-1" in overrides:
         resume_point(run, restarted=False)
     pattern = re.escape(f"{run.checkpoint_part(step, 'trainer')}/{name}")
-    proc = subprocess.run([sys.executable, "-m", "tests.killpoint", kind, pattern, str(nth), "-m", SFT,
-                           "--config", str(config)], capture_output=True, text=True, timeout=900,
-                          env=child_env(), cwd=str(config.parent))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.killpoint", kind, pattern, str(nth), "-m", SFT, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=child_env(),
+        cwd=str(config.parent),
+    )
     assert proc.returncode == -signal.SIGKILL, explain(proc)
     return next(line for line in proc.stderr.splitlines() if line.startswith("killpoint: "))
 
@@ -107,11 +119,14 @@ def test_a_trainer_killed_while_checkpointing_resumes_from_the_previous_complete
 def _tmpfs(where: Path, size: str) -> Iterator[None]:
     """A tmpfs of `size` mounted at `where` for the duration (root only: CI runs as root)."""
     where.mkdir(parents=True)
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-                         capture_output=True, text=True)
+    got = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if got.returncode != 0:
-        pytest.fail(f"this test needs to mount a tmpfs (root, as in CI): mount at {where} failed: "
-                    f"{got.stderr.strip()}", pytrace=False)
+        pytest.fail(
+            f"this test needs to mount a tmpfs (root, as in CI): mount at {where} failed: {got.stderr.strip()}",
+            pytrace=False,
+        )
     try:
         yield
     finally:
@@ -135,7 +150,8 @@ def test_a_full_disk_fails_the_checkpoint_in_one_line_and_keeps_the_earlier_ones
         assert _error_line(proc) == (
             f"python -m {SFT}: error: the checkpoint of step 2 could not be written to "
             f"{run.checkpoint_part(2, 'trainer')}: OSError: [Errno 28] No space left on device; "
-            "the earlier checkpoints are kept")
+            "the earlier checkpoints are kept"
+        )
         assert run.complete_checkpoint_steps(("trainer",)) == [1] and _files(run, 1) == WHOLE
         # room again: the resume loads step 1 and goes on
         subprocess.run(["mount", "-o", "remount,size=64m", str(run.checkpoints_dir)], check=True)
@@ -184,8 +200,13 @@ def test_an_orchestrator_killed_while_saving_its_state_leaves_only_loadable_part
     rng = random.Random(3)
     first = 1
     for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR_SAVES, str(run.root), str(first)], env=child_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ORCHESTRATOR_SAVES, str(run.root), str(first)],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert proc.stdout.readline().strip() == "saving", proc.stderr.read()
             time.sleep(rng.uniform(0.05, 0.5))

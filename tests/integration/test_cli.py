@@ -1,19 +1,20 @@
 """The CLI on this machine (cluster=local): light imports, dry run, the local backend's
 full lifecycle (submit, status, list, tail, cancel), sweeps, refusal of a used output_dir."""
+
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from prime_hpc.rundir import jobs
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import HOSTILE, REPO, cli, hydra_quote
 
 HEAVY = ("torch", "vllm", "transformers", "verifiers")
@@ -43,15 +44,26 @@ def imported_by(argv: list[str], modules: tuple[str, ...], job: dict, tmp_path: 
         "    pass\n"
         f"print(sorted(m for m in {modules!r} if m in sys.modules))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                       env={**os.environ, "PRIME_HPC_STATE_DIR": str(tmp_path / "state")})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PRIME_HPC_STATE_DIR": str(tmp_path / "state")},
+    )
     return json.loads(r.stdout.strip().splitlines()[-1].replace("'", '"')) if r.stdout.strip() else [r.stderr]
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["status"], ["list"], ["submit", "+experiment=reverse_text", "--dry-run", "output_dir={out}/new"],
-     ["tail", "{out}", "--no-follow"]],
+    [
+        ["--help"],
+        ["status"],
+        ["list"],
+        ["submit", "+experiment=reverse_text", "--dry-run", "output_dir={out}/new"],
+        ["tail", "{out}", "--no-follow"],
+    ],
 )
 def test_read_only_commands_do_not_import_heavy_stacks(argv, tmp_path):
     job = {"name": "x", "job_ids": ["local-0"], "backend": "local"}
@@ -75,9 +87,16 @@ def test_dry_run_writes_launch_files_and_submits_nothing(tmp_path):
         os.umask(previous)
     assert r.returncode == 0, r.stderr
     assert all(p.stat().st_mode & 0o007 == 0 for p in out.rglob("*"))
-    for rel in ("config.yaml", "configs/orchestrator.yaml", "configs/trainer.yaml", "configs/inference.yaml",
-                "submit/rl.sbatch",  # the RL run, and its SFT warm-up: a plain job of the trainer alone
-                "warmup/config.yaml", "warmup/configs/trainer.yaml", "warmup/submit/sft.sbatch"):
+    for rel in (
+        "config.yaml",
+        "configs/orchestrator.yaml",
+        "configs/trainer.yaml",
+        "configs/inference.yaml",
+        "submit/rl.sbatch",  # the RL run, and its SFT warm-up: a plain job of the trainer alone
+        "warmup/config.yaml",
+        "warmup/configs/trainer.yaml",
+        "warmup/submit/sft.sbatch",
+    ):
         assert (out / rel).is_file(), rel
     assert not (out / "warmup/configs/inference.yaml").exists()
     assert str(out / "submit" / "rl.sbatch") in r.stdout and str(out / "warmup/submit/sft.sbatch") in r.stdout
@@ -97,8 +116,14 @@ def test_dry_run_writes_launch_files_and_submits_nothing(tmp_path):
 
 
 def test_sweep_dry_run_gives_each_point_its_own_dir(tmp_path):
-    r = cli("submit", "-m", "+experiment=reverse_text", f"output_dir={tmp_path}/sw", "--dry-run",
-            "trainer.optim.lr=1e-6,3e-6")
+    r = cli(
+        "submit",
+        "-m",
+        "+experiment=reverse_text",
+        f"output_dir={tmp_path}/sw",
+        "--dry-run",
+        "trainer.optim.lr=1e-6,3e-6",
+    )
     assert r.returncode == 0, r.stderr
     import yaml
 
@@ -131,15 +156,21 @@ def test_local_preflight_with_hostile_paths(tmp_path):
     summary = json.loads(RunDir(out).doctor_run.preflight_summary.read_text())
     assert summary["ok"] and set(summary["groups"]) == {"orchestrator", "inference", "router", "trainer"}
     written = list(notes.parent.rglob("*"))
-    assert all(p.lstat().st_mode & 0o007 == 0 for p in written if not p.is_symlink()), \
-        [(str(p), oct(p.lstat().st_mode)) for p in written if p.lstat().st_mode & 0o007]
+    assert all(p.lstat().st_mode & 0o007 == 0 for p in written if not p.is_symlink()), [
+        (str(p), oct(p.lstat().st_mode)) for p in written if p.lstat().st_mode & 0o007
+    ]
 
 
 def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
     out = tmp_path / "run"
     # a run whose script holds before its components start, so it stays RUNNING
-    r = cli("submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
-            "cluster.env_setup=[\"sleep 300\"]")
+    r = cli(
+        "submit",
+        "+experiment=reverse_text",
+        "warmup.experiment=null",
+        f"output_dir={out}",
+        'cluster.env_setup=["sleep 300"]',
+    )
     assert r.returncode == 0, r.stderr
     job = jobs.read_job(RunDir(out))
     job_id = job["job_ids"][-1]
@@ -168,9 +199,14 @@ def test_local_lifecycle_submit_status_tail_cancel(tmp_path):
         assert not group_alive(pid)
         # clean_output_dir=true wipes the finished run and starts a fresh one
         (out / "marker").write_text("old")
-        fresh = cli("submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
-                    "clean_output_dir=true",
-                    "cluster.env_setup=[\"sleep 300\"]")
+        fresh = cli(
+            "submit",
+            "+experiment=reverse_text",
+            "warmup.experiment=null",
+            f"output_dir={out}",
+            "clean_output_dir=true",
+            'cluster.env_setup=["sleep 300"]',
+        )
         assert fresh.returncode == 0, fresh.stderr
         new = jobs.read_job(RunDir(out))
         assert not (out / "marker").exists() and new["job_ids"] != [job_id]

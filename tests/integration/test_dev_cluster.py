@@ -27,8 +27,16 @@ JOB_DEADLINE_S = 120
 # cluster, so allocated nodes and "plnd" (idle, held for a backfill-planned job) count too.
 USABLE_NODE_STATES = {"idle", "mix", "alloc", "plnd"}
 TERMINAL_STATES = {
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-    "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED",
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
 }
 
 

@@ -4,6 +4,7 @@ raises, a reward function that raises, rollouts that produce no completion. Afte
 quoting the env's error and naming its worker log is the last line of the orchestrator's
 log, the recorded failure and what `status` shows; the step that could not be filled is in
 the metrics; nothing of the run is left running."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,7 @@ pytestmark = [pytest.mark.vllm]
 
 ENVS = REPO / "tests" / "envs"
 BROKEN = [  # (env file, its args, what the line must quote)
-    ("broken_reverse.py", "fail: rollout",
-     "ToolCallError('the reversal checker refused the call: connection reset')"),
+    ("broken_reverse.py", "fail: rollout", "ToolCallError('the reversal checker refused the call: connection reset')"),
     ("flaky_reverse.py", "raise_every: 1", "reward: ValueError: reward exploded on "),
     ("broken_reverse.py", "fail: empty", "every completion was empty"),
 ]
@@ -28,10 +28,19 @@ LIMIT = 3
 
 
 def submit(out, env_file: str, args: str, *overrides: str) -> RunDir:
-    r = cli("submit", "+experiment=reverse_text", "cluster=local", "warmup.experiment=null", f"output_dir={out}",
-            "max_steps=5", "orchestrator.batch_size=16", "orchestrator.group_size=4", "orchestrator.eval.env=[]",
-            f'orchestrator.env=[{{id: "{ENVS / env_file}", args: {{{args}, num_train_examples: 64}}}}]',
-            *(overrides or [f"orchestrator.max_errored_groups={LIMIT}"]))
+    r = cli(
+        "submit",
+        "+experiment=reverse_text",
+        "cluster=local",
+        "warmup.experiment=null",
+        f"output_dir={out}",
+        "max_steps=5",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        "orchestrator.eval.env=[]",
+        f'orchestrator.env=[{{id: "{ENVS / env_file}", args: {{{args}, num_train_examples: 64}}}}]',
+        *(overrides or [f"orchestrator.max_errored_groups={LIMIT}"]),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return RunDir(out)
 
@@ -65,8 +74,13 @@ def test_a_broken_env_fails_the_job_with_one_line_quoting_its_error(tmp_path, en
         prefix = f"prime-hpc orchestrator: train env {name!r}: {LIMIT} groups in a row errored"
         assert last.startswith(prefix) and quoted in last and last.endswith(f"; see {env_log}"), last
         cause = last.removeprefix("prime-hpc orchestrator: ").removesuffix(f"; see {env_log}")
-        assert job["failure"] == {"component": "orchestrator", "rc": 1, "node": 0, "reason":
-                                  f"exited with code 1: {cause}", "log": str(env_log)}, job["failure"]
+        assert job["failure"] == {
+            "component": "orchestrator",
+            "rc": 1,
+            "node": 0,
+            "reason": f"exited with code 1: {cause}",
+            "log": str(env_log),
+        }, job["failure"]
         # the env's worker log: its own records, and a line per errored group
         noted = [x for x in env_log.read_text().splitlines() if "nothing of the group can train: " in x]
         assert len(noted) >= LIMIT and quoted in noted[-1], noted
@@ -88,8 +102,13 @@ def test_a_healthy_env_whose_groups_are_all_filtered_is_a_stall_the_watchdog_end
     orchestrator judges groups without end; no step is written, which is no progress: the
     watchdog ends the job quoting the orchestrator's line on why the step does not fill."""
     stall_s = 45
-    run = submit(tmp_path / "run", "flaky_reverse.py", "constant_every: 1",
-                 "orchestrator.online_difficulty_filtering=true", f"watchdog.stall_timeout_s={stall_s}")
+    run = submit(
+        tmp_path / "run",
+        "flaky_reverse.py",
+        "constant_every: 1",
+        "orchestrator.online_difficulty_filtering=true",
+        f"watchdog.stall_timeout_s={stall_s}",
+    )
     try:
         job = wait_ended(run, 600)
         assert job["state"] == "FAILED", job

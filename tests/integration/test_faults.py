@@ -5,6 +5,7 @@ neither those listed before the fault (children included, found by their parent 
 nor any found afresh after the end by the job's environment. torchrun's agent and the job
 script itself are killed too, on SLURM and in cluster=local. Losing one of several
 inference servers is survived: tests/integration/test_slurm_rl.py."""
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.rundir import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 from tests import procs
 from tests.conftest import cli
 from tests.runs import agent_pid, run_processes, still_alive, supervisor_pid, wait_for_step
@@ -30,13 +30,20 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 STALL_S = 15
 
 
-
-
 # ----------------------------------------------------------------------------- runs
 def start_run(tmp_path: Path, name: str, *overrides: str):
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/{name}", "max_steps=200",
-                   "orchestrator.batch_size=16", "orchestrator.eval.interval=0",
-                   f"watchdog.stall_timeout_s={STALL_S}", *overrides])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            "cluster=dev",
+            f"output_dir={tmp_path}/{name}",
+            "max_steps=200",
+            "orchestrator.batch_size=16",
+            "orchestrator.eval.interval=0",
+            f"watchdog.stall_timeout_s={STALL_S}",
+            *overrides,
+        ]
+    )
     return launch.submit(cfg, [])
 
 
@@ -90,8 +97,9 @@ def kill_router_past_its_restarts(run: RunDir) -> float:
 
     for k in range(MAX_RESTARTS + 1):
         deadline = time.monotonic() + 120
-        while (rec := json.loads(run.router_endpoint.read_text()) if run.router_endpoint.exists() else {}) \
-                .get("restarts") != k:
+        while (rec := json.loads(run.router_endpoint.read_text()) if run.router_endpoint.exists() else {}).get(
+            "restarts"
+        ) != k:
             assert time.monotonic() < deadline, f"the router was not restarted a {k}th time: {rec}"
             time.sleep(0.2)
         t0 = time.time()
@@ -128,8 +136,9 @@ FAULTS = [  # (what is done, to which component, what job.json must name)
 
 
 @pytest.mark.parametrize("how, target, named", FAULTS, ids=[f"{h}-{t}" for h, t, _ in FAULTS])
-def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(tmp_path, monkeypatch, how, target,
-                                                                              named):
+def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(
+    tmp_path, monkeypatch, how, target, named
+):
     tokens = {"WANDB_API_KEY": "wandb-token-7f3e9c1a", "HF_TOKEN": "hf_token_52b8d0e4"}
     for var, value in tokens.items():  # in the submitting environment, as on a user's login node
         monkeypatch.setenv(var, value)
@@ -212,8 +221,16 @@ def test_a_killed_torchrun_agent_or_job_script_ends_the_job_and_leaves_nothing(t
     """SFT jobs (the trainer is all they run: no vLLM to wait for). torchrun's agent is
     found by parent chain (rank 0's parent), the job script as the parent of the run's
     processes (on SLURM: the one with the job's SLURM_JOB_ID; locally: job.json's pid)."""
-    cfg = compose(["+experiment=reverse_text_sft", f"cluster={cluster}", f"output_dir={tmp_path}/run",
-                   "max_steps=2000", "trainer.data.args.num_examples=4000", "trainer.val.interval=null"])
+    cfg = compose(
+        [
+            "+experiment=reverse_text_sft",
+            f"cluster={cluster}",
+            f"output_dir={tmp_path}/run",
+            "max_steps=2000",
+            "trainer.data.args.num_examples=4000",
+            "trainer.val.interval=null",
+        ]
+    )
     sub = launch.submit(cfg, [])
     run = sub.ref.run
     logs = None

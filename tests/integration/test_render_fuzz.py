@@ -6,6 +6,7 @@ real in a sandbox: a PATH that finds nothing, so that every command it calls lan
 `command_not_found_handle`, which only records it, and the interpreter a stub that records
 its arguments. Nothing but the script's own commands may run, and every value must reach
 them exactly as given."""
+
 from __future__ import annotations
 
 import random
@@ -20,19 +21,55 @@ from prime_hpc.launcher.plan import make_plan, slurm_job_name
 from prime_hpc.launcher.render import render_local, render_sbatch
 
 N_VALUES = int(__import__("os").environ.get("FUZZ_N", 1000))
-PIECES = ["'", '"', "$(touch PWNED)", "`touch PWNED`", ";touch PWNED;", "\ntouch PWNED\n", "&& touch PWNED",
-          "| touch PWNED", "$((1+1))", "$IFS", "\\", "\\'", "$HOME", "$0", "*", "?", "[a]", "#", "~", " ", "\t",
-          "é", "☃", "日本", "--x", "-n", "%n", "%j", "{a,b}", ">out", "<in", "!", "!!", "=", ":", ",", "\r"]
+PIECES = [
+    "'",
+    '"',
+    "$(touch PWNED)",
+    "`touch PWNED`",
+    ";touch PWNED;",
+    "\ntouch PWNED\n",
+    "&& touch PWNED",
+    "| touch PWNED",
+    "$((1+1))",
+    "$IFS",
+    "\\",
+    "\\'",
+    "$HOME",
+    "$0",
+    "*",
+    "?",
+    "[a]",
+    "#",
+    "~",
+    " ",
+    "\t",
+    "é",
+    "☃",
+    "日本",
+    "--x",
+    "-n",
+    "%n",
+    "%j",
+    "{a,b}",
+    ">out",
+    "<in",
+    "!",
+    "!!",
+    "=",
+    ":",
+    ",",
+    "\r",
+]
 ALLOWED = {"srun", "setsid", "scancel", "seq", "sleep", "taskset", "env"}  # what the scripts call besides python
 
 # every command the script calls goes here (PATH is empty): recorded, never run
-SANDBOX = r'''
+SANDBOX = r"""
 command_not_found_handle() {
   printf '%s\0' "CMD" "$@" >> "$FUZZ_RECORD"
   [ "$1" = seq ] && { local i; for ((i = $2; i <= $3; i++)); do echo $i; done; }
   return 0
 }
-'''
+"""
 STUB = """#!/bin/bash
 printf '%s\\0' "PY" "$@" >> "$FUZZ_RECORD"
 case "$3" in start) echo "$FUZZ_LOGS" ;; rendezvous) echo 127.0.0.1:1 ;; esac
@@ -52,11 +89,18 @@ def hostile_values(n: int, seed: int = 7) -> list[str]:
 
 def run_sandboxed(script: str, cwd: Path, record: Path, logs: Path) -> subprocess.CompletedProcess:
     record.write_bytes(b"")
-    env = {"PATH": "/nonexistent", "FUZZ_RECORD": str(record), "FUZZ_LOGS": str(logs), "SLURM_JOB_ID": "1", "HOME": str(cwd),
-           "INFERENCE_SERVER_API_KEY": "fuzz-key"}  # the key reaches the job: its absence is tested on its own
+    env = {
+        "PATH": "/nonexistent",
+        "FUZZ_RECORD": str(record),
+        "FUZZ_LOGS": str(logs),
+        "SLURM_JOB_ID": "1",
+        "HOME": str(cwd),
+        "INFERENCE_SERVER_API_KEY": "fuzz-key",
+    }  # the key reaches the job: its absence is tested on its own
     body = script.split("\n", 1)[1]  # the sandbox goes first, after the shebang
-    return subprocess.run(["/bin/bash", "-c", SANDBOX + body], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        ["/bin/bash", "-c", SANDBOX + body], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def recorded(record: Path) -> list[list[str]]:
@@ -109,8 +153,9 @@ def test_a_thousand_hostile_values_render_inert_scripts(tmp_path):
             starts = [a for a in py if a[:4] == ["-m", "prime_hpc.job.attempt", "start", out]]
             assert starts, (value, py)  # the output dir reached the interpreter as one exact argument
             # ...and so did the interpreter's own path (locally: started through prime_hpc.job.child)
-            launched = [c for c in calls if str(python) in c[1:] and (c[0] == "CMD" or c[1:3] == [
-                "-m", "prime_hpc.job.child"])]
+            launched = [
+                c for c in calls if str(python) in c[1:] and (c[0] == "CMD" or c[1:3] == ["-m", "prime_hpc.job.child"])
+            ]
             assert launched, (value, calls)
             if text.startswith("#!/bin/bash\n# prime-hpc rl run: one heterogeneous"):
                 for opt in ("partition", "account", "qos"):  # what sbatch would read

@@ -28,8 +28,12 @@ def vllm_server(inference):
     """The session's real inference (two servers of the tiny model behind the router)."""
     from prime_hpc.model import resolve_model
 
-    return {"url": inference.endpoints.router, "model": "tiny", "model_dir": Path(resolve_model("tiny")),
-            "key": inference.key}
+    return {
+        "url": inference.endpoints.router,
+        "model": "tiny",
+        "model_dir": Path(resolve_model("tiny")),
+        "key": inference.key,
+    }
 
 
 def _client(server):
@@ -90,13 +94,21 @@ def test_generate_and_evaluate_against_vllm(vllm_server):
         client = _client(vllm_server)
         # training-style: env.get_dataset() (has example_id), 2 rollouts per example
         gen = await env.generate(
-            env.get_dataset().repeat(2), client=client, model=vllm_server["model"],
-            sampling_args=SAMPLING, state_columns=["trajectory"], on_progress=quiet,
+            env.get_dataset().repeat(2),
+            client=client,
+            model=vllm_server["model"],
+            sampling_args=SAMPLING,
+            state_columns=["trajectory"],
+            on_progress=quiet,
         )
         # evaluation: the eval split, rollouts_per_example
         ev = await env.evaluate(
-            client=client, model=vllm_server["model"], sampling_args=SAMPLING,
-            rollouts_per_example=2, state_columns=["trajectory"], on_progress=quiet,
+            client=client,
+            model=vllm_server["model"],
+            sampling_args=SAMPLING,
+            rollouts_per_example=2,
+            state_columns=["trajectory"],
+            on_progress=quiet,
         )
         return gen, ev
 

@@ -4,6 +4,7 @@ trainer checkpoints, the same job goes back to the queue and the next attempt co
 where it stopped; no step or sample is lost or trained twice. Then `prime-hpc eval` of the
 final weights, greedy, on held-out strings: the offline tiny model learned to reverse
 them."""
+
 from __future__ import annotations
 
 import json
@@ -20,14 +21,25 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 def test_reverse_text_sft_outlives_its_time_limits_and_reaches_80_of_100_exact_reversals(tmp_path):
     out = tmp_path / "sft"
-    r = cli("submit", "+experiment=reverse_text_sft", "cluster=dev", f"output_dir={out}", "cluster.time=3",
-            "cluster.signal_delay_s=45")
+    r = cli(
+        "submit",
+        "+experiment=reverse_text_sft",
+        "cluster=dev",
+        f"output_dir={out}",
+        "cluster.time=3",
+        "cluster.signal_delay_s=45",
+    )
     assert r.returncode == 0, r.stderr
     run = RunDir(out)
     job_id = jobs.read_job(run)["job_ids"][-1]
     try:
-        _wait(lambda: _release_held(job_id) or jobs.read_job(run).get("state") in jobs.FINAL_STATES, 1500,
-              "the end of the run", run, poll_s=2)
+        _wait(
+            lambda: _release_held(job_id) or jobs.read_job(run).get("state") in jobs.FINAL_STATES,
+            1500,
+            "the end of the run",
+            run,
+            poll_s=2,
+        )
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
     job = jobs.read_job(run)
@@ -46,8 +58,14 @@ def test_reverse_text_sft_outlives_its_time_limits_and_reaches_80_of_100_exact_r
     samples = [r["progress/num_samples"] for r in rows]
     assert all(b > a for a, b in zip(samples, samples[1:]))
     # greedy: pass@1 is the share of exact reversals, avg@1 the mean LCS ratio
-    e = cli("eval", str(out), f"steps={final}", "orchestrator.sampling.temperature=0",
-            "orchestrator.eval.rollouts_per_example=1", timeout=900)
+    e = cli(
+        "eval",
+        str(out),
+        f"steps={final}",
+        "orchestrator.sampling.temperature=0",
+        "orchestrator.eval.rollouts_per_example=1",
+        timeout=900,
+    )
     assert e.returncode == 0, e.stdout + e.stderr
     result = json.loads(run.eval_result(final).read_text())
     assert result["eval/reverse_text/pass@1"] >= 0.80, result

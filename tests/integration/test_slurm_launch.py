@@ -1,6 +1,7 @@
 """The launcher on the real dev cluster (tools/dev-cluster start): preflight, submit,
 status across states, list, cancel, and what sacct records. Asserts on the run
 directory and on SLURM, not on log wording."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,9 @@ import time
 
 import pytest
 
-from prime_hpc.rundir import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import HOSTILE, cli, hydra_quote
 
 pytestmark = pytest.mark.slurm
@@ -41,8 +41,9 @@ def sacct_states(job_id: str, timeout_s: float = 60) -> dict[str, str]:
     """{'<id>+0': state, ...} for the het components, once sacct has recorded all three."""
     deadline = time.monotonic() + timeout_s
     while True:
-        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id], capture_output=True, text=True, timeout=30
+        ).stdout
         states = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
         if len(states) >= 3 or time.monotonic() > deadline:
             return states
@@ -61,9 +62,17 @@ def wait_state(ref, wanted: set[str], timeout_s: float = 120) -> str:
 
 def test_preflight_passes_on_every_node_of_a_multi_node_layout(tmp_path):
     out = tmp_path / HOSTILE
-    r = cli("doctor", "+experiment=reverse_text", "cluster=dev", f"output_dir={hydra_quote(str(out))}",
-            f"name={hydra_quote('pre flight; $(x)')}", "cluster.inference.nodes=2",
-            "cluster.trainer.nproc_per_node=2", "--timeout", "300")
+    r = cli(
+        "doctor",
+        "+experiment=reverse_text",
+        "cluster=dev",
+        f"output_dir={hydra_quote(str(out))}",
+        f"name={hydra_quote('pre flight; $(x)')}",
+        "cluster.inference.nodes=2",
+        "cluster.trainer.nproc_per_node=2",
+        "--timeout",
+        "300",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     run = RunDir(out).doctor_run
     summary = json.loads(run.preflight_summary.read_text())
@@ -99,8 +108,16 @@ def test_preflight_passes_on_every_node_of_a_multi_node_layout(tmp_path):
 
 
 def test_preflight_failure_exits_nonzero_and_names_the_failing_check(tmp_path):
-    r = cli("doctor", "+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
-            "--require", "no_such_module_on_nodes", "--timeout", "300")
+    r = cli(
+        "doctor",
+        "+experiment=reverse_text",
+        "cluster=dev",
+        f"output_dir={tmp_path}/run",
+        "--require",
+        "no_such_module_on_nodes",
+        "--timeout",
+        "300",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith(("orchestrator", "inference", "router", "trainer"))]
     assert len(rows) == 4 and all(" FAIL " in ln and "no_such_module_on_nodes" in ln for ln in rows)
@@ -108,8 +125,15 @@ def test_preflight_failure_exits_nonzero_and_names_the_failing_check(tmp_path):
 
 
 def test_broken_python_on_nodes_fails_with_the_log_to_read(tmp_path):
-    r = cli("doctor", "+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
-            "cluster.python=/nonexistent/bin/python", "--timeout", "300")
+    r = cli(
+        "doctor",
+        "+experiment=reverse_text",
+        "cluster=dev",
+        f"output_dir={tmp_path}/run",
+        "cluster.python=/nonexistent/bin/python",
+        "--timeout",
+        "300",
+    )
     assert r.returncode == 1
     assert "without a full report; see" in r.stdout
     log = r.stdout.split("see ")[-1].strip()
@@ -118,15 +142,27 @@ def test_broken_python_on_nodes_fails_with_the_log_to_read(tmp_path):
 
 def test_submit_returns_at_once_with_job_id_and_output_dir(tmp_path, cancel_later):
     out = tmp_path / "run"
-    r = cli("submit", "+experiment=reverse_text", "warmup.experiment=null", "cluster=dev", f"output_dir={out}",
-            "cluster.sbatch_extra=[\"--begin=now+3600\"]")
+    r = cli(
+        "submit",
+        "+experiment=reverse_text",
+        "warmup.experiment=null",
+        "cluster=dev",
+        f"output_dir={out}",
+        'cluster.sbatch_extra=["--begin=now+3600"]',
+    )
     assert r.returncode == 0, r.stderr
     job = jobs.read_job(RunDir(out))
     job_id = job["job_ids"][-1]
     cancel_later(job_id)
     assert f"submitted run job {job_id}" in r.stdout and str(out) in r.stdout
-    for rel in ("config.yaml", "configs/orchestrator.yaml", "configs/trainer.yaml", "configs/inference.yaml",
-                "submit/rl.sbatch", "job.json"):
+    for rel in (
+        "config.yaml",
+        "configs/orchestrator.yaml",
+        "configs/trainer.yaml",
+        "configs/inference.yaml",
+        "submit/rl.sbatch",
+        "job.json",
+    ):
         assert (out / rel).is_file(), rel
     assert job["name"] == "reverse_text" and job["backend"] == "slurm" and job["git_sha"]
     q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True).stdout
@@ -139,13 +175,27 @@ def test_submit_returns_at_once_with_job_id_and_output_dir(tmp_path, cancel_late
 
 def test_status_list_cancel_across_states(tmp_path, cancel_later):
     # PENDING: held by --begin
-    held = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/held", "name=held",
-                    "cluster.sbatch_extra=[\"--begin=now+3600\"]"])
+    held = compose(
+        [
+            "+experiment=reverse_text",
+            "cluster=dev",
+            f"output_dir={tmp_path}/held",
+            "name=held",
+            'cluster.sbatch_extra=["--begin=now+3600"]',
+        ]
+    )
     sub_held = launch.submit(held, [], mode="doctor")
     cancel_later(sub_held.ref.job_id)
     # RUNNING: its script sleeps before starting any component
-    busy = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/busy", "name=busy",
-                    "cluster.env_setup=[\"sleep 300\"]"])
+    busy = compose(
+        [
+            "+experiment=reverse_text",
+            "cluster=dev",
+            f"output_dir={tmp_path}/busy",
+            "name=busy",
+            'cluster.env_setup=["sleep 300"]',
+        ]
+    )
     sub_busy = launch.submit(busy, [], mode="doctor")
     cancel_later(sub_busy.ref.job_id)
 
@@ -156,7 +206,9 @@ def test_status_list_cancel_across_states(tmp_path, cancel_later):
     assert all(f"{g}" in st.stdout for g in ("orchestrator", "inference", "trainer"))
     st = cli("status", "busy-doctor")  # by run name
     assert st.returncode == 0
-    rows = [ln.split() for ln in st.stdout.splitlines() if ln.strip().startswith(("orchestrator", "inference", "trainer"))]
+    rows = [
+        ln.split() for ln in st.stdout.splitlines() if ln.strip().startswith(("orchestrator", "inference", "trainer"))
+    ]
     assert [r[1] for r in rows] == ["RUNNING"] * 3
     st = cli("status", str(tmp_path / "busy" / "doctor"))  # by output dir
     assert st.returncode == 0 and sub_busy.ref.job_id in st.stdout
@@ -180,8 +232,9 @@ def test_status_list_cancel_across_states(tmp_path, cancel_later):
 def test_scancel_of_a_running_job_is_recorded_by_the_job_itself(tmp_path, cancel_later):
     """A plain scancel (as by an admin, or the time limit) ends every group, and the job's
     own supervisor records the outcome in job.json before SLURM kills it."""
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
-                   "cluster.env_setup=[\"sleep 300\"]"])
+    cfg = compose(
+        ["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", 'cluster.env_setup=["sleep 300"]']
+    )
     sub = launch.submit(cfg, [], mode="doctor")
     cancel_later(sub.ref.job_id)
     wait_state(sub.ref, {"RUNNING"})
@@ -198,7 +251,9 @@ def test_scancel_of_a_running_job_is_recorded_by_the_job_itself(tmp_path, cancel
 def test_a_failing_component_ends_the_job_and_is_named(tmp_path):
     """The trainer group cannot start (pinned to a core its node does not have: taskset
     fails); the others are stopped at once and job.json names the trainer and its log."""
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", "cluster.trainer.cpu_ids=63"])
+    cfg = compose(
+        ["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", "cluster.trainer.cpu_ids=63"]
+    )
     sub = launch.submit(cfg, [], mode="doctor")
     try:
         assert launch.wait_done(sub, 300) == "FAILED"
@@ -214,8 +269,14 @@ def test_a_job_whose_environment_lost_the_key_starts_nothing_and_says_so(tmp_pat
     """The key reaches a job only through its environment; a job script that finds none
     (here a setup line removes it) records one line naming the variable and starts no
     component: no listener of the job ever runs without it."""
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run",
-                   'cluster.env_setup=["unset INFERENCE_SERVER_API_KEY"]'])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            "cluster=dev",
+            f"output_dir={tmp_path}/run",
+            'cluster.env_setup=["unset INFERENCE_SERVER_API_KEY"]',
+        ]
+    )
     sub = launch.submit(cfg, [], mode="doctor")
     try:
         assert launch.wait_done(sub, 300) == "FAILED"
@@ -225,7 +286,9 @@ def test_a_job_whose_environment_lost_the_key_starts_nothing_and_says_so(tmp_pat
     failure = jobs.read_job(run)["failure"]
     assert "INFERENCE_SERVER_API_KEY did not reach the job" in failure["reason"], failure
     logs = run.latest_logs
-    assert not [p for p in logs.rglob("*.log") if p.is_file() and p.stat().st_size], list(logs.rglob("*"))  # nothing ran
+    assert not [p for p in logs.rglob("*.log") if p.is_file() and p.stat().st_size], list(
+        logs.rglob("*")
+    )  # nothing ran
     assert not run.preflight_head.exists()
     out = cli("status", str(run.root)).stdout
     assert "INFERENCE_SERVER_API_KEY did not reach the job" in out, out
@@ -238,8 +301,14 @@ def test_unknown_job_is_a_one_line_error():
 
 def test_refused_submission_leaves_the_directory_fresh(tmp_path):
     out = tmp_path / "run"
-    r = cli("submit", "+experiment=reverse_text", "warmup.experiment=null", "cluster=dev", f"output_dir={out}",
-            "cluster.partition=nosuch")
+    r = cli(
+        "submit",
+        "+experiment=reverse_text",
+        "warmup.experiment=null",
+        "cluster=dev",
+        f"output_dir={out}",
+        "cluster.partition=nosuch",
+    )
     assert r.returncode == 1 and "sbatch refused the job" in r.stderr and r.stderr.count("\n") == 1
     assert RunDir(out).is_fresh() and not (out / "job.json").exists()
     assert jobs.recent() == []

@@ -4,6 +4,7 @@ orchestrator checkpoint the step they are at and the next attempt continues ther
 cluster.max_requeues stops it, then is resumed by hand. Asserted on the run directory and
 SLURM: every step trained and recorded exactly once, each attempt recorded with why it
 ended. (An SFT run that outlives its time limits: test_sft_learns.py.)"""
+
 from __future__ import annotations
 
 import datetime
@@ -16,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.rundir import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import cli
 from tests.runs import run_processes
 
@@ -57,8 +57,9 @@ def _release_held(job_id: str) -> bool:
         except (IndexError, ValueError):  # no begin time shown (it has passed): leave it be
             wait_s = 0
         if wait_s > 30:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], capture_output=True,
-                           timeout=60)
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], capture_output=True, timeout=60
+            )
     return False
 
 
@@ -80,21 +81,37 @@ def _attempt_starts(run: RunDir) -> list[float]:
 def _take_nodes_of(job_id: str, out: Path) -> str:
     """Submit a plain job to the dev cluster's urgent partition that needs every node of the
     run, whole: SLURM preempts the run (preemptible partition) to start it."""
-    listed = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
-                            timeout=60).stdout.split()
-    nodes = subprocess.run(["scontrol", "show", "hostnames", ",".join(listed)], capture_output=True, text=True,
-                           timeout=60).stdout.split()
+    listed = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True, timeout=60
+    ).stdout.split()
+    nodes = subprocess.run(
+        ["scontrol", "show", "hostnames", ",".join(listed)], capture_output=True, text=True, timeout=60
+    ).stdout.split()
     assert nodes, f"no nodes of job {job_id}: {listed}"
-    r = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--exclusive", f"--nodes={len(nodes)}",
-                        f"--nodelist={','.join(nodes)}", f"--output={out}/urgent-%j.out", "--wrap", "sleep 600"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--partition=urgent",
+            "--exclusive",
+            f"--nodes={len(nodes)}",
+            f"--nodelist={','.join(nodes)}",
+            f"--output={out}/urgent-%j.out",
+            "--wrap",
+            "sleep 600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0]
 
 
 def _squeue_state(job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
-                          timeout=60).stdout.strip()
+    return subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
+    ).stdout.strip()
 
 
 def _attempts(run: RunDir) -> list[dict]:
@@ -120,10 +137,23 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
        `status`), and the job SLURM brings back does not start;
     4. `prime-hpc resume` continues from that checkpoint to max_steps.
     Every step trained and recorded once, each attempt's from the checkpoint before it."""
-    cfg = compose(["+experiment=reverse_text", "warmup.experiment=null", "cluster=dev", f"output_dir={tmp_path}/run",
-                   "cluster.partition=scavenger", "cluster.time=3", "cluster.signal_delay_s=45",
-                   "cluster.max_requeues=2", "max_steps=2000", "ckpt.interval=1000", "orchestrator.batch_size=32",
-                   "orchestrator.eval.interval=0", "orchestrator.eval.at_start=false"])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            "warmup.experiment=null",
+            "cluster=dev",
+            f"output_dir={tmp_path}/run",
+            "cluster.partition=scavenger",
+            "cluster.time=3",
+            "cluster.signal_delay_s=45",
+            "cluster.max_requeues=2",
+            "max_steps=2000",
+            "ckpt.interval=1000",
+            "orchestrator.batch_size=32",
+            "orchestrator.eval.interval=0",
+            "orchestrator.eval.at_start=false",
+        ]
+    )
     sub = launch.submit(cfg, [])
     run, job_id = sub.ref.run, sub.ref.job_id
     urgent = ""
@@ -137,8 +167,9 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
         time.sleep(4)  # the supervisor looks every second, then gives its own trap 2 s
         assert not jobs.read_job(run).get("ended_at"), jobs.read_job(run)
         urgent = _take_nodes_of(job_id, tmp_path)
-        _wait(lambda: _squeue_state(urgent) == "RUNNING", 300, "the urgent job to start on the run's nodes", run,
-              poll_s=2)
+        _wait(
+            lambda: _squeue_state(urgent) == "RUNNING", 300, "the urgent job to start on the run's nodes", run, poll_s=2
+        )
         first = _attempts(run)[0]
         assert first["end"] == "PREEMPTED" and first.get("stopping") == "PREEMPTED", first
         assert jobs.read_job(run)["requeues"] == 1 and jobs.read_job(run)["state"] == "REQUEUED"
@@ -147,8 +178,9 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
         subprocess.run(["scancel", urgent], check=True, timeout=60)
         gone = time.time()
         # 2. back once the urgent job is gone, from that checkpoint, until the time limit
-        _wait(lambda: _release_held(job_id) or len(_attempts(run)) >= 3, 600, "the end of the time limit", run,
-              poll_s=2)
+        _wait(
+            lambda: _release_held(job_id) or len(_attempts(run)) >= 3, 600, "the end of the time limit", run, poll_s=2
+        )
         second = _attempts(run)[1]
         assert second["started_at"] > gone and second["resumed_from"] == saved[0], second
         assert second["end"] == "TIMEOUT" and second.get("stopping") == "TIMEOUT", second
@@ -165,10 +197,13 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
         assert "failed: job REQUEUED by SLURM: not continued (cluster.max_requeues=2 reached)" in st.stdout, st.stdout
         saved.append(run.latest_checkpoint_step())
         assert saved[2] > saved[1] and _saved(run, saved[2]), saved
-        _wait(lambda: _release_held(job_id) or not launch.active_job(run), 300, "SLURM to let the job go", run,
-              poll_s=2)
-        assert len(_attempts(run)) == 3 and "not continued (continue with: prime-hpc resume" in \
-            run.batch_log(job_id).read_text()  # SLURM started it again: refused before anything ran
+        _wait(
+            lambda: _release_held(job_id) or not launch.active_job(run), 300, "SLURM to let the job go", run, poll_s=2
+        )
+        assert (
+            len(_attempts(run)) == 3
+            and "not continued (continue with: prime-hpc resume" in run.batch_log(job_id).read_text()
+        )  # SLURM started it again: refused before anything ran
         # 4. resume from that checkpoint, without a time limit to meet, to the end
         r = cli("resume", job_id, f"max_steps={saved[2] + 3}", "cluster.time=30")
         assert r.returncode == 0, r.stderr
@@ -176,8 +211,15 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
         assert resumed != job_id and f"from checkpoint step {saved[2]}" in r.stdout
         again = cli("resume", job_id)  # a live job is not resumed twice
         assert again.returncode == 2 and "still alive" in again.stderr and again.stderr.count("\n") == 1
-        _wait(lambda: jobs.read_job(run).get("state") in jobs.FINAL_STATES
-              and jobs.read_job(run)["job_ids"][-1] == resumed, 900, "the resumed run", run, poll_s=2)
+        _wait(
+            lambda: (
+                jobs.read_job(run).get("state") in jobs.FINAL_STATES and jobs.read_job(run)["job_ids"][-1] == resumed
+            ),
+            900,
+            "the resumed run",
+            run,
+            poll_s=2,
+        )
     finally:
         for i in [urgent, *jobs.read_job(run).get("job_ids", [])]:
             if i:

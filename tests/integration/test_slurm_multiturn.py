@@ -3,6 +3,7 @@ cluster: one inference node, the tiny model, a seq_len small enough that some ro
 their context. Reads the rollout batches back and checks them token by token: only the
 model's turns are trained, every tool message is context, samples hold several model
 turns, and a rollout that fills its context is a (truncated) sample, never an error."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,9 @@ import time
 
 import pytest
 
-from prime_hpc.rundir import batch, jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, batch, jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -67,9 +67,8 @@ def _messages(tokens: list[str], mask: list[bool]) -> list[tuple[str, int, int]]
         if t != "<|im_start|>" or mask[i] or "\n" not in tokens[i:]:
             continue
         nl = tokens.index("\n", i)
-        role = "".join(tokens[i + 1:nl])
-        end = next((j for j in range(nl + 1, len(tokens)) if tokens[j] in ("<|im_end|>", "<|endoftext|>")),
-                   len(tokens))
+        role = "".join(tokens[i + 1 : nl])
+        end = next((j for j in range(nl + 1, len(tokens)) if tokens[j] in ("<|im_end|>", "<|endoftext|>")), len(tokens))
         out.append((role, nl + 1, end))
     return out
 
@@ -77,9 +76,18 @@ def _messages(tokens: list[str], mask: list[bool]) -> list[tuple[str, int, int]]
 def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     from prime_hpc.model.tiny import build_tokenizer
 
-    cfg = compose(["+experiment=word_lookup", "cluster=dev", f"output_dir={tmp_path}/run", "max_steps=4",
-                   f"seq_len={SEQ_LEN}", f"orchestrator.sampling.max_tokens={MAX_TOKENS}",
-                   "orchestrator.batch_size=16", "trainer.micro_batch_size=16"])
+    cfg = compose(
+        [
+            "+experiment=word_lookup",
+            "cluster=dev",
+            f"output_dir={tmp_path}/run",
+            "max_steps=4",
+            f"seq_len={SEQ_LEN}",
+            f"orchestrator.sampling.max_tokens={MAX_TOKENS}",
+            "orchestrator.batch_size=16",
+            "trainer.micro_batch_size=16",
+        ]
+    )
     sub = launch.submit(cfg, [])
     run, kept = sub.ref.run, RunDir(tmp_path / "kept")
     try:
@@ -108,15 +116,16 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
                 tokens = tok.convert_ids_to_tokens(ids)
                 trained = _runs(mask)
                 for start, end in trained:  # each trained run is one model turn, right after its header
-                    assert "".join(tokens[max(0, start - 11):start]) == "<|im_start|>assistant\n", tokens[:start]
-                    assert tokens[end - 1] in ("<|im_end|>", "<|endoftext|>") or end - start == MAX_TOKENS \
-                        or end == n, tokens[start:end]
+                    assert "".join(tokens[max(0, start - 11) : start]) == "<|im_start|>assistant\n", tokens[:start]
+                    assert (
+                        tokens[end - 1] in ("<|im_end|>", "<|endoftext|>") or end - start == MAX_TOKENS or end == n
+                    ), tokens[start:end]
                     assert (mb["inference_logprobs"][row, start:end] < 0).all()  # sampled tokens have logprobs
                 starts = {s for s, _ in trained}
                 for role, start, end in _messages(tokens, mask):
                     if role == "assistant" and start in starts:
                         continue
-                    assert not any(mask[start - 1:end + 1]), (role, "".join(tokens[start:end]))
+                    assert not any(mask[start - 1 : end + 1]), (role, "".join(tokens[start:end]))
                     if role == "tool":
                         text = "".join(tokens[start:end])
                         assert TOOL_RESULT.match(text), text

@@ -4,6 +4,7 @@ RL run, which SLURM starts only once the warm-up completed (afterok). The warm-u
 early on its validation loss; RL starts from its final weights and raises the reward,
 off-policy by at most the recipe's async_level steps. Every address the run publishes,
 and every socket of its servers, is on loopback."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ import time
 import pytest
 import yaml
 
-from prime_hpc.rundir import jobs
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import cli
 from tests.netcheck import run_sockets
 from tests.wandb_records import history_keys
@@ -44,9 +44,18 @@ def _trend(ys: list[float]) -> tuple[float, float]:
 
 def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     out = tmp_path / "run"
-    r = cli("submit", "+experiment=reverse_text", "cluster=dev", f"output_dir={out}", f"max_steps={RL_STEPS}",
-            "trainer.optim.schedule=constant", "orchestrator.eval.interval=75",
-            "wandb.enabled=true", "wandb.offline=true", "wandb.log_extras.interval=20")
+    r = cli(
+        "submit",
+        "+experiment=reverse_text",
+        "cluster=dev",
+        f"output_dir={out}",
+        f"max_steps={RL_STEPS}",
+        "trainer.optim.schedule=constant",
+        "orchestrator.eval.interval=75",
+        "wandb.enabled=true",
+        "wandb.offline=true",
+        "wandb.log_extras.interval=20",
+    )
     assert r.returncode == 0, r.stderr
     rl, warm = RunDir(out), RunDir(out / "warmup")
     rl_id, warm_id = jobs.read_job(rl)["job_ids"][-1], jobs.read_job(warm)["job_ids"][-1]
@@ -70,8 +79,9 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
         subprocess.run(["scancel", rl_id, warm_id], capture_output=True, timeout=60)
 
     # the warm-up: a plain job of the trainer alone, stopped early on its validation loss
-    sacct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", warm_id], capture_output=True,
-                           text=True).stdout.split()
+    sacct = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", warm_id], capture_output=True, text=True
+    ).stdout.split()
     assert sacct == [f"{warm_id}|COMPLETED"], sacct
     wrows = _rows(warm, "trainer")
     stop_below = yaml.safe_load((warm.root / "config.yaml").read_text())["trainer"]["val"]["stop_below"]
@@ -94,7 +104,9 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     assert max(r["off_policy_steps/mean"] for r in trainer) <= 3
     on_policy = [r["mismatch_kl/mean"] for r in trainer if r["off_policy_steps/mean"] == 0]
     assert trainer[0]["off_policy_steps/mean"] == 0 and max(on_policy) < 1e-6, on_policy
-    evals = {r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r}
+    evals = {
+        r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r
+    }
     assert set(evals) == {0, 75, 150} and evals[150] > evals[0], evals
     # W&B (offline): one run holding both components' metrics, sampled rollouts and distributions
     (offline,) = rl.wandb_dir.rglob("offline-run-*")

@@ -7,6 +7,7 @@ job listens on (found from the processes' sockets) is loopback and answers nothi
 without the key. Mid-run one of the two servers is killed (SIGKILL: the run goes on with the other, and
 nothing of the dead server is left), then the router (it is started again, in front of the
 server left)."""
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,9 @@ import time
 import httpx
 import pytest
 
-from prime_hpc.rundir import jobs
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
-from prime_hpc.rundir import RunDir, is_stable
+from prime_hpc.rundir import RunDir, is_stable, jobs
 from tests import procs
 from tests.conftest import cli
 from tests.netcheck import unkeyed_answers
@@ -49,8 +49,17 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
     steps = 20
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", f"max_steps={steps}",
-                   "cluster.inference.nodes=2", "orchestrator.batch_size=32", "orchestrator.eval.interval=0"])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            "cluster=dev",
+            f"output_dir={tmp_path}/run",
+            f"max_steps={steps}",
+            "cluster.inference.nodes=2",
+            "orchestrator.batch_size=32",
+            "orchestrator.eval.interval=0",
+        ]
+    )
     sub = launch.submit(cfg, [])
     run = sub.ref.run
     try:
@@ -65,8 +74,10 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         # the router demands the key on every route but /health, its own admin routes included
         auth = {"Authorization": f"Bearer {KEY}"}
         assert httpx.get(router["url"] + "/list_workers", timeout=30).status_code == 401
-        assert httpx.post(router["url"] + "/remove_worker", params={"url": servers[0]["url"]},
-                          timeout=30).status_code == 401
+        assert (
+            httpx.post(router["url"] + "/remove_worker", params={"url": servers[0]["url"]}, timeout=30).status_code
+            == 401
+        )
         assert httpx.get(router["url"] + "/health", timeout=30).status_code == 200
         assert httpx.get(router["url"] + "/v1/models", headers=auth, timeout=30).status_code == 200
 
@@ -77,12 +88,19 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         assert all(a == "401" for v in http.values() for a in v), http
         assert all(addr == "127.0.0.1" for addr, _, _ in answers), answers
         logs = run.latest_logs.resolve()  # one server dies: the run goes on with the other
-        server1 = {pid: start for pid, start in run_processes(logs).items()
-                   if pid == servers[1]["pid"] or procs.descends(pid, servers[1]["pid"])}
+        server1 = {
+            pid: start
+            for pid, start in run_processes(logs).items()
+            if pid == servers[1]["pid"] or procs.descends(pid, servers[1]["pid"])
+        }
         os.kill(servers[1]["pid"], signal.SIGKILL)
         os.kill(router["pid"], signal.SIGKILL)  # the router dies: it is started again, on the same address
-        again = _wait(lambda: (r := json.loads((ep / "router.json").read_text())).get("restarts") == 1 and r,
-                      120, "the router's restart", run)
+        again = _wait(
+            lambda: (r := json.loads((ep / "router.json").read_text())).get("restarts") == 1 and r,
+            120,
+            "the router's restart",
+            run,
+        )
         assert again["url"] == router["url"] and again["pid"] != router["pid"]
         assert again["workers"] == [servers[0]["url"]]  # in front of the server still there
         assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
@@ -96,14 +114,20 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
     job = jobs.read_job(run)
     lost = job["attempts"][-1]["lost"]
     assert [(x["component"], x["node"], x["log"]) for x in lost] == [
-        ("inference_1", 1, str(logs / "inference" / "node_1.log"))] and lost[0]["rc"] != 0, lost
+        ("inference_1", 1, str(logs / "inference" / "node_1.log"))
+    ] and lost[0]["rc"] != 0, lost
     assert not still_alive(server1), "the killed server left processes behind"
     assert "is gone" in (logs / "orchestrator.log").read_text()
     assert "restarting it on the same socket" in (logs / "inference" / "router_0.log").read_text()
     out = cli("status", str(run.root)).stdout
     assert "lost: inference_1" in out and "node_1.log" in out, out
-    for rel in ("inference/node_0.log", "inference/node_1.log", "inference/router_0.log", "orchestrator.log",
-                "trainer/node_0.log"):
+    for rel in (
+        "inference/node_0.log",
+        "inference/node_1.log",
+        "inference/router_0.log",
+        "orchestrator.log",
+        "trainer/node_0.log",
+    ):
         assert (logs / rel).is_file(), rel
     assert (logs / "inference.log").resolve() == (logs / "inference/node_0.log").resolve()
     for path in [run.root, *run.root.rglob("*")]:

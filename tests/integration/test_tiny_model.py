@@ -14,8 +14,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from prime_hpc.model import build_tiny_model, ensure_tiny_model  # noqa: E402
-from prime_hpc.model import tiny  # noqa: E402
+from prime_hpc.model import (  # noqa: E402
+    build_tiny_model,
+    ensure_tiny_model,
+    tiny,  # noqa: E402
+)
 
 SYSTEM = "Reverse the text."
 
@@ -45,8 +48,13 @@ def model(model_dir):
 
 def test_files_written(model_dir):
     names = {p.name for p in model_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
     assert not any(n.endswith(".bin") for n in names)
     cfg = json.loads((model_dir / "config.json").read_text())
     assert cfg["model_type"] == "qwen3"
@@ -110,8 +118,7 @@ def test_tokenizer_special_tokens(tokenizer, model):
         assert tokenizer.encode(special, add_special_tokens=False) == [vocab[special]]
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.config.pad_token_id == tokenizer.pad_token_id
-    assert set(model.generation_config.eos_token_id) == {
-        tokenizer.eos_token_id, tokenizer.pad_token_id}
+    assert set(model.generation_config.eos_token_id) == {tokenizer.eos_token_id, tokenizer.pad_token_id}
 
 
 def test_char_level_round_trip(tokenizer):
@@ -133,9 +140,7 @@ def test_chat_template(tokenizer):
     ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == (
-        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
-        f"<|im_start|>user\n{word}<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{word}<|im_end|>\n<|im_start|>assistant\n"
     )
     no_gen = tokenizer.apply_chat_template(messages, tokenize=False)
     assert no_gen == rendered.removesuffix("<|im_start|>assistant\n")
@@ -226,14 +231,20 @@ def test_cli(tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run(
         [sys.executable, "-m", "prime_hpc.model.tiny", "--out", str(out), "--seed", "0"],
-        check=True, capture_output=True, text=True, env=_offline_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+        env=_offline_env(),
     )
     assert proc.stdout.strip().splitlines()[-1] == str(out.resolve())
     assert "RuntimeWarning" not in proc.stderr
     assert (out / "model.safetensors").is_file()
     proc = subprocess.run(
         [sys.executable, "-m", "prime_hpc.model.tiny", "--cache-root", str(tmp_path / "cache")],
-        check=True, capture_output=True, text=True, env=_offline_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+        env=_offline_env(),
     )
     cached = Path(proc.stdout.strip().splitlines()[-1])
     assert cached.parent == (tmp_path / "cache").resolve()

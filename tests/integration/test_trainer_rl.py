@@ -1,6 +1,7 @@
 """The RL trainer for real: torchrun with 2 gloo ranks, FSDP2, the tiny model, and rollout
 files written by a stand-in orchestrator with `prime_hpc.rundir.batch` (sampled from the policy
 the trainer just wrote, so the trainer and "inference" policies agree)."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,22 @@ from tests.trainer_support import StandInOrchestrator, explain, run_trainer, tra
 
 RL = "prime_hpc.trainer.rl"
 TEXTS = ["abc", "hello", "xyzzy", "qwerty"]
-RL_METRICS = {"loss/mean", "entropy/mean", "mismatch_kl/mean", "masked_advantage_positive/mean",
-              "masked_advantage_negative/mean", "optim/grad_norm", "optim/lr", "perf/throughput",
-              "perf/throughput_per_gpu", "time/step", "time/wait_for_batch", "time/save_ckpt",
-              "time/rollout_handoff", "time/read_batch"}
+RL_METRICS = {
+    "loss/mean",
+    "entropy/mean",
+    "mismatch_kl/mean",
+    "masked_advantage_positive/mean",
+    "masked_advantage_negative/mean",
+    "optim/grad_norm",
+    "optim/lr",
+    "perf/throughput",
+    "perf/throughput_per_gpu",
+    "time/step",
+    "time/wait_for_batch",
+    "time/save_ckpt",
+    "time/rollout_handoff",
+    "time/read_batch",
+}
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -28,8 +41,17 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _train(tmp_path: Path, steps: int, overrides: list[str]) -> tuple[RunDir, StandInOrchestrator]:
     run = RunDir(tmp_path / "run")
-    config = trainer_yaml(run.root, [f"max_steps={steps}", "async_level=1", "seq_len=128",
-                                     "trainer.micro_batch_size=2", "trainer.optim.lr=3e-3", *overrides])
+    config = trainer_yaml(
+        run.root,
+        [
+            f"max_steps={steps}",
+            "async_level=1",
+            "seq_len=128",
+            "trainer.micro_batch_size=2",
+            "trainer.optim.lr=3e-3",
+            *overrides,
+        ],
+    )
     orch = StandInOrchestrator(run, Path(resolve_model("tiny")), steps, ranks=2, micro_batch_size=2, texts=TEXTS)
     orch.start()
     proc = run_trainer(RL, config, nproc=2)
@@ -52,8 +74,13 @@ def test_rl_trainer_two_ranks(tmp_path):
         d = run.weights_step(n)
         files = [p for p in d.rglob("*") if p.is_file()]
         assert max(p.stat().st_mtime_ns for p in files) == (d / STABLE).stat().st_mtime_ns
-        assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                "tokenizer_config.json"} <= {p.name for p in files}
+        assert {
+            "model.safetensors",
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        } <= {p.name for p in files}
         assert json.loads((d / STABLE).read_text())["step"] == n
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,8 +92,9 @@ def test_rl_trainer_two_ranks(tmp_path):
     assert trained.keys() == base.keys()
     assert all(trained[k].dtype == base[k].dtype for k in base)
     assert any(not torch.equal(trained[k], base[k]) for k in base)
-    assert not torch.equal(_safetensors(run.weights_step(3) / "model.safetensors")["lm_head.weight"],
-                           trained["lm_head.weight"])
+    assert not torch.equal(
+        _safetensors(run.weights_step(3) / "model.safetensors")["lm_head.weight"], trained["lm_head.weight"]
+    )
 
     # consumed rollouts are gone; every rank's heartbeat says it finished
     assert orch.written == [1, 2, 3, 4] and run.rollout_steps() == []
@@ -94,11 +122,21 @@ def test_rl_trainer_two_ranks(tmp_path):
 
 
 def test_rl_lora_trains_only_the_adapter(tmp_path):
-    run, _ = _train(tmp_path, 2, ["trainer.model.lora.enabled=true", "trainer.model.lora.rank=4",
-                                  "trainer.model.lora.alpha=8", "trainer.model.lora.target_modules=[q_proj,v_proj]",
-                                  "trainer.model.ac.freq=2", "trainer.model.optimization_dtype=bfloat16",
-                                  "trainer.loss.type=cispo", "ckpt.weights.save_adapter_separately=true",
-                                  "trainer.loss.ref_kl_coef=0.5"])
+    run, _ = _train(
+        tmp_path,
+        2,
+        [
+            "trainer.model.lora.enabled=true",
+            "trainer.model.lora.rank=4",
+            "trainer.model.lora.alpha=8",
+            "trainer.model.lora.target_modules=[q_proj,v_proj]",
+            "trainer.model.ac.freq=2",
+            "trainer.model.optimization_dtype=bfloat16",
+            "trainer.loss.type=cispo",
+            "ckpt.weights.save_adapter_separately=true",
+            "trainer.loss.ref_kl_coef=0.5",
+        ],
+    )
     # the KL to the frozen base: 0 while the adapter is still zero (step 1), then > 0
     rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     assert rows[0]["ref_kl/mean"] < 1e-9 < rows[1]["ref_kl/mean"], rows

@@ -1,6 +1,7 @@
 """The SFT trainer for real (torchrun, 2 gloo ranks, the tiny model, generated reverse-text
 data): it learns, its checkpoints resume bit for bit, rotation keeps exactly the expected
 steps, and a bad dataset fails in one line."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,26 @@ from prime_hpc.rundir import RunDir
 from tests.trainer_support import explain, run_trainer, trainer_yaml
 
 SFT = "prime_hpc.trainer.sft"
-DATA = ["trainer=sft", "seq_len=128", "trainer.data.name=reverse_text:make_sft_dataset",
-        "+trainer.data.args={num_examples: 400}", "trainer.data.batch_size=1024", "trainer.micro_batch_size=2"]
-SFT_METRICS = {"loss/mean", "optim/grad_norm", "optim/lr", "progress/epoch", "progress/num_samples",
-               "progress/num_tokens", "perf/throughput", "perf/throughput_per_gpu", "time/step", "time/save_ckpt"}
+DATA = [
+    "trainer=sft",
+    "seq_len=128",
+    "trainer.data.name=reverse_text:make_sft_dataset",
+    "+trainer.data.args={num_examples: 400}",
+    "trainer.data.batch_size=1024",
+    "trainer.micro_batch_size=2",
+]
+SFT_METRICS = {
+    "loss/mean",
+    "optim/grad_norm",
+    "optim/lr",
+    "progress/epoch",
+    "progress/num_samples",
+    "progress/num_tokens",
+    "perf/throughput",
+    "perf/throughput_per_gpu",
+    "time/step",
+    "time/save_ckpt",
+}
 
 
 def _rows(run: RunDir) -> list[dict]:
@@ -26,10 +43,19 @@ def _rows(run: RunDir) -> list[dict]:
 
 def test_sft_on_reverse_text_lowers_validation_loss(tmp_path):
     run = RunDir(tmp_path / "run")
-    config = trainer_yaml(run.root, [*DATA, "max_steps=30", "trainer.optim.lr=3e-3", "trainer.val.interval=10",
-                                     "trainer.val.data.name=reverse_text:make_sft_dataset",
-                                     "+trainer.val.data.args={num_examples: 32, seed: 1}",
-                                     "wandb.enabled=true", "wandb.offline=true"])
+    config = trainer_yaml(
+        run.root,
+        [
+            *DATA,
+            "max_steps=30",
+            "trainer.optim.lr=3e-3",
+            "trainer.val.interval=10",
+            "trainer.val.data.name=reverse_text:make_sft_dataset",
+            "+trainer.val.data.args={num_examples: 32, seed: 1}",
+            "wandb.enabled=true",
+            "wandb.offline=true",
+        ],
+    )
     proc = run_trainer(SFT, config, nproc=2)
     assert proc.returncode == 0, explain(proc)
     rows = _rows(run)
@@ -87,8 +113,14 @@ def test_checkpoint_resume_is_bit_identical_and_rotation_keeps_expected_steps(tm
     Run B: a copy of A's directory cut back to step 2, resumed from there to step 5 (sync
     saves). Model, optimizer, schedule, RNG and data position all have to come back
     exactly for B's step-5 checkpoint and weights to equal A's bit for bit."""
-    ckpt = ["max_steps=5", "ckpt.interval=1", "ckpt.keep_last=2", "ckpt.keep_interval=2",
-            "trainer.optim.weight_decay=0.01", "trainer.optim.warmup_steps=3"]
+    ckpt = [
+        "max_steps=5",
+        "ckpt.interval=1",
+        "ckpt.keep_last=2",
+        "ckpt.keep_interval=2",
+        "trainer.optim.weight_decay=0.01",
+        "trainer.optim.warmup_steps=3",
+    ]
     a = RunDir(tmp_path / "a")
     proc = run_trainer(SFT, trainer_yaml(a.root, [*DATA, *ckpt, "ckpt.save_async=true"]), nproc=2)
     assert proc.returncode == 0, explain(proc)

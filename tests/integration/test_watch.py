@@ -7,6 +7,7 @@ Everything is submitted at once by the module fixture (a 2-point SFT sweep chain
 --max-parallel 1, a held sweep to cancel, a run followed to completion and a run that
 fails inside its job), so the runs overlap and the file stays within a few minutes; the
 tests then look at them in turn. Every job submitted is cancelled at the end."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.rundir import jobs
 from prime_hpc.core.net import LOOPBACK, free_port
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import REPO, cli
 
 pytestmark = [pytest.mark.slurm]
@@ -81,13 +81,15 @@ def wait_for(what: str, fn, timeout: float = RUN_TIMEOUT_S, poll: float = 1.0):
 
 
 def squeue(job_id: str, fmt: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", fmt], capture_output=True, text=True,
-                          timeout=30).stdout.strip()
+    return subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", fmt], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
 
 
 def sacct(job_id: str, fields: str = "State") -> str:
-    return subprocess.run(["sacct", "-n", "-X", "-P", "-o", fields, "-j", job_id], capture_output=True, text=True,
-                          timeout=30).stdout.strip()
+    return subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", fields, "-j", job_id], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
 
 
 def trainer_rows(run: RunDir) -> list[dict]:
@@ -100,8 +102,9 @@ def work(tmp_path_factory):
         pytest.fail("SLURM is not installed here; run tools/dev-cluster start")
     up = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
     if up.returncode != 0 or not any(s.startswith(("idle", "mix", "alloc")) for s in up.stdout.split()):
-        pytest.fail(f"the dev cluster is not up ({up.stderr.strip() or up.stdout.strip()}); "
-                    "run tools/dev-cluster start")
+        pytest.fail(
+            f"the dev cluster is not up ({up.stderr.strip() or up.stdout.strip()}); run tools/dev-cluster start"
+        )
     root = tmp_path_factory.mktemp("watch")
     env = {"PRIME_HPC_STATE_DIR": str(root / "state")}
     lrs = "trainer.optim.lr=" + ",".join(f"{lr:g}" for lr in LRS)
@@ -109,22 +112,45 @@ def work(tmp_path_factory):
     try:
         # the sweep first: its two points, one after the other, are the longest wait here
         # (no validation passes: ~8 s less per point)
-        sweep = cli("submit", "-m", *SFT, f"output_dir={root / 'sweep'}", lrs, "--max-parallel", "1",
-                    "trainer.val.interval=null", env=env)
+        sweep = cli(
+            "submit",
+            "-m",
+            *SFT,
+            f"output_dir={root / 'sweep'}",
+            lrs,
+            "--max-parallel",
+            "1",
+            "trainer.val.interval=null",
+            env=env,
+        )
         # each `submit -f` keeps following in the background
         follow = {}
         # "bad" passes every submit-time check and fails in its job: the dataset's function does not exist
         for key, extra in (("ok", []), ("bad", ["trainer.data.name=reverse_text:no_such_function"])):
             out, err = root / f"{key}.stdout", root / f"{key}.stderr"
             with open(out, "w") as o, open(err, "w") as e:
-                proc = subprocess.Popen([sys.executable, "-m", "prime_hpc.cli", "submit", *SFT,
-                                         f"output_dir={root / key}", *extra, "-f"],
-                                        stdout=o, stderr=e, text=True, cwd=REPO, env={**os.environ, **env})
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "prime_hpc.cli", "submit", *SFT, f"output_dir={root / key}", *extra, "-f"],
+                    stdout=o,
+                    stderr=e,
+                    text=True,
+                    cwd=REPO,
+                    env={**os.environ, **env},
+                )
             procs.append(proc)
             follow[key] = (proc, out, err)
         # held in its job script: point 0 runs (sleeping), point 1 waits for it
-        held = cli("submit", "-m", *SFT, f"output_dir={root / 'held'}", lrs, "--max-parallel", "1",
-                   'cluster.env_setup=["sleep 300"]', env=env)
+        held = cli(
+            "submit",
+            "-m",
+            *SFT,
+            f"output_dir={root / 'held'}",
+            lrs,
+            "--max-parallel",
+            "1",
+            'cluster.env_setup=["sleep 300"]',
+            env=env,
+        )
         w = Work(root=root, env=env, sweep=sweep, held=held, follow=follow)
         yield w
     finally:
@@ -133,8 +159,7 @@ def work(tmp_path_factory):
                 proc.terminate()
                 proc.wait(timeout=30)
         index = root / "state" / "jobs.jsonl"  # exactly the jobs this module submitted
-        ids = sorted({json.loads(line)["job_id"] for line in index.read_text().splitlines()}) \
-            if index.exists() else []
+        ids = sorted({json.loads(line)["job_id"] for line in index.read_text().splitlines()}) if index.exists() else []
         if ids:
             subprocess.run(["scancel", *ids], capture_output=True, timeout=60)
 
@@ -163,7 +188,7 @@ def test_a_sweep_is_recorded_chained_listed_and_shown_as_one_unit(work):
     lines = ls.stdout.splitlines()
     (head,) = [i for i, line in enumerate(lines) if line.startswith(sid)]
     assert lines[head].split()[1:] == ["2", "points", "sweep"]
-    grouped = lines[head + 1:head + 3]  # both points right under the sweep, indented
+    grouped = lines[head + 1 : head + 3]  # both points right under the sweep, indented
     assert all(line.startswith("  ") for line in grouped), ls.stdout
     for i, job_id in enumerate(ids):
         (line,) = [g for g in grouped if g.split()[0] == job_id]
@@ -196,10 +221,15 @@ def test_cancel_of_a_sweep_cancels_every_point(work):
     for job_id in ids:
         assert f"cancelled job {job_id}" in c.stdout
     for job_id in ids:
-        wait_for(f"sacct to record job {job_id} cancelled", lambda: sacct(job_id).startswith("CANCELLED"), 60)
+        wait_for(
+            f"sacct to record job {job_id} cancelled", lambda job_id=job_id: sacct(job_id).startswith("CANCELLED"), 60
+        )
     # job.json is the job's own record, written as its script ends (after SLURM's record)
-    wait_for("job.json to record both points cancelled",
-             lambda: [jobs.read_job(p)["state"] for p in points] == ["CANCELLED", "CANCELLED"], 60)
+    wait_for(
+        "job.json to record both points cancelled",
+        lambda: [jobs.read_job(p)["state"] for p in points] == ["CANCELLED", "CANCELLED"],
+        60,
+    )
     # the waiting point was cancelled before the running one: it never started
     # (sacct gives a job cancelled while pending a Start time, the cancel's; it has no node)
     assert sacct(ids[1], "NodeList") == "None assigned"
@@ -282,8 +312,11 @@ def unreachable_conf(tmp: Path) -> Path:
     show = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
     (conf,) = re.findall(r"^SLURM_CONF\s*=\s*(\S+)", show, re.M)
     text = Path(conf).read_text()
-    for key, value in (("SlurmctldPort", free_port(LOOPBACK)), ("AccountingStoragePort", free_port(LOOPBACK)),
-                       ("MessageTimeout", 2)):
+    for key, value in (
+        ("SlurmctldPort", free_port(LOOPBACK)),
+        ("AccountingStoragePort", free_port(LOOPBACK)),
+        ("MessageTimeout", 2),
+    ):
         text, n = re.subn(rf"^{key}=.*$", f"{key}={value}", text, flags=re.M)
         if not n:
             text += f"\n{key}={value}\n"
@@ -341,9 +374,11 @@ def test_status_list_and_tail_answer_when_slurm_cannot_be_asked(work, tmp_path):
 def test_a_finished_sweep_in_status_and_plot(work, tmp_path, monkeypatch):
     sid = sweep_id(work.sweep.stdout)
     points = work.points("sweep")
-    ends = wait_for("both sweep points to end",
-                    lambda: all(jobs.read_job(p).get("ended_at") for p in points) and
-                    [jobs.read_job(p)["state"] for p in points], timeout=2 * RUN_TIMEOUT_S)
+    ends = wait_for(
+        "both sweep points to end",
+        lambda: all(jobs.read_job(p).get("ended_at") for p in points) and [jobs.read_job(p)["state"] for p in points],
+        timeout=2 * RUN_TIMEOUT_S,
+    )
     assert ends == ["COMPLETED", "COMPLETED"]
     losses = [[row["loss/mean"] for row in trainer_rows(p) if "loss/mean" in row] for p in points]
     assert all(len(x) == 4 for x in losses)
@@ -362,8 +397,8 @@ def test_a_finished_sweep_in_status_and_plot(work, tmp_path, monkeypatch):
     assert out.read_bytes()[:8] == PNG_MAGIC
 
     # the figure `plot` draws: its legend names each point by its swept value
-    from prime_hpc.watch import plot
     from prime_hpc.cli.plot import runs_of
+    from prime_hpc.watch import plot
 
     monkeypatch.setenv("PRIME_HPC_STATE_DIR", work.env["PRIME_HPC_STATE_DIR"])
     runs = runs_of([sid])

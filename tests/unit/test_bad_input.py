@@ -2,6 +2,7 @@
 is submitted or written — exit code 2, one line on stderr naming the key (or the job) and
 the fix, no traceback. Run in-process through the CLI's own `main`, as a user's command
 line would be (no SLURM, no servers)."""
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,10 @@ BAD_OVERRIDES = [
     (["orchestrator.advantage=median"], "orchestrator.advantage"),
     (["orchestrator.oversampling_factor=0.5"], "orchestrator.oversampling_factor"),
     (["orchestrator.difficulty_filter.min_reward_variance=-0.1"], "orchestrator.difficulty_filter.min_reward_variance"),
-    (["orchestrator.difficulty_filter.min_reward=0.9", "orchestrator.difficulty_filter.max_reward=0.1"],
-     "orchestrator.difficulty_filter.min_reward"),
+    (
+        ["orchestrator.difficulty_filter.min_reward=0.9", "orchestrator.difficulty_filter.max_reward=0.1"],
+        "orchestrator.difficulty_filter.min_reward",
+    ),
     (["orchestrator.training_mode=bogus"], "orchestrator.training_mode"),
     (["orchestrator.trajectory_strategy=tree"], "orchestrator.trajectory_strategy"),
     (["orchestrator.env.0.ratio=-1"], "orchestrator.env.0.ratio"),
@@ -113,8 +116,9 @@ def test_unknown_group_option_and_misplaced_option(tmp_path, capsys):
 def test_bad_bench_requests(tmp_path, capsys):
     out = tmp_path / "run"
     assert "--bench foo" in _reject(["submit", *RL, f"output_dir={out}", "--bench", "foo"], capsys)
-    assert "bench.mode" in _reject(["submit", "+experiment=reverse_text_sft", f"output_dir={out}",
-                                    "--bench", "inference"], capsys)
+    assert "bench.mode" in _reject(
+        ["submit", "+experiment=reverse_text_sft", f"output_dir={out}", "--bench", "inference"], capsys
+    )
     assert "-m" in _reject(["submit", "-m", *RL, f"output_dir={out}", "--bench", "trainer"], capsys)
     assert not out.exists() and not (tmp_path / "run-bench").exists()
 
@@ -160,5 +164,7 @@ def test_a_model_the_warm_up_would_replace_is_refused(model, tmp_path, capsys):
     assert not out.exists()
     from prime_hpc.config.pipeline import compose_stages
 
-    warm, run = compose_stages(["+experiment=reverse_text", f"output_dir={out}", "warmup.overrides=['model.name=tiny']"])
+    warm, run = compose_stages(
+        ["+experiment=reverse_text", f"output_dir={out}", "warmup.overrides=['model.name=tiny']"]
+    )
     assert warm.model.name == "tiny" and run.model.name == str(out / "warmup")

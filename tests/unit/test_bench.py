@@ -1,12 +1,12 @@
 """Bench runs (`prime-hpc submit ... --bench`): the FLOPs/MFU arithmetic with hand-computed
 values and what a bench job runs."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 
-from prime_hpc.rundir import bench
 from prime_hpc.core import device as devices
+from prime_hpc.rundir import bench
 
 RL = ["+experiment=reverse_text"]
 
@@ -16,36 +16,59 @@ def test_flops_per_token_and_mfu_by_hand():
     assert devices.train_flops_per_token(1_000_000) == 6_000_000
     assert devices.inference_flops_per_token(1_000_000) == 2_000_000
     # 7B trained at 1000 tokens/s on one H100: 6 * 7e9 * 1000 / 989e12 = 0.042467...
-    assert devices.mfu(1000.0, devices.train_flops_per_token(7_000_000_000), 989e12) == pytest.approx(0.0424671, rel=1e-5)
+    assert devices.mfu(1000.0, devices.train_flops_per_token(7_000_000_000), 989e12) == pytest.approx(
+        0.0424671, rel=1e-5
+    )
     # generating 5000 tokens/s with 8B on an A100: 2 * 8e9 * 5000 / 312e12 = 0.25641...
-    assert devices.mfu(5000.0, devices.inference_flops_per_token(8_000_000_000), 312e12) == pytest.approx(0.2564103,
-                                                                                                           rel=1e-6)
+    assert devices.mfu(5000.0, devices.inference_flops_per_token(8_000_000_000), 312e12) == pytest.approx(
+        0.2564103, rel=1e-6
+    )
     assert devices.mfu(1000.0, 6e9, None) is None  # CPU: the peak is unknown, so is the MFU
     assert devices.peak_flops("cpu") is None
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA L40S", 362e12),  # not the L4's 121e12: the longest matching key wins
-    ("NVIDIA L4", 121e12),
-    ("NVIDIA B200", 2250e12),
-    ("Tesla T4", None),
-])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L40S", 362e12),  # not the L4's 121e12: the longest matching key wins
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA B200", 2250e12),
+        ("Tesla T4", None),
+    ],
+)
 def test_peak_flops_by_device_name(name, peak):
     assert devices.peak_flops_of(name) == peak
 
 
 def test_summarize_by_hand():
-    r = bench.summarize([0.5, 0.4, 0.6], tokens=[1000, 1000, 1000], samples=[10, 10, 10],
-                        flops_per_token=6e6, params=1_000_000, devices_used=2, device_name="NVIDIA X",
-                        peak_flops_per_device=1e12, shape={"seq_len": 100})
+    r = bench.summarize(
+        [0.5, 0.4, 0.6],
+        tokens=[1000, 1000, 1000],
+        samples=[10, 10, 10],
+        flops_per_token=6e6,
+        params=1_000_000,
+        devices_used=2,
+        device_name="NVIDIA X",
+        peak_flops_per_device=1e12,
+        shape={"seq_len": 100},
+    )
     assert r["step_time_s"] == 0.5  # median
     assert r["tokens_per_s"] == 2000.0 and r["samples_per_s"] == 20.0
     assert r["mfu"] == pytest.approx(1000 * 6e6 / 1e12)  # 2000 tok/s over 2 devices
     # inference: throughput counts generated tokens, the FLOPs count prompts (once per group) too
-    r = bench.summarize([0.25], tokens=[800], samples=[16], flops_per_token=2e6, params=1_000_000, devices_used=1,
-                        device_name="NVIDIA X", peak_flops_per_device=1e12, flops_tokens=[1000])
+    r = bench.summarize(
+        [0.25],
+        tokens=[800],
+        samples=[16],
+        flops_per_token=2e6,
+        params=1_000_000,
+        devices_used=1,
+        device_name="NVIDIA X",
+        peak_flops_per_device=1e12,
+        flops_tokens=[1000],
+    )
     assert r["tokens_per_s"] == 3200.0 and r["mfu"] == pytest.approx(4000 * 2e6 / 1e12)
     unknown = bench.summarize([1.0], [10], [1], 6.0, 1, 1, "cpu", None)
     assert unknown["mfu"] is None
@@ -69,9 +92,14 @@ def test_safetensors_params_reads_the_headers(tmp_path):
 
 
 # ----------------------------------------------------------------------------- what a bench runs
-@pytest.mark.parametrize("mode, groups", [("all", ["orchestrator", "inference", "trainer"]),
-                                          ("trainer", ["trainer"]),
-                                          ("inference", ["orchestrator", "inference"])])
+@pytest.mark.parametrize(
+    "mode, groups",
+    [
+        ("all", ["orchestrator", "inference", "trainer"]),
+        ("trainer", ["trainer"]),
+        ("inference", ["orchestrator", "inference"]),
+    ],
+)
 def test_a_bench_runs_only_the_groups_it_measures(mode, groups, tmp_path):
     from prime_hpc.cli.submit import bench_config
     from prime_hpc.launcher.plan import make_plan

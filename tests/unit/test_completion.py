@@ -1,6 +1,7 @@
 """`prime-hpc completion bash`: the generated script, run by a real bash, completes
 commands, options, config groups and options, and schema keys; generating it imports
 neither Hydra nor torch."""
+
 from __future__ import annotations
 
 import subprocess
@@ -35,17 +36,20 @@ def script(tmp_path_factory):
 
 @pytest.mark.parametrize("line, expected", CASES, ids=[c[0] for c in CASES])
 def test_bash_completes(script, line, expected):
-    code = (f'source "{script}"; COMP_LINE="$1"; COMP_POINT=${{#COMP_LINE}}; _prime_hpc; '
-            'printf "%s\\n" "${COMPREPLY[@]}"')
+    code = (
+        f'source "{script}"; COMP_LINE="$1"; COMP_POINT=${{#COMP_LINE}}; _prime_hpc; printf "%s\\n" "${{COMPREPLY[@]}}"'
+    )
     r = subprocess.run(["bash", "-c", code, "bash", line], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert sorted(w for w in r.stdout.splitlines() if w) == expected
 
 
 def test_generating_the_script_imports_no_hydra_or_torch():
-    code = ("import sys, contextlib, io\nfrom prime_hpc.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['completion', 'bash'])\n"
-            "print(sorted(m for m in ('hydra', 'torch', 'vllm', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, contextlib, io\nfrom prime_hpc.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    main(['completion', 'bash'])\n"
+        "print(sorted(m for m in ('hydra', 'torch', 'vllm', 'transformers') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
 

@@ -1,5 +1,6 @@
 """The per-user composition cache: a cached composition is the one Hydra makes, and anything
 it depends on (config tree, environment at resolve time, the file's trust) is honoured."""
+
 from __future__ import annotations
 
 import importlib
@@ -113,8 +114,20 @@ def test_switched_off_it_neither_reads_nor_writes(cache, tmp_path, monkeypatch):
 def test_yaml_reads_back_as_written():
     """The libyaml writer keeps OmegaConf's rule: a string that would read back as another
     type is quoted."""
-    data = {"a": "true", "b": "1", "c": "1e-3", "d": "off", "e": "text with: colon", "f": "ünï", "g": 1e-06,
-            "h": None, "i": [1, "2"], "j": "two\nlines", "k": "${x.y}", "l": ""}
+    data = {
+        "a": "true",
+        "b": "1",
+        "c": "1e-3",
+        "d": "off",
+        "e": "text with: colon",
+        "f": "ünï",
+        "g": 1e-06,
+        "h": None,
+        "i": [1, "2"],
+        "j": "two\nlines",
+        "k": "${x.y}",
+        "l": "",
+    }
     text = to_yaml(data)
     assert text == OmegaConf.to_yaml(OmegaConf.create(data))
     assert OmegaConf.to_container(OmegaConf.create(text)) == data
@@ -141,8 +154,9 @@ def test_plain_changes_apply_to_the_cached_composition_as_hydra_applies_them(cac
     assert to_yaml(compose(overrides, resolve=False), resolve=False) == to_yaml(reference, resolve=False)
 
 
-@pytest.mark.parametrize("bad, needle", [("max_steps=many", "max_steps"), ("max_stepz=3", "max_stepz"),
-                                         ("trainer.optim=3", "trainer.optim")])
+@pytest.mark.parametrize(
+    "bad, needle", [("max_steps=many", "max_steps"), ("max_stepz=3", "max_stepz"), ("trainer.optim=3", "trainer.optim")]
+)
 def test_a_change_that_does_not_apply_gets_hydras_error(cache, monkeypatch, bad, needle):
     overrides = ["+experiment=reverse_text", bad]
     compose(["+experiment=reverse_text"])  # the shape, cached

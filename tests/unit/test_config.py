@@ -1,5 +1,6 @@
 """Composition of every experiment and each validation rule (the CLI's one-line errors
 for the same mistakes: tests/unit/test_config_cli.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,17 +66,26 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         (["cluster.device=tpu"], "cluster.device", "choose from cpu, cuda"),
         (["trainer.loss.type=ppo"], "trainer.loss.type", "choose from"),
         (["trainer.type=sft"], "trainer.data.name", "dataset"),
-        (["trainer.type=sft", "trainer.data.name=d", "trainer.data.batch_size=64"], "trainer.data.batch_size",
-         "multiple of 80"),
-        (["trainer.type=sft", "trainer.data.name=d", "trainer.val.interval=5"], "trainer.val.data.name",
-         "validation dataset"),
+        (
+            ["trainer.type=sft", "trainer.data.name=d", "trainer.data.batch_size=64"],
+            "trainer.data.batch_size",
+            "multiple of 80",
+        ),
+        (
+            ["trainer.type=sft", "trainer.data.name=d", "trainer.val.interval=5"],
+            "trainer.val.data.name",
+            "validation dataset",
+        ),
         (["trainer.model.ac.freq=0"], "trainer.model.ac.freq", ">= 1"),
         (["trainer.model.lora.enabled=true", "trainer.model.lora.rank=0"], "trainer.model.lora.rank", ">= 1"),
         (["trainer.model.lora.enabled=true", "trainer.model.lora.dropout=1.0"], "trainer.model.lora.dropout", "[0, 1)"),
         (["ckpt.keep_last=0"], "ckpt.keep_last", ">= 1"),
         (["orchestrator.advantage=median"], "orchestrator.advantage", "choose from mean, std, loo"),
-        (["trainer.type=sft", "trainer.data.name=d", "trainer.val.stop_below=1.0"], "trainer.val.stop_below",
-         "trainer.val.interval"),
+        (
+            ["trainer.type=sft", "trainer.data.name=d", "trainer.val.stop_below=1.0"],
+            "trainer.val.stop_below",
+            "trainer.val.interval",
+        ),
         (["async_level=0"], "async_level", "1 is fully on-policy"),
         (["cluster.max_requeues=-1"], "cluster.max_requeues", ">= 0"),
         (["cluster.trainer.cpu_ids=cores"], "cluster.trainer.cpu_ids", "core list"),
@@ -83,8 +93,11 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         (["cluster=slurm", "cluster.inference.gpu_ids=0-3"], "cluster.inference.gpu_ids", "make them equal"),
         (["cluster=slurm", "cluster.inference.gpu_ids=gpu0"], "cluster.inference.gpu_ids", "not a GPU list"),
         (["cluster=slurm", "cluster.inference.gpu_ids='0-6,6'"], "cluster.inference.gpu_ids", "names a GPU twice"),
-        (["cluster=slurm", "cluster.inference.gpu_ids=0-7", "cluster.trainer.gpu_ids=4-11"], "cluster.trainer.gpu_ids",
-         "cluster.share_gpus=true"),
+        (
+            ["cluster=slurm", "cluster.inference.gpu_ids=0-7", "cluster.trainer.gpu_ids=4-11"],
+            "cluster.trainer.gpu_ids",
+            "cluster.share_gpus=true",
+        ),
         (["cluster.orchestrator.nodes=2"], "cluster.orchestrator.nodes", "exactly one node"),
         (["cluster.trainer.mem_gb=8"], "cluster.orchestrator.mem_gb", "every group or for none"),
     ],
@@ -176,14 +189,19 @@ def _refused(argv: list[str], capsys) -> str:
     return err.strip()
 
 
-@pytest.mark.parametrize("overrides, needles", [
-    (["trainer.optim.betas=[0.9]"], ["trainer.optim.betas", "exactly 2 values", "got 1"]),
-    (["trainer.optim.betas=[0.9,0.99,0.999]"], ["trainer.optim.betas", "exactly 2 values", "got 3"]),
-    (["orchestrator.env=[{ratio: 1}]"], ["orchestrator.env.0.id", "not set"]),
-    (["orchestrator.group_size=1"], ["orchestrator.group_size", "zero advantage", "2 or more"]),
-    (["cluster=slurm", "cluster.sbatch_extra=['--export=NONE']"],
-     ["cluster.sbatch_extra.0", "'--export=NONE'", "INFERENCE_SERVER_API_KEY", "cluster.env_setup"]),
-])
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["trainer.optim.betas=[0.9]"], ["trainer.optim.betas", "exactly 2 values", "got 1"]),
+        (["trainer.optim.betas=[0.9,0.99,0.999]"], ["trainer.optim.betas", "exactly 2 values", "got 3"]),
+        (["orchestrator.env=[{ratio: 1}]"], ["orchestrator.env.0.id", "not set"]),
+        (["orchestrator.group_size=1"], ["orchestrator.group_size", "zero advantage", "2 or more"]),
+        (
+            ["cluster=slurm", "cluster.sbatch_extra=['--export=NONE']"],
+            ["cluster.sbatch_extra.0", "'--export=NONE'", "INFERENCE_SERVER_API_KEY", "cluster.env_setup"],
+        ),
+    ],
+)
 def test_bad_submits_are_refused_in_one_line_and_write_nothing(overrides, needles, tmp_path, capsys):
     out = tmp_path / "run"
     line = _refused(["submit", "+experiment=reverse_text", f"output_dir={out}", *overrides, "--dry-run"], capsys)
@@ -191,22 +209,45 @@ def test_bad_submits_are_refused_in_one_line_and_write_nothing(overrides, needle
     assert not out.exists()
 
 
-@pytest.mark.parametrize("mode, extra", [("rl", []), ("opd", ["orchestrator.teacher.client.base_url=http://h:1/v1"]),
-                                         ("sft", ["orchestrator.teacher.client.base_url=http://h:1/v1"])])
+@pytest.mark.parametrize(
+    "mode, extra",
+    [
+        ("rl", []),
+        ("opd", ["orchestrator.teacher.client.base_url=http://h:1/v1"]),
+        ("sft", ["orchestrator.teacher.client.base_url=http://h:1/v1"]),
+    ],
+)
 def test_a_group_of_one_is_refused_where_every_group_would_be_dropped(mode, extra, tmp_path):
     from prime_hpc.orchestrator.rollouts import Rollout, advantages, judge_group
 
-    one = Rollout(env="e", example_id=0, reward=1.0, input_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0, 0.0],
-                  policy_steps=[0], num_turns=1, is_truncated=False)
+    one = Rollout(
+        env="e",
+        example_id=0,
+        reward=1.0,
+        input_ids=[1, 2],
+        loss_mask=[False, True],
+        logprobs=[0.0, 0.0],
+        policy_steps=[0],
+        num_turns=1,
+        is_truncated=False,
+    )
     assert advantages([0.7]) == [0.0]  # why rl cannot learn from it
     assert judge_group([one], step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False).reason
-    cfg = make(tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", f"orchestrator.training_mode={mode}",
-               *extra)
+    cfg = make(
+        tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", f"orchestrator.training_mode={mode}", *extra
+    )
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert e.value.key == "orchestrator.group_size" and "set it to 2 or more" in str(e.value)
-    validate(make(tmp_path, "orchestrator.group_size=2", "orchestrator.batch_size=8",
-                  f"orchestrator.training_mode={mode}", *extra))
+    validate(
+        make(
+            tmp_path,
+            "orchestrator.group_size=2",
+            "orchestrator.batch_size=8",
+            f"orchestrator.training_mode={mode}",
+            *extra,
+        )
+    )
 
 
 def test_a_group_of_one_is_fine_where_there_are_no_groups(tmp_path):
@@ -214,8 +255,19 @@ def test_a_group_of_one_is_fine_where_there_are_no_groups(tmp_path):
     validate(make(tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", "bench.mode=inference"))
 
 
-@pytest.mark.parametrize("line", ["--export=NONE", "--export NONE", "--export=HOME,PATH", "--export=ALL,X=1",
-                                  "--export", " --export=ALL", "--export-file=/tmp/env", "--export-f=/tmp/env"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "--export=NONE",
+        "--export NONE",
+        "--export=HOME,PATH",
+        "--export=ALL,X=1",
+        "--export",
+        " --export=ALL",
+        "--export-file=/tmp/env",
+        "--export-f=/tmp/env",
+    ],
+)
 def test_sbatch_extra_may_not_choose_the_jobs_environment(line, tmp_path):
     """The API key reaches the job only through the environment sbatch passes on: an
     --export (even ALL: prime-hpc's own --export would override its variables) or an
@@ -227,5 +279,10 @@ def test_sbatch_extra_may_not_choose_the_jobs_environment(line, tmp_path):
 
 
 def test_sbatch_extra_options_that_keep_the_environment_pass(tmp_path):
-    validate(make(tmp_path, "cluster=slurm",
-                  "cluster.sbatch_extra=['--get-user-env', '--mail-type=END', '--exclusive', '--comment=export=NONE']"))
+    validate(
+        make(
+            tmp_path,
+            "cluster=slurm",
+            "cluster.sbatch_extra=['--get-user-env', '--mail-type=END', '--exclusive', '--comment=export=NONE']",
+        )
+    )

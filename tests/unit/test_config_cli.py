@@ -1,5 +1,6 @@
 """The CLI's answer to a bad config: exit 2, one line, nothing written or submitted (the
 rules themselves: tests/unit/test_config.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ docs/configuration.md and the pages it links) are the schema's: every key a tabl
 exists in `RunConfig`, every default it gives is the schema's, and every field of the
 schema has a row. A field added, renamed or given another default without its row fails
 here, naming the page and line."""
+
 from __future__ import annotations
 
 import re
@@ -75,7 +76,7 @@ def _alternatives(key: str) -> list[str]:
     m = re.search(r"\{([^}]*)\}", key)
     if not m:
         return [key]
-    return [k for alt in m.group(1).split(",") for k in _alternatives(key[:m.start()] + alt + key[m.end():])]
+    return [k for alt in m.group(1).split(",") for k in _alternatives(key[: m.start()] + alt + key[m.end() :])]
 
 
 def expand_defaults(cell: str, n: int) -> list[object] | None:
@@ -133,13 +134,11 @@ def test_a_documented_key_exists_with_the_schemas_default(line, keys, defaults):
         else:
             assert len(values) == len(names), f"{line}: {len(names)} keys, defaults {values}"
             doc = values[i]
-        assert same(doc, value), f"{line}: `{key}` defaults to {value!r} in the schema, " \
-                                 f"the table says {doc!r}"
+        assert same(doc, value), f"{line}: `{key}` defaults to {value!r} in the schema, the table says {doc!r}"
 
 
 def test_every_field_of_the_schema_has_a_row():
     documented = {k.removesuffix(".*") for _, keys, _ in ROWS for k in expand_keys(keys)}
     fields = leaves(schema())
-    undocumented = [k for k in fields
-                    if not any(k == d or k.startswith(d + ".") for d in documented)]
+    undocumented = [k for k in fields if not any(k == d or k.startswith(d + ".") for d in documented)]
     assert not undocumented, f"fields of the schema without a row in a table of docs/: {undocumented}"

@@ -2,6 +2,7 @@
 else's is not a way to run their code, doctor deletes only what doctor wrote, and what a
 dry run or doctor writes gets `cluster.umask`. In-process through the CLI's `main`; no
 server, no job."""
+
 from __future__ import annotations
 
 import os
@@ -53,12 +54,15 @@ def _run(root: Path, *overrides: str) -> RunDir:
     return run
 
 
-@pytest.mark.parametrize("bad, key", [
-    ("orchestrator.sampling.temprature=0", "orchestrator.sampling.temprature"),  # a typo
-    ("orchestrator.sampling.temperature=hot", "orchestrator.sampling.temperature"),  # a wrong type
-    ("orchestrator.eval.num_examples=1.5", "orchestrator.eval.num_examples"),
-    ("+orchestrator.eval.extra=1", "orchestrator.eval.extra"),
-])
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ("orchestrator.sampling.temprature=0", "orchestrator.sampling.temprature"),  # a typo
+        ("orchestrator.sampling.temperature=hot", "orchestrator.sampling.temperature"),  # a wrong type
+        ("orchestrator.eval.num_examples=1.5", "orchestrator.eval.num_examples"),
+        ("+orchestrator.eval.extra=1", "orchestrator.eval.extra"),
+    ],
+)
 def test_eval_overrides_are_typed(tmp_path, capsys, bad, key):
     run = _run(tmp_path / "run")
     line = _reject(["eval", str(run.root), "steps=1", bad], capsys)
@@ -66,11 +70,14 @@ def test_eval_overrides_are_typed(tmp_path, capsys, bad, key):
     assert not run.eval_dir.exists()
 
 
-@pytest.mark.parametrize("given, refused", [
-    ([f"orchestrator.eval.env=[{{id: '{PATH_ENV}'}}]"], "orchestrator.eval.env.0.id"),
-    (["model.trust_remote_code=true"], "model.trust_remote_code=true"),
-    (["inference.extra_args=[--tool-parser-plugin,/tmp/p.py]"], "inference.extra_args"),
-])
+@pytest.mark.parametrize(
+    "given, refused",
+    [
+        ([f"orchestrator.eval.env=[{{id: '{PATH_ENV}'}}]"], "orchestrator.eval.env.0.id"),
+        (["model.trust_remote_code=true"], "model.trust_remote_code=true"),
+        (["inference.extra_args=[--tool-parser-plugin,/tmp/p.py]"], "inference.extra_args"),
+    ],
+)
 def test_eval_of_someone_elses_run_refuses_what_would_run_their_code(tmp_path, capsys, given, refused):
     from prime_hpc.orchestrator.evaluate import check_foreign_run, recorded_run
 

@@ -1,16 +1,16 @@
 """Inference without vLLM: the config → vLLM arguments and engine environment, and the
 policy gate and API key, driven through the ASGI layer directly."""
+
 from __future__ import annotations
 
 import asyncio
-import os
 import json
+import os
 
 import pytest
 
 from prime_hpc.inference import server as srv
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
-
 
 # --------------------------------------------------------------------------- unit: config → vLLM
 
@@ -22,12 +22,32 @@ def _typed(d: dict):
 
 
 def _cfg(**inf):
-    base = {"model": {"name": "tiny"}, "dtype": "auto", "max_model_len": 128, "gpu_memory_utilization": 0.2,
-            "tensor_parallel_size": 1, "data_parallel_size": None, "cpu_kvcache_space_gb": 3, "cpu_threads": None,
-            "extra_args": [], "startup_timeout_s": 60}
+    base = {
+        "model": {"name": "tiny"},
+        "dtype": "auto",
+        "max_model_len": 128,
+        "gpu_memory_utilization": 0.2,
+        "tensor_parallel_size": 1,
+        "data_parallel_size": None,
+        "cpu_kvcache_space_gb": 3,
+        "cpu_threads": None,
+        "extra_args": [],
+        "startup_timeout_s": 60,
+    }
     base.update(inf)
-    return {"name": "r", "output_dir": "/tmp/x", "seed": 7, "seq_len": 128, "address": None, "model": {"name": "tiny", "seed": 0},
-            "device": "cpu", "nodes": 1, "gpus_per_node": 0, "lora": {"enabled": False, "rank": 8}, "inference": base}
+    return {
+        "name": "r",
+        "output_dir": "/tmp/x",
+        "seed": 7,
+        "seq_len": 128,
+        "address": None,
+        "model": {"name": "tiny", "seed": 0},
+        "device": "cpu",
+        "nodes": 1,
+        "gpus_per_node": 0,
+        "lora": {"enabled": False, "rank": 8},
+        "inference": base,
+    }
 
 
 def _opt(argv, flag):
@@ -35,10 +55,20 @@ def _opt(argv, flag):
 
 
 def test_vllm_args_pass_the_reference_knobs_through():
-    cfg = _cfg(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.5, tensor_parallel_size=2,
-               data_parallel_size=4, extra_args=["--enforce-eager", "--max-num-seqs", "64"],
-               model={"name": "tiny", "enable_auto_tool_choice": True, "tool_call_parser": "hermes",
-                      "reasoning_parser": "qwen3"})
+    cfg = _cfg(
+        dtype="bfloat16",
+        max_model_len=4096,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        data_parallel_size=4,
+        extra_args=["--enforce-eager", "--max-num-seqs", "64"],
+        model={
+            "name": "tiny",
+            "enable_auto_tool_choice": True,
+            "tool_call_parser": "hermes",
+            "reasoning_parser": "qwen3",
+        },
+    )
     argv = srv.vllm_args(_typed(cfg), "/models/tiny", "10.0.0.5")
     assert _opt(argv, "--model") == "/models/tiny"
     assert _opt(argv, "--served-model-name") == "tiny"
@@ -122,13 +152,20 @@ class FakeModel:
             ev = self.release.setdefault(name, asyncio.Event())
             await ev.wait()
         if scope["path"] == "/v1/stream":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
             await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             return
         out = json.dumps({"name": name}).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": out})
 
 
@@ -199,6 +236,7 @@ def test_there_is_no_open_mode_a_gate_without_a_key_refuses_to_exist(key):
 def test_the_gate_counts_progress_only_while_generations_finish():
     """The server's heartbeat `progress_at`: an idle server, or one finishing generations,
     is progressing; one whose requests sit in the engine is not (a hung engine)."""
+
     async def main():
         model, gate, app = _gated()
         model.release["slow"] = asyncio.Event()

@@ -1,6 +1,7 @@
 """Pure rules of a run's lifecycle, without a cluster or vLLM: advantages, admission of new
 groups, placement on cores and addresses, end of data, resume points and metrics
 clean-up, recorded configs with overrides, and the stop decision of a component."""
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,15 @@ import pytest
 import yaml
 
 from prime_hpc.config.compose import compose, override, recorded_config
+from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
+from prime_hpc.core.net import address_env, node_address
 from prime_hpc.job import attempt
 from prime_hpc.launcher.plan import group_cpus, group_env, job_groups, make_plan, one_host_cores
-from prime_hpc.core.net import address_env, node_address
-from prime_hpc.config.schema import EnvEntry
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot
 from prime_hpc.orchestrator.loop import Orchestrator
-from prime_hpc.orchestrator.source import GroupSource
 from prime_hpc.orchestrator.rollouts import advantages
+from prime_hpc.orchestrator.source import GroupSource
 from prime_hpc.rundir import RunDir, atomic_write_json, jobs, mark_stable, truncate_jsonl
 from prime_hpc.runtime import stopping
 
@@ -44,7 +45,12 @@ class _Window:
 
     def __init__(self, policy, k=2, groups_per_step=8, max_groups=32, max_steps=None, oversampling=1.0):
         self.policy = lambda: policy
-        self.async_level, self.groups_per_step, self.max_groups, self.max_steps = k, groups_per_step, max_groups, max_steps
+        self.async_level, self.groups_per_step, self.max_groups, self.max_steps = (
+            k,
+            groups_per_step,
+            max_groups,
+            max_steps,
+        )
         self.oversampling = oversampling
 
 
@@ -81,10 +87,14 @@ def test_groups_threads_and_pinning_follow_the_config(tmp_path):
     assert group_cpus(cfg, job_groups(cfg), cores=[0, 1]) == {"orchestrator": "0", "inference": "0", "trainer": "1"}
     recipe = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null"])
     assert recipe.async_level == 3  # generation overlaps training: cores of their own
-    assert group_cpus(recipe, job_groups(recipe), cores=[0, 1]) == {"orchestrator": "0", "inference": "0",
-                                                                    "trainer": "1"}
-    on_policy = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null",
-                         "async_level=1"])  # generation and training take turns: each gets both cores
+    assert group_cpus(recipe, job_groups(recipe), cores=[0, 1]) == {
+        "orchestrator": "0",
+        "inference": "0",
+        "trainer": "1",
+    }
+    on_policy = compose(
+        ["+experiment=reverse_text", f"output_dir={tmp_path}", "warmup.experiment=null", "async_level=1"]
+    )  # generation and training take turns: each gets both cores
     assert group_cpus(on_policy, job_groups(on_policy), cores=[0, 1]) == {name: "0,1" for name in job_groups(cfg)}
     sft = compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}"])
     assert job_groups(sft) == ["trainer"] and job_groups(sft, "doctor") == ["orchestrator", "trainer"]
@@ -102,8 +112,14 @@ def test_gpus_are_split_between_inference_and_trainer_on_one_node(tmp_path):
     from prime_hpc.config.validate import validate
     from prime_hpc.launcher.render import render_local
 
-    one_node = ["+experiment=reverse_text", "cluster=local", "cluster.device=cuda", f"output_dir={tmp_path}/a",
-                "cluster.inference.gpus_per_node=2", "cluster.trainer.gpus_per_node=4"]
+    one_node = [
+        "+experiment=reverse_text",
+        "cluster=local",
+        "cluster.device=cuda",
+        f"output_dir={tmp_path}/a",
+        "cluster.inference.gpus_per_node=2",
+        "cluster.trainer.gpus_per_node=4",
+    ]
     plan = make_plan(compose(one_node), cores=[0, 1])
     assert plan.group("inference").env["CUDA_VISIBLE_DEVICES"] == "0,1"  # the first GPUs ...
     assert plan.group("trainer").env["CUDA_VISIBLE_DEVICES"] == "2,3,4,5"  # ... and the next, never shared
@@ -111,8 +127,15 @@ def test_gpus_are_split_between_inference_and_trainer_on_one_node(tmp_path):
     text = render_local(plan, "local-1")
     assert "CUDA_VISIBLE_DEVICES=0,1" in text and "CUDA_VISIBLE_DEVICES=2,3,4,5" in text
     # chosen by hand (validated: as many as gpus_per_node, no overlap), also on SLURM
-    chosen = compose([*one_node[:-2], "cluster.inference.gpus_per_node=2", "cluster.trainer.gpus_per_node=2",
-                      "cluster.inference.gpu_ids=6-7", "cluster.trainer.gpu_ids='0,3'"])
+    chosen = compose(
+        [
+            *one_node[:-2],
+            "cluster.inference.gpus_per_node=2",
+            "cluster.trainer.gpus_per_node=2",
+            "cluster.inference.gpu_ids=6-7",
+            "cluster.trainer.gpu_ids='0,3'",
+        ]
+    )
     validate(chosen)
     plan = make_plan(chosen, cores=[0, 1])
     assert plan.group("inference").env["CUDA_VISIBLE_DEVICES"] == "6,7"
@@ -132,8 +155,10 @@ def test_one_host_runs_use_loopback_and_real_clusters_the_nodes_address(tmp_path
         assert env["VLLM_HOST_IP"] == "127.0.0.1"  # vLLM's engine/worker connections too
     slurm = compose(["+experiment=reverse_text", "cluster=slurm", f"output_dir={tmp_path}"])
     assert "PRIME_HPC_NODE_ADDRESS" not in make_plan(slurm).env
-    assert address_env(None) == {} and address_env("10.0.0.5") == {"PRIME_HPC_NODE_ADDRESS": "10.0.0.5",
-                                                                  "VLLM_HOST_IP": "10.0.0.5"}
+    assert address_env(None) == {} and address_env("10.0.0.5") == {
+        "PRIME_HPC_NODE_ADDRESS": "10.0.0.5",
+        "VLLM_HOST_IP": "10.0.0.5",
+    }
     assert node_address("127.0.0.1") == "127.0.0.1"
     monkeypatch.setenv("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
     assert node_address() == "127.0.0.1"
@@ -141,8 +166,12 @@ def test_one_host_runs_use_loopback_and_real_clusters_the_nodes_address(tmp_path
 
 # --------------------------------------------------------------------------- end of data
 def _slots(sizes):
-    return [EnvSlot(name=f"e{i}", entry=EnvEntry(id=f"e{i}", ratio=1.0), env=None,
-                    rows=[{"example_id": j} for j in range(n)]) for i, n in enumerate(sizes)]
+    return [
+        EnvSlot(
+            name=f"e{i}", entry=EnvEntry(id=f"e{i}", ratio=1.0), env=None, rows=[{"example_id": j} for j in range(n)]
+        )
+        for i, n in enumerate(sizes)
+    ]
 
 
 def test_one_epoch_sampler_serves_every_task_once_then_stops():
@@ -209,10 +238,13 @@ def test_a_requeue_before_any_checkpoint_starts_over_and_a_bad_step_is_refused(t
 
 # `scontrol show job -o` of a job in the dev cluster's preemptible partition (GraceTime=60),
 # as SLURM 22.05 showed it: running, then inside the preemption's grace time, then requeued
-RUNNING = ("JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T10:00:17 "
-           "PreemptTime=None")
-IN_GRACE = ("JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T09:51:25 "
-            "PreemptTime=2026-11-25T09:50:25")
+RUNNING = (
+    "JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T10:00:17 PreemptTime=None"
+)
+IN_GRACE = (
+    "JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T09:51:25 "
+    "PreemptTime=2026-11-25T09:50:25"
+)
 REQUEUED_ONCE = "JobState=COMPLETING Reason=None Restarts=1 StartTime=2026-11-25T09:50:30 EndTime=2026-11-25T10:00:30"
 
 
@@ -231,10 +263,12 @@ def test_why_slurm_stops_a_job():
 def _stopping_run(run: RunDir, job_id: str, max_requeues: int, requeues: int) -> None:
     run.root.mkdir(parents=True, exist_ok=True)
     run.config_yaml.write_text(yaml.safe_dump({"cluster": {"max_requeues": max_requeues}}))
-    attempts = [{"attempt": k, "job_id": job_id, "started_at": 1.0, "ended_at": 2.0, "end": "REQUEUED"}
-                for k in range(requeues)] + [{"attempt": requeues, "job_id": job_id, "started_at": 3.0}]
-    atomic_write_json(run.job_json, {"state": "RUNNING", "job_ids": [job_id], "requeues": requeues,
-                                     "attempts": attempts})
+    attempts = [
+        {"attempt": k, "job_id": job_id, "started_at": 1.0, "ended_at": 2.0, "end": "REQUEUED"} for k in range(requeues)
+    ] + [{"attempt": requeues, "job_id": job_id, "started_at": 3.0}]
+    atomic_write_json(
+        run.job_json, {"state": "RUNNING", "job_ids": [job_id], "requeues": requeues, "attempts": attempts}
+    )
 
 
 @pytest.mark.parametrize("reason, state", [("TIMEOUT", "TIMEOUT"), ("PREEMPTED", "PREEMPTED"), ("REQUEUED", "FAILED")])
@@ -278,8 +312,12 @@ def test_recorded_config_takes_typed_overrides_and_refuses_the_rest(tmp_path):
     got = recorded_config(path, ["max_steps=40", "ckpt.step=-1", "trainer.optim.lr=5e-4"])
     assert (got.max_steps, got.ckpt.step, got.trainer.optim.lr) == (40, -1, 5e-4)
     assert got.output_dir == cfg.output_dir
-    for bad, needle in ((["max_steps=many"], "max_steps"), (["trainer.optim.rate=1"], "unknown key"),
-                        (["cluster=dev"], "cannot be switched"), ([f"output_dir={tmp_path}/x"], "keeps its directory")):
+    for bad, needle in (
+        (["max_steps=many"], "max_steps"),
+        (["trainer.optim.rate=1"], "unknown key"),
+        (["cluster=dev"], "cannot be switched"),
+        ([f"output_dir={tmp_path}/x"], "keeps its directory"),
+    ):
         with pytest.raises(UserError, match=needle):
             recorded_config(path, bad)
 
@@ -336,8 +374,13 @@ def test_watchdog_tells_a_stall_from_a_wait():
     }
     assert stalled(beats, 60, now) is None  # the trainer only waits; the others beat and progress
     beats["orchestrator_0"]["progress_at"] = now - 90  # alive, generating and judging, but no step written
-    assert stalled(beats, 60, now) == {"component": "orchestrator", "rank": 0, "silent_s": 90, "why": "no progress",
-                                       "step": None}
+    assert stalled(beats, 60, now) == {
+        "component": "orchestrator",
+        "rank": 0,
+        "silent_s": 90,
+        "why": "no progress",
+        "step": None,
+    }
     beats["inference_1"]["time"] = now - 200  # frozen: the longest silence is the one named
     assert stalled(beats, 60, now)["component"] == "inference" and stalled(beats, 60, now)["rank"] == 1
     done = {"trainer_0": {"time": now - 900, "done": True}, "orchestrator_0": {"time": now - 900, "stopped": True}}
@@ -381,8 +424,14 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     from prime_hpc.orchestrator.rollouts import Rollout
     from prime_hpc.orchestrator.sink import StepFill
 
-    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", "async_level=2",
-                   "orchestrator.online_difficulty_filtering=true"])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            f"output_dir={tmp_path}",
+            "async_level=2",
+            "orchestrator.online_difficulty_filtering=true",
+        ]
+    )
     o = Orchestrator(component_config(cfg, "orchestrator"))
     env = load_env(EnvEntry(id="broken_reverse", args={"fail": "empty", "num_train_examples": 4}))
     slot = EnvSlot(name="b", entry=EnvEntry(id="broken_reverse"), env=env, rows=dataset_rows(env.get_dataset()))
@@ -394,8 +443,20 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     o.wire(nowhere, "tiny", SimpleNamespace(update_weights=update_weights), None, [slot], [slot])
     o.progress_at = long_ago = time.time() - 1000
     o.sink.filling, o.relay.policy, o.source.inflight = 1, 0, {"a group generating"}
-    uniform = [Rollout(env="e", example_id=0, reward=0.0, input_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0] * 2,
-                       policy_steps=[0], num_turns=1, is_truncated=False) for _ in range(8)]
+    uniform = [
+        Rollout(
+            env="e",
+            example_id=0,
+            reward=0.0,
+            input_ids=[1, 2],
+            loss_mask=[False, True],
+            logprobs=[0.0] * 2,
+            policy_steps=[0],
+            num_turns=1,
+            is_truncated=False,
+        )
+        for _ in range(8)
+    ]
     fill = StepFill(t0=time.monotonic())
     for _ in range(20):
         asyncio.run(o.sink.judge(1, list(uniform), fill))
@@ -417,7 +478,9 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     # step 4 needs policy 2 or newer; policy 1 is served and nothing generates: a wait
     o.sink.filling, o.relay.policy, o.source.inflight = 4, 1, set()
     o.beat()
-    assert o.run.beats()["orchestrator_0"]["waiting_on"] == "trainer" and stalled(o.run.beats(), 600, time.time()) is None
+    assert (
+        o.run.beats()["orchestrator_0"]["waiting_on"] == "trainer" and stalled(o.run.beats(), 600, time.time()) is None
+    )
 
     async def relay_until_policy(n):  # the trainer's weights of step 2 arrive
         task = asyncio.create_task(o.relay.watch())
@@ -441,8 +504,14 @@ def test_watchdog_records_a_job_script_that_died_and_nothing_after_a_recorded_en
 
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
-    atomic_write_json(run.job_json, {"job_ids": ["local-ab12"], "state": "RUNNING", "attempts": [
-        {"attempt": 0, "job_id": "local-ab12", "logs": str(run.logs_root / "attempt_0")}]})
+    atomic_write_json(
+        run.job_json,
+        {
+            "job_ids": ["local-ab12"],
+            "state": "RUNNING",
+            "attempts": [{"attempt": 0, "job_id": "local-ab12", "logs": str(run.logs_root / "attempt_0")}],
+        },
+    )
     script = subprocess.Popen(["sleep", "60"])
     try:
         watched = Supervisor("local-ab12", script.pid)
@@ -466,10 +535,14 @@ def test_watchdog_records_a_job_script_that_died_and_nothing_after_a_recorded_en
 def test_a_failure_names_the_node_that_failed_first(tmp_path):
     logs = tmp_path / "logs" / "attempt_0"
     (logs / "trainer").mkdir(parents=True)
-    (logs / "trainer" / "srun.log").write_text("srun: error: node7: task 2: Killed\n"
-                                              "srun: error: node5: task 0: Terminated\n")
-    assert attempt.where_it_died(logs, "trainer") == {"node": 2, "host": "node7",
-                                                      "log": str(logs / "trainer" / "node_2.log")}
+    (logs / "trainer" / "srun.log").write_text(
+        "srun: error: node7: task 2: Killed\nsrun: error: node5: task 0: Terminated\n"
+    )
+    assert attempt.where_it_died(logs, "trainer") == {
+        "node": 2,
+        "host": "node7",
+        "log": str(logs / "trainer" / "node_2.log"),
+    }
     assert attempt.where_it_died(logs, "inference_3") == {"node": 3, "log": str(logs / "inference" / "node_3.log")}
     assert attempt.where_it_died(logs, "orchestrator") == {"node": 0, "log": str(logs / "orchestrator.log")}
 
@@ -526,9 +599,19 @@ def test_a_components_own_one_line_cause_is_the_recorded_failure(tmp_path):
     assert f["reason"] == "exited with code 1" and f["log"] == str(logs.resolve() / "trainer" / "node_0.log")
 
     run.metrics_dir.mkdir()
-    rows = [{"step": 1, "reward/all/mean": 0.5}, {"step": 2, "reward/all/mean": 0.4},
-            {"step": 3, "filter/unfilled": 1, "filter/accepted_groups": 0, "filter/judged_groups": 12,
-             "filter/errored_groups": 9, "filter/zero_variance_groups": 3, "filter/invalid_groups": 0}]
+    rows = [
+        {"step": 1, "reward/all/mean": 0.5},
+        {"step": 2, "reward/all/mean": 0.4},
+        {
+            "step": 3,
+            "filter/unfilled": 1,
+            "filter/accepted_groups": 0,
+            "filter/judged_groups": 12,
+            "filter/errored_groups": 9,
+            "filter/zero_variance_groups": 3,
+            "filter/invalid_groups": 0,
+        },
+    ]
     run.metrics("orchestrator").write_text("".join(json.dumps(r) + "\n" for r in rows))
     v = vitals(run, 10)
     assert v["orchestrator_step"] == 2

@@ -1,5 +1,6 @@
 """Orchestrator rules without a server: advantages and filtering, the policy-lag rules,
 environments and sampling by ratio, sampling arguments, environment ids."""
+
 from __future__ import annotations
 
 import json
@@ -8,21 +9,36 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config.compose import component_config, compose
-from prime_hpc.core.errors import UserError
-from prime_hpc.config.schema import EnvEntry
 from prime_hpc.config.component import OrchestratorRunConfig, typed
+from prime_hpc.config.compose import component_config, compose
+from prime_hpc.config.schema import EnvEntry
+from prime_hpc.core.errors import UserError
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
+from prime_hpc.orchestrator.rollouts import (
+    EMPTY_GROUP,
+    ErrorStreak,
+    Rollout,
+    from_output,
+    group_error,
+    judge_group,
+    pass_at_k,
+)
 from prime_hpc.rundir.checkpoints import is_due
-from prime_hpc.orchestrator.rollouts import (EMPTY_GROUP, ErrorStreak, Rollout, from_output, group_error, judge_group,
-                                             pass_at_k)
-
 
 
 def _r(reward, policy=(0,), error=None, n=3, env="e"):
-    return Rollout(env=env, example_id=0, reward=reward, input_ids=[1] * n, loss_mask=[False] + [True] * (n - 1),
-                   logprobs=[0.0] * n, policy_steps=list(policy), num_turns=len(policy), is_truncated=False,
-                   error=error)
+    return Rollout(
+        env=env,
+        example_id=0,
+        reward=reward,
+        input_ids=[1] * n,
+        loss_mask=[False] + [True] * (n - 1),
+        logprobs=[0.0] * n,
+        policy_steps=list(policy),
+        num_turns=len(policy),
+        is_truncated=False,
+        error=error,
+    )
 
 
 # --------------------------------------------------------------------------- pure rules
@@ -76,12 +92,21 @@ def test_policy_lag_bound_and_spanning_rollouts():
 
 
 def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
-    out = {"example_id": 7, "reward": 0.75, "is_truncated": False, "trajectory": [
-        {"tokens": {"prompt_ids": [1, 2], "completion_ids": [3, 4], "completion_logprobs": [-0.1, -0.2]},
-         "response": {"policy_step": 4}},
-        {"tokens": {"prompt_ids": [1, 2, 3, 4, 5], "completion_ids": [6], "completion_logprobs": [-0.3]},
-         "response": {"policy_step": 5}},
-    ]}
+    out = {
+        "example_id": 7,
+        "reward": 0.75,
+        "is_truncated": False,
+        "trajectory": [
+            {
+                "tokens": {"prompt_ids": [1, 2], "completion_ids": [3, 4], "completion_logprobs": [-0.1, -0.2]},
+                "response": {"policy_step": 4},
+            },
+            {
+                "tokens": {"prompt_ids": [1, 2, 3, 4, 5], "completion_ids": [6], "completion_logprobs": [-0.3]},
+                "response": {"policy_step": 5},
+            },
+        ],
+    }
     r = from_output(out, "env", seq_len=100)
     assert r.input_ids == [1, 2, 3, 4, 5, 6]
     assert r.loss_mask == [False, False, True, True, False, True]
@@ -92,8 +117,11 @@ def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
 
 
 def test_an_empty_answer_is_an_empty_rollout_not_an_error():
-    r = from_output({"reward": 0.0, "error": {"error_chain_repr": "EmptyModelResponseError('no content')"},
-                     "trajectory": []}, "e", 10)
+    r = from_output(
+        {"reward": 0.0, "error": {"error_chain_repr": "EmptyModelResponseError('no content')"}, "trajectory": []},
+        "e",
+        10,
+    )
     assert r.empty and r.error is None
 
 
@@ -110,8 +138,18 @@ def test_a_rollout_that_ended_before_any_model_turn_is_empty_not_an_error():
 
 
 def _empty(env="e"):
-    return Rollout(env=env, example_id=0, reward=0.0, input_ids=[], loss_mask=[], logprobs=[], policy_steps=[],
-                   num_turns=0, is_truncated=False, empty=True)
+    return Rollout(
+        env=env,
+        example_id=0,
+        reward=0.0,
+        input_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        policy_steps=[],
+        num_turns=0,
+        is_truncated=False,
+        empty=True,
+    )
 
 
 def test_a_group_errors_when_none_of_its_rollouts_can_train():
@@ -170,7 +208,9 @@ def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_
 
     logs = tmp_path / "logs"
     monkeypatch.setenv("PRIME_HPC_LOGS", str(logs))
-    o = _orchestrator(tmp_path / "run", "orchestrator.max_errored_groups=3", "orchestrator.online_difficulty_filtering=true")
+    o = _orchestrator(
+        tmp_path / "run", "orchestrator.max_errored_groups=3", "orchestrator.online_difficulty_filtering=true"
+    )
     env_log = RunDir.env_worker_log(logs, "train", "reverse_text")
     o.log_router = EnvLogRouter({"train/reverse_text": env_log})
     o.log_router.attach("warning")
@@ -180,13 +220,18 @@ def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_
     uniform = [_r(0.0, env="reverse_text") for _ in range(8)]  # healthy, all rewards 0: dropped, not errored
     for g in (bad, bad, uniform, bad, bad):
         asyncio.run(o.sink.judge(1, list(g), fill))
-    assert {k: n for k, n in {"judged": fill.judged, **fill.dropped}.items() if n} == {"judged": 5, "errored": 4,
-                                                                                     "no reward variance": 1}
+    assert {k: n for k, n in {"judged": fill.judged, **fill.dropped}.items() if n} == {
+        "judged": 5,
+        "errored": 4,
+        "no reward variance": 1,
+    }
     assert not fill.accepted
     with pytest.raises(EnvFailed) as e:
         asyncio.run(o.sink.judge(1, list(bad), fill))
-    assert str(e.value) == ("train env 'reverse_text': 3 groups in a row errored (orchestrator.max_errored_groups=3); "
-                            "the last: reward: ValueError: reward exploded on 'abc'")
+    assert str(e.value) == (
+        "train env 'reverse_text': 3 groups in a row errored (orchestrator.max_errored_groups=3); "
+        "the last: reward: ValueError: reward exploded on 'abc'"
+    )
     assert e.value.log == env_log
     o.log_router.close()
     noted = [line.split(" prime_hpc.envs: ")[1] for line in env_log.read_text().splitlines()]
@@ -214,16 +259,20 @@ def test_unknown_env_fails_with_one_line_naming_it():
     assert "no_such_env_module" in msg and "\n" not in msg and "cannot be imported" in msg
     with pytest.raises(UserError) as e:
         load_env(EnvEntry(id="flaky_reverse", args={"fail_load": True}))
-    assert str(e.value) == ("train env 'flaky_reverse': load_environment() failed: "
-                            "RuntimeError: cannot reach the task server")
+    assert str(e.value) == (
+        "train env 'flaky_reverse': load_environment() failed: RuntimeError: cannot reach the task server"
+    )
 
 
 def test_several_envs_are_sampled_by_ratio_and_the_sampler_resumes():
     slots = []
     for name, ratio in (("a", 3.0), ("b", 1.0)):
         env = load_env(EnvEntry(id="reverse_text", args={"num_train_examples": 50, "num_eval_examples": 4}))
-        slots.append(EnvSlot(name=name, entry=EnvEntry(id="reverse_text", ratio=ratio), env=env,
-                             rows=dataset_rows(env.get_dataset())))
+        slots.append(
+            EnvSlot(
+                name=name, entry=EnvEntry(id="reverse_text", ratio=ratio), env=env, rows=dataset_rows(env.get_dataset())
+            )
+        )
     s = EnvSampler(slots, seed=3)
     picks = Counter(s.next()[0].name for _ in range(4000))
     assert abs(picks["a"] / 4000 - 0.75) < 0.03, picks
@@ -243,19 +292,35 @@ def test_sampling_config_becomes_the_request_arguments(tmp_path):
 
     def args(*overrides: str) -> dict:
         cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}", *overrides])
-        return sampling_args(typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "test")
-                             .orchestrator.sampling)
+        return sampling_args(
+            typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "test").orchestrator.sampling
+        )
 
     plain = args()
-    assert plain == {"temperature": 1.0, "top_p": 1.0, "logprobs": True, "max_tokens": 32,
-                     "extra_body": {"return_token_ids": True}}
-    full = args("orchestrator.sampling.top_k=5", "orchestrator.sampling.min_p=0.05",
-                "orchestrator.sampling.repetition_penalty=1.1", "orchestrator.sampling.stop=[zz,'</a>']",
-                "orchestrator.sampling.seed=7", "+orchestrator.sampling.extra_body.presence_penalty=0.5",
-                "+orchestrator.sampling.extra_body.return_token_ids=false")
+    assert plain == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "logprobs": True,
+        "max_tokens": 32,
+        "extra_body": {"return_token_ids": True},
+    }
+    full = args(
+        "orchestrator.sampling.top_k=5",
+        "orchestrator.sampling.min_p=0.05",
+        "orchestrator.sampling.repetition_penalty=1.1",
+        "orchestrator.sampling.stop=[zz,'</a>']",
+        "orchestrator.sampling.seed=7",
+        "+orchestrator.sampling.extra_body.presence_penalty=0.5",
+        "+orchestrator.sampling.extra_body.return_token_ids=false",
+    )
     assert full["stop"] == ["zz", "</a>"] and full["seed"] == 7
-    assert full["extra_body"] == {"presence_penalty": 0.5, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
-                                  "return_token_ids": True}  # the trainer's token ids are never turned off
+    assert full["extra_body"] == {
+        "presence_penalty": 0.5,
+        "top_k": 5,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "return_token_ids": True,
+    }  # the trainer's token ids are never turned off
 
 
 # --------------------------------------------------------------------------- environment ids
@@ -299,8 +364,9 @@ def _env_project(root: Path, name: str, layout: str) -> Path:
     pyproject.toml beside `<module>.py` ("flat") or `<module>/__init__.py` ("package")."""
     module = name.replace("-", "_")
     root.mkdir(parents=True)
-    (root / "pyproject.toml").write_text(f'[project]\nname = "{name}"\nversion = "0.1.0"\n'
-                                         'dependencies = ["verifiers>=0.3.1,<0.4"]\n')
+    (root / "pyproject.toml").write_text(
+        f'[project]\nname = "{name}"\nversion = "0.1.0"\ndependencies = ["verifiers>=0.3.1,<0.4"]\n'
+    )
     if layout == "flat":
         (root / f"{module}.py").write_text(ECHO_ENV)
     else:
@@ -310,8 +376,9 @@ def _env_project(root: Path, name: str, layout: str) -> Path:
 
 
 @pytest.mark.parametrize("layout", ["flat", "package"])
-def test_an_env_project_directory_loads_by_its_path_and_submit_records_it_absolute(layout, tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_an_env_project_directory_loads_by_its_path_and_submit_records_it_absolute(
+    layout, tmp_path, monkeypatch, capsys
+):
     import sys
 
     import yaml
@@ -331,9 +398,20 @@ def test_an_env_project_directory_loads_by_its_path_and_submit_records_it_absolu
         env = load_env(EnvEntry(id=rel, args={"num_examples": 5}))
         assert len(dataset_rows(env.get_dataset())) == 5 and env.__class__.__name__ == "SingleTurnEnv"
         out = tmp_path / "run"
-        assert main(["submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
-                     f"orchestrator.env=[{{id: {rel}}}]", "orchestrator.eval.env=[{id: ../work/envs/" + name + "}]",
-                     "--dry-run"]) == 0, capsys.readouterr().err
+        assert (
+            main(
+                [
+                    "submit",
+                    "+experiment=reverse_text",
+                    "warmup.experiment=null",
+                    f"output_dir={out}",
+                    f"orchestrator.env=[{{id: {rel}}}]",
+                    "orchestrator.eval.env=[{id: ../work/envs/" + name + "}]",
+                    "--dry-run",
+                ]
+            )
+            == 0
+        ), capsys.readouterr().err
         recorded = yaml.safe_load((out / "config.yaml").read_text())["orchestrator"]
         given = yaml.safe_load((out / "configs" / "orchestrator.yaml").read_text())["orchestrator"]
         for o in (recorded, given):
@@ -346,8 +424,9 @@ def test_an_env_project_directory_loads_by_its_path_and_submit_records_it_absolu
         sys.modules.pop(module, None)
 
 
-def test_env_ids_that_are_no_path_and_no_module_are_refused_at_submit_naming_what_was_tried(tmp_path, monkeypatch,
-                                                                                          capsys):
+def test_env_ids_that_are_no_path_and_no_module_are_refused_at_submit_naming_what_was_tried(
+    tmp_path, monkeypatch, capsys
+):
     from prime_hpc.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -363,8 +442,16 @@ def test_env_ids_that_are_no_path_and_no_module_are_refused_at_submit_naming_wha
     ]
     for env_id, needles in cases:
         out = tmp_path / "run"
-        code = main(["submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
-                     f"orchestrator.env=[{{id: {env_id}}}]", "--dry-run"])
+        code = main(
+            [
+                "submit",
+                "+experiment=reverse_text",
+                "warmup.experiment=null",
+                f"output_dir={out}",
+                f"orchestrator.env=[{{id: {env_id}}}]",
+                "--dry-run",
+            ]
+        )
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and "orchestrator.env.0.id" in err, err
         assert all(n in err for n in needles), (needles, err)
@@ -400,8 +487,9 @@ def test_the_orchestrator_only_waits_for_inference_while_its_groups_generate_and
     from prime_hpc.orchestrator.source import QUIET_S, GroupSource
 
     ocfg = SimpleNamespace(batch_size=16, group_size=8, oversampling_factor=1.0)
-    src = GroupSource(sampler=None, generator=SimpleNamespace(max_groups=4), policy=lambda: 0, ocfg=ocfg,
-                      async_level=1, max_steps=10)
+    src = GroupSource(
+        sampler=None, generator=SimpleNamespace(max_groups=4), policy=lambda: 0, ocfg=ocfg, async_level=1, max_steps=10
+    )
     src.finished_at = time.time() - QUIET_S - 1
     assert not src.waiting_for_inference()  # nothing generating
     src.inflight = {"a group"}

@@ -1,5 +1,6 @@
 """`prime_hpc.watch.plot` on synthetic metrics files, without a cluster: reading and merging the
 JSON lines, the panels built from them, and the PNG of one run and of two runs overlaid."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import sys
 
 import pytest
 
-from prime_hpc.watch import plot
 from prime_hpc.rundir import RunDir
+from prime_hpc.watch import plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RL_STEPS = range(1, 81)
@@ -29,13 +30,29 @@ def rl_run(root, scale: float = 1.0) -> RunDir:
     for s in RL_STEPS:
         orch.append({"step": s, "time": 1.7e9 + s, "reward/all/mean": scale * s / 80, "time/step": 2.0})
         if s == 40:
-            orch.append({"step": 40, "time": 1.7e9 + s, "eval/reverse_text/avg@4": scale * 0.5,
-                         "eval/reverse_text/pass@4": 0.9, "time/eval": 3.0})
+            orch.append(
+                {
+                    "step": 40,
+                    "time": 1.7e9 + s,
+                    "eval/reverse_text/avg@4": scale * 0.5,
+                    "eval/reverse_text/pass@4": 0.9,
+                    "time/eval": 3.0,
+                }
+            )
     orch.insert(0, {"step": 0, "eval/reverse_text/avg@4": 0.1})  # an older row: no "time"
     orch.append({"step": 80, "time": 1.7e9 + 81, "eval/reverse_text/avg@4": scale * 0.8})
     _write(run.metrics("orchestrator"), orch, tail='not json\n{"step": 81, "reward/all/me')
-    trainer = [{"step": s, "time": 1.7e9 + s, "loss/mean": 0.01, "entropy/mean": 1.0 / s,
-                "mismatch_kl/mean": 1e-4 * s, "time/step": 3.0} for s in RL_STEPS]
+    trainer = [
+        {
+            "step": s,
+            "time": 1.7e9 + s,
+            "loss/mean": 0.01,
+            "entropy/mean": 1.0 / s,
+            "mismatch_kl/mean": 1e-4 * s,
+            "time/step": 3.0,
+        }
+        for s in RL_STEPS
+    ]
     trainer[10] = {k: v for k, v in trainer[10].items() if k != "mismatch_kl/mean"}
     trainer.insert(11, {"step": 11, "time": 1.7e9 + 11, "mismatch_kl/mean": 5e-4})  # same step, second line
     _write(run.metrics("trainer"), trainer)
@@ -80,8 +97,9 @@ def test_rows_of_a_step_merge_and_broken_lines_are_skipped(tmp_path):
 
 def test_read_rows_keeps_only_rows_with_an_integer_step(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text('{"step": 1, "a": 1}\n[1, 2]\n{"a": 2}\n{"step": "3"}\n{"step": true}\n\n'
-                    '{"step": 2, "a": NaN}\n{"st')
+    path.write_text(
+        '{"step": 1, "a": 1}\n[1, 2]\n{"a": 2}\n{"step": "3"}\n{"step": true}\n\n{"step": 2, "a": NaN}\n{"st'
+    )
     assert [r["step"] for r in plot.read_rows(path)] == [1, 2]
 
 

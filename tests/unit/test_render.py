@@ -1,8 +1,8 @@
 """Rendering of the het-job script: pinned by a golden file, and safe for shell-hostile
 run names and paths (the values reach the shell and sbatch exactly as given)."""
+
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 
@@ -28,8 +28,8 @@ GOLDEN_OVERRIDES = [
     "cluster.orchestrator.mem_gb=4",
     "cluster.inference.mem_gb=16",
     "cluster.trainer.mem_gb=8",
-    "cluster.sbatch_extra=[\"--mail-type=END\"]",
-    "cluster.env_setup=[\"module load cuda\"]",
+    'cluster.sbatch_extra=["--mail-type=END"]',
+    'cluster.env_setup=["module load cuda"]',
     "cluster.cache_dir=/shared/cache",
 ]
 
@@ -46,8 +46,16 @@ def golden_plan():
 
 
 def golden_sft_plan():
-    cfg = compose(["+experiment=reverse_text_sft", "cluster=dev", "output_dir=/shared/runs/sft", "cluster.cache_dir=null",
-                   "cluster.trainer.nodes=2", "cluster.trainer.nproc_per_node=2"])
+    cfg = compose(
+        [
+            "+experiment=reverse_text_sft",
+            "cluster=dev",
+            "output_dir=/shared/runs/sft",
+            "cluster.cache_dir=null",
+            "cluster.trainer.nodes=2",
+            "cluster.trainer.nproc_per_node=2",
+        ]
+    )
     return make_plan(cfg, python="/opt/venv/bin/python", cores=[0, 1])
 
 
@@ -58,7 +66,8 @@ GOLDENS = [(golden_plan, GOLDEN), (golden_sft_plan, GOLDEN_SFT)]
 def test_sbatch_matches_golden_file(plan_fn, golden):
     assert render_sbatch(plan_fn()) == golden.read_text(), (
         f"the rendering of {golden.name} changed; review the difference, then write the goldens anew with "
-        "`python -m tests.unit.test_render`")
+        "`python -m tests.unit.test_render`"
+    )
 
 
 if __name__ == "__main__":  # write the goldens from today's rendering (after reviewing the change)
@@ -81,6 +90,7 @@ def test_compiled_templates_render_the_same(tmp_path, monkeypatch, cache):
         render._env.cache_clear()
         assert list((tmp_path / "prime-hpc" / "templates").iterdir())
     if cache == "unwritable":
+
         def refuse(*_a, **_k):
             raise PermissionError(13, "Read-only file system")
 
@@ -108,7 +118,7 @@ def test_golden_script_is_a_three_group_het_job():
     # inference servers, router (first inference node), trainer, head
     assert re.findall(r"srun --het-group=(\d)", text) == ["1", "1", "2", "0"]
     # every "node" is this machine: the trainer's ranks meet in files (nothing listens beyond loopback)
-    assert 'RDZV_CONF=store_type=file' in text and 'PRIME_HPC_PG_STORE=/shared/runs/reverse_text/control/' in text
+    assert "RDZV_CONF=store_type=file" in text and "PRIME_HPC_PG_STORE=/shared/runs/reverse_text/control/" in text
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "job.attempt rendezvous" not in text
     assert "--overlap" in text and "router_0.log" in text
     assert "--rdzv-backend=c10d" in text and "--redirects=3 --tee=3" in text
@@ -119,7 +129,9 @@ def test_golden_script_is_a_three_group_het_job():
     assert "--local-addr=127.0.0.1" in text and "export PRIME_HPC_NODE_ADDRESS=127.0.0.1" in text
     # async_level 1: generation and training take turns, so each runs on both cores
     assert "OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.inference" in text
-    assert "OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m torch.distributed.run" in text
+    assert (
+        "OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m torch.distributed.run" in text
+    )
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
@@ -133,16 +145,28 @@ def test_a_real_cluster_meets_over_tcp_on_the_first_trainer_nodes_address():
 
 def test_hostile_values_survive_quoting(tmp_path):
     out = tmp_path / HOSTILE
-    cfg = compose(["+experiment=reverse_text", "cluster=dev", f"output_dir={hydra_quote(str(out))}",
-                   f"name={hydra_quote(HOSTILE)}", f"cluster.cache_dir={hydra_quote(str(out))}"])
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            "cluster=dev",
+            f"output_dir={hydra_quote(str(out))}",
+            f"name={hydra_quote(HOSTILE)}",
+            f"cluster.cache_dir={hydra_quote(str(out))}",
+        ]
+    )
     plan = make_plan(cfg, python="/opt/venv/bin/python")
     plan.head_argv = [plan.python, "-m", "x", str(plan.run.submitit_dir)]
     for text in (render_sbatch(plan), render_local(plan, "local-1")):
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
         # the exported values, evaluated by bash, are exactly the originals
         exports = "\n".join(ln for ln in text.splitlines() if ln.startswith("export "))
-        env = subprocess.run(["bash", "-c", exports + '\nprintf %s "$PRIME_HPC_CACHE"'], capture_output=True,
-                             text=True, cwd=tmp_path, check=True)
+        env = subprocess.run(
+            ["bash", "-c", exports + '\nprintf %s "$PRIME_HPC_CACHE"'],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            check=True,
+        )
         assert env.stdout == str(out)
     assert not (tmp_path / "PWNED").exists()
     assert re.fullmatch(r"[A-Za-z0-9._-]+", slurm_job_name(HOSTILE))

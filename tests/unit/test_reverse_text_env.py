@@ -12,7 +12,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import reverse_text  # noqa: E402
 import verifiers as vf  # noqa: E402
-
 from reverse_text import lcs_length, lcs_ratio, lcs_reward  # noqa: E402
 
 

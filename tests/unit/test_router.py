@@ -1,6 +1,7 @@
 """The run's router (prime_hpc.inference.router) in front of small real HTTP servers on
 loopback: the key on every route but liveness, round robin, failover, membership limited
 to the run's published servers, preflights answered without forwarding."""
+
 from __future__ import annotations
 
 import json
@@ -101,10 +102,18 @@ def test_every_route_but_health_needs_the_key_and_nothing_unauthorised_reaches_a
         assert _generate(base, headers).status_code == 401
         assert httpx.get(base + "/workers", headers=headers, timeout=10).status_code == 401
         assert httpx.get(base + "/list_workers", headers=headers, timeout=10).status_code == 401
-        assert httpx.post(base + "/add_worker", params={"url": "http://127.0.0.1:1"}, headers=headers,
-                          timeout=10).status_code == 401
-        assert httpx.post(base + "/remove_worker", params={"url": router.workers[0]}, headers=headers,
-                          timeout=10).status_code == 401
+        assert (
+            httpx.post(
+                base + "/add_worker", params={"url": "http://127.0.0.1:1"}, headers=headers, timeout=10
+            ).status_code
+            == 401
+        )
+        assert (
+            httpx.post(
+                base + "/remove_worker", params={"url": router.workers[0]}, headers=headers, timeout=10
+            ).status_code
+            == 401
+        )
         assert httpx.request("OPTIONS", base + "/v1/models", headers=headers, timeout=10).status_code == 401
     assert all(not w.seen for w in workers.values())
     assert len(router.workers) == 2
@@ -119,8 +128,12 @@ def test_requests_go_round_robin_with_the_callers_key(fleet):
 
 def test_a_cors_preflight_is_answered_by_the_router_itself(fleet):
     _, base, workers, _, _ = fleet
-    r = httpx.request("OPTIONS", base + "/v1/chat/completions", timeout=10,
-                      headers={"Origin": "http://elsewhere", "Access-Control-Request-Method": "POST"})
+    r = httpx.request(
+        "OPTIONS",
+        base + "/v1/chat/completions",
+        timeout=10,
+        headers={"Origin": "http://elsewhere", "Access-Control-Request-Method": "POST"},
+    )
     assert r.status_code == 204 and "access-control-allow-origin" not in r.headers
     assert all(not w.seen for w in workers.values())
 
@@ -134,9 +147,12 @@ def test_only_servers_the_run_published_can_be_added(fleet):
         assert stranger.url not in router.workers
         # once the run publishes it (a server of its own), it can join
         atomic_write_json(run.inference_endpoint(2), {"url": stranger.url, "node": 2})
-        assert httpx.post(base + "/add_worker", params={"url": stranger.url}, headers=AUTH,
-                          timeout=10).status_code == 200
-        assert stranger.url in [w["url"] for w in httpx.get(base + "/workers", headers=AUTH, timeout=10).json()["workers"]]
+        assert (
+            httpx.post(base + "/add_worker", params={"url": stranger.url}, headers=AUTH, timeout=10).status_code == 200
+        )
+        assert stranger.url in [
+            w["url"] for w in httpx.get(base + "/workers", headers=AUTH, timeout=10).json()["workers"]
+        ]
     finally:
         stranger.stop()
 
@@ -156,16 +172,21 @@ def test_a_stranger_never_receives_the_key(fleet):
 
 def test_a_removed_or_dead_server_gets_no_more_requests(fleet):
     router, base, workers, served, _ = fleet
-    assert httpx.post(base + "/remove_worker", params={"url": served["a"].url}, headers=AUTH,
-                      timeout=10).status_code == 200
+    assert (
+        httpx.post(base + "/remove_worker", params={"url": served["a"].url}, headers=AUTH, timeout=10).status_code
+        == 200
+    )
     before = len(workers["a"].seen)
     assert {_generate(base).json()["worker"] for _ in range(4)} == {"b"}
     assert len(workers["a"].seen) == before
-    assert httpx.post(base + "/remove_worker", params={"url": served["a"].url}, headers=AUTH,
-                      timeout=10).status_code == 404
+    assert (
+        httpx.post(base + "/remove_worker", params={"url": served["a"].url}, headers=AUTH, timeout=10).status_code
+        == 404
+    )
     # put a back, then let b die: every request is answered by a
-    assert httpx.post(base + "/add_worker", params={"url": served["a"].url}, headers=AUTH,
-                      timeout=10).status_code == 200
+    assert (
+        httpx.post(base + "/add_worker", params={"url": served["a"].url}, headers=AUTH, timeout=10).status_code == 200
+    )
     served["b"].stop()
     assert [_generate(base).json()["worker"] for _ in range(4)] == ["a"] * 4
 
@@ -185,8 +206,13 @@ def test_a_listener_started_without_the_key_refuses_in_one_line(module, tmp_path
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "INFERENCE_SERVER_API_KEY"}
-    r = subprocess.run([sys.executable, "-m", module, "--config", str(tmp_path / "none.yaml")], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", module, "--config", str(tmp_path / "none.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "INFERENCE_SERVER_API_KEY is not set" in lines[0], r.stderr

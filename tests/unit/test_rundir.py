@@ -1,5 +1,6 @@
 """The run-directory contract: atomic writes survive SIGKILL, STABLE markers, waits that
 say what they waited for, attempts that never overwrite each other, fresh-dir rules."""
+
 from __future__ import annotations
 
 import hashlib
@@ -109,8 +110,9 @@ def test_wait_timeout_names_artifact_producer_and_log_tail(tmp_path):
     log = tmp_path / "trainer.log"
     log.write_text("starting\nRuntimeError: CUDA out of memory\n")
     with pytest.raises(WaitTimeout) as e:
-        wait_file(tmp_path / "rollouts" / "step_7" / "rank_0.pt", timeout_s=0.3, producer="orchestrator",
-                  producer_log=log)
+        wait_file(
+            tmp_path / "rollouts" / "step_7" / "rank_0.pt", timeout_s=0.3, producer="orchestrator", producer_log=log
+        )
     msg = str(e.value)
     assert "rollouts/step_7/rank_0.pt" in msg and "orchestrator" in msg and str(log) in msg
     assert "CUDA out of memory" in msg

@@ -1,6 +1,7 @@
 """`prime-hpc tail` on synthetic run directories: which files are followed and how their
 lines are labelled, trainer rank selection, the noise filter, and the job's lifecycle
 (pending, a new attempt, the final state). No cluster, no servers."""
+
 from __future__ import annotations
 
 import io
@@ -11,16 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.watch import tail
-from prime_hpc.rundir.jobs import update_job
 from prime_hpc.rundir import RunDir
+from prime_hpc.rundir.jobs import update_job
+from prime_hpc.watch import tail
 
 ACCESS = 'INFO:     127.0.0.1:54321 - "POST /v1/chat/completions HTTP/1.1" 200 OK'
 RESET = "(EngineCore pid=2687) INFO 11-23 06:09:24 [block_pool.py:861] Successfully reset prefix cache"
-THROUGHPUT = ("(MainProcess pid=2645) INFO 11-23 06:11:43 [loggers.py:335] Engine 000: Avg prompt throughput: "
-              "3464.4 tokens/s, Avg generation throughput: 543.2 tokens/s, Running: 65 reqs, Waiting: 0 reqs")
-ROUTER_DONE = ("\x1b[2m2026-11-23 06:11:50\x1b[0m \x1b[32m INFO\x1b[0m http_request{method=POST "
-               "uri=/v1/chat/completions}: \x1b[2mvllm_router_rs::response\x1b[0m: finished processing request")
+THROUGHPUT = (
+    "(MainProcess pid=2645) INFO 11-23 06:11:43 [loggers.py:335] Engine 000: Avg prompt throughput: "
+    "3464.4 tokens/s, Avg generation throughput: 543.2 tokens/s, Running: 65 reqs, Waiting: 0 reqs"
+)
+ROUTER_DONE = (
+    "\x1b[2m2026-11-23 06:11:50\x1b[0m \x1b[32m INFO\x1b[0m http_request{method=POST "
+    "uri=/v1/chat/completions}: \x1b[2mvllm_router_rs::response\x1b[0m: finished processing request"
+)
 
 
 def write(path: Path, *lines: str) -> None:
@@ -42,16 +47,25 @@ def rl_tree(logs: Path, tag: str = "") -> None:
     ranks each (torchrun's per-rank directories included), one train and one eval env."""
     write(RunDir.component_log(logs, "orchestrator"), f"06:21:00 INFO orchestrator: step 1{tag}")
     for i in range(2):
-        write(RunDir.node_log(logs, "inference", i), f"prime-hpc inference: node {i} serving{tag}", ACCESS, RESET,
-              THROUGHPUT)
+        write(
+            RunDir.node_log(logs, "inference", i),
+            f"prime-hpc inference: node {i} serving{tag}",
+            ACCESS,
+            RESET,
+            THROUGHPUT,
+        )
     write(RunDir.router_log(logs, 0), f"prime-hpc router: serving{tag}", ROUTER_DONE)
     for node in range(2):
         for local in range(2):
             (RunDir.torchrun_log_dir(logs) / f"42_n{node}" / "attempt_0" / str(local)).mkdir(parents=True)
-        write(RunDir.node_log(logs, "trainer", node),
-              *[f"[default{local}]:2026-11-23 06:20:27 | INFO    | trainer[{node * 2 + local}] | step 1{tag}"
-                for local in range(2)],
-              f"W1123 06:20:30.1 123 torch/distributed/elastic/agent/server/api.py:753] node {node} agent{tag}")
+        write(
+            RunDir.node_log(logs, "trainer", node),
+            *[
+                f"[default{local}]:2026-11-23 06:20:27 | INFO    | trainer[{node * 2 + local}] | step 1{tag}"
+                for local in range(2)
+            ],
+            f"W1123 06:20:30.1 123 torch/distributed/elastic/agent/server/api.py:753] node {node} agent{tag}",
+        )
     write(RunDir.env_log_dir(logs, "train", "reverse_text") / "env_worker_0.log", f"train env line{tag}")
     write(RunDir.env_log_dir(logs, "eval", "reverse_text") / "env_worker_0.log", f"eval env line{tag}")
 
@@ -72,10 +86,20 @@ def test_discover_finds_every_source_with_its_label(tmp_path):
     run, logs = make_run(tmp_path)
     rl_tree(logs)
     assert [s.label for s in tail.discover(logs)] == [
-        "orchestrator", "inference[0]", "inference[1]", "router", "torchrun[0]", "torchrun[1]",
-        "env:train/reverse_text", "env:eval/reverse_text"]
+        "orchestrator",
+        "inference[0]",
+        "inference[1]",
+        "router",
+        "torchrun[0]",
+        "torchrun[1]",
+        "env:train/reverse_text",
+        "env:eval/reverse_text",
+    ]
     assert [s.label for s in tail.discover(logs, ["router", "envs"])] == [
-        "router", "env:train/reverse_text", "env:eval/reverse_text"]
+        "router",
+        "env:train/reverse_text",
+        "env:eval/reverse_text",
+    ]
     assert tail.nproc_per_node(logs) == 2
 
 
@@ -115,17 +139,24 @@ def test_rank_zero_by_default(tmp_path):
     run, logs = make_run(tmp_path)
     rl_tree(logs)
     got = labelled(once(run, components=["trainer"])[1])
-    assert got == [("trainer[0]", "2026-11-23 06:20:27 | INFO    | trainer[0] | step 1"),
-                   ("torchrun[0]", "W1123 06:20:30.1 123 torch/distributed/elastic/agent/server/api.py:753] "
-                                   "node 0 agent")]
+    assert got == [
+        ("trainer[0]", "2026-11-23 06:20:27 | INFO    | trainer[0] | step 1"),
+        ("torchrun[0]", "W1123 06:20:30.1 123 torch/distributed/elastic/agent/server/api.py:753] node 0 agent"),
+    ]
 
 
 def test_rank_all_and_a_rank_on_another_node(tmp_path):
     run, logs = make_run(tmp_path)
     rl_tree(logs)
     got = labelled(once(run, components=["trainer"], rank="all")[1])
-    assert [label for label, _ in got] == ["trainer[0]", "trainer[1]", "torchrun[0]",
-                                           "trainer[2]", "trainer[3]", "torchrun[1]"]
+    assert [label for label, _ in got] == [
+        "trainer[0]",
+        "trainer[1]",
+        "torchrun[0]",
+        "trainer[2]",
+        "trainer[3]",
+        "torchrun[1]",
+    ]
     for label, text in got:  # each global rank found where the trainer itself says it is
         if label.startswith("trainer"):
             assert f"| {label} |" in text
@@ -140,19 +171,22 @@ def test_parse_rank():
 
 
 # ----------------------------------------------------------------------------- noise
-@pytest.mark.parametrize("line, noise", [
-    (ACCESS, True),
-    ('INFO:     10.0.0.7:40210 - "POST /update_weights HTTP/1.1" 200 OK', True),
-    ('(APIServer pid=7) INFO:     127.0.0.1:5 - "GET /health HTTP/1.1" 200 OK', True),
-    ('INFO:     127.0.0.1:54321 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error', False),
-    (RESET, True),
-    (ROUTER_DONE, True),
-    ("2026-11-23 06:11:50 INFO vllm_router_rs::http: HTTP request completed method=POST status=200", True),
-    ("2026-11-23 06:11:50 ERROR vllm_router_rs::response: request failed with server error", False),
-    (THROUGHPUT, False),
-    ("INFO:     Application startup complete.", False),
-    ("[default0]:2026-11-23 06:20:27 | INFO    | trainer[0] | step 3 | loss 0.1", False),
-])
+@pytest.mark.parametrize(
+    "line, noise",
+    [
+        (ACCESS, True),
+        ('INFO:     10.0.0.7:40210 - "POST /update_weights HTTP/1.1" 200 OK', True),
+        ('(APIServer pid=7) INFO:     127.0.0.1:5 - "GET /health HTTP/1.1" 200 OK', True),
+        ('INFO:     127.0.0.1:54321 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error', False),
+        (RESET, True),
+        (ROUTER_DONE, True),
+        ("2026-11-23 06:11:50 INFO vllm_router_rs::http: HTTP request completed method=POST status=200", True),
+        ("2026-11-23 06:11:50 ERROR vllm_router_rs::response: request failed with server error", False),
+        (THROUGHPUT, False),
+        ("INFO:     Application startup complete.", False),
+        ("[default0]:2026-11-23 06:20:27 | INFO    | trainer[0] | step 3 | loss 0.1", False),
+    ],
+)
 def test_is_noise(line, noise):
     assert tail.is_noise(line) is noise
 
@@ -182,8 +216,12 @@ def test_visible_keeps_what_a_terminal_shows():
 # ----------------------------------------------------------------------------- lifecycle
 def test_once_on_a_failed_job_shows_the_failure(tmp_path):
     log = "/runs/x/logs/attempt_0/inference/node_0.log"
-    run, logs = make_run(tmp_path, state="FAILED", ended_at=time.time(),
-                         failure={"component": "inference_0", "rc": 1, "reason": "exited with code 1", "log": log})
+    run, logs = make_run(
+        tmp_path,
+        state="FAILED",
+        ended_at=time.time(),
+        failure={"component": "inference_0", "rc": 1, "reason": "exited with code 1", "log": log},
+    )
     write(RunDir.node_log(logs, "inference", 0), "RuntimeError: Engine core initialization failed.")
     for kwargs in ({"once": True}, {}):  # --no-follow, and following a job that already ended
         out = io.StringIO()
@@ -244,8 +282,10 @@ def test_pending_job_says_what_it_waits_for_until_interrupted(tmp_path):
 
     out = io.StringIO()
     assert tail.follow(run, out=out, poll_s=0.01, state_fn=state_fn) == 130
-    assert out.getvalue().splitlines() == ["job 42 is pending (waiting for job 41 to complete)",
-                                           "stopped following (the job goes on)"]
+    assert out.getvalue().splitlines() == [
+        "job 42 is pending (waiting for job 41 to complete)",
+        "stopped following (the job goes on)",
+    ]
 
 
 def test_waiting_messages(tmp_path):

@@ -1,4 +1,5 @@
 """The training objectives against values computed by hand (numbers written here)."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,17 @@ def tensors():
 
 
 def cfg(**kw):
-    base = dict(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0,
-                seq_clip_low=3e-4, seq_clip_high=4e-4, ref_kl_coef=0.0)
+    base = dict(
+        type="dppo",
+        mask_low=0.2,
+        mask_high=0.2,
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.0,
+        seq_clip_low=3e-4,
+        seq_clip_high=4e-4,
+        ref_kl_coef=0.0,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -84,8 +94,9 @@ def test_gspo_weighs_every_token_of_a_sequence_by_its_geometric_mean_ratio():
     out = rl_loss(lp, ilp, adv, mask, cfg(type="gspo"), normalizer=4)
     # s = 1 for both rows: the plain policy gradient, nothing masked (a token ratio of 2
     # would be masked by dppo and clipped by cispo)
-    assert out.loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.2) - 2 * math.log(0.3) - 2 * math.log(0.6)) / 4,
-                                            abs=1e-12)
+    assert out.loss.item() == pytest.approx(
+        -(math.log(0.5) + math.log(0.2) - 2 * math.log(0.3) - 2 * math.log(0.6)) / 4, abs=1e-12
+    )
     assert out.sums["masked_positive"].item() == 0 and out.sums["masked_negative"].item() == 0
     out.loss.backward()
     assert lp.grad.flatten().tolist() == pytest.approx([-0.25, -0.25, 0.0, 0.5, 0.5, 0.0], abs=1e-12)  # -s * A / 4
@@ -102,8 +113,9 @@ def test_gspo_weighs_every_token_of_a_sequence_by_its_geometric_mean_ratio():
     flipped = -adv
     out = rl_loss(lp, ilp, flipped, mask, cfg(type="gspo"), normalizer=4)
     out.loss.backward()
-    assert lp.grad.flatten().tolist() == pytest.approx([2 * 1 / 4, 2 * 1 / 4, 0.0, -0.5 * 2 / 4, -0.5 * 2 / 4, 0.0],
-                                                       abs=1e-12)  # -s * A / 4 with A = -1 resp. +2
+    assert lp.grad.flatten().tolist() == pytest.approx(
+        [2 * 1 / 4, 2 * 1 / 4, 0.0, -0.5 * 2 / 4, -0.5 * 2 / 4, 0.0], abs=1e-12
+    )  # -s * A / 4 with A = -1 resp. +2
 
 
 def test_reference_kl_adds_k3_of_the_frozen_policy_with_its_gradient():
@@ -119,8 +131,9 @@ def test_reference_kl_adds_k3_of_the_frozen_policy_with_its_gradient():
     out.loss.backward()
     # d/d lp of 0.5 * (q - log q - 1) = 0.5 * (1 - q): on top of dppo's -w * A / 4
     extra = [0.5 * (1 - q) / 4 for q in (0.5, 1.0, 1.0, 2.0)]
-    assert lp.grad[0].tolist() == pytest.approx([0.0 + extra[0], 0.0 + extra[1], 0.5 + extra[2], -0.5 + extra[3], 0.0],
-                                                abs=1e-12)
+    assert lp.grad[0].tolist() == pytest.approx(
+        [0.0 + extra[0], 0.0 + extra[1], 0.5 + extra[2], -0.5 + extra[3], 0.0], abs=1e-12
+    )
     assert "ref_kl" not in rl_loss(lp, ilp, adv, mask, cfg(), normalizer=4, ref_logprobs=ref).sums  # coef 0: off
 
 

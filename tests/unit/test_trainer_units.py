@@ -1,6 +1,7 @@
 """Trainer pieces that need no process group: checkpoint rotation and resume rules, weights
 retention, LoRA (merge, PEFT/vLLM layout), SFT tokenization, packing and datasets, the
 metrics logger and the trainer's config file."""
+
 from __future__ import annotations
 
 import json
@@ -99,7 +100,7 @@ def test_a_checkpoint_write_error_names_the_os_error_behind_it():
         try:
             raise OSError(28, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904 (torch chains implicitly)
     except RuntimeError as e:
         wrapped = e
 
@@ -107,10 +108,15 @@ def test_a_checkpoint_write_error_names_the_os_error_behind_it():
         failures = {0: (wrapped, None)}
 
     msg = str(CheckpointWriteError(2, "/ck/step_2/trainer", CheckpointException()))
-    assert msg == ("the checkpoint of step 2 could not be written to /ck/step_2/trainer: OSError: [Errno 28] No "
-                   "space left on device; the earlier checkpoints are kept")
+    assert msg == (
+        "the checkpoint of step 2 could not be written to /ck/step_2/trainer: OSError: [Errno 28] No "
+        "space left on device; the earlier checkpoints are kept"
+    )
     other = str(CheckpointWriteError(2, "/d", ValueError("bad\nmore")))
-    assert other == "the checkpoint of step 2 could not be written to /d: ValueError: bad; the earlier checkpoints are kept"
+    assert (
+        other
+        == "the checkpoint of step 2 could not be written to /d: ValueError: bad; the earlier checkpoints are kept"
+    )
 
 
 def test_teacher_completions_train_with_nll():
@@ -120,8 +126,12 @@ def test_teacher_completions_train_with_nll():
     from prime_hpc.trainer.rl import make_loss_fn
 
     lp = torch.log(torch.tensor([[0.5, 0.25, 0.8]]))
-    mb = {"inference_logprobs": torch.zeros(1, 3), "advantages": torch.tensor([[0.0, 1.0, 1.0]]),
-          "loss_mask": torch.tensor([[False, True, True]]), "policy_steps": torch.tensor([0])}
+    mb = {
+        "inference_logprobs": torch.zeros(1, 3),
+        "advantages": torch.tensor([[0.0, 1.0, 1.0]]),
+        "loss_mask": torch.tensor([[False, True, True]]),
+        "policy_steps": torch.tensor([0]),
+    }
     cfg = NS(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
     out = make_loss_fn(cfg, 1, "sft")(lp, mb, 2.0)
     assert out.loss.item() == pytest.approx(sft_loss(lp, mb["loss_mask"], 2.0).loss.item())
@@ -271,8 +281,11 @@ def tok():
 def test_role_masks_from_incremental_chat_template(tok):
     from prime_hpc.trainer.sft_data import tokenize_messages
 
-    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "ab"},
-            {"role": "assistant", "content": "ba"}]
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "ba"},
+    ]
     only_assistant = {"system": False, "user": False, "assistant": True, "tool": False}
     ids, mask = tokenize_messages(tok, msgs, only_assistant)
     text = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\nba<|im_end|>\n"
@@ -294,8 +307,13 @@ def test_dataset_layouts_messages_win_and_strings_are_messages(tok, tmp_path):
     from prime_hpc.config.schema import LossMaskConfig
     from prime_hpc.trainer.sft_data import layout, load_dataset, tokenize_dataset
 
-    both = Dataset.from_dict({"messages": [[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]],
-                              "prompt": ["p"], "completion": ["c"]})
+    both = Dataset.from_dict(
+        {
+            "messages": [[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]],
+            "prompt": ["p"],
+            "completion": ["c"],
+        }
+    )
     assert layout(both, "both") == "messages"
     strings = tmp_path / "pc.jsonl"
     strings.write_text(json.dumps({"prompt": "abc", "completion": "cba"}) + "\n")
@@ -321,8 +339,12 @@ def test_bad_datasets_fail_with_one_line_naming_dataset_and_columns(tok, tmp_pat
     with pytest.raises(UserError) as e:
         layout(load_dataset(str(empty)), str(empty))
     assert "\n" not in str(e.value) and str(empty) in str(e.value)
-    for name in ("no_such_module_xyz:make", "reverse_text:no_such_function", str(tmp_path / "data.txt"),
-                 "org/no-such-dataset-offline"):
+    for name in (
+        "no_such_module_xyz:make",
+        "reverse_text:no_such_function",
+        str(tmp_path / "data.txt"),
+        "org/no-such-dataset-offline",
+    ):
         if name.endswith(".txt"):
             (tmp_path / "data.txt").write_text("x")
         with pytest.raises(UserError) as e:
@@ -396,8 +418,11 @@ def test_metrics_logger_writes_one_json_line_per_step(tmp_path):
         m.log(3, {"loss/mean": 0.125})
     rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     stamps = [r.pop("time") for r in rows]  # wall time of each row, for s/step and ETAs
-    assert rows == [{"step": 1, "loss/mean": 0.5, "perf/mfu": None}, {"step": 2, "loss/mean": 0.25},
-                    {"step": 3, "loss/mean": 0.125}]
+    assert rows == [
+        {"step": 1, "loss/mean": 0.5, "perf/mfu": None},
+        {"step": 2, "loss/mean": 0.25},
+        {"step": 3, "loss/mean": 0.125},
+    ]
     assert stamps[0] <= stamps[1] <= before + 0.001 and before - 0.001 <= stamps[2] <= time.time() + 0.001
     assert run_id(run) == run_id(RunDir(str(tmp_path) + "/")) and len(run_id(run)) == 16
 
@@ -405,8 +430,10 @@ def test_metrics_logger_writes_one_json_line_per_step(tmp_path):
 def test_trainer_config_round_trips_from_the_launcher_yaml(tmp_path):
     from prime_hpc.trainer.config import load_config
 
-    path = trainer_yaml(tmp_path / "run", ["trainer=sft", "trainer.data.name=x", "trainer.model.lora.enabled=true",
-                                           "ckpt.interval=3", "max_steps=7"])
+    path = trainer_yaml(
+        tmp_path / "run",
+        ["trainer=sft", "trainer.data.name=x", "trainer.model.lora.enabled=true", "ckpt.interval=3", "max_steps=7"],
+    )
     cfg = load_config(path)
     assert cfg.trainer.type == "sft" and cfg.trainer.data.name == "x" and cfg.trainer.model.lora.enabled
     assert cfg.ckpt.interval == 3 and cfg.max_steps == 7 and cfg.trainer.data.seq_len == cfg.seq_len

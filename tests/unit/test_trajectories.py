@@ -1,6 +1,7 @@
 """Multi-turn rollouts to samples: the interleaved and branching trajectory strategies (on
 turns rendered by a real chat template that drops earlier reasoning, as Qwen3's does), and
 a full context ending a rollout as truncated instead of as an error."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,9 +48,16 @@ def _trajectory(tok, answers, tool_results, system="S"):
     for i, answer in enumerate(answers):
         prompt = _ids(tok, messages)
         completion = tok.encode(answer, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-        turns.append({"tokens": {"prompt_ids": prompt, "completion_ids": completion,
-                                 "completion_logprobs": [-0.5] * len(completion)},
-                      "response": {"policy_step": 3}})
+        turns.append(
+            {
+                "tokens": {
+                    "prompt_ids": prompt,
+                    "completion_ids": completion,
+                    "completion_logprobs": [-0.5] * len(completion),
+                },
+                "response": {"policy_step": 3},
+            }
+        )
         messages.append({"role": "assistant", "content": answer})
         if i < len(tool_results):
             messages.append({"role": "tool", "content": tool_results[i]})
@@ -87,8 +95,10 @@ def test_dropped_reasoning_is_an_error_interleaved_and_branches_when_branching(t
     out = _trajectory(tokenizer, answers, ["abc = 12"])
     # the second prompt renders the first answer without its reasoning: not an extension
     first, second = (t["tokens"] for t in out["trajectory"])
-    assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["completion_ids"])] != \
-        first["prompt_ids"] + first["completion_ids"]
+    assert (
+        second["prompt_ids"][: len(first["prompt_ids"]) + len(first["completion_ids"])]
+        != first["prompt_ids"] + first["completion_ids"]
+    )
 
     inter = from_output(out, "e", seq_len=1000, strategy="interleaved")
     assert inter.error and "do not extend" in inter.error and "branching" in inter.error
@@ -102,8 +112,9 @@ def test_dropped_reasoning_is_an_error_interleaved_and_branches_when_branching(t
         assert s.loss_mask == [False] * len(turn["prompt_ids"]) + [True] * len(turn["completion_ids"])
         assert s.inference_logprobs == [0.0] * len(turn["prompt_ids"]) + [-0.5] * len(turn["completion_ids"])
     assert _trained_text(tokenizer, samples[0].input_ids, samples[0].loss_mask) == ["<think>hm</think>abc<|im_end|>"]
-    assert _trained_text(tokenizer, samples[1].input_ids, samples[1].loss_mask) == \
-        ["<think>so</think>answer: 12<|im_end|>"]
+    assert _trained_text(tokenizer, samples[1].input_ids, samples[1].loss_mask) == [
+        "<think>so</think>answer: 12<|im_end|>"
+    ]
     # the second branch's context holds the first answer without its reasoning, and the tool result
     ctx = tokenizer.decode(samples[1].input_ids)
     assert "<|im_start|>assistant\nabc<|im_end|>\n<|im_start|>tool\nabc = 12<|im_end|>" in ctx and "hm" not in ctx
@@ -111,8 +122,9 @@ def test_dropped_reasoning_is_an_error_interleaved_and_branches_when_branching(t
 
 
 def test_branches_share_the_rollouts_advantage_and_count_once_in_the_group(tokenizer):
-    branched = from_output(_trajectory(tokenizer, ["<think>a</think>x", "<think>b</think>y", "z"], ["r1", "r2"]),
-                           "e", 1000, "branching")
+    branched = from_output(
+        _trajectory(tokenizer, ["<think>a</think>x", "<think>b</think>y", "z"], ["r1", "r2"]), "e", 1000, "branching"
+    )
     plain = from_output(_trajectory(tokenizer, ["x"], []), "e", 1000, "branching")
     plain.reward = 0.0
     # the prompts of turns 2 and 3 each drop reasoning of an earlier answer: three samples
@@ -153,5 +165,6 @@ def test_the_client_stops_a_rollout_whose_context_is_full_without_a_request():
     # nothing listens on this port: a request would fail with a connection error, not this
     client = make_client("http://127.0.0.1:9/v1", "k", max_context=64)
     with pytest.raises(OverlongPromptError, match="context is full"):
-        asyncio.run(client.get_native_response([{"role": "user", "content": "x"}], "m",
-                                               {"max_tokens": 8}, None, state=full))
+        asyncio.run(
+            client.get_native_response([{"role": "user", "content": "x"}], "m", {"max_tokens": 8}, None, state=full)
+        )

@@ -1,6 +1,7 @@
 """What prime-hpc loads as code (compile caches, compiled templates, pickled compositions)
 comes only from a directory, and a file, that are the user's alone: checked on the opened
 descriptor, never following a symlink. Run as root, "someone else" is another uid (chown)."""
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,16 @@ def test_submit_refuses_a_compile_dir_not_the_users_alone_and_writes_nothing(tmp
 
     shared, out = tmp_path / "shared", tmp_path / "run"
     spoil(usercache.compile_dir(shared), "other-writable", tmp_path)
-    code = main(["submit", "+experiment=reverse_text", "warmup.experiment=null", f"output_dir={out}",
-                 f"cluster.cache_dir={shared}", *dry_run])
+    code = main(
+        [
+            "submit",
+            "+experiment=reverse_text",
+            "warmup.experiment=null",
+            f"output_dir={out}",
+            f"cluster.cache_dir={shared}",
+            *dry_run,
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "cluster.cache_dir: " in err and f"compile-{os.getuid()}" in err and "writable by group or others" in err

@@ -1,4 +1,5 @@
 """The async window's arithmetic, by hand (async_level k = 2)."""
+
 from prime_hpc.rundir import window
 
 

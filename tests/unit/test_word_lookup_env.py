@@ -1,5 +1,6 @@
 """The bundled multi-turn tool environment (examples/word_lookup): its tool, its turns and
 its reward, without a model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import word_lookup
-
-from word_lookup import NOT_FOUND, correct_answer, lookup, looked_up, make_dictionary, parse_answer, parse_query  # noqa: E402
+from word_lookup import NOT_FOUND, correct_answer, looked_up, lookup, make_dictionary, parse_answer, parse_query  # noqa: E402
 
 
 def _conv(*assistant: str, word: str = "owl") -> tuple[list[dict], list[dict]]:

@@ -113,9 +113,7 @@ def generate_texts(
     return out
 
 
-def _split_texts(
-    num_train: int, num_eval: int, min_len: int, max_len: int, seed: int
-) -> tuple[list[str], list[str]]:
+def _split_texts(num_train: int, num_eval: int, min_len: int, max_len: int, seed: int) -> tuple[list[str], list[str]]:
     train = generate_texts(num_train, min_len, max_len, seed, "train")
     evals = generate_texts(num_eval, min_len, max_len, seed, "eval", exclude=set(train))
     return train, evals
@@ -192,8 +190,9 @@ def make_sft_dataset(
     from datasets import Dataset
 
     held_out = set(_split_texts(1000, holdout_eval, min_len, max_len, seed)[1]) if holdout_eval else set()
-    texts = [t for t in generate_texts(num_examples + len(held_out), min_len, max_len, seed, "train")
-             if t not in held_out][:num_examples]
+    texts = [
+        t for t in generate_texts(num_examples + len(held_out), min_len, max_len, seed, "train") if t not in held_out
+    ][:num_examples]
     prompts = [build_prompt(t, system_prompt) for t in texts]
     completions = [[{"role": "assistant", "content": t[::-1]}] for t in texts]
     if messages:
