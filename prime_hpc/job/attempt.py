@@ -23,14 +23,13 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from prime_hpc import sched
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text, read_json
 from prime_hpc.rundir.jobs import (
@@ -41,10 +40,10 @@ from prime_hpc.rundir.jobs import (
     REQUEUED,
     RUNNING,
     editing_job,
-    local_state,
     on_node,
     read_job,
 )
+from prime_hpc.sched import local
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
 
@@ -168,7 +167,7 @@ def end(run: RunDir, job_id: str, rc: Optional[int], component: str = "", reason
             if component == "watchdog":  # a stall: name the component that stalled
                 component, reason, where = stall_record(run, logs, reason)
             elif component == SUPERVISOR:
-                where = {"node": None, "log": str(run.batch_log(job_id))}
+                where = {"node": None, "log": str(sched.of(job).batch_log(run, job_id))}
             else:
                 where = where_it_died(logs, component) if component else {"log": str(logs)}
                 reason, where = own_cause(run, component, reason, where)
@@ -328,16 +327,18 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
     a job SLURM requeues all the same is refused when it starts again (`start`).
     Returns (what happened, whether the job goes back to the queue)."""
     limit = max_requeues(run)
-    local = str(job_id).startswith("local-")
     with editing_job(run) as job:
+        backend = sched.of(job)
         job["ended_at"] = time.time()
         if job.get("state") == CANCELLED:  # cancelled while it checkpointed: a cancel stays a cancel
             _end_attempt(job, job_id, CANCELLED, "cancelled")
             return "prime-hpc: run cancelled; not requeued", False
         _end_attempt(job, job_id, reason)
         done = int(job.get("requeues", 0))
-        if done >= limit or local:
-            why = "local runs are not requeued" if local else f"cluster.max_requeues={limit} reached"
+        if done >= limit or not backend.requeues:
+            why = (
+                f"cluster.max_requeues={limit} reached" if backend.requeues else f"{backend.name} runs are not requeued"
+            )
             what = f"{reason} by SLURM: not continued" if reason == REQUEUED else f"{reason}: not requeued"
             what += f" ({why})"
             job["state"] = FAILED if reason == REQUEUED else reason
@@ -346,7 +347,7 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
                 "rc": 0,
                 "reason": f"{what}; continue with: prime-hpc resume {run.root}",
                 "log": str(run.latest_logs.resolve()),
-                **({} if local else {"max_requeues": limit}),
+                **({"max_requeues": limit} if backend.requeues else {}),
             }
             return f"prime-hpc: {what}", False
         job["state"] = REQUEUED
@@ -357,7 +358,7 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
             f"attempt continues from the latest checkpoint",
             True,
         )
-    err = _scontrol_requeue(job_id)
+    err = backend.requeue(job_id)
     if err:
         with editing_job(run) as job:
             job["state"] = reason
@@ -365,75 +366,22 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
                 "component": None,
                 "rc": 0,
                 "reason": f"{reason}: requeue failed: {err}",
-                "log": str(run.batch_log(job_id)),
+                "log": str(backend.batch_log(run, job_id)),
             }
         return f"prime-hpc: {reason}; requeue failed: {err}", False
     return f"prime-hpc: {reason}; requeued (requeue {done + 1} of at most {limit})", True
 
 
-# A requeued job may start again this long after the requeue. SLURM holds a requeued job
-# for about two minutes (CredExpire) unless a start time set meanwhile is still ahead when
-# the job has ended: its components end on SLURM's SIGTERM, within a few seconds.
-REQUEUE_START_DELAY_S = 15
-
-
-def _scontrol_requeue(job_id: str) -> str:
-    """`scontrol requeue`, then let the job start again after REQUEUE_START_DELAY_S
-    instead of SLURM's default hold of about two minutes. Not at once: a node refuses to
-    launch a job whose credential it revoked in the same second ("Job credential
-    revoked"), which fails the job instead of restarting it. SLURM signals every process
-    of the job once it is requeued, this one too: it carries on. Returns an error message,
-    or '' on success."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        return (out.stderr or out.stdout).strip() or f"scontrol exited with code {out.returncode}"
-    subprocess.run(
-        ["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{REQUEUE_START_DELAY_S}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return ""
-
-
 def cause(run: RunDir, job_id: str) -> str:
-    """Why the job is being stopped, asked of SLURM (`stop_cause`); CANCELLED for a local
-    run or one that `prime-hpc cancel` marked cancelled. The components' SIGTERM markers
-    are answered: cleared."""
+    """Why the job is being stopped: CANCELLED when `prime-hpc cancel` marked it so, else
+    its backend's answer (`stop_cause`: SLURM says; a local run is only ever cancelled).
+    The components' SIGTERM markers are answered: cleared."""
     for marker in run.sigterm_markers():
         marker.unlink(missing_ok=True)
-    if str(job_id).startswith("local-") or read_job(run).get("state") == CANCELLED:
+    job = read_job(run)
+    if job.get("state") == CANCELLED:
         return CANCELLED
-    return stop_cause(slurm_job_fields(job_id), int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
-
-
-def stop_cause(info: dict[str, str], restart_count: int) -> str:
-    """Why SLURM stops the job, from `scontrol show job` of it (`info`) and this attempt's
-    SLURM_RESTART_COUNT: REQUEUED (its restart count went up: `scontrol requeue`, or a
-    preemption that requeues at once), TIMEOUT, PREEMPTED (also while a preemption's grace
-    time runs: SLURM has set PreemptTime, which it clears when the job starts again),
-    else CANCELLED."""
-    if int(info.get("Restarts", "0") or 0) > restart_count:
-        return REQUEUED
-    state, why = info.get("JobState", ""), info.get("Reason", "")
-    if state == "TIMEOUT" or "TimeLimit" in why:
-        return "TIMEOUT"
-    if state == "PREEMPTED" or "Preempt" in why or info.get("PreemptTime", "None") not in ("None", "Unknown", ""):
-        return "PREEMPTED"
-    return CANCELLED
-
-
-def slurm_job_fields(job_id: str) -> dict[str, str]:
-    """`scontrol show job -o <id>` of the job (its first record: the het leader)."""
-    try:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    first = out.splitlines()[0] if out.strip() else ""
-    return dict(f.split("=", 1) for f in first.split() if "=" in f)
+    return sched.of(job).stop_cause(run, job_id)
 
 
 # ----------------------------------------------------------------------------- pipelines (local)
@@ -442,7 +390,7 @@ def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0, any_
     however it ended). Otherwise this job fails without starting anything, naming the
     earlier job and its failure."""
     while True:
-        state = local_state(before)
+        state = local.run_state(before)
         if state in FINAL_STATES:
             break
         time.sleep(poll_s)

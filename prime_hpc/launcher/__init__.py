@@ -1,3 +1,4 @@
-"""Submit time, on the login node: placement (`plan`), the job scripts (`render`), the
-backends that submit and ask about jobs (`slurm`, `slurm_state`, `local`, `state`) and the
-one entry point of them all (`launch`). What runs inside the allocation is `prime_hpc.job`."""
+"""Submit time, on the login node: placement (`plan`), the job scripts (`render`), what a
+submitted job is doing and its cancel (`state`), and the one entry point of them all
+(`launch`). The backends that run the jobs are `prime_hpc.sched`; what runs inside the
+allocation is `prime_hpc.job`."""

@@ -4,6 +4,7 @@ render, hand to the backend, record the job. Shared by both backends."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -14,38 +15,34 @@ from omegaconf import DictConfig
 
 from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
 from prime_hpc.config.pipeline import warmup_overrides
-from prime_hpc.config.validate import validate
+from prime_hpc.config.validate import minutes, validate
 from prime_hpc.core.errors import ConfigError, LaunchError
 from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.job.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
-from prime_hpc.launcher.render import render_sbatch
+from prime_hpc.launcher.render import render_local, render_sbatch
 
 # re-exported: what a job is doing, light for the read-only commands
 from prime_hpc.launcher.state import cancel, group_states, job_state, pipeline_refs  # noqa: F401
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text, jobs, with_umask
+from prime_hpc.sched import JobSpec, choose
 
 
 @dataclass
 class Submitted:
     ref: jobs.JobRef
     plan: Plan
-    job: object = None  # HetSlurmJob on SLURM
     resume_step: Optional[int] = None  # resume: the checkpoint step it continues from
 
 
 def active_job(run: RunDir) -> Optional[str]:
     """The id of a job of this run directory that is still alive (queued, running, or
-    still stopping after a cancel), asked of SLURM or of the process table."""
+    still stopping after a cancel), asked of its backend."""
     job = jobs.read_job(run)
     ids = [str(i) for i in job.get("job_ids", [])]
     if not ids:
         return None
-    if job.get("backend") == "slurm":
-        from prime_hpc.launcher.slurm_state import squeue_components
-
-        return ids[-1] if squeue_components(ids[-1:]) else None
-    return ids[-1] if jobs.supervisor_alive(job) else None
+    return ids[-1] if choose(job.get("backend")).alive(run, ids[-1]) else None
 
 
 def check_fresh(cfg: DictConfig, resume: bool = False, dry_run: bool = False) -> None:
@@ -248,19 +245,9 @@ def _submit(
         submitted_at=now,
         state=jobs.PENDING,
     )
-    job_obj = None
-    proc: dict = {}
     try:
         with job_api_key():
-            if plan.backend == "slurm":
-                from prime_hpc.launcher import slurm
-
-                job_obj = slurm.submit(plan, task)
-                job_id = job_obj.job_id
-            else:
-                from prime_hpc.launcher import local
-
-                job_id, proc = local.submit(plan, task)
+            job_id, record = choose(plan.backend).submit(job_spec(run, plan, task))
     except BaseException:
         # nothing was submitted: leave the directory as fresh as it was
         if prior:
@@ -268,7 +255,7 @@ def _submit(
         else:
             run.job_json.unlink(missing_ok=True)
         raise
-    jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **proc)
+    jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **record)
     ref = jobs.JobRef(
         job_id=job_id,
         name=plan.name,
@@ -280,7 +267,21 @@ def _submit(
         sweep=(sweep or prior.get("sweep") or {}).get("id"),
     )
     jobs.record(ref)
-    return Submitted(ref=ref, plan=plan, job=job_obj)
+    return Submitted(ref=ref, plan=plan)
+
+
+def job_spec(run: RunDir, plan: Plan, task: HeadTask) -> JobSpec:
+    """What a backend needs to start the job: `submit/<kind>.sbatch` (written by
+    `prepare`), and the same job as a script of this machine, whose head runs the task
+    as `python -m prime_hpc.job.head` instead of under submitit."""
+    local = dataclasses.replace(plan, head_argv=task.argv(plan.python))
+    return JobSpec(
+        run=run,
+        kind=plan.kind,
+        task=task,
+        time_min=minutes(plan.time) or 60 * 24 * 365,
+        shell_script=lambda job_id: render_local(local, job_id),
+    )
 
 
 def submit_stages(

@@ -19,6 +19,7 @@ from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env, is_loopback
 from prime_hpc.rundir import COMPONENTS, RunDir
+from prime_hpc.sched import choose
 
 MODES = ("run", "doctor")
 GROUP_NAMES = COMPONENTS  # het group k runs GROUP_NAMES[k]
@@ -186,7 +187,7 @@ def group_gpus(cfg: DictConfig, groups: list[str]) -> dict[str, Optional[str]]:
     inference the first `gpus_per_node`, the trainer the next."""
     c = cfg.cluster
     out = {name: (c[name].gpu_ids if c.device == "cuda" else None) for name in groups}
-    if c.device == "cuda" and c.backend == "local" and all(out[g] is None for g in groups):
+    if c.device == "cuda" and choose(c.backend).one_machine and all(out[g] is None for g in groups):
         start = 0
         for name in ("inference", "trainer"):
             n = int(c[name].gpus_per_node) if name in groups else 0
@@ -277,8 +278,7 @@ def make_plan(
     }
     env.update(address_env(c.address))
     env[jobenv.CACHE_VAR] = cache_root(cfg)
-    if c.backend == "slurm":
-        env["SUBMITIT_EXECUTOR"] = "slurm"  # the head task runs under submitit's job environment
+    env.update(choose(c.backend).job_env)
     name = cfg.name if mode == "run" else f"{cfg.name}-doctor"
     return Plan(
         mode=mode,

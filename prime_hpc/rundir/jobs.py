@@ -115,10 +115,10 @@ def job_groups(job: dict[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- index
 @dataclass
 class JobRef:
-    job_id: str  # SLURM job id (het leader) or local-<pid>
+    job_id: str  # as its backend names it (SLURM: the het leader's id)
     name: str
     output_dir: str
-    backend: str
+    backend: str  # which backend runs it (`prime_hpc.sched.choose`)
     submitted_at: float
     mode: str = "run"  # run | doctor
     kind: str = "rl"  # rl | sft
@@ -191,7 +191,7 @@ def resolve(name: str) -> JobRef:
     raise JobNotFound(f"no job {name!r} (give a SLURM job id, a run name or an output dir){hint}")
 
 
-# ----------------------------------------------------------------------------- local jobs (cluster=local)
+# ----------------------------------------------------------------------------- processes
 def start_time(pid: int) -> Optional[str]:
     """The kernel's start time of `pid` (tells a reused pid from ours); None if gone or a
     zombie (exited, not yet reaped by its parent)."""
@@ -201,19 +201,3 @@ def start_time(pid: int) -> Optional[str]:
     except (OSError, IndexError):
         return None
     return None if fields[0] == "Z" else fields[19]
-
-
-def supervisor_alive(job: dict) -> bool:
-    pid, started = job.get("pid"), job.get("pid_start")
-    return bool(pid) and started is not None and start_time(int(pid)) == started
-
-
-def local_state(run: RunDir) -> str:
-    """A local job's state: its record, checked against its supervising script being alive."""
-    job = read_job(run)
-    recorded = job.get("state", "UNKNOWN")
-    if recorded in FINAL_STATES:
-        return recorded
-    if supervisor_alive(job):  # pending only while it waits for the job it starts after (a warm-up)
-        return "PENDING" if recorded == "PENDING" and (job.get("pipeline") or {}).get("warmup") else "RUNNING"
-    return "FAILED" if recorded in ("RUNNING", "PENDING") else recorded

@@ -77,10 +77,14 @@ class RunDir:
         """submitit's folder: pickled head task, results, SLURM batch output."""
         return self.submit_dir / "submitit"
 
-    def batch_log(self, job_id: str) -> Path:
-        """The SLURM batch script's own output (before any component log exists)."""
-        if str(job_id).startswith("local-"):
-            return self.submit_dir / "local.out"
+    @property
+    def local_batch_log(self) -> Path:
+        """`submit/local.out`: the local job script's own output (cluster=local); a
+        backend's `batch_log` names the one of its jobs."""
+        return self.submit_dir / "local.out"
+
+    def slurm_batch_log(self, job_id: str) -> Path:
+        """`submit/submitit/<job id>_batch.out`: a SLURM job's batch script output."""
         return self.submitit_dir / f"{job_id}_batch.out"
 
     # --- discovery and liveness

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
+from prime_hpc import sched
 from prime_hpc.rundir import RunDir
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 
@@ -123,7 +124,8 @@ def waiting_message(run: RunDir, state: str, job: dict[str, Any], logs: Optional
     if state == REQUEUED:
         return f"job {jid} was requeued (waiting for its next attempt to start)"
     if logs is None and state not in FINAL_STATES:
-        return f"job {jid} is {state}: waiting for its logs (until they exist, see {run.batch_log(jid)})"
+        log = sched.of(job).batch_log(run, jid)
+        return f"job {jid} is {state}: waiting for its logs (until they exist, see {log})"
     return None
 
 

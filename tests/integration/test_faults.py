@@ -20,6 +20,7 @@ import pytest
 from prime_hpc.config import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S
+from prime_hpc.launcher.state import batch_log
 from prime_hpc.rundir import RunDir, jobs
 from tests import procs
 from tests.conftest import cli
@@ -248,7 +249,7 @@ def test_a_killed_torchrun_agent_or_job_script_ends_the_job_and_leaves_nothing(t
         if target == "agent":
             assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0 and f["rc"] != 0, f
         else:
-            assert f["log"] == str(run.batch_log(sub.ref.job_id)) and f"pid {pid} " in f["reason"], f
+            assert f["log"] == str(batch_log(sub.ref)) and f"pid {pid} " in f["reason"], f
         assert f"failed: {named}" in cli("status", str(run.root)).stdout
         assert_nothing_left(logs, listed, wait_s=60)
     finally:

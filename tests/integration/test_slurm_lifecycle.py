@@ -202,7 +202,7 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
         )
         assert (
             len(_attempts(run)) == 3
-            and "not continued (continue with: prime-hpc resume" in run.batch_log(job_id).read_text()
+            and "not continued (continue with: prime-hpc resume" in run.slurm_batch_log(job_id).read_text()
         )  # SLURM started it again: refused before anything ran
         # 4. resume from that checkpoint, without a time limit to meet, to the end
         r = cli("resume", job_id, f"max_steps={saved[2] + 3}", "cluster.time=30")

@@ -236,30 +236,6 @@ def test_a_requeue_before_any_checkpoint_starts_over_and_a_bad_step_is_refused(t
         attempt.resume_point(run, restarted=False)
 
 
-# `scontrol show job -o` of a job in the dev cluster's preemptible partition (GraceTime=60),
-# as SLURM 22.05 showed it: running, then inside the preemption's grace time, then requeued
-RUNNING = (
-    "JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T10:00:17 PreemptTime=None"
-)
-IN_GRACE = (
-    "JobState=RUNNING Reason=None Restarts=0 StartTime=2026-11-25T09:50:17 EndTime=2026-11-25T09:51:25 "
-    "PreemptTime=2026-11-25T09:50:25"
-)
-REQUEUED_ONCE = "JobState=COMPLETING Reason=None Restarts=1 StartTime=2026-11-25T09:50:30 EndTime=2026-11-25T10:00:30"
-
-
-def _fields(line: str) -> dict:
-    return dict(f.split("=", 1) for f in line.split())
-
-
-def test_why_slurm_stops_a_job():
-    assert attempt.stop_cause(_fields(RUNNING), 0) == "CANCELLED"  # nothing of SLURM's: a cancel
-    assert attempt.stop_cause(_fields(IN_GRACE), 0) == "PREEMPTED"  # only the steps got SIGTERM
-    assert attempt.stop_cause(_fields(REQUEUED_ONCE), 0) == "REQUEUED"
-    assert attempt.stop_cause(_fields(REQUEUED_ONCE.replace("Restarts=1", "Restarts=2")), 2) == "CANCELLED"
-    assert attempt.stop_cause(_fields(RUNNING.replace("RUNNING", "TIMEOUT", 1)), 0) == "TIMEOUT"
-
-
 def _stopping_run(run: RunDir, job_id: str, max_requeues: int, requeues: int) -> None:
     run.root.mkdir(parents=True, exist_ok=True)
     run.config_yaml.write_text(yaml.safe_dump({"cluster": {"max_requeues": max_requeues}}))
@@ -267,7 +243,8 @@ def _stopping_run(run: RunDir, job_id: str, max_requeues: int, requeues: int) ->
         {"attempt": k, "job_id": job_id, "started_at": 1.0, "ended_at": 2.0, "end": "REQUEUED"} for k in range(requeues)
     ] + [{"attempt": requeues, "job_id": job_id, "started_at": 3.0}]
     atomic_write_json(
-        run.job_json, {"state": "RUNNING", "job_ids": [job_id], "requeues": requeues, "attempts": attempts}
+        run.job_json,
+        {"backend": "slurm", "state": "RUNNING", "job_ids": [job_id], "requeues": requeues, "attempts": attempts},
     )
 
 
@@ -336,6 +313,7 @@ def test_stop_decision_after_sigterm_waits_for_the_supervisor(tmp_path, monkeypa
         stop = stopping.Stop(run)
         assert not stop.pending() and stop.decision() == stopping.CONTINUE
         run.control_dir.mkdir()
+        atomic_write_json(run.job_json, {"backend": "local", "job_ids": ["local-1"], "state": "RUNNING"})
         os.kill(os.getpid(), signal.SIGTERM)  # a cancel: nobody asks for a checkpoint
         assert stop.pending() and stop.poll() == stopping.CONTINUE  # undecided yet
         assert len(run.sigterm_markers()) == 1  # for a supervisor SLURM did not signal itself
@@ -507,6 +485,7 @@ def test_watchdog_records_a_job_script_that_died_and_nothing_after_a_recorded_en
     atomic_write_json(
         run.job_json,
         {
+            "backend": "local",
             "job_ids": ["local-ab12"],
             "state": "RUNNING",
             "attempts": [{"attempt": 0, "job_id": "local-ab12", "logs": str(run.logs_root / "attempt_0")}],
@@ -523,7 +502,7 @@ def test_watchdog_records_a_job_script_that_died_and_nothing_after_a_recorded_en
     job = jobs.read_job(run)
     assert job["state"] == "FAILED" and job["ended_at"] and job["attempts"][-1]["end"] == "FAILED", job
     f = job["failure"]
-    assert f["component"] == "supervisor" and f["rc"] is None and f["log"] == str(run.batch_log("local-ab12")), f
+    assert f["component"] == "supervisor" and f["rc"] is None and f["log"] == str(run.local_batch_log), f
     assert f["reason"].startswith(f"died without ending the attempt (the job script, pid {script.pid} on "), f
     # an attempt that ended (completed, cancelled, requeued) before its script is not rewritten
     for state in ("COMPLETED", "CANCELLED", "REQUEUED"):
@@ -569,7 +548,9 @@ def test_the_requeue_cap_falls_back_to_the_schemas_default(tmp_path):
     assert attempt.max_requeues(run) == 0
     # the cap is what the message names when it is reached (no SLURM call on this path)
     run.config_yaml.write_text("name: x\n")
-    atomic_write_json(run.job_json, {"requeues": default, "attempts": [{"job_id": "77", "attempt": 0}]})
+    atomic_write_json(
+        run.job_json, {"backend": "slurm", "requeues": default, "attempts": [{"job_id": "77", "attempt": 0}]}
+    )
     said, again = attempt.requeue(run, "77", "TIMEOUT")
     assert f"cluster.max_requeues={default} reached" in said and not again
     assert read_job(run)["state"] == "TIMEOUT"

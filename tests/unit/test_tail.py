@@ -290,14 +290,14 @@ def test_pending_job_says_what_it_waits_for_until_interrupted(tmp_path):
 
 def test_waiting_messages(tmp_path):
     run = RunDir(tmp_path / "run")
-    job = {"job_ids": ["42"]}
+    job = {"job_ids": ["42"], "backend": "slurm"}
     assert tail.waiting_message(run, "PENDING", job, None) == "job 42 is pending (waiting for the job to start)"
     assert tail.waiting_message(run, "RUNNING", job, None).startswith("job 42 is RUNNING: waiting for its logs")
     assert tail.waiting_message(run, "RUNNING", job, tmp_path) is None
-    update_job(run, state="RUNNING", job_ids=["42"])
+    update_job(run, state="RUNNING", job_ids=["42"], backend="slurm")
     code, output = once(run)
     assert code == 0
-    assert output == f"job 42 is RUNNING: waiting for its logs (until they exist, see {run.batch_log('42')})\n"
+    assert output == f"job 42 is RUNNING: waiting for its logs (until they exist, see {run.slurm_batch_log('42')})\n"
 
 
 def test_final_state_without_ended_at_ends_after_a_grace(tmp_path, monkeypatch):
