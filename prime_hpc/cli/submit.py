@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from typing import Any, Optional
+from typing import Any
 
-from prime_hpc.core.errors import LaunchError, UserError
+from prime_hpc.core.errors import UserError
 
 
 class _HelpWithGroups(argparse.Action):
@@ -24,10 +24,6 @@ class _HelpWithGroups(argparse.Action):
         parser.exit()
 
 
-BENCH_MODES = ("all", "trainer", "inference")  # = prime_hpc.config.schema.BENCH_MODES (not imported: cheap CLI)
-BENCH_SUFFIX = "-bench"  # a bench runs in <output_dir>-bench, named <name>-bench: the run's own stays free
-
-
 class _Bench(argparse.Action):
     """`--bench [all|trainer|inference]`: the part is optional, so an override right after
     the flag (`--bench +experiment=x`) is an override, not a part."""
@@ -38,6 +34,8 @@ class _Bench(argparse.Action):
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, option_string: Any = None
     ) -> None:
+        from prime_hpc.launcher.bench import BENCH_MODES
+
         if value is not None and value not in BENCH_MODES:
             if "=" in value or value.startswith(("+", "~")):
                 namespace.bench_overrides = [*getattr(namespace, "bench_overrides", []), value]
@@ -109,50 +107,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return s
 
 
-def compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], list]]:
-    """Compose and validate every point (of a sweep) before submitting any: nothing is
-    submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`.
-    Each point is a list of runs: [run], or [warm-up, run] when the run has a warm-up."""
-    from prime_hpc.config import compose, expand_sweep
-    from prime_hpc.config.compose import override
-    from prime_hpc.config.pipeline import compose_stages
-    from prime_hpc.config.validate import validate
-
-    points = expand_sweep(overrides) if multirun else [overrides]
-    # each point gets <output_dir>/<i>, unless the sweep varies output_dir itself
-    sweeps_dir = (
-        len(points) > 1 and len({o for p in points for o in p if o.lstrip("+~").startswith("output_dir=")}) <= 1
-    )
-    composed = []
-    for i, point in enumerate(points):
-        try:
-            extra = []
-            if len(points) > 1:
-                base = compose(point)
-                extra.append(override("name", f"{base.name}_{i}"))
-                if sweeps_dir:
-                    extra.append(override("output_dir", f"{base.output_dir}/{i}"))
-            stages = compose_stages([*point, *extra])
-            for cfg in stages:
-                try:
-                    validate(cfg)
-                except UserError as e:
-                    if cfg is not stages[-1]:
-                        raise UserError(f"warm-up {cfg.output_dir}: {e}") from None
-                    raise
-        except UserError as e:
-            if len(points) > 1:
-                raise UserError(f"sweep point {i} ({swept(point, overrides)}): {e}") from None
-            raise
-        composed.append((point, stages))
-    return composed
-
-
-def swept(point: list[str], overrides: list[str]) -> str:
-    """What a sweep point sets differently from the others (its legend)."""
-    return " ".join(o for o in point if o not in overrides)
-
-
 def show(a: argparse.Namespace) -> int:
     """--cfg / --info: what the overrides compose to, printed; nothing written or submitted."""
     from prime_hpc.config.compose import compose, finish, to_yaml
@@ -182,54 +136,31 @@ def show(a: argparse.Namespace) -> int:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.launcher import launch
-    from prime_hpc.launcher.plan import After
-
     if a.cfg or a.info:
         return show(a)
     a.overrides = [*getattr(a, "bench_overrides", []), *a.overrides]
     if a.bench or any(o.lstrip("+").startswith("bench.mode=") for o in a.overrides):
         return run_bench(a)
+    from prime_hpc.launcher import sweep
+
     if a.max_parallel is not None and a.max_parallel < 1:
         raise UserError(f"--max-parallel {a.max_parallel}: give at least 1")
-    composed = compose_all(a.overrides, a.multirun)
-    if a.follow and len(composed) > 1:
+    points = sweep.compose_points(a.overrides, a.multirun)
+    if a.follow and len(points) > 1:
         raise UserError("--follow follows one run; for a sweep, follow a point with prime-hpc tail <job>")
-    for _, stages in composed:  # refuse before writing or submitting anything
-        launch.check_fresh(stages[-1], dry_run=a.dry_run)
+    sweep.check_fresh(points, dry_run=a.dry_run)  # refuse before writing or submitting anything
     if a.dry_run:
-        for _, stages in composed:
-            for cfg in stages:
-                run_dir, plan = launch.prepare(cfg, "run", dry_run=True, validated=True)  # by compose_all
-                files = [
-                    run_dir.component_config(g) for g in plan.group_names if g != "orchestrator" or plan.kind == "rl"
-                ]
-                print(
-                    f"dry run: nothing submitted; wrote {run_dir.config_yaml}, "
-                    + ", ".join(map(str, files))
-                    + f", {run_dir.sbatch_script(plan.kind)}"
-                )
+        for files in sweep.write_launch_files(points):
+            print("dry run: nothing submitted; wrote " + ", ".join(map(str, files)))
         return 0
-    import secrets
-
-    sweep_id = f"sweep-{secrets.token_hex(3)}" if len(composed) > 1 else None
-    submitted: list[list] = []
-    for i, (point, stages) in enumerate(composed):
-        after = []
-        if a.max_parallel and i >= a.max_parallel:
-            prior = submitted[i - a.max_parallel][-1].ref
-            after = [After(job_id=prior.job_id, output_dir=prior.output_dir, ok=False)]
-        sweep = (
-            {"id": sweep_id, "point": i, "points": len(composed), "swept": swept(point, a.overrides)}
-            if sweep_id
-            else None
-        )
-        subs = launch.submit_stages(stages, point, after=after, sweep=sweep)
+    sweep_id = sweep.new_sweep_id(points)
+    submitted = []
+    for subs, record in sweep.submit_points(points, a.overrides, sweep_id, a.max_parallel):
         submitted.append(subs)
-        _report(subs, sweep)
+        _report(subs, record)
     if sweep_id:
         print(
-            f"sweep {sweep_id}: {len(composed)} runs"
+            f"sweep {sweep_id}: {len(points)} runs"
             + (f", at most {a.max_parallel} at a time" if a.max_parallel else "")
             + f"    state: prime-hpc status {sweep_id}    curves: prime-hpc plot {sweep_id}"
         )
@@ -259,58 +190,12 @@ def _report(subs: list, sweep: Any) -> None:
     print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}", file=sys.stdout)
 
 
-def bench_config(overrides: list[str], mode: Optional[str]) -> Any:
-    """The run a bench measures: the composed run itself (config, placement, model), with
-    `bench.mode` set, in `<output_dir>-bench`; no warm-up (the shape is what is measured,
-    not the weights), no checkpoints, no W&B. A previous bench in that directory is
-    replaced."""
-    import yaml
-
-    from prime_hpc.config.compose import compose
-    from prime_hpc.config.validate import validate
-    from prime_hpc.rundir import RunDir
-
-    extra = [f"bench.mode={mode}"] if mode else []
-    cfg = compose(
-        [
-            *overrides,
-            *extra,
-            "warmup.experiment=null",
-            "wandb.enabled=false",
-            "ckpt.enabled=false",
-            "ckpt.interval=null",
-            "ckpt.step=null",
-        ]
-    )
-    if cfg.trainer.type == "sft" and cfg.bench.mode == "all":
-        cfg.bench.mode = "trainer"  # an SFT run is only a trainer
-    cfg.name = f"{cfg.name}{BENCH_SUFFIX}"
-    cfg.output_dir = f"{cfg.output_dir}{BENCH_SUFFIX}"
-    run = RunDir(cfg.output_dir)
-    try:
-        earlier = yaml.safe_load(run.config_yaml.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        earlier = {}
-    if (earlier.get("bench") or {}).get("mode"):
-        cfg.clean_output_dir = True
-    validate(cfg)
-    return cfg
-
-
 def run_bench(a: argparse.Namespace) -> int:
     """Submit a bench run, wait for it (or follow it with -f), print its table."""
-    from prime_hpc.launcher import launch
+    from prime_hpc.launcher import bench, launch
 
-    if a.bench is not None and a.bench not in BENCH_MODES:
-        raise UserError(
-            f"--bench {a.bench}: unknown part; choose from {', '.join(BENCH_MODES)} (or --bench alone: all of them)"
-        )
-    if a.multirun or a.max_parallel:
-        raise UserError(
-            "--bench measures one run; drop -m / --max-parallel (or sweep with bench.mode=... and read "
-            "each run's bench.json)"
-        )
-    cfg = bench_config(a.overrides, a.bench)
+    bench.check_request(a.bench, a.multirun, a.max_parallel)
+    cfg = bench.bench_config(a.overrides, a.bench)
     launch.check_fresh(cfg, dry_run=a.dry_run)
     if a.dry_run:
         run_dir, plan = launch.prepare(cfg, "run", dry_run=True)
@@ -331,7 +216,11 @@ def run_bench(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    return print_bench(ref, state)
+    from prime_hpc.rundir.bench import table
+
+    print(table(bench.results(ref, state)))
+    print(f"results: {ref.run.bench_json}")
+    return 0
 
 
 def _follow_bench(ref: Any, follow: bool) -> str:
@@ -349,20 +238,3 @@ def _follow_bench(ref: Any, follow: bool) -> str:
         if st in jobs.FINAL_STATES:
             return st
         time.sleep(1.0)
-
-
-def print_bench(ref: Any, state: str) -> int:
-    from prime_hpc.rundir import bench, jobs, read_json
-
-    try:
-        results = read_json(ref.run.bench_json)
-    except (OSError, ValueError):
-        results = None
-    if state != jobs.COMPLETED or results is None:
-        raise LaunchError(
-            f"bench job {ref.job_id} ended {state} without results; see prime-hpc tail {ref.job_id} "
-            f"--no-follow (logs: {ref.run.latest_logs})"
-        )
-    print(bench.table(results))
-    print(f"results: {ref.run.bench_json}")
-    return 0

@@ -112,13 +112,23 @@ def job_api_key() -> Iterator[None]:
         os.environ.pop(API_KEY_VAR, None)
 
 
+def config_components(plan: Plan) -> list[str]:
+    """The components that get configs/<component>.yaml: those the job runs (an SFT
+    preflight's head is no orchestrator)."""
+    return [c for c in plan.group_names if c != "orchestrator" or plan.kind == "rl"]
+
+
+def launch_files(run: RunDir, plan: Plan) -> list[Path]:
+    """What `write_launch_files` writes, in that order."""
+    return [run.config_yaml, *(run.component_config(c) for c in config_components(plan)), run.sbatch_script(plan.kind)]
+
+
 def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
     """config.yaml, configs/<component>.yaml (the components the job runs) and
     submit/<kind>.sbatch."""
     atomic_write_text(run.config_yaml, to_yaml(cfg))
-    for component in plan.group_names:
-        if component != "orchestrator" or plan.kind == "rl":
-            write_component_config(cfg, component)
+    for component in config_components(plan):
+        write_component_config(cfg, component)
     atomic_write_text(run.sbatch_script(plan.kind), render_sbatch(plan))
 
 

@@ -101,7 +101,7 @@ def test_safetensors_params_reads_the_headers(tmp_path):
     ],
 )
 def test_a_bench_runs_only_the_groups_it_measures(mode, groups, tmp_path):
-    from prime_hpc.cli.submit import bench_config
+    from prime_hpc.launcher.bench import bench_config
     from prime_hpc.launcher.plan import make_plan
     from prime_hpc.launcher.render import render_local, render_sbatch
 
