@@ -158,7 +158,7 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved"
         step = _get(response, "policy_step")
         steps.append(int(step) if step is not None else 0)
         truncated = truncated or bool(_get(tokens, "is_truncated"))
-    empty_response = bool(error_text) and "EmptyModelResponseError" in error_text
+    empty_response = error_text is not None and "EmptyModelResponseError" in error_text
     if empty_response:  # the model answered nothing: an empty rollout, not an error
         error_text = None
     for b in seqs:

@@ -157,7 +157,7 @@ class MetricsLogger:
                     n += 1
         return n
 
-    def log_table(self, step: int, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+    def log_table(self, step: int, name: str, columns: list[str | int], rows: list[list[Any]]) -> None:
         if self._wandb is not None and rows:
             import wandb
 

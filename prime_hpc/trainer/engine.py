@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
@@ -24,6 +24,9 @@ from prime_hpc.core import device as devices
 from prime_hpc.trainer.dist import DistEnv, all_reduce_sum
 from prime_hpc.trainer.loss import LossOutput, token_logprobs
 from prime_hpc.trainer.model import Policy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
 
@@ -102,7 +105,7 @@ class Engine:
         for i, mb in enumerate(micro_batches):
             mb = {k: v.to(self.env.device) if torch.is_tensor(v) else v for k, v in mb.items()}
             if train and self.policy.sharded:
-                self.model.set_requires_gradient_sync(i == n - 1)
+                cast("FSDPModule", self.model).set_requires_gradient_sync(i == n - 1)
             lp, ent = self.forward(mb, temperature)
             out = loss_fn(lp, mb, normalizer)
             if train:

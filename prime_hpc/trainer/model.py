@@ -27,7 +27,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -218,7 +218,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {clean_key(k): v for k, v in sd.items()}
+    return {clean_key(k): cast(torch.Tensor, v) for k, v in sd.items()}
 
 
 def _hf_weights(pol: Policy, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -136,7 +136,7 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
 def _plain(obj: Any) -> Any:
     from dataclasses import asdict, is_dataclass
 
-    return asdict(obj) if is_dataclass(obj) else obj
+    return asdict(obj) if is_dataclass(obj) and not isinstance(obj, type) else obj
 
 
 def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
