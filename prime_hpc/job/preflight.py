@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.net import node_address
+from prime_hpc.core.text import columns
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import MissingKey
 from prime_hpc.job.attempt import component_log
@@ -313,8 +314,7 @@ def format_table(summary: dict[str, Any]) -> str:
             detail = "; ".join(failed) if failed else ", ".join(f"{c['name']}" for c in r["checks"])
             host = (r.get("host") or "-") + (f" ({r['slurm_node']})" if r.get("slurm_node") else "")
             rows.append((group, str(r["rank"]), "PASS" if r["ok"] else "FAIL", host, detail))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+    return "\n".join(columns(rows))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -13,14 +13,15 @@ lists the parent directory (readdir revalidates the directory) and opens the fil
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
+
+from prime_hpc.core import umask
 
 STABLE = "STABLE"
 TMP_PREFIX = ".tmp."
@@ -45,41 +46,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    """This process's umask now (it may change: submit applies `cluster.umask`), read
-    without setting it where the kernel tells (/proc), which is safe with threads."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-@contextlib.contextmanager
-def with_umask(value: str | int) -> Iterator[None]:
-    """Everything created meanwhile by this process, and the processes and jobs it
-    starts, gets the umask `value` (`cluster.umask`, octal text such as "027")."""
-    previous = os.umask(int(str(value), 8))
-    try:
-        yield
-    finally:
-        os.umask(previous)
-
-
-def _file_mode() -> int:
-    """0o666 minus the umask: what open() would give (mkstemp always gives 0o600, which
-    would hide run files from teammates on the shared filesystem)."""
-    return 0o666 & ~_umask()
-
-
-def _dir_mode() -> int:
-    """0o777 minus the umask: what mkdir() would give."""
-    return 0o777 & ~_umask()
+with_umask = umask.applied  # the run's `cluster.umask` for a block (`prime_hpc.core.umask.applied`)
 
 
 def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = True, mode: Optional[int] = None) -> Path:
@@ -93,7 +60,7 @@ def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = Tru
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
-        os.fchmod(fd, _file_mode() if mode is None else mode)
+        os.fchmod(fd, umask.file_mode() if mode is None else mode)  # mkstemp gives 0o600: hidden from teammates
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -243,9 +210,9 @@ def publish_dir(staging: os.PathLike | str, final: os.PathLike | str, info: Opti
     """Move a fully written `staging` directory to `final` (replacing an older copy, e.g.
     after a resume) and write its `STABLE` marker last."""
     staging, final = Path(staging), Path(final)
-    os.chmod(staging, _dir_mode())  # mkdtemp makes 0700; some writers make 0600 files
+    os.chmod(staging, umask.dir_mode())  # mkdtemp makes 0700; some writers make 0600 files
     for p in staging.rglob("*"):
-        os.chmod(p, _dir_mode() if p.is_dir() else _file_mode())
+        os.chmod(p, umask.dir_mode() if p.is_dir() else umask.file_mode())
         if p.is_dir():
             _fsync_dir(p)
     _fsync_dir(staging)
