@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from prime_hpc.core import umask
 
@@ -126,17 +126,34 @@ def exists_fresh(path: Path) -> bool:
         return False
 
 
-def tail(path: os.PathLike | str, lines: int = 20) -> str:
-    """Last `lines` lines of a text file ('' if it does not exist)."""
+# ----------------------------------------------------------------------------- reading the ends of files
+def read_tail(path: os.PathLike | str, max_bytes: int) -> tuple[int, bytes]:
+    """(offset, data): the last `max_bytes` bytes of the file `path` (all of a smaller
+    one) and the offset they start at; (0, b"") when it cannot be read. Every reader of a
+    file's end (logs, metrics) goes through here or `tail_lines`."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read().decode(errors="replace")
+            start = max(0, f.tell() - max_bytes)
+            f.seek(start)
+            return start, f.read()
     except OSError:
-        return ""
-    return "\n".join(data.splitlines()[-lines:])
+        return 0, b""
+
+
+def tail_lines(path: os.PathLike | str, max_bytes: int, *, keep_cut: bool = False) -> list[str]:
+    """The lines in the last `max_bytes` bytes of the file `path`, decoded (undecodable
+    bytes replaced), the last one possibly unterminated; [] when it cannot be read. When
+    the window starts inside the file its first line is cut: it is left out, unless
+    `keep_cut` (text for a reader, where part of a line says more than none)."""
+    start, data = read_tail(path, max_bytes)
+    lines = data.decode(errors="replace").splitlines()
+    return lines[1:] if start and not keep_cut else lines
+
+
+def tail(path: os.PathLike | str, lines: int = 20) -> str:
+    """Last `lines` lines of a text file, from its last 64 KiB ('' if it does not exist)."""
+    return "\n".join(tail_lines(path, 64 * 1024, keep_cut=True)[-lines:])
 
 
 def wait_for(
@@ -178,15 +195,45 @@ def wait_for(
         delay = min(poll_max_s, delay * 1.5)
 
 
+# ----------------------------------------------------------------------------- JSON lines with a step
+def jsonl_row(line: str | bytes, *, with_step: bool = True) -> Optional[dict]:
+    """The row on one line of a JSON-lines file (metrics: `{"step": int, ...}`), or None
+    for a torn, non-JSON or non-object line and, `with_step`, for one without an integer
+    `step` (a bool is no step). Every reader of those files parses lines here."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    if with_step and (not isinstance(row.get("step"), int) or isinstance(row["step"], bool)):
+        return None
+    return row
+
+
+def read_rows(path: os.PathLike | str, max_bytes: Optional[int] = None) -> list[dict]:
+    """The rows with an integer `step` of a JSON-lines file, in file order (`jsonl_row`):
+    of all of it, or, with `max_bytes`, of its last `max_bytes` bytes (a first line the
+    window cuts is left out). A missing file has none."""
+    if max_bytes is None:
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines()
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    else:
+        lines = tail_lines(path, max_bytes)
+    return [row for row in map(jsonl_row, lines) if row is not None]
+
+
 def truncate_jsonl(path: os.PathLike | str, keep: Callable[[dict], bool]) -> bool:
     """Rewrite a JSON-lines file (atomically) with only the rows `keep` accepts; torn or
     foreign lines go too. True if anything was dropped."""
     path = Path(path)
     kept, dropped = [], False
     for line in path.read_text().splitlines():
+        row = jsonl_row(line, with_step=False)
         try:
-            row = json.loads(line)
-            ok = isinstance(row, dict) and keep(row)
+            ok = row is not None and keep(row)
         except (ValueError, TypeError):
             ok = False
         if ok:
@@ -196,6 +243,78 @@ def truncate_jsonl(path: os.PathLike | str, keep: Callable[[dict], bool]) -> boo
     if dropped:
         atomic_write_text(path, "".join(f"{ln}\n" for ln in kept))
     return dropped
+
+
+# ----------------------------------------------------------------------------- deleting
+class MarkerError(RuntimeError):
+    """A marker could not be removed, so nothing else of its directory was deleted (a
+    directory may go only once no reader can take it for complete)."""
+
+
+def remove_marked(
+    path: os.PathLike | str, markers: Sequence[str] = (STABLE,), *, keep_root: bool = False, check: bool = False
+) -> None:
+    """Delete the directory `path` so that no moment of the deletion looks complete: first
+    every marker in it (entries named as in `markers`, at any depth: a checkpoint step holds
+    one per part), then the rest; `keep_root` empties `path` and leaves it. Every deletion
+    of a marked directory of the run (rollouts, weights, checkpoints, the run directory
+    itself, a preflight's directory) goes through here.
+
+    A marker that cannot be removed (or a directory that cannot be searched for markers)
+    stops it before anything but the other markers is deleted, with `MarkerError` (one line
+    naming it and why). Once the markers are gone, what cannot be deleted is left, unmarked: readers
+    ignore it and the next deletion takes it; `check` raises the first such `OSError`
+    after deleting all it could. A missing `path` is no error."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    stuck = []
+    for marker in _markers_in(path, markers):
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            stuck.append((marker, e))
+            continue
+        _fsync_dir(marker.parent)  # the marker is gone on disk before anything it vouches for
+    if stuck:
+        marker, e = stuck[0]
+        raise MarkerError(
+            f"{marker}: the marker cannot be removed ({e.strerror or e}); nothing of {path} but its other "
+            "markers was deleted"
+        )
+    errors: list[OSError] = []
+
+    def collect(_fn: Any, _path: Any, exc_info: Any) -> None:
+        errors.append(exc_info[1])
+
+    if keep_root:
+        for entry in os.scandir(path):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, onerror=collect)
+            else:
+                try:
+                    os.unlink(entry.path)
+                except OSError as e:
+                    errors.append(e)
+    else:
+        shutil.rmtree(path, onerror=collect)
+    if check and errors:
+        raise errors[0]
+
+
+def _markers_in(path: Path, markers: Sequence[str]) -> list[Path]:
+    """Every entry named as in `markers` under `path` (symlinks not followed)."""
+
+    def unsearchable(e: OSError) -> None:
+        if not isinstance(e, FileNotFoundError):  # gone meanwhile: nothing to find there
+            raise MarkerError(f"{e.filename}: cannot be searched for markers ({e.strerror or e}); nothing was deleted")
+
+    found = []
+    for top, dirs, files in os.walk(path, onerror=unsearchable):
+        found += [Path(top, name) for name in (*files, *dirs) if name in markers]
+    return found
 
 
 def staging_dir(final: os.PathLike | str) -> Path:
@@ -216,8 +335,7 @@ def publish_dir(staging: os.PathLike | str, final: os.PathLike | str, info: Opti
         if p.is_dir():
             _fsync_dir(p)
     _fsync_dir(staging)
-    if final.exists():
-        shutil.rmtree(final)
+    remove_marked(final, check=True)
     os.replace(staging, final)
     _fsync_dir(final.parent)
     mark_stable(final, info)
