@@ -264,9 +264,14 @@ def remove_marked(
     stops it before anything but the other markers is deleted, with `MarkerError` (one line
     naming it and why). Once the markers are gone, what cannot be deleted is left, unmarked: readers
     ignore it and the next deletion takes it; `check` raises the first such `OSError`
-    after deleting all it could. A missing `path` is no error."""
+    after deleting all it could. A missing `path` is no error; a symbolic link (unless
+    `keep_root`) is not followed: nothing is deleted (`check`: an `OSError`)."""
     path = Path(path)
     if not path.is_dir():
+        return
+    if path.is_symlink() and not keep_root:
+        if check:
+            raise OSError(f"{path}: a symbolic link, not a directory to delete")
         return
     stuck = []
     for marker in _markers_in(path, markers):

@@ -145,6 +145,19 @@ def test_remove_marked_can_keep_the_directory_itself(tmp_path):
     assert run.root.is_dir() and list(run.root.iterdir()) == [] and tmp_path.is_dir()
 
 
+def test_remove_marked_never_reaches_through_a_link(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    mark_stable(elsewhere)
+    link = tmp_path / "weights" / "step_1"
+    link.parent.mkdir()
+    link.symlink_to(elsewhere)
+    remove_marked(link)
+    with pytest.raises(OSError, match="a symbolic link"):
+        remove_marked(link, check=True)
+    assert link.is_symlink() and is_stable(elsewhere)
+
+
 def test_a_marker_that_cannot_be_removed_refuses_the_deletion(tmp_path):
     """Nothing but markers is deleted when one of them cannot go; the one line says which."""
     run = RunDir(tmp_path)
