@@ -8,6 +8,8 @@ import shutil
 import time
 from typing import Any
 
+from prime_hpc.core.text import columns
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="recently submitted jobs (pipelines and sweeps grouped)")
@@ -43,11 +45,10 @@ def run(a: argparse.Namespace) -> int:
             if w.output_dir == warm and w.output_dir not in shown:
                 rows.append(_row(w, records[w.output_dir], live, indent + " └ ", ""))
                 shown.add(w.output_dir)
-    w = [max(len(r[i]) for r in rows) for i in range(5)]
     if note:
         print(note)
-    for row in rows:
-        print(("  ".join(c.ljust(x) for c, x in zip(row[:5], w)) + "  " + row[5]).rstrip())
+    for line in columns(rows):
+        print(line)
     return 0
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from prime_hpc.core.errors import ConfigError
 from prime_hpc.core.jobenv import API_KEY_VAR
+from prime_hpc.core.paths import is_local_path
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -306,7 +307,7 @@ def check_models(cfg: DictConfig) -> None:
     from prime_hpc.config.pipeline import WARMUP_DIR
 
     from_warmup = bool(cfg.warmup.experiment) and path == Path(cfg.output_dir) / WARMUP_DIR  # the warm-up writes it
-    if str(ref).startswith(("/", "./", "../", "~")) and not path.exists() and not from_warmup:
+    if is_local_path(str(ref)) and not path.exists() and not from_warmup:
         raise ConfigError(
             "model.name",
             f"{ref}: no such directory (a local path; a hub id has no leading / or ./); "

@@ -241,14 +241,13 @@ SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.*)")
 
 
 def where_it_died(logs: Path, component: str) -> dict[str, Any]:
-    """Which node of `component` failed first, and the log to read: for a server of a set,
-    its own node; for the trainer (one step over its nodes), the first task srun reports as
-    failed (`trainer/srun.log`, one task per node); else node 0."""
+    """Which node of `component` failed first, and the log to read (`RunDir.log_of`): for a
+    server of a set, its own node; for the trainer (one step over its nodes), the first task
+    srun reports as failed (`trainer/srun.log`, one task per node); else node 0."""
     node: Optional[int] = 0
     host = None
     if component.startswith("inference_"):
         node = int(component.split("_")[1])
-        component = "inference"
     elif component == "trainer":
         try:
             for line in RunDir.srun_log(logs, "trainer").read_text(errors="replace").splitlines():
@@ -260,10 +259,7 @@ def where_it_died(logs: Path, component: str) -> dict[str, Any]:
             pass
     elif component not in ("router", "orchestrator"):
         node = None
-    if component in ("trainer", "inference"):
-        log = RunDir.node_log(logs, component, node or 0)
-    else:
-        log = component_log(logs, component)
+    log = RunDir.log_of(logs, component, 0 if component == "inference" else node)
     return {"node": node, "log": str(log), **({"host": host} if host else {})}
 
 
@@ -284,15 +280,6 @@ def _end_attempt(job: dict, job_id: str, how: str, reason: str = "") -> None:
         }
         attempts.append(last)
     last.update(ended_at=time.time(), end=how, reason=reason or None)
-
-
-def component_log(logs, component: str):
-    """The log to read first when `component` failed."""
-    if component == "router":
-        return RunDir.router_log(logs, 0)
-    if component.startswith("inference_"):  # one server of the set
-        return RunDir.node_log(logs, "inference", int(component.split("_")[1]))
-    return RunDir.component_log(logs, component)
 
 
 # ----------------------------------------------------------------------------- stop and requeue

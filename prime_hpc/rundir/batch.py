@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc.rundir import RunDir, atomic_write_bytes, mark_stable, wait_stable
+from prime_hpc.rundir import RunDir, atomic_write_bytes, mark_stable, remove_marked, wait_stable
 
 FORMAT = 1
 TENSOR_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "inference_logprobs")
@@ -172,8 +172,4 @@ def read_rank(run: RunDir, step: int, rank: int, timeout_s: float = 24 * 3600, *
 
 def remove_step(run: RunDir, step: int) -> None:
     """Consumed rollouts can go (the trainer's rank 0 does it after the step)."""
-    import shutil
-
-    d = run.rollout_step(step)
-    if d.exists():
-        shutil.rmtree(d, ignore_errors=True)
+    remove_marked(run.rollout_step(step))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, WaitTimeout
+from prime_hpc.rundir import RunDir, WaitTimeout, remove_marked
 from prime_hpc.rundir.window import prunable
 
 if TYPE_CHECKING:  # the heavy modules are imported inside the functions
@@ -161,7 +160,7 @@ def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
     removed = []
     for k in run.weight_steps(stable_only=False):
         if prunable(k, step, async_level) and k not in keep:
-            shutil.rmtree(run.weights_step(k), ignore_errors=True)
+            remove_marked(run.weights_step(k))
             removed.append(k)
     return removed
 

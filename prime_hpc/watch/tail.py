@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 
 COMPONENTS = ("orchestrator", "inference", "router", "trainer", "envs")
@@ -149,6 +149,13 @@ class Source:
     pos: int = 0
     partial: bytes = b""
 
+    def take(self, data: bytes) -> list[str]:
+        """The complete lines of `data`, read at `pos` and appended to what was left of the
+        last line; what follows the last newline is kept for the next read."""
+        self.pos += len(data)
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        return [line.decode(errors="replace") for line in complete]
+
 
 def _listdir(path: Path) -> list[str]:
     """Sorted names in `path` ([] if it is not there yet)."""
@@ -180,22 +187,22 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
     """The log files of one attempt's tree `logs` that belong to `components`, in display
     order (orchestrator, inference nodes, router, trainer nodes, env workers)."""
     found = []
-    orchestrator = RunDir.component_log(logs, "orchestrator")
+    orchestrator = RunDir.log_of(logs, "orchestrator")
     if "orchestrator" in components and orchestrator.is_file():
         found.append(Source(orchestrator, "orchestrator"))
     if "inference" in components:
         found += [
-            Source(RunDir.node_log(logs, "inference", i), f"inference[{i}]")
+            Source(RunDir.log_of(logs, "inference", i), f"inference[{i}]")
             for i in _indexed(RunDir.group_log_dir(logs, "inference"), "node_")
         ]
     if "router" in components:
         found += [
-            Source(RunDir.router_log(logs, i), "router" if i == 0 else f"router[{i}]")
+            Source(RunDir.log_of(logs, f"router_{i}"), "router" if i == 0 else f"router[{i}]")
             for i in _indexed(RunDir.group_log_dir(logs, "inference"), "router_")
         ]
     if "trainer" in components:
         found += [
-            Source(RunDir.node_log(logs, "trainer", i), f"torchrun[{i}]", node=i)
+            Source(RunDir.log_of(logs, "trainer", i), f"torchrun[{i}]", node=i)
             for i in _indexed(RunDir.group_log_dir(logs, "trainer"), "node_")
         ]
     if "envs" in components:
@@ -211,22 +218,18 @@ def nproc_per_node(logs: Path) -> Optional[int]:
     return max(counts, default=0) or None
 
 
-def read_lines(src: Source, start: Optional[int] = None) -> list[str]:
-    """The complete lines appended to `src` since its last read (from byte `start` if
-    given). The file is reopened on every read: on NFS, opening revalidates it."""
+def read_lines(src: Source) -> list[str]:
+    """The complete lines appended to `src` since its last read. The file is reopened on
+    every read: on NFS, opening revalidates it."""
     try:
         with open(src.path, "rb") as f:
-            if start is not None:
-                src.pos, src.partial = start, b""
-            elif os.fstat(f.fileno()).st_size < src.pos:  # truncated or replaced
+            if os.fstat(f.fileno()).st_size < src.pos:  # truncated or replaced
                 src.pos, src.partial = 0, b""
             f.seek(src.pos)
             data = f.read()
     except OSError:
         return []
-    src.pos += len(data)
-    *complete, src.partial = (src.partial + data).split(b"\n")
-    return [line.decode(errors="replace") for line in complete]
+    return src.take(data)
 
 
 def latest_attempt(run: RunDir) -> Optional[Path]:
@@ -307,11 +310,9 @@ class Tail:
 
     def _print_last(self, src: Source, n: int) -> None:
         """Print the last `n` selected lines of `src` (per label) and read on from its end."""
-        try:
-            start = max(0, src.path.stat().st_size - TAIL_WINDOW)
-        except OSError:
-            return
-        lines = read_lines(src, start)[1 if start else 0 :]  # from mid-file, the first line is cut
+        start, data = read_tail(src.path, TAIL_WINDOW)
+        src.pos, src.partial = start, b""
+        lines = src.take(data)[1 if start else 0 :]  # from mid-file, the first line is cut
         picked = [s for s in (self.select(src, line) for line in lines) if s]
         for label, text in last_per_label(picked, n):
             self.emit(label, text)
