@@ -2,7 +2,7 @@
 key or a wrongly-typed value fails at composition, before anything is written.
 
 Each component receives only its own sub-tree (plus the few run-level values it needs,
-copied in explicitly by `prime_hpc.config.components`). Units live in field names.
+projected by `prime_hpc.config.component`). Units live in field names.
 """
 
 from __future__ import annotations

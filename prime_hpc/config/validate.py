@@ -7,12 +7,12 @@ Type and unknown-key errors are caught earlier, by the typed schema during compo
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from prime_hpc.config import walk
 from prime_hpc.core.errors import ConfigError
 from prime_hpc.core.jobenv import API_KEY_VAR
 
@@ -24,56 +24,29 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
-@lru_cache(maxsize=None)
-def _type_hints(cls: type) -> dict[str, Any]:
-    """A schema class's field types (the annotations are strings: evaluating them is most
-    of a validation's time)."""
-    from typing import get_type_hints
-
-    return get_type_hints(cls)
-
-
 def check_fields(cfg: DictConfig) -> None:
     """Every field's own rule (range or choices), declared with its type in the schema
     (`prime_hpc.config.schema.ruled` / `one_of`), and the length of a fixed-length one
     (`Tuple[X, Y]`)."""
-    from dataclasses import fields, is_dataclass
-    from typing import get_args
-
-    from prime_hpc.config.schema import RunConfig
-
-    def walk(cls: type, node: Any, prefix: str) -> None:
-        hints = _type_hints(cls)
-        for f in fields(cls):
-            key = prefix + f.name
-            if OmegaConf.is_missing(node, f.name):
-                raise ConfigError(key, "is required here and not set; give it a value")
-            value = node[f.name]
-            rule = f.metadata.get("rule")
-            if rule is not None and value is not None:
-                problem = rule.violation(value)
-                if problem:
-                    raise ConfigError(key, problem)
-            hint = hints[f.name]
-            problem = length_violation(hint, value, f.default)
-            if problem:
-                raise ConfigError(key, problem)
-            if is_dataclass(hint) and value is not None:
-                walk(hint, value, key + ".")
-            elif get_args(hint) and is_dataclass(get_args(hint)[0]) and value is not None:  # List[EnvEntry]
-                for k, item in enumerate(value):
-                    walk(get_args(hint)[0], item, f"{key}.{k}.")
-
-    walk(RunConfig, cfg, "")
+    for site in walk.config_fields(cfg):
+        if site.missing:
+            raise ConfigError(site.key, "is required here and not set; give it a value")
+        if site.section is not None or site.entries is not None:
+            continue
+        value = site.value
+        rule = site.field.metadata.get("rule")
+        problem = rule.violation(value) if rule is not None and value is not None else None
+        problem = problem or length_violation(site.hint, value, site.field.default)
+        if problem:
+            raise ConfigError(site.key, problem)
 
 
 def length_violation(hint: Any, value: Any, default: Any = None) -> Optional[str]:
     """A fixed-length field (typed `Tuple[X, Y]` in the schema; `Tuple[X, ...]` takes any
     length) given another number of values."""
-    from typing import Union, get_args, get_origin
+    from typing import get_args, get_origin
 
-    if get_origin(hint) is Union:  # Optional[Tuple[...]]
-        hint = next(a for a in get_args(hint) if a is not type(None))
+    hint = walk.bare(hint)  # Optional[Tuple[...]]
     args = get_args(hint)
     if get_origin(hint) is not tuple or value is None or (args and args[-1] is Ellipsis) or len(value) == len(args):
         return None
@@ -460,7 +433,7 @@ def check_cache_dir(cfg: DictConfig) -> None:
     directory of `cluster.cache_dir` (`usercache.compile_dir`): refused now, writing
     nothing, when it is a symlink, someone else's or writable by others, or cannot be
     made. The server checks it again before its engine starts."""
-    from prime_hpc.config.compose import cache_root
+    from prime_hpc.config.cluster import cache_root
     from prime_hpc.core import usercache
 
     usercache.compile_dir(cache_root(cfg), create=False)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from prime_hpc.config.compose import cache_root, trainer_nproc_per_node
+from prime_hpc.config.cluster import cache_root, trainer_nproc_per_node
 from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env, is_loopback

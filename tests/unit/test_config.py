@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.config.validate import validate
 from prime_hpc.core.errors import ConfigError, UserError
 from tests.conftest import REPO
@@ -147,22 +147,14 @@ def test_composition_errors_are_one_line(override, needle):
 def _fixed_length_fields() -> list[tuple[str, int]]:
     """(dotted key, length) of every fixed-length field of the schema (typed Tuple[X, Y])."""
     import typing
-    from dataclasses import fields, is_dataclass
 
-    from prime_hpc.config.schema import RunConfig
+    from prime_hpc.config.walk import schema_fields
 
     out = []
-
-    def walk(cls: type, prefix: str) -> None:
-        for f in fields(cls):
-            hint = typing.get_type_hints(cls)[f.name]
-            args = typing.get_args(hint)
-            if is_dataclass(hint):
-                walk(hint, f"{prefix}{f.name}.")
-            elif typing.get_origin(hint) is tuple and args and args[-1] is not Ellipsis:
-                out.append((prefix + f.name, len(args)))
-
-    walk(RunConfig, "")
+    for site in schema_fields():
+        args = typing.get_args(site.hint)
+        if typing.get_origin(site.hint) is tuple and args and args[-1] is not Ellipsis:
+            out.append((site.key, len(args)))
     return out
 
 

@@ -12,7 +12,8 @@ import time
 import pytest
 import yaml
 
-from prime_hpc.config.compose import compose, override, recorded_config
+from prime_hpc.config.compose import compose, recorded_config
+from prime_hpc.config.overrides import override
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.net import address_env, node_address
@@ -304,7 +305,7 @@ def test_truncate_jsonl_keeps_only_accepted_rows(tmp_path):
 
 # --------------------------------------------------------------------------- recorded configs
 def test_recorded_config_takes_typed_overrides_and_refuses_the_rest(tmp_path):
-    from prime_hpc.config.compose import to_yaml
+    from prime_hpc.config.dump import to_yaml
 
     cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}/run"])
     path = tmp_path / "config.yaml"
@@ -417,7 +418,7 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     import asyncio
     from types import SimpleNamespace
 
-    from prime_hpc.config.compose import component_config
+    from prime_hpc.config.component import component_config
     from prime_hpc.job.watchdog import stalled
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import dataset_rows, load_env

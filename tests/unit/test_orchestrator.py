@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config.component import OrchestratorRunConfig, typed
-from prime_hpc.config.compose import component_config, compose
+from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
+from prime_hpc.config.compose import compose
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
