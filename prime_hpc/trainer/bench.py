@@ -23,9 +23,9 @@ import math
 import time
 from typing import Any, Optional
 
+from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.rundir import bench
 from prime_hpc.trainer import runner
-from prime_hpc.trainer.config import TrainerRunConfig
 
 
 def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:

@@ -32,10 +32,10 @@ from typing import Any, Optional, cast
 import torch
 from torch import nn
 
+from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir, publish_dir, staging_dir
 from prime_hpc.trainer import lora as lora_mod
-from prime_hpc.trainer.config import TrainerRunConfig
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 TOKENIZER_FILES = (

@@ -25,9 +25,9 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
+from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, is_stable, read_json, stable_time, wait_for
 from prime_hpc.trainer import runner
-from prime_hpc.trainer.config import TrainerRunConfig
 from prime_hpc.trainer.runner import Session
 
 if TYPE_CHECKING:
