@@ -5,14 +5,19 @@ types are the schema's."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from prime_hpc.config import walk
 from prime_hpc.config.component import CONFIGS, component_config, typed
 from prime_hpc.config.compose import compose
+from prime_hpc.config.schema import RunConfig
 from prime_hpc.rundir import COMPONENTS
+from tests.conftest import REPO
 
 SCHEMA = {site.key: site for site in walk.schema_fields()}
 
@@ -82,3 +87,70 @@ def test_a_projected_config_reads_back_with_the_run_configs_values(component, tm
         assert back.trainer_ranks == 2 and back.inference_nodes == 3
     if component == "inference":
         assert back.address == "10.0.0.1" and back.nodes == 3
+
+
+# ----------------------------------------------------------------------------- conf/ restates nothing
+def _default(site: walk.Site) -> object:
+    f = site.field
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def _same(value: object, default: object) -> bool:
+    if isinstance(default, float) and isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return float(value) == default  # YAML reads 5e-4 as a string
+        except ValueError:
+            return False
+    if isinstance(default, tuple):
+        default = list(default)
+    return type(value) is type(default) and value == default
+
+
+def restated(data: dict, root: type = RunConfig, prefix: str = "") -> list[str]:
+    """The keys of a conf/ file's `data` (under package `prefix`) whose value is the
+    schema's default."""
+    fields = {site.name: site for site in walk.schema_fields(root) if "." not in site.key}
+    out = []
+    for name, value in data.items():
+        site = fields.get(name)
+        if site is None:  # `defaults`, or a key composition would refuse anyway
+            continue
+        key = prefix + name
+        if site.section is not None and isinstance(value, dict):
+            out += restated(value, site.section, key + ".")
+        elif site.entries is not None and isinstance(value, list):
+            out += [
+                k for i, e in enumerate(value) if isinstance(e, dict) for k in restated(e, site.entries, f"{key}.{i}.")
+            ]
+        elif _same(value, _default(site)):
+            out.append(key)
+    return out
+
+
+def package_of(path: Path) -> str:
+    """A conf/ file's package: its `# @package` line, else its group."""
+    m = re.search(r"^# @package (\S+)", path.read_text(), re.M)
+    package = m.group(1) if m else path.parent.name
+    return "" if package == "_global_" else package
+
+
+CONF_FILES = sorted(p for p in (REPO / "conf").rglob("*.yaml") if p.parent != REPO / "conf")
+
+
+def test_the_check_finds_a_restated_default():
+    assert restated({"cluster": {"device": "cpu", "time": "01:00:00"}, "seq_len": 80}) == ["cluster.device"]
+    assert restated({"orchestrator": {"env": [{"id": "x", "ratio": 1.0}]}}) == ["orchestrator.env.0.ratio"]
+    assert restated({"trainer": {"optim": {"lr": "1e-6", "betas": [0.9, 0.999]}}}) == [
+        "trainer.optim.lr",
+        "trainer.optim.betas",
+    ]
+
+
+@pytest.mark.parametrize("path", CONF_FILES, ids=[str(p.relative_to(REPO)) for p in CONF_FILES])
+def test_no_conf_file_restates_a_schema_default(path):
+    data = yaml.safe_load(path.read_text()) or {}
+    package = package_of(path)
+    for part in reversed(package.split(".") if package else []):
+        data = {part: data}
+    found = restated(data)
+    assert not found, f"{path.relative_to(REPO)} sets {found} to the schema's default: drop the line"
