@@ -154,3 +154,30 @@ def test_no_conf_file_restates_a_schema_default(path):
         data = {part: data}
     found = restated(data)
     assert not found, f"{path.relative_to(REPO)} sets {found} to the schema's default: drop the line"
+
+
+# ----------------------------------------------------------------------------- field documentation
+@pytest.mark.parametrize("module", ["prime_hpc/config/schema.py", "prime_hpc/config/component.py"])
+def test_fields_are_documented_by_docstrings_not_trailing_comments(module):
+    """A field's documentation is the attribute docstring under it; a trailing comment would
+    wrap onto the next field's line."""
+    import ast
+    import io
+    import tokenize
+
+    text = (REPO / module).read_text()
+    field_lines = {
+        n
+        for cls in ast.walk(ast.parse(text))
+        if isinstance(cls, ast.ClassDef)
+        for stmt in cls.body
+        if isinstance(stmt, ast.AnnAssign)
+        for n in range(stmt.lineno, stmt.end_lineno + 1)
+    }
+    trailing = [
+        f"{module}:{tok.start[0]}: {tok.line.strip()}"
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+        if tok.type == tokenize.COMMENT and tok.start[0] in field_lines and not tok.string.startswith("# type:")
+    ]
+    assert len(field_lines) > 100 or "component" in module
+    assert not trailing, trailing
