@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Type, TypeVar, Union
+from typing import Any, Callable, Mapping, Optional, Type, TypeVar, Union, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -53,7 +53,7 @@ def src(where: Source, section: Optional[type] = None) -> Any:
 def bench_section(cfg: DictConfig) -> dict:
     """`bench` as the components get it: its nulls replaced by the run's own values (the
     shape a bench measures is the configured one unless set)."""
-    b = OmegaConf.to_container(cfg.bench, resolve=True)
+    b = cast(dict, OmegaConf.to_container(cfg.bench, resolve=True))
     o = cfg.orchestrator
     b["samples_per_step"] = b["samples_per_step"] or int(o.batch_size)
     b["group_size"] = b["group_size"] or int(o.group_size)
@@ -139,7 +139,9 @@ def project(cls: type, cfg: DictConfig) -> dict:
             continue
         where = f.metadata["src"]
         if where is None:
-            out[f.name] = project(walk.section_type(walk.hints(cls)[f.name]), cfg)
+            section = walk.section_type(walk.hints(cls)[f.name])
+            assert section is not None, f"{cls.__name__}.{f.name}: src(None) needs a section"
+            out[f.name] = project(section, cfg)
         elif callable(where):
             out[f.name] = where(cfg)
         else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Sequence, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -112,7 +112,7 @@ def recorded_config(path: Path | IO[str], overrides: Sequence[str] = ()) -> Dict
     _register_schema()
     from prime_hpc.config.schema import RunConfig
 
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
+    cfg = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path)))
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as e:
@@ -151,11 +151,11 @@ def defaults_choices(overrides: Sequence[str] = ()) -> list[tuple[str, str]]:
     try:
         with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-        choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+        choices = cast(dict, OmegaConf.to_container(cfg.hydra.runtime.choices))
     except (ConfigError, UserError):
         raise
     except Exception as e:
         raise explain(e, conf) from None
     finally:
         GlobalHydra.instance().clear()
-    return [(g, str(o)) for g, o in choices.items() if not g.startswith("hydra/") and g != "prime_hpc_schema"]
+    return [(str(g), str(o)) for g, o in choices.items() if not str(g).startswith("hydra/") and g != SCHEMA_NAME]

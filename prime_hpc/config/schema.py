@@ -52,7 +52,7 @@ class Rule:
             return f"must be in {lo}, {hi} (got {value})"
         if lo:
             return f"must be {'>=' if self.ge is not None else '>'} {lo[1:]} (got {value})"
-        return f"must be {'<=' if self.le is not None else '<'} {hi[:-1]} (got {value})"
+        return f"must be {'<=' if self.le is not None else '<'} {(hi or '')[:-1]} (got {value})"
 
 
 def ruled(default: Any, **rule: Any) -> Any:

@@ -27,5 +27,5 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
         if o.is_sweep_override():
             axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
-            axes.append([o.input_line])
+            axes.append([str(o.input_line)])
     return [list(combo) for combo in itertools.product(*axes)]

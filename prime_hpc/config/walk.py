@@ -38,7 +38,7 @@ def bare(hint: Any) -> Any:
 def section_type(hint: Any) -> Optional[type]:
     """The dataclass a field of type `hint` holds (a section), or None."""
     hint = bare(hint)
-    return hint if dataclasses.is_dataclass(hint) else None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
 def entry_type(hint: Any) -> Optional[type]:
@@ -46,7 +46,7 @@ def entry_type(hint: Any) -> Optional[type]:
     hint = bare(hint)
     if typing.get_origin(hint) is list:
         args = typing.get_args(hint)
-        if args and dataclasses.is_dataclass(args[0]):
+        if args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
             return args[0]
     return None
 
@@ -134,16 +134,17 @@ def sections(cfg: Any) -> Iterator[tuple[str, type, Any]]:
     entry of `cfg` the schema types."""
     yield "", _root(), cfg
     for site in config_fields(cfg):
-        if site.missing or (site.section is None and site.entries is None):
+        section, entries = site.section, site.entries
+        if site.missing or (section is None and entries is None):
             continue
         child = site.value
         if child is None:
             continue
-        if site.section is not None:
-            yield site.key + ".", site.section, child
-        else:
+        if section is not None:
+            yield site.key + ".", section, child
+        elif entries is not None:
             for i in range(len(child)):
-                yield f"{site.key}.{i}.", site.entries, child[i]
+                yield f"{site.key}.{i}.", entries, child[i]
 
 
 def unknown_key(cfg: Any) -> Optional[str]:
