@@ -7,6 +7,7 @@ import copy
 import sys
 from typing import Any, Optional
 
+from prime_hpc.config.schema import BENCH_MODES
 from prime_hpc.core.errors import LaunchError, UserError
 
 
@@ -24,7 +25,6 @@ class _HelpWithGroups(argparse.Action):
         parser.exit()
 
 
-BENCH_MODES = ("all", "trainer", "inference")  # = prime_hpc.config.schema.BENCH_MODES (not imported: cheap CLI)
 BENCH_SUFFIX = "-bench"  # a bench runs in <output_dir>-bench, named <name>-bench: the run's own stays free
 
 
@@ -113,9 +113,10 @@ def compose_all(overrides: list[str], multirun: bool) -> list[tuple[list[str], l
     """Compose and validate every point (of a sweep) before submitting any: nothing is
     submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`.
     Each point is a list of runs: [run], or [warm-up, run] when the run has a warm-up."""
-    from prime_hpc.config import compose, expand_sweep
-    from prime_hpc.config.compose import override
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.overrides import override
     from prime_hpc.config.pipeline import compose_stages
+    from prime_hpc.config.sweep import expand_sweep
     from prime_hpc.config.validate import validate
 
     points = expand_sweep(overrides) if multirun else [overrides]
@@ -155,7 +156,8 @@ def swept(point: list[str], overrides: list[str]) -> str:
 
 def show(a: argparse.Namespace) -> int:
     """--cfg / --info: what the overrides compose to, printed; nothing written or submitted."""
-    from prime_hpc.config.compose import compose, finish, to_yaml
+    from prime_hpc.config.compose import compose, finish
+    from prime_hpc.config.dump import to_yaml
     from prime_hpc.config.pipeline import compose_stages, warmup_config
 
     if a.info == "defaults":

@@ -122,9 +122,9 @@ def resolve(env_id: str) -> EnvTarget:
             if _module_exists(module):
                 return EnvTarget(module=module)
         tried.append(f"module {name.replace('-', '_')!r}")
-        module = _distribution_module(name)
-        if module:
-            return EnvTarget(module=module)
+        top = _distribution_module(name)
+        if top:
+            return EnvTarget(module=top)
         tried.append(f"installed distribution {name!r}")
     here = f"; to load the directory {env_id!r} here, give it as ./{env_id}" if Path(env_id).exists() else ""
     raise UnknownEnv(

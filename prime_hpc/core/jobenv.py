@@ -60,8 +60,11 @@ def node_rank() -> int:
 
 
 def device() -> str:
-    """The run's device, as the launcher chose it (`cpu` outside a job)."""
-    return os.environ.get(DEVICE_VAR) or "cpu"
+    """The run's device, as the launcher chose it (`cluster.device`); only inside a job."""
+    value = os.environ.get(DEVICE_VAR)
+    if not value:
+        raise RuntimeError(f"{DEVICE_VAR} is not set: this runs inside a prime-hpc job, whose launcher sets it")
+    return value
 
 
 def cache_dir() -> Optional[Path]:

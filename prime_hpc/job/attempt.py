@@ -41,6 +41,7 @@ from prime_hpc.rundir.jobs import (
     REQUEUED,
     RUNNING,
     editing_job,
+    job_groups,
     local_state,
     on_node,
     read_job,
@@ -64,7 +65,7 @@ def start(run: RunDir, job_id: str) -> str:
     for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True, exist_ok=True)
-    groups = job.get("groups") or ["orchestrator", "inference", "trainer"]
+    groups = job_groups(job)
     for sub in ("inference", "trainer", "envs"):
         if sub != "inference" or "inference" in groups:
             (logs / sub).mkdir(exist_ok=True)
@@ -108,7 +109,7 @@ def _set_resume_step(run: RunDir, step: Optional[int]) -> None:
     """Write the step every component resumes from into its config (`ckpt.step`)."""
     import yaml
 
-    for component in ("trainer", "orchestrator"):
+    for component in CHECKPOINT_PARTS:
         cfg = _component_yaml(run, component)
         if cfg is None:
             continue

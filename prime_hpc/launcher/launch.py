@@ -12,7 +12,9 @@ from typing import Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
+from prime_hpc.config.cluster import cache_root
+from prime_hpc.config.component import write_component_config
+from prime_hpc.config.dump import to_yaml
 from prime_hpc.config.pipeline import warmup_overrides
 from prime_hpc.config.validate import validate
 from prime_hpc.core.errors import ConfigError, LaunchError

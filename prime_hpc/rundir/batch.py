@@ -151,8 +151,9 @@ def write_step(run: RunDir, step: int, per_rank: list[list[dict[str, Any]]], inf
     return d
 
 
-def read_rank(run: RunDir, step: int, rank: int, timeout_s: float = 24 * 3600, **wait_kwargs: Any) -> RolloutBatch:
-    """Wait for `rollouts/step_<step>` to be complete and load this rank's file.
+def read_rank(run: RunDir, step: int, rank: int, timeout_s: float, **wait_kwargs: Any) -> RolloutBatch:
+    """Wait for `rollouts/step_<step>` to be complete (at most `timeout_s`: the trainer's
+    `trainer.rollout_timeout_s`) and load this rank's file.
     `wait_kwargs` go to `rundir.wait_for` (producer, producer_log, alive)."""
     import torch
 

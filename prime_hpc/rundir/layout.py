@@ -65,11 +65,11 @@ class RunDir:
     def submit_dir(self) -> Path:
         return self.root / "submit"
 
-    def sbatch_script(self, kind: str = "rl") -> Path:
+    def sbatch_script(self, kind: str) -> Path:
         """`submit/<kind>.sbatch` (kind: rl | sft), the rendered SLURM script."""
         return self.submit_dir / f"{kind}.sbatch"
 
-    def local_script(self, kind: str = "rl") -> Path:
+    def local_script(self, kind: str) -> Path:
         return self.submit_dir / f"{kind}.local.sh"
 
     @property

@@ -23,9 +23,9 @@ import math
 import time
 from typing import Any, Optional
 
+from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.rundir import bench
 from prime_hpc.trainer import runner
-from prime_hpc.trainer.config import TrainerRunConfig
 
 
 def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:
@@ -116,7 +116,11 @@ def wait_for_inference(s: Any) -> None:
 
     logger.info(f"bench: waiting for the inference part ({part}) before measuring the trainer")
     wait_for(
-        ready, what=str(part), timeout_s=24 * 3600, producer="orchestrator", producer_log=runner.orchestrator_log()
+        ready,
+        what=str(part),
+        timeout_s=s.cfg.trainer.rollout_timeout_s,  # as long as the trainer waits for any rollouts
+        producer="orchestrator",
+        producer_log=runner.orchestrator_log(),
     )
 
 

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
 
 
-def lr_factor(
-    warmup_steps: int, schedule: str = "constant", total_steps: Optional[int] = None, min_ratio: float = 0.0
-) -> Callable[[int], float]:
+def lr_factor(warmup_steps: int, schedule: str, total_steps: Optional[int], min_ratio: float) -> Callable[[int], float]:
     """LR multiplier for the (i+1)-th optimizer step: linear warm-up to 1 over
     `warmup_steps`, then `constant`, or a `linear` / `cosine` decay reaching `min_ratio` at
     step `total_steps` (needs max_steps; constant without it)."""

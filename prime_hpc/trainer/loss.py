@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-LOSS_TYPES = ("dppo", "cispo", "gspo")
+from prime_hpc.config.schema import LOSS_TYPES
+
 MAX_LOG_RATIO = 20.0  # |lp - ilp| is clamped before exp() so the weight stays finite
 
 

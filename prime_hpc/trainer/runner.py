@@ -18,10 +18,10 @@ from prime_hpc.rundir import RunDir, WaitTimeout, remove_marked
 from prime_hpc.rundir.window import prunable
 
 if TYPE_CHECKING:  # the heavy modules are imported inside the functions
+    from prime_hpc.config.component import TrainerRunConfig
     from prime_hpc.runtime.metrics import MetricsLogger
     from prime_hpc.runtime.stopping import Stop
     from prime_hpc.trainer.ckpt import Checkpointer
-    from prime_hpc.trainer.config import TrainerRunConfig
     from prime_hpc.trainer.dist import DistEnv
     from prime_hpc.trainer.engine import Engine, StepResult
     from prime_hpc.trainer.model import Policy

@@ -20,8 +20,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.trainer import runner
-from prime_hpc.trainer.config import TrainerRunConfig
 
 if TYPE_CHECKING:
     from prime_hpc.config.schema import LossMaskConfig, SFTDataConfig

@@ -36,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
+from prime_hpc.rundir import COMPONENTS as RUN_COMPONENTS
 from prime_hpc.rundir import RunDir, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 
-COMPONENTS = ("orchestrator", "inference", "router", "trainer", "envs")
+COMPONENTS = (*RUN_COMPONENTS, "router", "envs")  # what to tail: the components, the router, the env workers
 POLL_S = 0.5
 ENDED_GRACE_S = 10.0  # a final state without `ended_at` (nobody left to write it) ends the follow after this
 TAIL_WINDOW = 1 << 20  # bytes read from the end of a file for its last lines

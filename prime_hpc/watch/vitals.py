@@ -103,7 +103,7 @@ def _fmt(v: Optional[float], spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def format_vitals(v: dict[str, Any], kind: str = "rl") -> list[str]:
+def format_vitals(v: dict[str, Any], kind: str) -> list[str]:
     """The lines `prime-hpc status` prints under the group table (an SFT run, `kind`
     "sft", has no orchestrator)."""
     total = v.get("max_steps")

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.launcher.plan import make_plan
 from prime_hpc.launcher.render import TEMPLATES, render_local
 from tests.conftest import REPO
