@@ -21,7 +21,7 @@ def _yaml_dumper() -> type:
     import yaml
     from omegaconf._utils import OmegaConfDumper
 
-    class Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc, valid-type]
+    class Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
         pass
 
     Dumper.add_representer(str, OmegaConfDumper.str_representer)

@@ -284,9 +284,9 @@ def remove_marked(
             continue
         _fsync_dir(marker.parent)  # the marker is gone on disk before anything it vouches for
     if stuck:
-        marker, e = stuck[0]
+        marker, err = stuck[0]
         raise MarkerError(
-            f"{marker}: the marker cannot be removed ({e.strerror or e}); nothing of {path} but its other "
+            f"{marker}: the marker cannot be removed ({err.strerror or err}); nothing of {path} but its other "
             "markers was deleted"
         )
     errors: list[OSError] = []

@@ -205,7 +205,7 @@ def start_time(pid: int) -> Optional[str]:
 
 def supervisor_alive(job: dict) -> bool:
     pid, started = job.get("pid"), job.get("pid_start")
-    return bool(pid) and started is not None and start_time(int(pid)) == started
+    return pid is not None and started is not None and start_time(int(pid)) == started
 
 
 def local_state(run: RunDir) -> str:

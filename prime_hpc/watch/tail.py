@@ -328,8 +328,9 @@ class Tail:
         for src in new:
             self.sources[src.path] = src
             self.width = max(self.width, len(src.label))
-        for src in new if initial_lines is not None else ():
-            self._print_last(src, initial_lines)
+        if initial_lines is not None:
+            for src in new:
+                self._print_last(src, initial_lines)
         for src in self.sources.values():
             for line in read_lines(src):
                 picked = self.select(src, line)
