@@ -35,7 +35,8 @@ def launch_server(root: Path, overrides: list[str], extra_env: dict | None = Non
     top of this environment."""
     import secrets
 
-    from prime_hpc.config.compose import compose, write_component_config
+    from prime_hpc.config.component import write_component_config
+    from prime_hpc.config.compose import compose
 
     config = write_component_config(compose([f"output_dir={root}", *overrides]), "inference")
     logs = root / "logs"

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from prime_hpc.config.compose import compose, write_component_config
+from prime_hpc.config.component import write_component_config
+from prime_hpc.config.compose import compose
 from prime_hpc.inference.client import Admin, Endpoints, discover
 from prime_hpc.rundir import RunDir, tail
 

@@ -11,7 +11,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from prime_hpc.config.compose import compose, write_component_config
+from prime_hpc.config.component import write_component_config
+from prime_hpc.config.compose import compose
 from prime_hpc.rundir import RunDir, batch, wait_stable
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,26 +26,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def schema_keys() -> list[str]:
     """Every key of the run schema, dotted (sections' leaves; lists and mappings as a whole)."""
-    import typing
-    from dataclasses import fields, is_dataclass
+    from prime_hpc.config.walk import schema_fields
 
-    from prime_hpc.config.schema import RunConfig
-
-    out: list[str] = []
-
-    def walk(cls: Any, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            typ = hints[f.name]
-            if typing.get_origin(typ) is typing.Union:  # Optional[X]
-                typ = next(a for a in typing.get_args(typ) if a is not type(None))
-            if is_dataclass(typ):
-                walk(typ, f"{prefix}{f.name}.")
-            else:
-                out.append(prefix + f.name)
-
-    walk(RunConfig, "")
-    return out
+    return [site.key for site in schema_fields() if site.section is None]
 
 
 def group_choices() -> list[str]:

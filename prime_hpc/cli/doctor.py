@@ -23,7 +23,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.config import compose
+    from prime_hpc.config.compose import compose
     from prime_hpc.job.preflight import format_table
     from prime_hpc.launcher import launch
     from prime_hpc.rundir import read_json

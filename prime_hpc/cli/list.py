@@ -7,6 +7,8 @@ import argparse
 import time
 from typing import Any
 
+from prime_hpc.core.text import columns
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="recently submitted jobs (pipelines and sweeps grouped)")
@@ -42,11 +44,10 @@ def run(a: argparse.Namespace) -> int:
             if w.output_dir == warm and w.output_dir not in shown:
                 rows.append(_row(w, records[w.output_dir], live, indent + " └ ", ""))
                 shown.add(w.output_dir)
-    w = [max(len(r[i]) for r in rows) for i in range(5)]
     if note:
         print(note)
-    for row in rows:
-        print(("  ".join(c.ljust(x) for c, x in zip(row[:5], w)) + "  " + row[5]).rstrip())
+    for line in columns(rows):
+        print(line)
     return 0
 
 
@@ -61,16 +62,17 @@ def _row(r: Any, job: dict, live: dict, indent: str, swept: str) -> tuple:
 def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:
     """{job id: state} of these jobs, each backend asked once for all of its jobs, and
     a note naming what could not be asked (those jobs show what job.json recorded)."""
-    from prime_hpc import sched
+    from prime_hpc.sched import BACKENDS
+    from prime_hpc.sched.base import choose
 
     by_backend: dict[str, dict[str, dict]] = {}
     for r in refs:
-        if r.backend in sched.BACKENDS:  # anything else shows what its job.json recorded
+        if r.backend in BACKENDS:  # anything else shows what its job.json recorded
             by_backend.setdefault(r.backend, {})[r.job_id] = records[r.output_dir]
     states: dict[str, str] = {}
     notes = []
     for name, recs in by_backend.items():
-        found, note = sched.choose(name).states(recs)
+        found, note = choose(name).states(recs)
         states.update(found)
         notes += [note] if note else []
     return states, "; ".join(notes)

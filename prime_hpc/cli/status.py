@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any, Optional
 
+from prime_hpc.core.text import columns
+
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="state, attempts and vital signs of a job (or of a pipeline or a sweep)")
@@ -46,12 +48,12 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
-    from prime_hpc import sched
     from prime_hpc.rundir import jobs
+    from prime_hpc.sched.base import choose
     from prime_hpc.watch.vitals import vitals
 
     job = jobs.read_job(ref.run)
-    backend = sched.choose(ref.backend)
+    backend = choose(ref.backend)
     groups, note = backend.group_states(ref.run, ref.job_id)
     overall = backend.overall(groups)
     if note:
@@ -102,8 +104,7 @@ def format_job(s: dict[str, Any]) -> list[str]:
     for g, info in s["groups"].items():
         beat = info["heartbeat"] or {}
         rows.append((g, info["state"], ago(beat.get("time")) + (f" step {beat['step']}" if "step" in beat else "")))
-    w = [max(len(r[i]) for r in rows) for i in range(3)]
-    out += ["  " + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
+    out += columns(rows, indent="  ")
     for i, a in enumerate(attempts[:-1] if len(attempts) > 1 else []):
         out.append(
             f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"
@@ -143,13 +144,8 @@ def sweep_lines(refs: list, statuses: list[dict]) -> list[str]:
                 sw.get("swept", ""),
             )
         )
-    w = [max(len(r[i]) for r in rows) for i in range(6)]
     notes = [st["slurm_note"] for st in statuses if st["slurm_note"]]
-    return (
-        [f"sweep {sweep.get('id')}: {len(refs)} points"]
-        + notes[:1]
-        + ["  " + "  ".join(c.ljust(x) for c, x in zip(r[:6], w)) + "  " + r[6] for r in rows]
-    )
+    return [f"sweep {sweep.get('id')}: {len(refs)} points"] + notes[:1] + columns(rows, indent="  ")
 
 
 def snapshot(name: Optional[str]) -> tuple[list[str], Any]:

@@ -7,6 +7,7 @@ import copy
 import sys
 from typing import Any
 
+from prime_hpc.config.schema import BENCH_MODES
 from prime_hpc.core.errors import UserError
 
 
@@ -34,8 +35,6 @@ class _Bench(argparse.Action):
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, option_string: Any = None
     ) -> None:
-        from prime_hpc.launcher.bench import BENCH_MODES
-
         if value is not None and value not in BENCH_MODES:
             if "=" in value or value.startswith(("+", "~")):
                 namespace.bench_overrides = [*getattr(namespace, "bench_overrides", []), value]
@@ -109,7 +108,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def show(a: argparse.Namespace) -> int:
     """--cfg / --info: what the overrides compose to, printed; nothing written or submitted."""
-    from prime_hpc.config.compose import compose, finish, to_yaml
+    from prime_hpc.config.compose import compose, finish
+    from prime_hpc.config.dump import to_yaml
     from prime_hpc.config.pipeline import compose_stages, warmup_config
 
     if a.info == "defaults":

@@ -1,5 +1,2 @@
-"""Composition (Hydra), typed schema and cross-field validation of a run's config."""
-
-from prime_hpc.config.compose import compose, conf_dir, expand_sweep, to_yaml
-
-__all__ = ["compose", "conf_dir", "expand_sweep", "to_yaml"]
+"""A run's config: the typed schema (`schema`), composition from `conf/` (`compose`), its
+checks (`validate`) and what each component is started with (`component`)."""

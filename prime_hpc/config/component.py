@@ -1,16 +1,27 @@
-"""What each component process is started with, typed: `<run>/configs/<component>.yaml`
-(written at submit time by `prime_hpc.config.compose.component_config`) is loaded once, at
-the edge, into the dataclasses below (the trainer's: `prime_hpc.trainer.config`). Every
-field has its type and default in one place, the schema: the run-level values here have no
-default of their own (`MISSING`: a config file without one is refused), and a component
-reads attributes, never a dict with a default restated."""
+"""What each component process is started with: `<run>/configs/<component>.yaml`, written at
+submit time and loaded once, at the edge, into the dataclasses below.
+
+Each component's config is declared once, here, as a dataclass whose fields say where
+their value comes from in the run config (`src`): a dotted key (`src("cluster.device")`),
+or a function of the run config for what is computed (`trainer_ranks`). `component_config`
+projects a composed run config onto it by walking those fields, and `load` reads the file
+back into it. A field has its type and default in one place, the schema: the values here
+have no default of their own (`MISSING`: a file without one is refused), and a component
+reads attributes, never a dict with a default restated.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Type, TypeVar
+from typing import Any, Callable, Mapping, Optional, Type, TypeVar, Union, cast
 
+from omegaconf import DictConfig, OmegaConf
+
+from prime_hpc.config import walk
+from prime_hpc.config.cluster import trainer_ranks
+from prime_hpc.config.dump import to_yaml
 from prime_hpc.config.schema import (
     MISSING,
     BenchConfig,
@@ -19,61 +30,145 @@ from prime_hpc.config.schema import (
     LogConfig,
     ModelConfig,
     OrchestratorConfig,
+    TrainerConfig,
     WandbConfig,
 )
 from prime_hpc.core.errors import UserError
 
 T = TypeVar("T")
+Source = Union[str, Callable[[DictConfig], Any], None]
+
+
+def src(where: Source, section: Optional[type] = None) -> Any:
+    """A field of a component's config whose value is the run config's at dotted key `where`,
+    what function `where` computes from the run config, or (`where=None`, a `section`
+    dataclass) that section's own fields projected. Without `section` the field has no
+    default (`MISSING`)."""
+    meta = {"src": where}
+    if section is not None:
+        return field(default_factory=section, metadata=meta)
+    return field(default=MISSING, metadata=meta)
+
+
+def bench_section(cfg: DictConfig) -> dict:
+    """`bench` as the components get it: its nulls replaced by the run's own values (the
+    shape a bench measures is the configured one unless set)."""
+    b = cast(dict, OmegaConf.to_container(cfg.bench, resolve=True))
+    o = cfg.orchestrator
+    b["samples_per_step"] = b["samples_per_step"] or int(o.batch_size)
+    b["group_size"] = b["group_size"] or int(o.group_size)
+    b["completion_len"] = b["completion_len"] or o.sampling.max_tokens
+    return b
 
 
 @dataclass
 class ServedLoRA:
-    enabled: bool = MISSING  # the trainer trains an adapter (trainer.model.lora.enabled)
-    rank: int = MISSING
+    """The trainer's adapter, as the servers that load it and the orchestrator that asks for
+    it know it."""
+
+    enabled: bool = src("trainer.model.lora.enabled")
+    """The trainer trains an adapter."""
+    rank: int = src("trainer.model.lora.rank")
 
 
 @dataclass
-class OrchestratorRunConfig:
-    name: str = MISSING
-    output_dir: str = MISSING
-    max_steps: Optional[int] = MISSING
-    seq_len: int = MISSING
-    async_level: int = MISSING
-    seed: int = MISSING
-    model: ModelConfig = field(default_factory=ModelConfig)
-    device: str = MISSING
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    trainer_ranks: int = MISSING  # one rollout file per trainer rank
-    micro_batch_size: int = MISSING
-    inference_nodes: int = MISSING  # servers to find in endpoints/
-    lora: ServedLoRA = field(default_factory=ServedLoRA)
-    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
-    log: LogConfig = field(default_factory=LogConfig)  # only resolves defaults such as ${log.level}
-    bench: BenchConfig = field(default_factory=BenchConfig)  # mode set: a bench run (prime_hpc.orchestrator.bench)
+class ComponentRunConfig:
+    """The run-level values every component gets."""
 
-
-@dataclass
-class InferenceRunConfig:
-    name: str = MISSING
-    output_dir: str = MISSING
-    seq_len: int = MISSING
-    seed: int = MISSING
-    model: ModelConfig = field(default_factory=ModelConfig)
-    device: str = MISSING
-    nodes: int = MISSING  # servers the router waits for
-    address: Optional[str] = MISSING  # bind/publish address; None = the node's own
-    gpus_per_node: int = MISSING
-    lora: ServedLoRA = field(default_factory=ServedLoRA)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    name: str = src("name")
+    output_dir: str = src("output_dir")
+    seq_len: int = src("seq_len")
+    seed: int = src("seed")
+    model: ModelConfig = src("model", ModelConfig)
+    device: str = src("cluster.device")
     log: LogConfig = field(default_factory=LogConfig)
+    """Not projected: it only resolves defaults such as `${log.level}` of a sub-tree."""
+
+
+@dataclass
+class TrainingRunConfig(ComponentRunConfig):
+    """What the trainer and the orchestrator, which step together, both get."""
+
+    max_steps: Optional[int] = src("max_steps")
+    async_level: int = src("async_level")
+    ckpt: CkptConfig = src("ckpt", CkptConfig)
+    wandb: WandbConfig = src("wandb", WandbConfig)
+    bench: BenchConfig = src(bench_section, BenchConfig)
+    """`mode` set: a bench run (`prime_hpc.trainer.bench`, `prime_hpc.orchestrator.bench`)."""
+
+
+@dataclass
+class OrchestratorRunConfig(TrainingRunConfig):
+    trainer_ranks: int = src(trainer_ranks)
+    """One rollout file per trainer rank."""
+    micro_batch_size: int = src("trainer.micro_batch_size")
+    inference_nodes: int = src("cluster.inference.nodes")
+    """Servers to find in endpoints/."""
+    lora: ServedLoRA = src(None, ServedLoRA)
+    orchestrator: OrchestratorConfig = src("orchestrator", OrchestratorConfig)
+
+
+@dataclass
+class InferenceRunConfig(ComponentRunConfig):
+    nodes: int = src("cluster.inference.nodes")
+    """Servers the router waits for."""
+    address: Optional[str] = src("cluster.address")
+    """Bind/publish address; None = the node's own."""
+    gpus_per_node: int = src("cluster.inference.gpus_per_node")
+    lora: ServedLoRA = src(None, ServedLoRA)
+    inference: InferenceConfig = src("inference", InferenceConfig)
+
+
+@dataclass
+class TrainerRunConfig(TrainingRunConfig):
+    trainer: TrainerConfig = src("trainer", TrainerConfig)
+
+
+CONFIGS: dict[str, type] = {
+    "orchestrator": OrchestratorRunConfig,
+    "inference": InferenceRunConfig,
+    "trainer": TrainerRunConfig,
+}
+
+
+def project(cls: type, cfg: DictConfig) -> dict:
+    """`cls`'s fields (those with a `src`) valued from run config `cfg`, as plain data."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if "src" not in f.metadata:
+            continue
+        where = f.metadata["src"]
+        if where is None:
+            section = walk.section_type(walk.hints(cls)[f.name])
+            assert section is not None, f"{cls.__name__}.{f.name}: src(None) needs a section"
+            out[f.name] = project(section, cfg)
+        elif callable(where):
+            out[f.name] = where(cfg)
+        else:
+            value = OmegaConf.select(cfg, where, throw_on_missing=True)
+            out[f.name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return out
+
+
+def component_config(cfg: DictConfig, component: str) -> dict:
+    """What `component` is started with: its config's fields projected from the run config
+    (a component never reads another component's config)."""
+    return project(CONFIGS[component], cfg)
+
+
+def write_component_config(cfg: DictConfig, component: str) -> Path:
+    """`<output_dir>/configs/<component>.yaml`, what the component is started with."""
+    from prime_hpc.rundir import RunDir, atomic_write_text
+
+    path = RunDir(cfg.output_dir).component_config(component)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, to_yaml(component_config(cfg, component)))
+    return path
 
 
 def typed(cls: Type[T], raw: Mapping[str, Any], what: str) -> T:
     """`raw` (a component's config as a mapping) as `cls`; one-line `UserError` naming
     `what` on a wrong type or an unknown key."""
-    from omegaconf import OmegaConf
-
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(raw)))
     except Exception as e:  # omegaconf raises many types, all meaning "bad config"

@@ -31,7 +31,25 @@ from omegaconf import Container, DictConfig, OmegaConf
 from prime_hpc.core import usercache
 
 KEEP = 256  # compositions kept; the oldest go first
-_CODE = ("schema.py", "compose.py", "compose_cache.py")  # what shapes a composition, besides conf/
+# every module of the package a composition loads (what shapes it, besides conf/), from the
+# package's root; tests/unit/test_compose_cache.py holds the list to what a composition imports
+_CODE = (
+    "__init__.py",
+    "config/__init__.py",
+    "config/schema.py",
+    "config/compose.py",
+    "config/compose_cache.py",
+    "config/walk.py",
+    "config/explain.py",
+    "config/env_ids.py",
+    "core/__init__.py",
+    "core/device.py",
+    "core/errors.py",
+    "core/jobenv.py",
+    "core/paths.py",
+    "core/usercache.py",
+    "sched/__init__.py",
+)
 
 
 def enabled() -> bool:
@@ -58,9 +76,9 @@ def key(conf: Path, overrides: Sequence[str]) -> str:
             [sys.version, str(conf), list(overrides), _install_stamp("hydra"), _install_stamp("omegaconf")]
         ).encode()
     )
-    here = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     for name in _CODE:
-        h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+        h.update(name.encode() + b"\0" + (package / name).read_bytes() + b"\0")
     for path in sorted(p for p in conf.rglob("*") if p.is_file()):
         h.update(str(path.relative_to(conf)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:40]

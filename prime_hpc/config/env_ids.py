@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from prime_hpc.core.paths import is_local_path
+
 
 @dataclass(frozen=True)
 class EnvTarget:
@@ -62,18 +64,10 @@ def _distribution_module(name: str) -> Optional[str]:
     return None
 
 
-PATH_PREFIXES = ("./", "../", "/", "~")
-
-
-def is_path(env_id: str) -> bool:
-    """Whether `env_id` is a filesystem path (else a module, distribution or owner/name)."""
-    return env_id in (".", "..") or env_id.startswith(PATH_PREFIXES)
-
-
 def absolute(env_id: str) -> str:
     """A path id made absolute (against the current directory, `~` expanded, `..` and links
     resolved: what it names from here); a name as is."""
-    return str(Path(env_id).expanduser().resolve()) if is_path(env_id) else env_id
+    return str(Path(env_id).expanduser().resolve()) if is_local_path(env_id) else env_id
 
 
 def _project_names(root: Path) -> list[str]:
@@ -90,7 +84,7 @@ def _project_names(root: Path) -> list[str]:
 
 
 def resolve_path(env_id: str) -> EnvTarget:
-    """A path id (`is_path`): a module file, a package directory or a project directory."""
+    """A path id (`is_local_path`): a module file, a package directory or a project directory."""
     path = Path(env_id).expanduser().resolve()
     if not path.exists():
         raise UnknownEnv(f"{env_id}: no such file or directory (an id starting with ./, ../, / or ~ is a path)")
@@ -116,7 +110,7 @@ def resolve_path(env_id: str) -> EnvTarget:
 
 
 def resolve(env_id: str) -> EnvTarget:
-    if is_path(env_id):
+    if is_local_path(env_id):
         return resolve_path(env_id)
     tried: list[str] = []
     names = [env_id]
@@ -128,9 +122,9 @@ def resolve(env_id: str) -> EnvTarget:
             if _module_exists(module):
                 return EnvTarget(module=module)
         tried.append(f"module {name.replace('-', '_')!r}")
-        module = _distribution_module(name)
-        if module:
-            return EnvTarget(module=module)
+        top = _distribution_module(name)
+        if top:
+            return EnvTarget(module=top)
         tried.append(f"installed distribution {name!r}")
     here = f"; to load the directory {env_id!r} here, give it as ./{env_id}" if Path(env_id).exists() else ""
     raise UnknownEnv(

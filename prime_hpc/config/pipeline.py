@@ -18,7 +18,9 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from prime_hpc.config.compose import cache_root, compose, finish, override
+from prime_hpc.config.cluster import cache_root
+from prime_hpc.config.compose import compose, finish
+from prime_hpc.config.overrides import override
 from prime_hpc.core.errors import ConfigError
 
 WARMUP_DIR = "warmup"

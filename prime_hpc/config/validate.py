@@ -7,14 +7,16 @@ Type and unknown-key errors are caught earlier, by the typed schema during compo
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from prime_hpc.config import walk
 from prime_hpc.core.errors import ConfigError
 from prime_hpc.core.jobenv import API_KEY_VAR
+from prime_hpc.core.paths import is_local_path
+from prime_hpc.rundir import COMPONENTS
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -24,56 +26,29 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return node
 
 
-@lru_cache(maxsize=None)
-def _type_hints(cls: type) -> dict[str, Any]:
-    """A schema class's field types (the annotations are strings: evaluating them is most
-    of a validation's time)."""
-    from typing import get_type_hints
-
-    return get_type_hints(cls)
-
-
 def check_fields(cfg: DictConfig) -> None:
     """Every field's own rule (range or choices), declared with its type in the schema
     (`prime_hpc.config.schema.ruled` / `one_of`), and the length of a fixed-length one
     (`Tuple[X, Y]`)."""
-    from dataclasses import fields, is_dataclass
-    from typing import get_args
-
-    from prime_hpc.config.schema import RunConfig
-
-    def walk(cls: type, node: Any, prefix: str) -> None:
-        hints = _type_hints(cls)
-        for f in fields(cls):
-            key = prefix + f.name
-            if OmegaConf.is_missing(node, f.name):
-                raise ConfigError(key, "is required here and not set; give it a value")
-            value = node[f.name]
-            rule = f.metadata.get("rule")
-            if rule is not None and value is not None:
-                problem = rule.violation(value)
-                if problem:
-                    raise ConfigError(key, problem)
-            hint = hints[f.name]
-            problem = length_violation(hint, value, f.default)
-            if problem:
-                raise ConfigError(key, problem)
-            if is_dataclass(hint) and value is not None:
-                walk(hint, value, key + ".")
-            elif get_args(hint) and is_dataclass(get_args(hint)[0]) and value is not None:  # List[EnvEntry]
-                for k, item in enumerate(value):
-                    walk(get_args(hint)[0], item, f"{key}.{k}.")
-
-    walk(RunConfig, cfg, "")
+    for site in walk.config_fields(cfg):
+        if site.missing:
+            raise ConfigError(site.key, "is required here and not set; give it a value")
+        if site.section is not None or site.entries is not None:
+            continue
+        value = site.value
+        rule = site.field.metadata.get("rule")
+        problem = rule.violation(value) if rule is not None and value is not None else None
+        problem = problem or length_violation(site.hint, value, site.field.default)
+        if problem:
+            raise ConfigError(site.key, problem)
 
 
 def length_violation(hint: Any, value: Any, default: Any = None) -> Optional[str]:
     """A fixed-length field (typed `Tuple[X, Y]` in the schema; `Tuple[X, ...]` takes any
     length) given another number of values."""
-    from typing import Union, get_args, get_origin
+    from typing import get_args, get_origin
 
-    if get_origin(hint) is Union:  # Optional[Tuple[...]]
-        hint = next(a for a in get_args(hint) if a is not type(None))
+    hint = walk.bare(hint)  # Optional[Tuple[...]]
     args = get_args(hint)
     if get_origin(hint) is not tuple or value is None or (args and args[-1] is Ellipsis) or len(value) == len(args):
         return None
@@ -96,7 +71,7 @@ def check_positive(cfg: DictConfig) -> None:
             "async_level",
             f"must be >= 1 (got {cfg.async_level}); 1 is fully on-policy (step n trains on rollouts of policy n-1)",
         )
-    for g in ("orchestrator", "inference", "trainer"):
+    for g in COMPONENTS:
         ids = cfg.cluster[g].cpu_ids
         if ids is not None and ids != "auto" and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(ids)):
             raise ConfigError(f"cluster.{g}.cpu_ids", f"{ids!r} is not a core list; use e.g. 0-3,8, auto or null")
@@ -157,7 +132,7 @@ def check_gpu_ids(cfg: DictConfig) -> None:
 
     c = cfg.cluster
     ids: dict[str, set[int]] = {}
-    for name in ("orchestrator", "inference", "trainer"):
+    for name in COMPONENTS:
         spec = c[name].gpu_ids
         if spec is None:
             continue
@@ -245,26 +220,14 @@ def check_slurm(cfg: DictConfig) -> None:
         raise ConfigError(
             "cluster.time", f"{c.time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or UNLIMITED"
         ) from None
-    if c.signal_delay_s < 0 or (limit is not None and c.signal_delay_s >= limit * 60):
-        raise ConfigError(
-            "cluster.signal_delay_s", f"{c.signal_delay_s}s must be >= 0 and shorter than cluster.time={c.time}"
-        )
+    if limit is not None and c.signal_delay_s >= limit * 60:  # its range is the field's own rule
+        raise ConfigError("cluster.signal_delay_s", f"{c.signal_delay_s}s must be shorter than cluster.time={c.time}")
     for i, line in enumerate(c.sbatch_extra):
         if "\n" in line or not line.strip().startswith("-"):
             raise ConfigError(
                 f"cluster.sbatch_extra.{i}", f"{line!r} must be one sbatch option such as --mail-type=END (no newline)"
             )
         check_sbatch_option(i, line)
-    for g in ("orchestrator", "inference", "trainer"):
-        r = c[g]
-        if r.cpus_per_task < 1:
-            raise ConfigError(f"cluster.{g}.cpus_per_task", f"must be >= 1 (got {r.cpus_per_task})")
-        if r.gpus_per_node < 0:
-            raise ConfigError(f"cluster.{g}.gpus_per_node", f"must be >= 0 (got {r.gpus_per_node})")
-        if r.nproc_per_node is not None and r.nproc_per_node < 1:
-            raise ConfigError(f"cluster.{g}.nproc_per_node", f"must be >= 1 or null (got {r.nproc_per_node})")
-        if r.mem_gb is not None and r.mem_gb <= 0:
-            raise ConfigError(f"cluster.{g}.mem_gb", f"must be > 0 or null (got {r.mem_gb})")
 
 
 def check_sbatch_option(i: int, line: str) -> None:
@@ -289,7 +252,7 @@ def check_sbatch_option(i: int, line: str) -> None:
 def check_memory(cfg: DictConfig) -> None:
     """SLURM copies --mem from one het group to the next, so a group without mem_gb would
     silently inherit another group's limit."""
-    groups = ("orchestrator", "inference", "trainer")
+    groups = COMPONENTS
     unset = [g for g in groups if cfg.cluster[g].mem_gb is None]
     if unset and len(unset) < len(groups):
         given = next(g for g in groups if g not in unset)
@@ -306,7 +269,7 @@ def check_models(cfg: DictConfig) -> None:
     from prime_hpc.config.pipeline import WARMUP_DIR
 
     from_warmup = bool(cfg.warmup.experiment) and path == Path(cfg.output_dir) / WARMUP_DIR  # the warm-up writes it
-    if str(ref).startswith(("/", "./", "../", "~")) and not path.exists() and not from_warmup:
+    if is_local_path(str(ref)) and not path.exists() and not from_warmup:
         raise ConfigError(
             "model.name",
             f"{ref}: no such directory (a local path; a hub id has no leading / or ./); "
@@ -460,7 +423,7 @@ def check_cache_dir(cfg: DictConfig) -> None:
     directory of `cluster.cache_dir` (`usercache.compile_dir`): refused now, writing
     nothing, when it is a symlink, someone else's or writable by others, or cannot be
     made. The server checks it again before its engine starts."""
-    from prime_hpc.config.compose import cache_root
+    from prime_hpc.config.cluster import cache_root
     from prime_hpc.core import usercache
 
     usercache.compile_dir(cache_root(cfg), create=False)

@@ -3,6 +3,10 @@ what is wrong and how to fix it; the CLI prints it and exits with `exit_code`.""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 class UserError(Exception):
     """A mistake in what the user asked for. Printed as one line, exit code 2."""
@@ -23,6 +27,14 @@ class ConfigError(UserError):
 
 class JobNotFound(UserError):
     """A job reference (SLURM id, run name, output dir) matched nothing."""
+
+
+def required(value: T | None, key: str) -> T:
+    """`value`, which the config `key` must have set by now (validation, or the launcher's
+    projection, fills it); a config written by hand without it is refused in one line."""
+    if value is None:
+        raise ConfigError(key, "is not set")
+    return value
 
 
 class LaunchError(Exception):

@@ -18,6 +18,7 @@ components read them here and nowhere else.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +28,21 @@ DEVICE_VAR = "PRIME_HPC_DEVICE"
 CACHE_VAR = "PRIME_HPC_CACHE"
 API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
 PG_STORE_VAR = "PRIME_HPC_PG_STORE"
+
+
+def require_key(prog: str, who: str) -> Optional[str]:
+    """The job's key (`INFERENCE_SERVER_API_KEY`) for a process that must not listen
+    without it. When it is missing, says so in one line on stderr (`<prog>: ... <who> never
+    serves without the job's key ...`) and returns None: the caller exits with code 2."""
+    key = os.environ.get(API_KEY_VAR)
+    if not key:
+        print(
+            f"{prog}: {API_KEY_VAR} is not set: {who} never serves without the job's key "
+            "(the job's environment must carry it)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return key or None
 
 
 def logs_dir() -> Optional[Path]:
@@ -44,8 +60,11 @@ def node_rank() -> int:
 
 
 def device() -> str:
-    """The run's device, as the launcher chose it (`cpu` outside a job)."""
-    return os.environ.get(DEVICE_VAR) or "cpu"
+    """The run's device, as the launcher chose it (`cluster.device`); only inside a job."""
+    value = os.environ.get(DEVICE_VAR)
+    if not value:
+        raise RuntimeError(f"{DEVICE_VAR} is not set: this runs inside a prime-hpc job, whose launcher sets it")
+    return value
 
 
 def cache_dir() -> Optional[Path]:

@@ -80,12 +80,12 @@ def opened_dir(p: os.PathLike | str) -> Iterator[int]:
         fd = os.open(p, _DIR)
     except OSError as e:  # refused; lstat only says why (O_DIRECTORY may win over O_NOFOLLOW)
         link = e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(p)
-        why = _WHY[errno.ELOOP] if link else _WHY.get(e.errno, f"cannot be opened ({e.strerror})")
+        why = _WHY[errno.ELOOP] if link else _WHY.get(e.errno or 0, f"cannot be opened ({e.strerror})")
         raise Untrusted(p, why) from None
     try:
-        why = problem(os.fstat(fd), directory=True)
-        if why:
-            raise Untrusted(p, why)
+        bad = problem(os.fstat(fd), directory=True)
+        if bad:
+            raise Untrusted(p, bad)
         yield fd
     finally:
         os.close(fd)

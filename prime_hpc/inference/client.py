@@ -50,7 +50,7 @@ def wait_for_servers(
     for node in range(nodes):
         path = run.inference_endpoint(node)
         wait_for(
-            lambda p=path: p.exists(),
+            path.exists,
             what=str(path),
             timeout_s=timeout_s,
             producer=f"inference server on node {node}",

@@ -355,13 +355,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)  # the child: serve this socket
     p.add_argument("--workers", nargs="*", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if not api_key():
-        print(
-            f"prime-hpc router: {jobenv.API_KEY_VAR} is not set: the router never serves without the job's key "
-            f"(the job's environment must carry it)",
-            file=sys.stderr,
-            flush=True,
-        )
+    if not jobenv.require_key("prime-hpc router", "the router"):
         return 2
     try:
         cfg = load(a.config, InferenceRunConfig, "inference")

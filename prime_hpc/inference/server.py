@@ -42,7 +42,7 @@ from prime_hpc.core import device as devices
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.net import node_address, url
-from prime_hpc.inference.client import API_KEY_VAR, api_key
+from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
@@ -393,13 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.inference", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
     a = p.parse_args(argv)
-    if not api_key():
-        print(
-            f"prime-hpc inference: {API_KEY_VAR} is not set: a server never serves without the job's key "
-            f"(the job's environment must carry it)",
-            file=sys.stderr,
-            flush=True,
-        )
+    if not jobenv.require_key("prime-hpc inference", "a server"):
         return 2
     try:
         cfg = load_config(a.config)

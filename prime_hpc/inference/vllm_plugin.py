@@ -34,6 +34,7 @@ import os
 SPIN_VAR = "PRIME_HPC_VLLM_SPIN_S"
 SERVER_PID_VAR = "PRIME_HPC_SERVER_PID"
 RECHECK_MS = 10
+SPIN_ATTR = "_prime_hpc_spin_s"  # the spin bound kept on vLLM's SpinCondition class
 FORK_VAR = "PRIME_HPC_VLLM_FORK"
 
 
@@ -48,13 +49,13 @@ def _fork_engine() -> None:
     os.register_at_fork(after_in_child=die_with_parent)
 
     platform = cpu.CpuPlatform
-    original = platform.check_and_update_config.__func__
+    original = getattr(platform.check_and_update_config, "__func__")  # the classmethod's function
 
     def check_and_update_config(cls, vllm_config):
         original(cls, vllm_config)
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
-    platform.check_and_update_config = classmethod(check_and_update_config)
+    setattr(platform, "check_and_update_config", classmethod(check_and_update_config))
 
 
 def register() -> None:
@@ -73,15 +74,15 @@ def register() -> None:
 
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, RECHECK_MS)
     cls = shm_broadcast.SpinCondition
-    if getattr(cls, "_prime_hpc_spin_s", None) is not None:
-        cls._prime_hpc_spin_s = spin_s
+    if getattr(cls, SPIN_ATTR, None) is not None:
+        setattr(cls, SPIN_ATTR, spin_s)
         return
     original = cls.wait
 
     def wait(self, timeout_ms=None):
         # applies to queues created before the plugin was loaded too
-        self.busy_loop_s = min(self.busy_loop_s, cls._prime_hpc_spin_s)
+        self.busy_loop_s = min(self.busy_loop_s, getattr(cls, SPIN_ATTR))
         return original(self, timeout_ms)
 
-    cls._prime_hpc_spin_s = spin_s
-    cls.wait = wait
+    setattr(cls, SPIN_ATTR, spin_s)
+    setattr(cls, "wait", wait)

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc import sched
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text, read_json
 from prime_hpc.rundir.jobs import (
@@ -40,10 +39,12 @@ from prime_hpc.rundir.jobs import (
     REQUEUED,
     RUNNING,
     editing_job,
+    job_groups,
     on_node,
     read_job,
 )
 from prime_hpc.sched import local
+from prime_hpc.sched.base import of
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
 
@@ -63,7 +64,7 @@ def start(run: RunDir, job_id: str) -> str:
     for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True, exist_ok=True)
-    groups = job.get("groups") or ["orchestrator", "inference", "trainer"]
+    groups = job_groups(job)
     for sub in ("inference", "trainer", "envs"):
         if sub != "inference" or "inference" in groups:
             (logs / sub).mkdir(exist_ok=True)
@@ -107,7 +108,7 @@ def _set_resume_step(run: RunDir, step: Optional[int]) -> None:
     """Write the step every component resumes from into its config (`ckpt.step`)."""
     import yaml
 
-    for component in ("trainer", "orchestrator"):
+    for component in CHECKPOINT_PARTS:
         cfg = _component_yaml(run, component)
         if cfg is None:
             continue
@@ -167,7 +168,7 @@ def end(run: RunDir, job_id: str, rc: Optional[int], component: str = "", reason
             if component == "watchdog":  # a stall: name the component that stalled
                 component, reason, where = stall_record(run, logs, reason)
             elif component == SUPERVISOR:
-                where = {"node": None, "log": str(sched.of(job).batch_log(run, job_id))}
+                where = {"node": None, "log": str(of(job).batch_log(run, job_id))}
             else:
                 where = where_it_died(logs, component) if component else {"log": str(logs)}
                 reason, where = own_cause(run, component, reason, where)
@@ -240,14 +241,13 @@ SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.*)")
 
 
 def where_it_died(logs: Path, component: str) -> dict[str, Any]:
-    """Which node of `component` failed first, and the log to read: for a server of a set,
-    its own node; for the trainer (one step over its nodes), the first task srun reports as
-    failed (`trainer/srun.log`, one task per node); else node 0."""
+    """Which node of `component` failed first, and the log to read (`RunDir.log_of`): for a
+    server of a set, its own node; for the trainer (one step over its nodes), the first task
+    srun reports as failed (`trainer/srun.log`, one task per node); else node 0."""
     node: Optional[int] = 0
     host = None
     if component.startswith("inference_"):
         node = int(component.split("_")[1])
-        component = "inference"
     elif component == "trainer":
         try:
             for line in RunDir.srun_log(logs, "trainer").read_text(errors="replace").splitlines():
@@ -259,10 +259,7 @@ def where_it_died(logs: Path, component: str) -> dict[str, Any]:
             pass
     elif component not in ("router", "orchestrator"):
         node = None
-    if component in ("trainer", "inference"):
-        log = RunDir.node_log(logs, component, node or 0)
-    else:
-        log = component_log(logs, component)
+    log = RunDir.log_of(logs, component, 0 if component == "inference" else node)
     return {"node": node, "log": str(log), **({"host": host} if host else {})}
 
 
@@ -283,15 +280,6 @@ def _end_attempt(job: dict, job_id: str, how: str, reason: str = "") -> None:
         }
         attempts.append(last)
     last.update(ended_at=time.time(), end=how, reason=reason or None)
-
-
-def component_log(logs, component: str):
-    """The log to read first when `component` failed."""
-    if component == "router":
-        return RunDir.router_log(logs, 0)
-    if component.startswith("inference_"):  # one server of the set
-        return RunDir.node_log(logs, "inference", int(component.split("_")[1]))
-    return RunDir.component_log(logs, component)
 
 
 # ----------------------------------------------------------------------------- stop and requeue
@@ -328,7 +316,7 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
     Returns (what happened, whether the job goes back to the queue)."""
     limit = max_requeues(run)
     with editing_job(run) as job:
-        backend = sched.of(job)
+        backend = of(job)
         job["ended_at"] = time.time()
         if job.get("state") == CANCELLED:  # cancelled while it checkpointed: a cancel stays a cancel
             _end_attempt(job, job_id, CANCELLED, "cancelled")
@@ -381,7 +369,7 @@ def cause(run: RunDir, job_id: str) -> str:
     job = read_job(run)
     if job.get("state") == CANCELLED:
         return CANCELLED
-    return sched.of(job).stop_cause(run, job_id)
+    return of(job).stop_cause(run, job_id)
 
 
 # ----------------------------------------------------------------------------- pipelines (local)

@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.net import node_address
+from prime_hpc.core.text import columns
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import MissingKey
-from prime_hpc.job.attempt import component_log
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
 
 IMPORTS = {
@@ -262,7 +262,7 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
                         path,
                         timeout_s=max(0.0, deadline - time.monotonic()),
                         producer=f"{group} rank {rank}",
-                        producer_log=component_log(logs, group),
+                        producer_log=RunDir.log_of(logs, group),
                     )
                     reports[group].append(read_json(path))
                 except WaitTimeout as e:
@@ -313,8 +313,7 @@ def format_table(summary: dict[str, Any]) -> str:
             detail = "; ".join(failed) if failed else ", ".join(f"{c['name']}" for c in r["checks"])
             host = (r.get("host") or "-") + (f" ({r['slurm_node']})" if r.get("slurm_node") else "")
             rows.append((group, str(r["rank"]), "PASS" if r["ok"] else "FAIL", host, detail))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+    return "\n".join(columns(rows))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -24,14 +24,13 @@ FAILED, `failure.component = supervisor`, its batch output as the log) and exits
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, atomic_write_json
+from prime_hpc.rundir import RunDir, atomic_write_json, tail_lines
 
 POLL_S = 2.0
 STALLED = 3  # exit code
@@ -70,22 +69,15 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
 
 
 def last_line(path: Path, max_bytes: int = 8192) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
+    """The last non-blank line of the log `path` (at most 300 characters; '' if none)."""
+    lines = [ln.strip() for ln in tail_lines(path, max_bytes, keep_cut=True) if ln.strip()]
     return lines[-1][:300] if lines else ""
 
 
 def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Path:
-    if component == "trainer":
-        return RunDir.node_log(logs, "trainer", rank // max(1, ranks_per_node))
-    if component == "inference":
-        return RunDir.node_log(logs, "inference", rank)
-    return RunDir.component_log(logs, component)
+    """The log of the stalled `component` rank: its node's (`RunDir.log_of`)."""
+    node = {"trainer": rank // max(1, ranks_per_node), "inference": rank}.get(component)
+    return RunDir.log_of(logs, component, node)
 
 
 class Supervisor:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from prime_hpc.config.schema import BENCH_MODES
 from prime_hpc.core.errors import LaunchError, UserError
 from prime_hpc.rundir import jobs
 
-BENCH_MODES = ("all", "trainer", "inference")  # = prime_hpc.config.schema.BENCH_MODES (not imported: cheap CLI)
 BENCH_SUFFIX = "-bench"  # a bench runs in <output_dir>-bench, named <name>-bench: the run's own stays free
 
 

@@ -13,7 +13,9 @@ from typing import Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from prime_hpc.config.compose import cache_root, to_yaml, write_component_config
+from prime_hpc.config.cluster import cache_root
+from prime_hpc.config.component import write_component_config
+from prime_hpc.config.dump import to_yaml
 from prime_hpc.config.pipeline import warmup_overrides
 from prime_hpc.config.validate import minutes, validate
 from prime_hpc.core.errors import ConfigError, LaunchError
@@ -25,7 +27,7 @@ from prime_hpc.launcher.render import render_local, render_sbatch
 # re-exported: what a job is doing, light for the read-only commands
 from prime_hpc.launcher.state import cancel, group_states, job_state, pipeline_refs  # noqa: F401
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text, jobs, with_umask
-from prime_hpc.sched import JobSpec, choose
+from prime_hpc.sched.base import JobSpec, choose
 
 
 @dataclass

@@ -14,12 +14,12 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from prime_hpc.config.compose import cache_root, trainer_nproc_per_node
+from prime_hpc.config.cluster import cache_root, trainer_nproc_per_node
 from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env, is_loopback
 from prime_hpc.rundir import COMPONENTS, RunDir
-from prime_hpc.sched import choose
+from prime_hpc.sched.base import choose
 
 MODES = ("run", "doctor")
 GROUP_NAMES = COMPONENTS  # het group k runs GROUP_NAMES[k]
@@ -78,22 +78,22 @@ class Plan:
     device: str  # cpu | cuda
     groups: list[GroupPlan]
     trainer: TrainerLaunch
+    time: str  # cluster.time
+    signal_delay_s: int  # cluster.signal_delay_s
+    umask: str  # cluster.umask: of every process of the job
     env: dict[str, str] = field(default_factory=dict)  # exported for every component
     env_setup: list[str] = field(default_factory=list)  # user shell lines, verbatim
-    time: str = "04:00:00"
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
     constraint: Optional[str] = None
     exclude: Optional[str] = None
     sbatch_extra: list[str] = field(default_factory=list)
-    signal_delay_s: int = 120
     after: list[After] = field(default_factory=list)  # jobs this one starts after
     address: Optional[str] = None  # cluster.address: every node's bind/publish address (None: its own)
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server
     watchdog_argv: list[str] = field(default_factory=list)  # next to the job script; empty: no watchdog
-    umask: str = "027"  # of every process of the job
 
     @property
     def run(self) -> RunDir:
@@ -202,7 +202,7 @@ def group_env(
     cpu_ids: Optional[str],
     cpus_per_task: int,
     nproc_per_node: int,
-    device: str = "cpu",
+    device: str,
     gpu_ids: Optional[str] = None,
 ) -> dict[str, str]:
     """Threads per process from the cores the group has: its pinned cores, else the CPUs

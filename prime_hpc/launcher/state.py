@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from prime_hpc import sched
 from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.sched.base import choose
 
 
 def pipeline_refs(ref: jobs.JobRef) -> list[jobs.JobRef]:
@@ -26,22 +26,22 @@ def pipeline_refs(ref: jobs.JobRef) -> list[jobs.JobRef]:
 def group_states(ref: jobs.JobRef) -> tuple[dict[str, str], Optional[str]]:
     """State of each group of the job, and a note when its backend could not be asked
     (then the states are what job.json recorded)."""
-    return sched.choose(ref.backend).group_states(ref.run, ref.job_id)
+    return choose(ref.backend).group_states(ref.run, ref.job_id)
 
 
 def job_state(ref: jobs.JobRef) -> str:
-    return sched.choose(ref.backend).state(ref.run, ref.job_id)
+    return choose(ref.backend).state(ref.run, ref.job_id)
 
 
 def batch_log(ref: jobs.JobRef) -> Path:
     """The job script's own output (what to read before any component log exists)."""
-    return sched.choose(ref.backend).batch_log(ref.run, ref.job_id)
+    return choose(ref.backend).batch_log(ref.run, ref.job_id)
 
 
 def cancel(ref: jobs.JobRef) -> bool:
     """Cancel every group of the job; job.json records who ended it. False if the job
     had already ended."""
-    backend = sched.choose(ref.backend)
+    backend = choose(ref.backend)
     if backend.state(ref.run, ref.job_id) in jobs.FINAL_STATES:
         return False
     # recorded first: the job's supervisor reads it to tell a cancel from a requeue

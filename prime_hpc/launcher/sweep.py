@@ -19,9 +19,10 @@ def compose_points(overrides: list[str], multirun: bool) -> list[Point]:
     """Compose and validate every point (of a sweep) before submitting any: nothing is
     submitted if one of them is wrong. Sweep points get `<output_dir>/<i>` and `<name>_<i>`.
     Each point is a list of runs: [run], or [warm-up, run] when the run has a warm-up."""
-    from prime_hpc.config import compose, expand_sweep
-    from prime_hpc.config.compose import override
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.overrides import override
     from prime_hpc.config.pipeline import compose_stages
+    from prime_hpc.config.sweep import expand_sweep
     from prime_hpc.config.validate import validate
 
     points = expand_sweep(overrides) if multirun else [overrides]

@@ -29,7 +29,9 @@ def resolve_model(name: str, seed: int = 0) -> str:
     from pathlib import Path
 
     path = Path(name).expanduser()
-    if name.startswith(("/", "./", "../", "~")) and not path.exists():  # a path, not a hub id: never fetched
+    from prime_hpc.core.paths import is_local_path
+
+    if is_local_path(name) and not path.exists():  # a path, not a hub id: never fetched
         from prime_hpc.core.errors import UserError
 
         raise UserError(f"model.name={name}: no such directory")

@@ -37,6 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from prime_hpc.core import umask
+
 # Bump when the builder's output changes for the same parameters (invalidates caches).
 BUILDER_VERSION = 1
 
@@ -216,12 +218,10 @@ def _make_readable(path: Path) -> None:
     transformers writes ``model.safetensors`` 0600 and ``tempfile.mkdtemp`` makes 0700
     dirs; a cache shared by several users or SLURM jobs needs them readable.
     """
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
+    os.chmod(path, umask.dir_mode())
     for child in path.iterdir():
         if child.is_file():
-            os.chmod(child, 0o666 & ~umask)
+            os.chmod(child, umask.file_mode())
 
 
 def default_cache_root() -> Path:

@@ -22,6 +22,7 @@ from loguru import logger
 from prime_hpc.config.component import OrchestratorRunConfig
 from prime_hpc.core import device as devices
 from prime_hpc.core import jobenv
+from prime_hpc.core.errors import required
 from prime_hpc.rundir import RunDir, bench, read_json
 
 TRAINER_PART_TIMEOUT_S = 3600.0  # mode all: how long the orchestrator waits for the trainer's part
@@ -142,8 +143,8 @@ async def run(cfg: OrchestratorRunConfig) -> dict:
     ep = discover(run_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=logs)
     client = make_client(ep.openai_base_url, api_key())
     completion = bench.completion_len(b.completion_len, int(cfg.seq_len))
-    group_size = int(b.group_size)
-    groups = max(1, int(b.samples_per_step) // group_size)
+    group_size = required(b.group_size, "bench.group_size")
+    groups = max(1, required(b.samples_per_step, "bench.samples_per_step") // group_size)
     args = request_args(cfg, completion)
     total = int(b.warmup_steps) + int(b.steps)
     fill = await asyncio.to_thread(prompt_fill, cfg, int(cfg.seq_len) - completion, (total, groups - 1))
@@ -189,7 +190,9 @@ async def run(cfg: OrchestratorRunConfig) -> dict:
     bench.write_part(run_dir, "inference", result)
     if b.mode == "all":
         await wait_for_trainer(run_dir, total)
-    merged = bench.merge(run_dir, bench.header(b.mode, cfg.name, cfg.device, b.steps, b.warmup_steps))
+    merged = bench.merge(
+        run_dir, bench.header(required(b.mode, "bench.mode"), cfg.name, cfg.device, b.steps, b.warmup_steps)
+    )
     run_dir.beat("orchestrator", 0, step=total, progress_at=time.time(), done=True)
     logger.info(
         f"bench: inference {result['step_time_s']:.3f}s per step (median), "

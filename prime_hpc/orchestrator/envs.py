@@ -45,6 +45,8 @@ def import_env_module(env_id: str):
         sys.path.insert(0, str(target.path.parent))
         return importlib.import_module(target.module)
     spec = importlib.util.spec_from_file_location(target.module, target.path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{target.path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[target.module] = module
     spec.loader.exec_module(module)

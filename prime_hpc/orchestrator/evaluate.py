@@ -123,7 +123,7 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
     group)."""
     import secrets
 
-    from prime_hpc.config.compose import write_component_config
+    from prime_hpc.config.component import write_component_config
     from prime_hpc.core.jobenv import CACHE_VAR
     from prime_hpc.core.net import address_env
     from prime_hpc.inference.client import wait_for_servers
@@ -178,7 +178,7 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
 
 
 def run_eval(target: str, args: list[str], trust_run_code: bool = False) -> int:
-    from prime_hpc.config.compose import cache_root
+    from prime_hpc.config.cluster import cache_root
     from prime_hpc.core import usercache
 
     run, one_step = target_run(target)
@@ -230,8 +230,7 @@ def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str) -> 
 def run_evaluator(cfg: Any, client: Any, model: str) -> Any:
     """The orchestrator's evaluator (`orchestrator.evaluator`) of the eval envs of `cfg` (a
     run's composed config), generating through `client` as `model`."""
-    from prime_hpc.config.component import OrchestratorRunConfig, typed
-    from prime_hpc.config.compose import component_config
+    from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
     from prime_hpc.orchestrator.envs import load_slots
     from prime_hpc.orchestrator.evaluator import Evaluator
     from prime_hpc.orchestrator.generate import Generator
@@ -256,7 +255,8 @@ def run_standalone(args: list[str]) -> int:
     [client.base_url=URL [client.model=NAME]] [out=DIR] [overrides]`: any model (a server
     is started for it) or any running OpenAI-compatible endpoint, on any env ids. Writes
     `<out>/eval.json` and prints one row per env: avg@k and pass@k."""
-    from prime_hpc.config.compose import cache_root, compose
+    from prime_hpc.config.cluster import cache_root
+    from prime_hpc.config.compose import compose
     from prime_hpc.config.schema import EnvEntry
     from prime_hpc.core import usercache
     from prime_hpc.inference.client import api_key

@@ -39,7 +39,7 @@ from prime_hpc.orchestrator.relay import WeightRelay, server_lost
 from prime_hpc.orchestrator.sink import StepFill, StepSink
 from prime_hpc.orchestrator.source import GroupSource
 from prime_hpc.orchestrator.step_metrics import StepMetrics
-from prime_hpc.orchestrator.teacher import Teacher
+from prime_hpc.orchestrator.teacher import Teacher, teacher_url
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json
 from prime_hpc.rundir.checkpoints import resolve_resume_step
 
@@ -160,7 +160,8 @@ class Orchestrator:
         the router; in sft the teacher (it generates, the student trains on it)."""
         cfg, teacher = self.cfg, self.ocfg.teacher.client
         if self.ocfg.training_mode == "sft":
-            return make_client(teacher.base_url, api_key(teacher.api_key_var), max_context=cfg.seq_len), teacher.model
+            key = api_key(teacher.api_key_var)
+            return make_client(teacher_url(teacher), key, max_context=cfg.seq_len), teacher.model
         return make_client(ep.openai_base_url, api_key(), max_context=cfg.seq_len), None
 
     async def loop(self, start: int, eval_first: bool = False) -> None:

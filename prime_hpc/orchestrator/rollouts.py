@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any, Optional
 
+from prime_hpc.config.schema import ADVANTAGES, TRAJECTORY_STRATEGIES
 from prime_hpc.orchestrator.envs import REWARD_ERROR
 from prime_hpc.rundir import window
 from prime_hpc.rundir.batch import Sample
@@ -33,9 +34,6 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     if isinstance(obj, dict):
         return obj.get(key, default)
     return getattr(obj, key, default)
-
-
-TRAJECTORY_STRATEGIES = ("interleaved", "branching")
 
 
 @dataclass
@@ -114,7 +112,7 @@ class Rollout:
         ]
 
 
-def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved") -> Rollout:
+def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
     """One verifiers RolloutOutput (with the `trajectory` state column) → a Rollout.
 
     Each turn's new prompt tokens are context (no loss), its completion tokens are trained.
@@ -158,7 +156,7 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str = "interleaved"
         step = _get(response, "policy_step")
         steps.append(int(step) if step is not None else 0)
         truncated = truncated or bool(_get(tokens, "is_truncated"))
-    empty_response = bool(error_text) and "EmptyModelResponseError" in error_text
+    empty_response = error_text is not None and "EmptyModelResponseError" in error_text
     if empty_response:  # the model answered nothing: an empty rollout, not an error
         error_text = None
     for b in seqs:
@@ -241,10 +239,7 @@ class ErrorStreak:
         return 0 < self.limit <= self.count
 
 
-ADVANTAGES = ("mean", "std", "loo")
-
-
-def advantages(rewards: list[float], kind: str = "mean") -> list[float]:
+def advantages(rewards: list[float], kind: str) -> list[float]:
     """Group-relative advantages of one group's rewards:
     `mean`: r - mean(group); `std`: (r - mean) / (population std + 1e-6), so every group
     weighs the same whatever its reward spread; `loo`: r - mean(the others), the
@@ -268,7 +263,7 @@ def judge_group(
     async_level: int,
     max_off_policy_steps: int,
     filter_zero_variance: bool,
-    advantage: str = "mean",
+    advantage: str,
     difficulty: Any = None,
 ) -> GroupVerdict:
     """Which rollouts of a finished group train step `step`, with their advantages

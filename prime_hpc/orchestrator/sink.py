@@ -142,7 +142,7 @@ class StepSink:
         limit_reached = self.errors.add(group)
         if self.errors.count:  # this group errored: every rollout of it errored or was empty
             fill.dropped[Drop.ERRORED] += 1
-            envs.note_errored("train", group[0].env, group[0].example_id, self.errors.error)
+            envs.note_errored("train", group[0].env, group[0].example_id, self.errors.error or "")
             if limit_reached:
                 self.give_up(step, fill)
             return
@@ -169,11 +169,12 @@ class StepSink:
         with one line quoting the env's last error and naming its worker log."""
         e = self.errors
         self.unfilled(step, fill)
-        error = e.error if len(e.error or "") <= ERROR_QUOTED else e.error[:ERROR_QUOTED] + "..."
+        last = e.error or ""
+        error = last if len(last) <= ERROR_QUOTED else last[:ERROR_QUOTED] + "..."
         raise EnvFailed(
             f"train env {e.env!r}: {e.count} groups in a row errored (orchestrator.max_errored_groups="
             f"{e.limit}); the last: {error}",
-            RunDir.env_worker_log(self.logs, "train", e.env) if self.logs is not None else None,
+            RunDir.env_worker_log(self.logs, "train", e.env or "") if self.logs is not None else None,
         )
 
     def waiting_for_trainer(self) -> bool:

@@ -16,15 +16,24 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from prime_hpc.config.schema import ClientConfig
+from prime_hpc.core.errors import UserError
 from prime_hpc.inference.client import api_key, headers
 from prime_hpc.orchestrator.rollouts import Rollout, opd_token_advantages
 
 TIMEOUT_S = 600.0  # one prompt_logprobs request
 
 
+def teacher_url(client: ClientConfig) -> str:
+    """The teacher's base URL, which the `opd` and `sft` modes require (validation refuses
+    a run without one; a component config written by hand is refused here)."""
+    if not client.base_url:
+        raise UserError("orchestrator.teacher.client.base_url is not set; the opd and sft modes need the teacher's URL")
+    return client.base_url
+
+
 class Teacher:
     def __init__(self, client: ClientConfig, default_model: Callable[[], str]) -> None:
-        self.url = client.base_url.rstrip("/") + "/completions"
+        self.url = teacher_url(client).rstrip("/") + "/completions"
         self.key_var = client.api_key_var
         self.model = client.model
         self.default_model = default_model

@@ -2,7 +2,8 @@
 and the trainer, on the shared filesystem.
 
 - `layout`: every path (`RunDir`);
-- `files`: atomic writes, `STABLE` markers and NFS-safe waits;
+- `files`: atomic writes, `STABLE` markers, NFS-safe waits, and the readers of files' ends
+  and of JSON-lines metrics;
 - `batch`: the rollout batch a step hands from the orchestrator to the trainer;
 - `checkpoints`: which checkpoint steps exist, are complete and resumable;
 - `window`: which policies a step may train on (the async window);
@@ -14,18 +15,24 @@ and the trainer, on the shared filesystem.
 from prime_hpc.rundir.files import (
     STABLE,
     TMP_PREFIX,
+    MarkerError,
     WaitTimeout,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     exists_fresh,
     is_stable,
+    jsonl_row,
     mark_stable,
     publish_dir,
     read_json,
+    read_rows,
+    read_tail,
+    remove_marked,
     stable_time,
     staging_dir,
     tail,
+    tail_lines,
     truncate_jsonl,
     wait_file,
     wait_for,
@@ -40,6 +47,7 @@ __all__ = [
     "COMPONENTS",
     "STABLE",
     "TMP_PREFIX",
+    "MarkerError",
     "RunDir",
     "WaitTimeout",
     "atomic_write_bytes",
@@ -47,12 +55,17 @@ __all__ = [
     "atomic_write_text",
     "exists_fresh",
     "is_stable",
+    "jsonl_row",
     "mark_stable",
     "publish_dir",
     "read_json",
+    "read_rows",
+    "read_tail",
+    "remove_marked",
     "stable_time",
     "staging_dir",
     "tail",
+    "tail_lines",
     "truncate_jsonl",
     "wait_file",
     "wait_for",

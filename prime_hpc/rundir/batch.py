@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc.rundir import RunDir, atomic_write_bytes, mark_stable, wait_stable
+from prime_hpc.rundir import RunDir, atomic_write_bytes, mark_stable, remove_marked, wait_stable
 
 FORMAT = 1
 TENSOR_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "inference_logprobs")
@@ -151,8 +151,9 @@ def write_step(run: RunDir, step: int, per_rank: list[list[dict[str, Any]]], inf
     return d
 
 
-def read_rank(run: RunDir, step: int, rank: int, timeout_s: float = 24 * 3600, **wait_kwargs: Any) -> RolloutBatch:
-    """Wait for `rollouts/step_<step>` to be complete and load this rank's file.
+def read_rank(run: RunDir, step: int, rank: int, timeout_s: float, **wait_kwargs: Any) -> RolloutBatch:
+    """Wait for `rollouts/step_<step>` to be complete (at most `timeout_s`: the trainer's
+    `trainer.rollout_timeout_s`) and load this rank's file.
     `wait_kwargs` go to `rundir.wait_for` (producer, producer_log, alive)."""
     import torch
 
@@ -172,8 +173,4 @@ def read_rank(run: RunDir, step: int, rank: int, timeout_s: float = 24 * 3600, *
 
 def remove_step(run: RunDir, step: int) -> None:
     """Consumed rollouts can go (the trainer's rank 0 does it after the step)."""
-    import shutil
-
-    d = run.rollout_step(step)
-    if d.exists():
-        shutil.rmtree(d, ignore_errors=True)
+    remove_marked(run.rollout_step(step))

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from prime_hpc.core import device as devices
+from prime_hpc.core.text import columns
 from prime_hpc.rundir import RunDir, atomic_write_json, read_json
 
 PARTS = ("trainer", "inference")
@@ -147,9 +148,7 @@ def table(results: dict) -> str:
             f"{part}: {_num(r['tokens_per_step'])} tokens and {_num(r['samples_per_step'])} samples per step "
             f"on {r['devices']} device(s), {r['params'] / 1e6:.2f}M parameters; {shape}"
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    lines += columns(rows, indent="  ")
     lines += notes
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, remove_marked
 
 
 class CheckpointWriteError(RuntimeError):
@@ -83,31 +83,14 @@ def resolve_resume_step(run: RunDir, requested: Optional[int], parts: Sequence[s
     raise UserError(f"ckpt.step={requested}: {where} in {run.checkpoints_dir} (needs {need}); {what}")
 
 
-def remove_marked(directory: Any) -> None:
-    """Delete a marked directory so that no moment of the deletion looks complete: the
-    marker goes first (a kill halfway leaves an unmarked leftover, which resume ignores)."""
-    import shutil
-    from pathlib import Path
-
-    from prime_hpc.rundir import STABLE
-
-    try:
-        (Path(directory) / STABLE).unlink()
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 def rotate(run: RunDir, component: str, keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
     """Apply `rotation` to `component`'s complete parts; a step directory goes once every
     component has removed its part. An unmarked part older than the newest complete one
     is what a kill left halfway through writing or deleting it: it goes too. Returns the
     steps whose part was removed. Call right after marking a part (nothing of
     `component` is being written then)."""
-    from prime_hpc.rundir import is_stable
-
     parts = run.checkpoint_steps(component)
-    steps = [s for s in parts if is_stable(run.checkpoint_part(s, component))]
+    steps = run.complete_checkpoint_steps((component,))
     torn = [s for s in parts if steps and s < steps[-1] and s not in steps]
     gone = sorted(rotation(steps, keep_last, keep_interval) + torn)
     for s in gone:

@@ -13,14 +13,15 @@ lists the parent directory (readdir revalidates the directory) and opens the fil
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional, Sequence
+
+from prime_hpc.core import umask
 
 STABLE = "STABLE"
 TMP_PREFIX = ".tmp."
@@ -45,41 +46,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    """This process's umask now (it may change: submit applies `cluster.umask`), read
-    without setting it where the kernel tells (/proc), which is safe with threads."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-@contextlib.contextmanager
-def with_umask(value: str | int) -> Iterator[None]:
-    """Everything created meanwhile by this process, and the processes and jobs it
-    starts, gets the umask `value` (`cluster.umask`, octal text such as "027")."""
-    previous = os.umask(int(str(value), 8))
-    try:
-        yield
-    finally:
-        os.umask(previous)
-
-
-def _file_mode() -> int:
-    """0o666 minus the umask: what open() would give (mkstemp always gives 0o600, which
-    would hide run files from teammates on the shared filesystem)."""
-    return 0o666 & ~_umask()
-
-
-def _dir_mode() -> int:
-    """0o777 minus the umask: what mkdir() would give."""
-    return 0o777 & ~_umask()
+with_umask = umask.applied  # the run's `cluster.umask` for a block (`prime_hpc.core.umask.applied`)
 
 
 def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = True, mode: Optional[int] = None) -> Path:
@@ -93,7 +60,7 @@ def atomic_write_bytes(path: os.PathLike | str, data: bytes, durable: bool = Tru
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
-        os.fchmod(fd, _file_mode() if mode is None else mode)
+        os.fchmod(fd, umask.file_mode() if mode is None else mode)  # mkstemp gives 0o600: hidden from teammates
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -159,17 +126,34 @@ def exists_fresh(path: Path) -> bool:
         return False
 
 
-def tail(path: os.PathLike | str, lines: int = 20) -> str:
-    """Last `lines` lines of a text file ('' if it does not exist)."""
+# ----------------------------------------------------------------------------- reading the ends of files
+def read_tail(path: os.PathLike | str, max_bytes: int) -> tuple[int, bytes]:
+    """(offset, data): the last `max_bytes` bytes of the file `path` (all of a smaller
+    one) and the offset they start at; (0, b"") when it cannot be read. Every reader of a
+    file's end (logs, metrics) goes through here or `tail_lines`."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read().decode(errors="replace")
+            start = max(0, f.tell() - max_bytes)
+            f.seek(start)
+            return start, f.read()
     except OSError:
-        return ""
-    return "\n".join(data.splitlines()[-lines:])
+        return 0, b""
+
+
+def tail_lines(path: os.PathLike | str, max_bytes: int, *, keep_cut: bool = False) -> list[str]:
+    """The lines in the last `max_bytes` bytes of the file `path`, decoded (undecodable
+    bytes replaced), the last one possibly unterminated; [] when it cannot be read. When
+    the window starts inside the file its first line is cut: it is left out, unless
+    `keep_cut` (text for a reader, where part of a line says more than none)."""
+    start, data = read_tail(path, max_bytes)
+    lines = data.decode(errors="replace").splitlines()
+    return lines[1:] if start and not keep_cut else lines
+
+
+def tail(path: os.PathLike | str, lines: int = 20) -> str:
+    """Last `lines` lines of a text file, from its last 64 KiB ('' if it does not exist)."""
+    return "\n".join(tail_lines(path, 64 * 1024, keep_cut=True)[-lines:])
 
 
 def wait_for(
@@ -211,15 +195,45 @@ def wait_for(
         delay = min(poll_max_s, delay * 1.5)
 
 
+# ----------------------------------------------------------------------------- JSON lines with a step
+def jsonl_row(line: str | bytes, *, with_step: bool = True) -> Optional[dict]:
+    """The row on one line of a JSON-lines file (metrics: `{"step": int, ...}`), or None
+    for a torn, non-JSON or non-object line and, `with_step`, for one without an integer
+    `step` (a bool is no step). Every reader of those files parses lines here."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    if with_step and (not isinstance(row.get("step"), int) or isinstance(row["step"], bool)):
+        return None
+    return row
+
+
+def read_rows(path: os.PathLike | str, max_bytes: Optional[int] = None) -> list[dict]:
+    """The rows with an integer `step` of a JSON-lines file, in file order (`jsonl_row`):
+    of all of it, or, with `max_bytes`, of its last `max_bytes` bytes (a first line the
+    window cuts is left out). A missing file has none."""
+    if max_bytes is None:
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines()
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    else:
+        lines = tail_lines(path, max_bytes)
+    return [row for row in map(jsonl_row, lines) if row is not None]
+
+
 def truncate_jsonl(path: os.PathLike | str, keep: Callable[[dict], bool]) -> bool:
     """Rewrite a JSON-lines file (atomically) with only the rows `keep` accepts; torn or
     foreign lines go too. True if anything was dropped."""
     path = Path(path)
     kept, dropped = [], False
     for line in path.read_text().splitlines():
+        row = jsonl_row(line, with_step=False)
         try:
-            row = json.loads(line)
-            ok = isinstance(row, dict) and keep(row)
+            ok = row is not None and keep(row)
         except (ValueError, TypeError):
             ok = False
         if ok:
@@ -229,6 +243,83 @@ def truncate_jsonl(path: os.PathLike | str, keep: Callable[[dict], bool]) -> boo
     if dropped:
         atomic_write_text(path, "".join(f"{ln}\n" for ln in kept))
     return dropped
+
+
+# ----------------------------------------------------------------------------- deleting
+class MarkerError(RuntimeError):
+    """A marker could not be removed, so nothing else of its directory was deleted (a
+    directory may go only once no reader can take it for complete)."""
+
+
+def remove_marked(
+    path: os.PathLike | str, markers: Sequence[str] = (STABLE,), *, keep_root: bool = False, check: bool = False
+) -> None:
+    """Delete the directory `path` so that no moment of the deletion looks complete: first
+    every marker in it (entries named as in `markers`, at any depth: a checkpoint step holds
+    one per part), then the rest; `keep_root` empties `path` and leaves it. Every deletion
+    of a marked directory of the run (rollouts, weights, checkpoints, the run directory
+    itself, a preflight's directory) goes through here.
+
+    A marker that cannot be removed (or a directory that cannot be searched for markers)
+    stops it before anything but the other markers is deleted, with `MarkerError` (one line
+    naming it and why). Once the markers are gone, what cannot be deleted is left, unmarked: readers
+    ignore it and the next deletion takes it; `check` raises the first such `OSError`
+    after deleting all it could. A missing `path` is no error; a symbolic link (unless
+    `keep_root`) is not followed: nothing is deleted (`check`: an `OSError`)."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    if path.is_symlink() and not keep_root:
+        if check:
+            raise OSError(f"{path}: a symbolic link, not a directory to delete")
+        return
+    stuck = []
+    for marker in _markers_in(path, markers):
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            stuck.append((marker, e))
+            continue
+        _fsync_dir(marker.parent)  # the marker is gone on disk before anything it vouches for
+    if stuck:
+        marker, err = stuck[0]
+        raise MarkerError(
+            f"{marker}: the marker cannot be removed ({err.strerror or err}); nothing of {path} but its other "
+            "markers was deleted"
+        )
+    errors: list[OSError] = []
+
+    def collect(_fn: Any, _path: Any, exc_info: Any) -> None:
+        errors.append(exc_info[1])
+
+    if keep_root:
+        for entry in os.scandir(path):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, onerror=collect)
+            else:
+                try:
+                    os.unlink(entry.path)
+                except OSError as e:
+                    errors.append(e)
+    else:
+        shutil.rmtree(path, onerror=collect)
+    if check and errors:
+        raise errors[0]
+
+
+def _markers_in(path: Path, markers: Sequence[str]) -> list[Path]:
+    """Every entry named as in `markers` under `path` (symlinks not followed)."""
+
+    def unsearchable(e: OSError) -> None:
+        if not isinstance(e, FileNotFoundError):  # gone meanwhile: nothing to find there
+            raise MarkerError(f"{e.filename}: cannot be searched for markers ({e.strerror or e}); nothing was deleted")
+
+    found = []
+    for top, dirs, files in os.walk(path, onerror=unsearchable):
+        found += [Path(top, name) for name in (*files, *dirs) if name in markers]
+    return found
 
 
 def staging_dir(final: os.PathLike | str) -> Path:
@@ -243,14 +334,13 @@ def publish_dir(staging: os.PathLike | str, final: os.PathLike | str, info: Opti
     """Move a fully written `staging` directory to `final` (replacing an older copy, e.g.
     after a resume) and write its `STABLE` marker last."""
     staging, final = Path(staging), Path(final)
-    os.chmod(staging, _dir_mode())  # mkdtemp makes 0700; some writers make 0600 files
+    os.chmod(staging, umask.dir_mode())  # mkdtemp makes 0700; some writers make 0600 files
     for p in staging.rglob("*"):
-        os.chmod(p, _dir_mode() if p.is_dir() else _file_mode())
+        os.chmod(p, umask.dir_mode() if p.is_dir() else umask.file_mode())
         if p.is_dir():
             _fsync_dir(p)
     _fsync_dir(staging)
-    if final.exists():
-        shutil.rmtree(final)
+    remove_marked(final, check=True)
     os.replace(staging, final)
     _fsync_dir(final.parent)
     mark_stable(final, info)

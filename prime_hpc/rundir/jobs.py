@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from prime_hpc.core.errors import JobNotFound
-from prime_hpc.rundir import RunDir, atomic_write_json, read_json
+from prime_hpc.rundir import COMPONENTS, RunDir, atomic_write_json, read_json
 
 # job.json "state" values (SLURM's vocabulary where it has one)
 PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
@@ -109,7 +109,7 @@ def git_sha(path: Path) -> Optional[str]:
 
 def job_groups(job: dict[str, Any]) -> list[str]:
     """The groups a recorded job runs (in het-group order)."""
-    return list(job.get("groups") or ("orchestrator", "inference", "trainer"))
+    return list(job.get("groups") or COMPONENTS)
 
 
 # ----------------------------------------------------------------------------- index

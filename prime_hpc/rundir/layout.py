@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from prime_hpc.rundir.files import STABLE, TMP_PREFIX, atomic_write_json, is_stable, truncate_jsonl
+from prime_hpc.rundir.files import STABLE, TMP_PREFIX, atomic_write_json, is_stable, remove_marked, truncate_jsonl
 
 COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group order (0, 1, 2)
 CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
 BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
+DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doctor_marker`
 
 
 def _step_dir(parent: Path, step: int) -> Path:
@@ -65,11 +65,11 @@ class RunDir:
     def submit_dir(self) -> Path:
         return self.root / "submit"
 
-    def sbatch_script(self, kind: str = "rl") -> Path:
+    def sbatch_script(self, kind: str) -> Path:
         """`submit/<kind>.sbatch` (kind: rl | sft), the rendered SLURM script."""
         return self.submit_dir / f"{kind}.sbatch"
 
-    def local_script(self, kind: str = "rl") -> Path:
+    def local_script(self, kind: str) -> Path:
         return self.submit_dir / f"{kind}.local.sh"
 
     @property
@@ -257,15 +257,21 @@ class RunDir:
         """`checkpoints/step_n/{trainer,orchestrator}/` (each with its own STABLE)."""
         return self.checkpoint_step(step) / component
 
+    def checkpoint_part_steps(self, parts: Sequence[str], complete: bool) -> list[int]:
+        """Steps that have every one of `parts` (`complete`: marked complete, else there at
+        all), ascending: every lookup of checkpoint parts is this one."""
+        there: Callable[[Path], bool] = is_stable if complete else Path.is_dir
+        return [
+            s
+            for s in _steps_in(self.checkpoints_dir, require_stable=False)
+            if all(there(self.checkpoint_part(s, c)) for c in parts)
+        ]
+
     def complete_checkpoint_steps(self, parts: Sequence[str] = CHECKPOINT_PARTS) -> list[int]:
         """Steps whose `parts` are all marked complete: by default the trainer's and the
         orchestrator's (an RL run); an SFT run has no orchestrator and asks for
         `parts=("trainer",)`."""
-        return [
-            s
-            for s in _steps_in(self.checkpoints_dir, require_stable=False)
-            if all(is_stable(self.checkpoint_part(s, c)) for c in parts)
-        ]
+        return self.checkpoint_part_steps(parts, complete=True)
 
     def latest_checkpoint_step(self, parts: Sequence[str] = CHECKPOINT_PARTS) -> Optional[int]:
         steps = self.complete_checkpoint_steps(parts)
@@ -273,11 +279,7 @@ class RunDir:
 
     def checkpoint_steps(self, component: str) -> list[int]:
         """Steps that have a `component` part at all (complete or not), ascending."""
-        return [
-            s
-            for s in _steps_in(self.checkpoints_dir, require_stable=False)
-            if self.checkpoint_part(s, component).is_dir()
-        ]
+        return self.checkpoint_part_steps((component,), complete=False)
 
     @property
     def metrics_dir(self) -> Path:
@@ -347,6 +349,22 @@ class RunDir:
         return Path(logs) / "inference" / f"router_{int(index)}.log"
 
     @staticmethod
+    def log_of(logs: Path | str, component: str, node: Optional[int] = None) -> Path:
+        """The log to read first for `component` in the attempt's log tree `logs`: one
+        server of a set (`inference_<n>`) -> `inference/node_<n>.log`; the router
+        (`router`, `router_<i>`) -> `inference/router_<i>.log`; the trainer or inference on
+        `node` -> `<component>/node_<node>.log`; else (orchestrator, watchdog, a group
+        without a node) -> `<component>.log` (`trainer.log`, `inference.log`: node 0's)."""
+        group, _, index = component.rpartition("_")
+        if group == "inference" and index.isdigit():
+            return RunDir.node_log(logs, "inference", int(index))
+        if component == "router" or (group == "router" and index.isdigit()):
+            return RunDir.router_log(logs, int(index) if group else 0)
+        if node is not None and component in ("trainer", "inference"):
+            return RunDir.node_log(logs, component, node)
+        return RunDir.component_log(logs, component)
+
+    @staticmethod
     def srun_log(logs: Path | str, component: str) -> Path:
         """What srun says about a group's tasks (which node's task failed, with what)."""
         return Path(logs) / component / "srun.log"
@@ -385,7 +403,7 @@ class RunDir:
     def doctor_marker(self) -> Path:
         """Of a preflight's directory (`doctor_run`): written there before anything else; a
         later `prime-hpc doctor` empties only a directory holding this user's marker."""
-        return self.root / ".prime-hpc-doctor"
+        return self.root / DOCTOR_MARKER
 
     @property
     def preflight_dir(self) -> Path:
@@ -425,9 +443,7 @@ class RunDir:
         for parent in (self.rollouts_dir, self.weights_dir, self.checkpoints_dir):
             for s in _steps_in(parent, require_stable=False):
                 if s > step:
-                    for marker in sorted(_step_dir(parent, s).rglob(STABLE)):  # first: never half-deleted yet marked
-                        marker.unlink(missing_ok=True)
-                    shutil.rmtree(_step_dir(parent, s), ignore_errors=True)
+                    remove_marked(_step_dir(parent, s))
                     removed.append(_step_dir(parent, s))
         for path in sorted(self.metrics_dir.glob("*.jsonl")) if self.metrics_dir.is_dir() else []:
             # from scratch, step 0's rows (the eval or validation before the first step) go too
@@ -436,11 +452,6 @@ class RunDir:
         return removed
 
     def wipe(self) -> None:
-        """Empty the run directory (clean_output_dir=true)."""
-        if self.root.exists():
-            for entry in os.scandir(self.root):
-                p = Path(entry.path)
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
+        """Empty the run directory (clean_output_dir=true; a preflight's directory before
+        each `doctor`): its markers first (`remove_marked`); raises what stopped it."""
+        remove_marked(self.root, (STABLE, DOCTOR_MARKER), keep_root=True, check=True)

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, is_dataclass
 from typing import Any, Mapping, Optional
 
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, jsonl_row
 
 
 def run_id(run: RunDir) -> str:
@@ -147,17 +147,13 @@ class MetricsLogger:
                 continue
             complete = data[: data.rfind(b"\n") + 1]
             self._followed[component] = pos + len(complete)
-            for line in complete.splitlines():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > self._after[component]:
+            for row in map(jsonl_row, complete.splitlines()):
+                if row is not None and row["step"] > self._after[component]:
                     self._to_wandb(component, row)
                     n += 1
         return n
 
-    def log_table(self, step: int, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+    def log_table(self, step: int, name: str, columns: list[str | int], rows: list[list[Any]]) -> None:
         if self._wandb is not None and rows:
             import wandb
 

@@ -20,7 +20,7 @@ from prime_hpc.sched.base import Backend, JobSpec
 def supervisor_alive(job: dict[str, Any]) -> bool:
     """The job script job.json records (pid and its start time) is still running."""
     pid, started = job.get("pid"), job.get("pid_start")
-    return bool(pid) and started is not None and start_time(int(pid)) == started
+    return pid is not None and started is not None and start_time(int(pid)) == started
 
 
 def job_state(job: dict[str, Any]) -> str:

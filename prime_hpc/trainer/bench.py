@@ -23,9 +23,10 @@ import math
 import time
 from typing import Any, Optional
 
+from prime_hpc.config.component import TrainerRunConfig
+from prime_hpc.core.errors import required
 from prime_hpc.rundir import bench
 from prime_hpc.trainer import runner
-from prime_hpc.trainer.config import TrainerRunConfig
 
 
 def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:
@@ -35,7 +36,7 @@ def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed
     from prime_hpc.rundir.batch import Sample, shard
 
     b = cfg.bench
-    n, seq = int(b.samples_per_step), int(cfg.seq_len)
+    n, seq = required(b.samples_per_step, "bench.samples_per_step"), int(cfg.seq_len)
     completion = bench.completion_len(b.completion_len, seq)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq), generator=g).tolist()
@@ -89,7 +90,7 @@ def shape(cfg: TrainerRunConfig, world: int) -> dict:
         }
     return {
         "type": "rl",
-        "samples": int(cfg.bench.samples_per_step),
+        "samples": required(cfg.bench.samples_per_step, "bench.samples_per_step"),
         "seq_len": int(cfg.seq_len),
         "completion_len": bench.completion_len(cfg.bench.completion_len, int(cfg.seq_len)),
         "micro_batch_size": int(t.micro_batch_size),
@@ -116,7 +117,11 @@ def wait_for_inference(s: Any) -> None:
 
     logger.info(f"bench: waiting for the inference part ({part}) before measuring the trainer")
     wait_for(
-        ready, what=str(part), timeout_s=24 * 3600, producer="orchestrator", producer_log=runner.orchestrator_log()
+        ready,
+        what=str(part),
+        timeout_s=s.cfg.trainer.rollout_timeout_s,  # as long as the trainer waits for any rollouts
+        producer="orchestrator",
+        producer_log=runner.orchestrator_log(),
     )
 
 
@@ -155,7 +160,7 @@ def run(cfg: TrainerRunConfig) -> None:
             )
             runner.beat(s, step)
         if env.is_main:
-            result = bench.summarize(
+            summary = bench.summarize(
                 times,
                 tokens,
                 samples,
@@ -166,12 +171,12 @@ def run(cfg: TrainerRunConfig) -> None:
                 devices.peak_flops(cfg.device, env.local_rank),
                 shape=shape(cfg, env.world_size),
             )
-            bench.write_part(s.run, "trainer", result)
+            bench.write_part(s.run, "trainer", summary)
             if b.mode == "trainer" or cfg.trainer.type == "sft":
                 bench.merge(s.run, bench.header("trainer", cfg.name, cfg.device, b.steps, b.warmup_steps))
             logger.info(
-                f"bench: trainer {result['step_time_s']:.3f}s per step (median), "
-                f"{result['tokens_per_s']:.0f} tok/s; {s.run.bench_part('trainer')}"
+                f"bench: trainer {summary['step_time_s']:.3f}s per step (median), "
+                f"{summary['tokens_per_s']:.0f} tok/s; {s.run.bench_part('trainer')}"
             )
         runner.beat(s, total, done=True)
 

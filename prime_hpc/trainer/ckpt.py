@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from prime_hpc.core import device as devices
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json
-from prime_hpc.rundir.checkpoints import CheckpointWriteError, remove_marked, root_cause, rotate
+from prime_hpc.rundir import RunDir, atomic_write_bytes, atomic_write_json, mark_stable, read_json, remove_marked
+from prime_hpc.rundir.checkpoints import CheckpointWriteError, root_cause, rotate
 from prime_hpc.trainer.dist import DistEnv
 
 PART = "trainer"

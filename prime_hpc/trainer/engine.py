@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
@@ -25,12 +25,13 @@ from prime_hpc.trainer.dist import DistEnv, all_reduce_sum
 from prime_hpc.trainer.loss import LossOutput, token_logprobs
 from prime_hpc.trainer.model import Policy
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
 LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
 
 
-def lr_factor(
-    warmup_steps: int, schedule: str = "constant", total_steps: Optional[int] = None, min_ratio: float = 0.0
-) -> Callable[[int], float]:
+def lr_factor(warmup_steps: int, schedule: str, total_steps: Optional[int], min_ratio: float) -> Callable[[int], float]:
     """LR multiplier for the (i+1)-th optimizer step: linear warm-up to 1 over
     `warmup_steps`, then `constant`, or a `linear` / `cosine` decay reaching `min_ratio` at
     step `total_steps` (needs max_steps; constant without it)."""
@@ -102,7 +103,7 @@ class Engine:
         for i, mb in enumerate(micro_batches):
             mb = {k: v.to(self.env.device) if torch.is_tensor(v) else v for k, v in mb.items()}
             if train and self.policy.sharded:
-                self.model.set_requires_gradient_sync(i == n - 1)
+                cast("FSDPModule", self.model).set_requires_gradient_sync(i == n - 1)
             lp, ent = self.forward(mb, temperature)
             out = loss_fn(lp, mb, normalizer)
             if train:

@@ -64,8 +64,6 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     Returns the qualified names of the wrapped modules. Seed torch first: the A matrices
     are random and every rank must start from the same ones."""
     targets = set(target_modules)
-    if rank < 1:
-        raise UserError(f"trainer.model.lora.rank must be >= 1 (got {rank})")
     found = [
         (name, mod)
         for name, mod in model.named_modules()

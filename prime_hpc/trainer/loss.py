@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-LOSS_TYPES = ("dppo", "cispo", "gspo")
+from prime_hpc.config.schema import LOSS_TYPES
+
 MAX_LOG_RATIO = 20.0  # |lp - ilp| is clamped before exp() so the weight stays finite
 
 
@@ -122,7 +123,7 @@ def rl_loss(
     if cfg.kl_coef:
         per_token = per_token + cfg.kl_coef * kl
     ref_kl = None
-    if ref_logprobs is not None and getattr(cfg, "ref_kl_coef", 0.0):
+    if ref_logprobs is not None and cfg.ref_kl_coef:
         ref_kl = torch.where(loss_mask, k3(ref_logprobs, logprobs), torch.zeros_like(logprobs))
         per_token = per_token + cfg.ref_kl_coef * ref_kl
     total = (per_token * m).sum()

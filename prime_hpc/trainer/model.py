@@ -27,15 +27,15 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
 
+from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir, publish_dir, staging_dir
 from prime_hpc.trainer import lora as lora_mod
-from prime_hpc.trainer.config import TrainerRunConfig
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 TOKENIZER_FILES = (
@@ -133,10 +133,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def apply_activation_checkpointing(layers: nn.ModuleList, freq: Optional[int]) -> list[int]:
     """Wrap every `freq`-th layer (1-based: layers freq, 2*freq, ...) so its activations are
     recomputed in the backward pass. Returns the wrapped layer indices."""
-    if not freq:
+    if not freq:  # its range (>= 1) is the field's own rule, checked at submit
         return []
-    if freq < 1:
-        raise UserError(f"trainer.model.ac.freq must be >= 1 or null (got {freq})")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     wrapped = []
@@ -218,7 +216,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {clean_key(k): v for k, v in sd.items()}
+    return {clean_key(k): cast(torch.Tensor, v) for k, v in sd.items()}
 
 
 def _hf_weights(pol: Policy, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

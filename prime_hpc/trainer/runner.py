@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -15,14 +14,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, WaitTimeout
+from prime_hpc.rundir import RunDir, WaitTimeout, remove_marked
 from prime_hpc.rundir.window import prunable
 
 if TYPE_CHECKING:  # the heavy modules are imported inside the functions
+    from prime_hpc.config.component import TrainerRunConfig
     from prime_hpc.runtime.metrics import MetricsLogger
     from prime_hpc.runtime.stopping import Stop
     from prime_hpc.trainer.ckpt import Checkpointer
-    from prime_hpc.trainer.config import TrainerRunConfig
     from prime_hpc.trainer.dist import DistEnv
     from prime_hpc.trainer.engine import Engine, StepResult
     from prime_hpc.trainer.model import Policy
@@ -136,7 +135,7 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
 def _plain(obj: Any) -> Any:
     from dataclasses import asdict, is_dataclass
 
-    return asdict(obj) if is_dataclass(obj) else obj
+    return asdict(obj) if is_dataclass(obj) and not isinstance(obj, type) else obj
 
 
 def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
@@ -161,7 +160,7 @@ def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
     removed = []
     for k in run.weight_steps(stable_only=False):
         if prunable(k, step, async_level) and k not in keep:
-            shutil.rmtree(run.weights_step(k), ignore_errors=True)
+            remove_marked(run.weights_step(k))
             removed.append(k)
     return removed
 

@@ -20,8 +20,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.trainer import runner
-from prime_hpc.trainer.config import TrainerRunConfig
 
 if TYPE_CHECKING:
     from prime_hpc.config.schema import LossMaskConfig, SFTDataConfig
@@ -120,7 +120,9 @@ def train(cfg: TrainerRunConfig) -> None:
             progress["num_samples"] += used
             last = step == cfg.max_steps or stream.exhausted()
             val_m = (
-                _validate(s, step, val, log=False) if val is not None and (step % t.val.interval == 0 or last) else {}
+                _validate(s, step, val, log=False)
+                if val is not None and (last or (t.val.interval is not None and step % t.val.interval == 0))
+                else {}
             )
             early = bool(val_m) and t.val.stop_below is not None and val_m["val/loss"] < t.val.stop_below
             final = last or early

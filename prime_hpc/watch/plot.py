@@ -21,7 +21,6 @@ so importing this module stays cheap.
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import re
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
-from prime_hpc.rundir import RunDir, atomic_write_bytes
+from prime_hpc.rundir import RunDir, atomic_write_bytes, read_rows
 
 if TYPE_CHECKING:  # only for annotations: never imported at run time here
     from matplotlib.figure import Figure
@@ -42,24 +41,6 @@ Metrics = dict[str, dict[int, dict]]  # component -> step -> merged row
 
 
 # ----------------------------------------------------------------------------- reading
-def read_rows(path: Union[os.PathLike, str]) -> list[dict]:
-    """The rows of a JSON-lines metrics file that carry an integer `step`, in file order
-    (missing file: none; torn, non-JSON or step-less lines are skipped)."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
-            rows.append(row)
-    return rows
-
-
 def merge_by_step(rows: Iterable[dict]) -> dict[int, dict]:
     """One row per step, in step order; a later line's value of a key wins (a resumed run
     that logs a step again replaces it)."""

@@ -36,11 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
-from prime_hpc import sched
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import COMPONENTS as RUN_COMPONENTS
+from prime_hpc.rundir import RunDir, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
+from prime_hpc.sched.base import of
 
-COMPONENTS = ("orchestrator", "inference", "router", "trainer", "envs")
+COMPONENTS = (*RUN_COMPONENTS, "router", "envs")  # what to tail: the components, the router, the env workers
 POLL_S = 0.5
 ENDED_GRACE_S = 10.0  # a final state without `ended_at` (nobody left to write it) ends the follow after this
 TAIL_WINDOW = 1 << 20  # bytes read from the end of a file for its last lines
@@ -124,7 +125,7 @@ def waiting_message(run: RunDir, state: str, job: dict[str, Any], logs: Optional
     if state == REQUEUED:
         return f"job {jid} was requeued (waiting for its next attempt to start)"
     if logs is None and state not in FINAL_STATES:
-        log = sched.of(job).batch_log(run, jid)
+        log = of(job).batch_log(run, jid)
         return f"job {jid} is {state}: waiting for its logs (until they exist, see {log})"
     return None
 
@@ -150,6 +151,13 @@ class Source:
     node: Optional[int] = None
     pos: int = 0
     partial: bytes = b""
+
+    def take(self, data: bytes) -> list[str]:
+        """The complete lines of `data`, read at `pos` and appended to what was left of the
+        last line; what follows the last newline is kept for the next read."""
+        self.pos += len(data)
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        return [line.decode(errors="replace") for line in complete]
 
 
 def _listdir(path: Path) -> list[str]:
@@ -182,22 +190,22 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
     """The log files of one attempt's tree `logs` that belong to `components`, in display
     order (orchestrator, inference nodes, router, trainer nodes, env workers)."""
     found = []
-    orchestrator = RunDir.component_log(logs, "orchestrator")
+    orchestrator = RunDir.log_of(logs, "orchestrator")
     if "orchestrator" in components and orchestrator.is_file():
         found.append(Source(orchestrator, "orchestrator"))
     if "inference" in components:
         found += [
-            Source(RunDir.node_log(logs, "inference", i), f"inference[{i}]")
+            Source(RunDir.log_of(logs, "inference", i), f"inference[{i}]")
             for i in _indexed(RunDir.group_log_dir(logs, "inference"), "node_")
         ]
     if "router" in components:
         found += [
-            Source(RunDir.router_log(logs, i), "router" if i == 0 else f"router[{i}]")
+            Source(RunDir.log_of(logs, f"router_{i}"), "router" if i == 0 else f"router[{i}]")
             for i in _indexed(RunDir.group_log_dir(logs, "inference"), "router_")
         ]
     if "trainer" in components:
         found += [
-            Source(RunDir.node_log(logs, "trainer", i), f"torchrun[{i}]", node=i)
+            Source(RunDir.log_of(logs, "trainer", i), f"torchrun[{i}]", node=i)
             for i in _indexed(RunDir.group_log_dir(logs, "trainer"), "node_")
         ]
     if "envs" in components:
@@ -213,22 +221,18 @@ def nproc_per_node(logs: Path) -> Optional[int]:
     return max(counts, default=0) or None
 
 
-def read_lines(src: Source, start: Optional[int] = None) -> list[str]:
-    """The complete lines appended to `src` since its last read (from byte `start` if
-    given). The file is reopened on every read: on NFS, opening revalidates it."""
+def read_lines(src: Source) -> list[str]:
+    """The complete lines appended to `src` since its last read. The file is reopened on
+    every read: on NFS, opening revalidates it."""
     try:
         with open(src.path, "rb") as f:
-            if start is not None:
-                src.pos, src.partial = start, b""
-            elif os.fstat(f.fileno()).st_size < src.pos:  # truncated or replaced
+            if os.fstat(f.fileno()).st_size < src.pos:  # truncated or replaced
                 src.pos, src.partial = 0, b""
             f.seek(src.pos)
             data = f.read()
     except OSError:
         return []
-    src.pos += len(data)
-    *complete, src.partial = (src.partial + data).split(b"\n")
-    return [line.decode(errors="replace") for line in complete]
+    return src.take(data)
 
 
 def latest_attempt(run: RunDir) -> Optional[Path]:
@@ -309,11 +313,9 @@ class Tail:
 
     def _print_last(self, src: Source, n: int) -> None:
         """Print the last `n` selected lines of `src` (per label) and read on from its end."""
-        try:
-            start = max(0, src.path.stat().st_size - TAIL_WINDOW)
-        except OSError:
-            return
-        lines = read_lines(src, start)[1 if start else 0 :]  # from mid-file, the first line is cut
+        start, data = read_tail(src.path, TAIL_WINDOW)
+        src.pos, src.partial = start, b""
+        lines = src.take(data)[1 if start else 0 :]  # from mid-file, the first line is cut
         picked = [s for s in (self.select(src, line) for line in lines) if s]
         for label, text in last_per_label(picked, n):
             self.emit(label, text)
@@ -328,8 +330,9 @@ class Tail:
         for src in new:
             self.sources[src.path] = src
             self.width = max(self.width, len(src.label))
-        for src in new if initial_lines is not None else ():
-            self._print_last(src, initial_lines)
+        if initial_lines is not None:
+            for src in new:
+                self._print_last(src, initial_lines)
         for src in self.sources.values():
             for line in read_lines(src):
                 picked = self.select(src, line)

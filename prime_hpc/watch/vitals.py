@@ -6,40 +6,16 @@ ETA. What `prime-hpc status` prints (and `--json` returns). Pure and light: read
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from statistics import mean
 from typing import Any, Optional
 
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, read_rows
 from prime_hpc.rundir.drops import Drop
 
 TAIL_BYTES = 256 * 1024  # per metrics file: enough for ~hundreds of recent steps
 TREND_WINDOW = 10  # reward trend: mean of the last N steps against the N before
 SPARK = "▁▂▃▄▅▆▇█"
-
-
-def tail_rows(path: os.PathLike | str, max_bytes: int = TAIL_BYTES) -> list[dict]:
-    """The JSON rows at the end of a JSON-lines file (a cut first line and torn lines skipped)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
-    except OSError:
-        return []
-    lines = data.splitlines()[1:] if size > max_bytes else data.splitlines()
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
 
 
 def sparkline(values: list[float]) -> str:
@@ -67,7 +43,7 @@ def vitals(
     """Vital signs of `run` (keys with None when unknown). `max_steps` from its config;
     `ended`: the job is over, so there is no ETA (an SFT run may stop early)."""
     now = time.time() if now is None else now
-    trainer, orch = tail_rows(run.metrics("trainer")), tail_rows(run.metrics("orchestrator"))
+    trainer, orch = (read_rows(run.metrics(c), TAIL_BYTES) for c in ("trainer", "orchestrator"))
     out: dict[str, Any] = {"max_steps": max_steps}
     steps = [r["step"] for r in trainer if "loss/mean" in r]
     out["trainer_step"] = steps[-1] if steps else None
@@ -127,7 +103,7 @@ def _fmt(v: Optional[float], spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def format_vitals(v: dict[str, Any], kind: str = "rl") -> list[str]:
+def format_vitals(v: dict[str, Any], kind: str) -> list[str]:
     """The lines `prime-hpc status` prints under the group table (an SFT run, `kind`
     "sft", has no orchestrator)."""
     total = v.get("max_steps")

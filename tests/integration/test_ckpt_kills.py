@@ -178,7 +178,8 @@ def test_a_checkpoint_directory_that_cannot_be_made_fails_in_one_line_and_keeps_
 KILLS = 4
 ORCHESTRATOR_SAVES = r"""
 import sys
-from prime_hpc.config.compose import compose, component_config
+from prime_hpc.config.component import component_config
+from prime_hpc.config.compose import compose
 from prime_hpc.orchestrator.loop import Orchestrator
 
 cfg = compose(["+experiment=reverse_text", f"output_dir={sys.argv[1]}", "ckpt.keep_last=2"])

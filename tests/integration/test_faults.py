@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S
 from prime_hpc.launcher.state import batch_log

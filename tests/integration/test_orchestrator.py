@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config.compose import component_config, compose
+from prime_hpc.config.component import component_config
+from prime_hpc.config.compose import compose
 from prime_hpc.core.errors import UserError
 from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.rundir import RunDir, batch, mark_stable

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.core.errors import UserError
 from prime_hpc.launcher.plan import make_plan, slurm_job_name
 from prime_hpc.launcher.render import render_local, render_sbatch

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import cli

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, batch, jobs
 

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, is_stable, jobs
 from tests import procs

@@ -14,6 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from prime_hpc.core import umask  # noqa: E402
 from prime_hpc.model import (  # noqa: E402
     build_tiny_model,
     ensure_tiny_model,
@@ -168,16 +169,10 @@ def test_ensure_builds_once(tmp_path):
     assert ensure_tiny_model(tmp_path, seed=0) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dirs left
-    assert oct(path.stat().st_mode & 0o755) == oct(0o755 & ~_umask())
+    assert oct(path.stat().st_mode & 0o755) == oct(0o755 & ~umask.current())
     # other seeds / params get their own directory
     assert ensure_tiny_model(tmp_path, seed=1).name.startswith("tiny-seed1-")
     assert tiny.params_hash(0, num_layers=2) != tiny.params_hash(0)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def test_ensure_concurrent_callers(tmp_path):

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prime_hpc import sched
 from prime_hpc.config.schema import ClusterConfig
 from prime_hpc.job import attempt
 from prime_hpc.rundir import RunDir, atomic_write_json, jobs
 from prime_hpc.rundir.jobs import start_time
-from prime_hpc.sched import local
+from prime_hpc.sched import BACKENDS, local
+from prime_hpc.sched.base import UnknownBackend, _classes, choose, of
 from prime_hpc.sched.slurm import aggregate, stop_cause
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,29 +52,35 @@ def test_the_backend_package_imports_only_what_lies_below_it():
     for path in (REPO / "prime_hpc" / "sched").glob("*.py"):
         for m in re.finditer(r"^\s*(?:from|import) prime_hpc\.(\w+)", path.read_text(), re.M):
             assert m.group(1) in ("core", "rundir", "sched"), f"{path.name} imports prime_hpc.{m.group(1)}"
-    code = "import sys, prime_hpc.sched; print(sorted(m for m in ('submitit', 'omegaconf', 'hydra', 'jinja2') if m in sys.modules))"
+    heavy = ("submitit", "omegaconf", "hydra", "jinja2")
+    code = f"import sys, prime_hpc.sched.base, prime_hpc.sched.slurm; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+    # the schema takes the backends' names from the package, which loads nothing else
+    code = "import sys, prime_hpc.sched; print(sorted(m for m in sys.modules if m.startswith('prime_hpc.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.stdout.strip() == "['prime_hpc.sched']", out.stderr
 
 
 def test_choose_maps_every_name_and_refuses_an_unknown_one_in_one_line():
-    for name in sched.BACKENDS:
-        assert sched.choose(name).name == name
-    with pytest.raises(sched.UnknownBackend) as e:
-        sched.choose("pbs")
+    assert tuple(_classes()) == BACKENDS  # every name has its class, every class its name
+    for name in BACKENDS:
+        assert choose(name).name == name
+    with pytest.raises(UnknownBackend) as e:
+        choose("pbs")
     assert str(e.value) == "unknown backend 'pbs'; choose from local, slurm"
-    with pytest.raises(sched.UnknownBackend, match=r"^job.json of /r records no backend \(one of local, slurm\)$"):
-        sched.of({"output_dir": "/r", "job_ids": ["7"]})
-    assert sched.of({"backend": "slurm"}).name == "slurm"
+    with pytest.raises(UnknownBackend, match=r"^job.json of /r records no backend \(one of local, slurm\)$"):
+        of({"output_dir": "/r", "job_ids": ["7"]})
+    assert of({"backend": "slurm"}).name == "slurm"
 
 
 def test_cluster_backend_choices_are_the_backends():
     rule = next(f for f in dataclasses.fields(ClusterConfig) if f.name == "backend").metadata["rule"]
-    assert tuple(rule.choices) == sched.BACKENDS and ClusterConfig.backend in sched.BACKENDS
+    assert tuple(rule.choices) == BACKENDS and ClusterConfig.backend in BACKENDS
 
 
 def test_what_differs_is_declared_by_each_backend():
-    slurm, here = sched.choose("slurm"), sched.choose("local")
+    slurm, here = choose("slurm"), choose("local")
     assert slurm.requeues and not here.requeues
     assert here.one_machine and not slurm.one_machine
     assert slurm.job_env == {"SUBMITIT_EXECUTOR": "slurm", "SRUN_EXPORT_ENV": "ALL"} and here.job_env == {}
@@ -95,7 +101,7 @@ def test_het_job_state_from_its_components():
     assert aggregate(["CANCELLED by 1000", "TIMEOUT", "TIMEOUT"]) == "TIMEOUT"
     assert aggregate(["CANCELLED by 1000", "COMPLETED"]) == "CANCELLED"
     assert aggregate(["PENDING", "COMPLETED"]) == "PENDING"  # neither all pending nor failed: the first one
-    slurm = sched.choose("slurm")
+    slurm = choose("slurm")
     assert slurm.overall({"orchestrator": "RUNNING", "inference": "COMPLETED", "trainer": "FAILED"}) == "RUNNING"
 
 
@@ -141,7 +147,7 @@ def test_a_local_jobs_state_is_its_record_checked_against_its_script():
 def test_local_state_alive_and_group_states_come_from_job_json(tmp_path):
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
-    here = sched.choose("local")
+    here = choose("local")
     job = {"backend": "local", "job_ids": ["local-1"], "groups": ["trainer"], "state": "RUNNING"}
     atomic_write_json(run.job_json, {**job, "pid": os.getpid(), "pid_start": start_time(os.getpid())})
     assert here.alive(run, "local-1") and here.state(run, "local-1") == "RUNNING"

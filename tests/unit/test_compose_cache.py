@@ -13,7 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from prime_hpc.config import compose, compose_cache, to_yaml
+from prime_hpc.config import compose_cache
+from prime_hpc.config.compose import compose
+from prime_hpc.config.dump import to_yaml
 from prime_hpc.core.errors import ConfigError
 from tests.conftest import REPO
 
@@ -81,6 +83,27 @@ def test_a_changed_config_tree_composes_anew(cache, tmp_path, monkeypatch):
     exp.write_text(text.replace(f"max_steps: {before}", f"max_steps: {before + 7}"))
     assert compose(overrides).max_steps == before + 7
     assert len(list(cache.glob("*.pkl"))) == 2
+
+
+def test_the_key_covers_every_module_a_composition_loads(tmp_path):
+    """A change to any code a composition runs (the schema, its vocabularies, the walker that
+    refuses unknown keys) composes anew: every module of the package it imports is hashed."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from prime_hpc.config.compose import compose; "
+        f"compose(['+experiment=reverse_text', 'output_dir={tmp_path}/run']); "
+        "print('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('prime_hpc')))"
+    )
+    env = {**os.environ, "PRIME_HPC_COMPOSE_CACHE": "0", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    package = REPO / "prime_hpc"
+    loaded = {str(Path(f).relative_to(package)) for f in out.split()}
+    assert "config/schema.py" in loaded and "config/walk.py" in loaded
+    assert loaded <= set(compose_cache._CODE), (
+        f"not in compose_cache._CODE: {sorted(loaded - set(compose_cache._CODE))}"
+    )
 
 
 def test_errors_come_from_hydra_and_are_not_cached(cache, tmp_path):

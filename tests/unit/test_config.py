@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.config.validate import validate
 from prime_hpc.core.errors import ConfigError, UserError
 from tests.conftest import REPO
@@ -147,22 +147,14 @@ def test_composition_errors_are_one_line(override, needle):
 def _fixed_length_fields() -> list[tuple[str, int]]:
     """(dotted key, length) of every fixed-length field of the schema (typed Tuple[X, Y])."""
     import typing
-    from dataclasses import fields, is_dataclass
 
-    from prime_hpc.config.schema import RunConfig
+    from prime_hpc.config.walk import schema_fields
 
     out = []
-
-    def walk(cls: type, prefix: str) -> None:
-        for f in fields(cls):
-            hint = typing.get_type_hints(cls)[f.name]
-            args = typing.get_args(hint)
-            if is_dataclass(hint):
-                walk(hint, f"{prefix}{f.name}.")
-            elif typing.get_origin(hint) is tuple and args and args[-1] is not Ellipsis:
-                out.append((prefix + f.name, len(args)))
-
-    walk(RunConfig, "")
+    for site in schema_fields():
+        args = typing.get_args(site.hint)
+        if typing.get_origin(site.hint) is tuple and args and args[-1] is not Ellipsis:
+            out.append((site.key, len(args)))
     return out
 
 
@@ -231,8 +223,10 @@ def test_a_group_of_one_is_refused_where_every_group_would_be_dropped(mode, extr
         num_turns=1,
         is_truncated=False,
     )
-    assert advantages([0.7]) == [0.0]  # why rl cannot learn from it
-    assert judge_group([one], step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False).reason
+    assert advantages([0.7], "mean") == [0.0]  # why rl cannot learn from it
+    assert judge_group(
+        [one], step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False, advantage="mean"
+    ).reason
     cfg = make(
         tmp_path, "orchestrator.group_size=1", "orchestrator.batch_size=8", f"orchestrator.training_mode={mode}", *extra
     )

@@ -14,6 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from prime_hpc.config.schema import EnvEntry, RunConfig
+from prime_hpc.config.walk import schema_fields
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 GROUPS = ("orchestrator", "inference", "trainer")  # `cluster.<group>.*`
@@ -24,15 +25,6 @@ MISSING = object()
 
 def schema() -> dict:
     return OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=False)
-
-
-def leaves(node: object, prefix: str = "") -> dict[str, object]:
-    if isinstance(node, dict) and node:
-        out: dict[str, object] = {}
-        for k, v in node.items():
-            out.update(leaves(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
 
 
 def lookup(tree: dict, key: str) -> object:
@@ -139,6 +131,6 @@ def test_a_documented_key_exists_with_the_schemas_default(line, keys, defaults):
 
 def test_every_field_of_the_schema_has_a_row():
     documented = {k.removesuffix(".*") for _, keys, _ in ROWS for k in expand_keys(keys)}
-    fields = leaves(schema())
+    fields = [site.key for site in schema_fields() if site.section is None]
     undocumented = [k for k in fields if not any(k == d or k.startswith(d + ".") for d in documented)]
     assert not undocumented, f"fields of the schema without a row in a table of docs/: {undocumented}"

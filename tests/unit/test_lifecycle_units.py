@@ -12,7 +12,8 @@ import time
 import pytest
 import yaml
 
-from prime_hpc.config.compose import compose, override, recorded_config
+from prime_hpc.config.compose import compose, recorded_config
+from prime_hpc.config.overrides import override
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.net import address_env, node_address
@@ -98,9 +99,9 @@ def test_groups_threads_and_pinning_follow_the_config(tmp_path):
     assert group_cpus(on_policy, job_groups(on_policy), cores=[0, 1]) == {name: "0,1" for name in job_groups(cfg)}
     sft = compose(["+experiment=reverse_text_sft", f"output_dir={tmp_path}"])
     assert job_groups(sft) == ["trainer"] and job_groups(sft, "doctor") == ["orchestrator", "trainer"]
-    assert group_env("trainer", "0-3", 1, 2) == {"OMP_NUM_THREADS": "2", "PRIME_HPC_CPUS": "0-3"}
-    assert group_env("inference", None, 16, 1) == {"OMP_NUM_THREADS": "16"}  # SLURM's cpus_per_task
-    assert group_env("orchestrator", "0", 1, 1)["OMP_NUM_THREADS"] == "1"
+    assert group_env("trainer", "0-3", 1, 2, "cpu") == {"OMP_NUM_THREADS": "2", "PRIME_HPC_CPUS": "0-3"}
+    assert group_env("inference", None, 16, 1, "cpu") == {"OMP_NUM_THREADS": "16"}  # SLURM's cpus_per_task
+    assert group_env("orchestrator", "0", 1, 1, "cpu")["OMP_NUM_THREADS"] == "1"
     plan = make_plan(sft, cores=[0, 1])
     assert plan.group_names == ["trainer"] and not plan.het and plan.kind == "sft"
     assert plan.group("trainer").prefix == ["env", "OMP_NUM_THREADS=2", "PRIME_HPC_CPUS=0,1", "taskset", "-c", "0,1"]
@@ -281,7 +282,7 @@ def test_truncate_jsonl_keeps_only_accepted_rows(tmp_path):
 
 # --------------------------------------------------------------------------- recorded configs
 def test_recorded_config_takes_typed_overrides_and_refuses_the_rest(tmp_path):
-    from prime_hpc.config.compose import to_yaml
+    from prime_hpc.config.dump import to_yaml
 
     cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}/run"])
     path = tmp_path / "config.yaml"
@@ -332,13 +333,13 @@ def test_stop_decision_after_sigterm_waits_for_the_supervisor(tmp_path, monkeypa
 def test_lr_schedules_by_hand():
     from prime_hpc.trainer.engine import lr_factor
 
-    warm = lr_factor(4)
+    warm = lr_factor(4, "constant", None, 0.0)
     assert [warm(i) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    lin = lr_factor(2, "linear", total_steps=6, min_ratio=0.2)  # decays over steps 3..6
+    lin = lr_factor(2, "linear", 6, 0.2)  # decays over steps 3..6
     assert [round(lin(i), 4) for i in range(6)] == [0.5, 1.0, 0.8, 0.6, 0.4, 0.2]
-    cos = lr_factor(0, "cosine", total_steps=4)
+    cos = lr_factor(0, "cosine", 4, 0.0)
     assert [round(cos(i), 4) for i in range(4)] == [0.8536, 0.5, 0.1464, 0.0]
-    assert lr_factor(0, "cosine", total_steps=None)(10) == 1.0  # no max_steps: no decay
+    assert lr_factor(0, "cosine", None, 0.0)(10) == 1.0  # no max_steps: no decay
 
 
 def test_watchdog_tells_a_stall_from_a_wait():
@@ -395,7 +396,7 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     import asyncio
     from types import SimpleNamespace
 
-    from prime_hpc.config.compose import component_config
+    from prime_hpc.config.component import component_config
     from prime_hpc.job.watchdog import stalled
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import dataset_rows, load_env
@@ -596,4 +597,6 @@ def test_a_components_own_one_line_cause_is_the_recorded_failure(tmp_path):
     run.metrics("orchestrator").write_text("".join(json.dumps(r) + "\n" for r in rows))
     v = vitals(run, 10)
     assert v["orchestrator_step"] == 2
-    assert "step 3 not filled: 0 group(s) accepted of 12 judged (errored: 9, no reward variance: 3)" in format_vitals(v)
+    assert "step 3 not filled: 0 group(s) accepted of 12 judged (errored: 9, no reward variance: 3)" in format_vitals(
+        v, "rl"
+    )

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.config.component import OrchestratorRunConfig, typed
-from prime_hpc.config.compose import component_config, compose
+from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
+from prime_hpc.config.compose import compose
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, dataset_rows, load_env
@@ -46,22 +46,22 @@ def _r(reward, policy=(0,), error=None, n=3, env="e"):
 
 def test_advantages_are_reward_minus_group_mean():
     g = [_r(1.0), _r(0.0), _r(0.5), _r(0.5)]
-    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=True)
+    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=True, advantage="mean")
     assert v.reason is None
     assert [r.advantage for r in v.kept] == [0.5, -0.5, 0.0, 0.0]
 
 
 def test_errored_rollouts_leave_the_group_and_the_baseline():
     g = [_r(1.0), _r(0.0, error="boom"), _r(0.0), _r(0.5)]
-    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False)
+    v = judge_group(g, step=1, async_level=2, max_off_policy_steps=8, filter_zero_variance=False, advantage="mean")
     assert v.errored == 1 and len(v.kept) == 3
     assert [round(r.advantage, 6) for r in v.kept] == [0.5, -0.5, 0.0]  # mean of 1, 0, 0.5
 
 
 def test_zero_variance_groups_are_filtered_only_when_asked():
     g = [_r(1.0) for _ in range(4)]
-    assert judge_group(g, 1, 2, 8, True).reason == "no reward variance"
-    v = judge_group(g, 1, 2, 8, False)
+    assert judge_group(g, 1, 2, 8, True, "mean").reason == "no reward variance"
+    v = judge_group(g, 1, 2, 8, False, "mean")
     assert v.reason is None and all(r.advantage == 0.0 for r in v.kept)
 
 
@@ -84,10 +84,10 @@ def test_difficulty_filter_by_mean_reward_and_variance():
 
 def test_policy_lag_bound_and_spanning_rollouts():
     # step 5, async_level 2: policies 3.. are fine, 2 is stale
-    assert judge_group([_r(1, (3,)), _r(0, (4,))], 5, 2, 8, False).reason is None
-    assert judge_group([_r(1, (2,)), _r(0, (4,))], 5, 2, 8, False).reason == "stale"
+    assert judge_group([_r(1, (3,)), _r(0, (4,))], 5, 2, 8, False, "mean").reason is None
+    assert judge_group([_r(1, (2,)), _r(0, (4,))], 5, 2, 8, False, "mean").reason == "stale"
     # a rollout whose turns came from policies 3 and 6 spans 4 policies: dropped when m=3
-    v = judge_group([_r(1, (3, 6)), _r(0, (4,)), _r(0.5, (4,))], 6, 3, 3, False)
+    v = judge_group([_r(1, (3, 6)), _r(0, (4,)), _r(0.5, (4,))], 6, 3, 3, False, "mean")
     assert v.dropped_spanning == 1 and len(v.kept) == 2
 
 
@@ -107,12 +107,12 @@ def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
             },
         ],
     }
-    r = from_output(out, "env", seq_len=100)
+    r = from_output(out, "env", seq_len=100, strategy="interleaved")
     assert r.input_ids == [1, 2, 3, 4, 5, 6]
     assert r.loss_mask == [False, False, True, True, False, True]
     assert r.logprobs == [0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
     assert r.policy_steps == [4, 5] and r.num_turns == 2 and r.error is None
-    cut = from_output(out, "env", seq_len=4)
+    cut = from_output(out, "env", seq_len=4, strategy="interleaved")
     assert cut.input_ids == [1, 2, 3, 4] and cut.is_truncated
 
 
@@ -121,19 +121,20 @@ def test_an_empty_answer_is_an_empty_rollout_not_an_error():
         {"reward": 0.0, "error": {"error_chain_repr": "EmptyModelResponseError('no content')"}, "trajectory": []},
         "e",
         10,
+        "interleaved",
     )
     assert r.empty and r.error is None
 
 
 def test_reward_errors_and_missing_tokens_are_errors():
-    r = from_output({"reward": 0.0, "reward_error": "reward: ValueError: x", "trajectory": []}, "e", 10)
+    r = from_output({"reward": 0.0, "reward_error": "reward: ValueError: x", "trajectory": []}, "e", 10, "interleaved")
     assert r.error.startswith("reward: ValueError")
-    r = from_output({"reward": 0.0, "trajectory": [{"tokens": None}]}, "e", 10)
+    r = from_output({"reward": 0.0, "trajectory": [{"tokens": None}]}, "e", 10, "interleaved")
     assert "no token ids" in r.error
 
 
 def test_a_rollout_that_ended_before_any_model_turn_is_empty_not_an_error():
-    r = from_output({"reward": 0.0, "trajectory": [], "completion": []}, "e", 10)
+    r = from_output({"reward": 0.0, "trajectory": [], "completion": []}, "e", 10, "interleaved")
     assert r.empty and r.error is None
 
 

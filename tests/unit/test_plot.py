@@ -95,14 +95,6 @@ def test_rows_of_a_step_merge_and_broken_lines_are_skipped(tmp_path):
     assert plot.load_metrics(tmp_path / "nothing") == {"orchestrator": {}, "trainer": {}}
 
 
-def test_read_rows_keeps_only_rows_with_an_integer_step(tmp_path):
-    path = tmp_path / "m.jsonl"
-    path.write_text(
-        '{"step": 1, "a": 1}\n[1, 2]\n{"a": 2}\n{"step": "3"}\n{"step": true}\n\n{"step": 2, "a": NaN}\n{"st'
-    )
-    assert [r["step"] for r in plot.read_rows(path)] == [1, 2]
-
-
 # --------------------------------------------------------------------------- panel data
 def test_panels_of_an_rl_run(tmp_path):
     panels = plot.build_panels([plot.load_metrics(rl_run(tmp_path / "rl"))])

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from prime_hpc.config import compose
+from prime_hpc.config.compose import compose
 from prime_hpc.launcher.plan import After, make_plan, slurm_job_name
 from prime_hpc.launcher.render import render_local, render_sbatch, sbatch_quote
 from tests.conftest import HOSTILE, REPO, hydra_quote

@@ -144,6 +144,40 @@ def test_paths_are_step_tagged(tmp_path):
     assert run.metrics("orchestrator").relative_to(run.root) == Path("metrics/orchestrator.jsonl")
 
 
+@pytest.mark.parametrize(
+    "component, node, path",
+    [
+        ("inference_3", None, "inference/node_3.log"),  # one server of the set
+        ("router", None, "inference/router_0.log"),
+        ("router_1", None, "inference/router_1.log"),
+        ("trainer", 2, "trainer/node_2.log"),
+        ("inference", 1, "inference/node_1.log"),
+        ("trainer", None, "trainer.log"),  # node 0's, linked
+        ("inference", None, "inference.log"),
+        ("orchestrator", None, "orchestrator.log"),
+        ("orchestrator", 0, "orchestrator.log"),
+        ("watchdog", None, "watchdog.log"),
+    ],
+)
+def test_the_log_of_a_component(tmp_path, component, node, path):
+    assert RunDir.log_of(tmp_path, component, node) == tmp_path / path
+
+
+def test_checkpoint_part_steps_are_the_one_lookup(tmp_path):
+    run = RunDir(tmp_path)
+    for step, parts, marked in ((1, ("trainer", "orchestrator"), ("trainer",)), (2, ("trainer",), ("trainer",))):
+        for part in parts:
+            run.checkpoint_part(step, part).mkdir(parents=True)
+            if part in marked:
+                mark_stable(run.checkpoint_part(step, part))
+    (run.checkpoints_dir / "step_x").mkdir()  # not a step
+    assert run.checkpoint_part_steps(("trainer",), complete=False) == run.checkpoint_steps("trainer") == [1, 2]
+    assert run.checkpoint_part_steps(("orchestrator",), complete=False) == [1]
+    assert run.checkpoint_part_steps(("trainer", "orchestrator"), complete=False) == [1]
+    assert run.checkpoint_part_steps(("trainer",), complete=True) == run.complete_checkpoint_steps(("trainer",))
+    assert run.complete_checkpoint_steps() == [] and run.complete_checkpoint_steps(("trainer",)) == [1, 2]
+
+
 def test_latest_checkpoint_needs_every_marker_and_clear_after(tmp_path):
     run = RunDir(tmp_path)
     for step in (2, 4, 6):

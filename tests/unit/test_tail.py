@@ -134,6 +134,25 @@ def test_last_lines_per_source(tmp_path):
     assert [text for _, text in labelled(output)] == ["line 27", "line 28", "line 29"]
 
 
+def test_last_lines_of_a_log_longer_than_the_window_and_what_follows(tmp_path, monkeypatch):
+    """Only the end of a long log is read (its cut first line left out); following goes on
+    from there, a line completed later printed whole."""
+    monkeypatch.setattr(tail, "TAIL_WINDOW", 40)
+    run, logs = make_run(tmp_path)
+    log = RunDir.component_log(logs, "orchestrator")
+    write(log, *[f"line {i:02d}" for i in range(30)])
+    with open(log, "a") as f:
+        f.write("half")
+    t = tail.Tail(["orchestrator"], 0, False, io.StringIO())
+    t.switch(logs)
+    t.poll(initial_lines=10)
+    with open(log, "a") as f:
+        f.write(" done\nnext\n")
+    t.poll()
+    printed = [line.split(" | ", 1)[1] for line in t.out.getvalue().splitlines() if " | " in line]
+    assert printed == ["line 26", "line 27", "line 28", "line 29", "half done", "next"]
+
+
 # ----------------------------------------------------------------------------- ranks
 def test_rank_zero_by_default(tmp_path):
     run, logs = make_run(tmp_path)

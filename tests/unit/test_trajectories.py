@@ -129,7 +129,9 @@ def test_branches_share_the_rollouts_advantage_and_count_once_in_the_group(token
     plain.reward = 0.0
     # the prompts of turns 2 and 3 each drop reasoning of an earlier answer: three samples
     assert len(branched.branches) == 2
-    v = judge_group([branched, plain], step=3, async_level=2, max_off_policy_steps=8, filter_zero_variance=False)
+    v = judge_group(
+        [branched, plain], step=3, async_level=2, max_off_policy_steps=8, filter_zero_variance=False, advantage="mean"
+    )
     assert [r.advantage for r in v.kept] == [0.5, -0.5]  # one reward per rollout, not per sample
     assert {s.advantage for s in branched.to_samples()} == {0.5}
     assert [s.policy_step for s in branched.to_samples()] == [3] * (1 + len(branched.branches))
@@ -147,7 +149,7 @@ def test_a_rollout_ended_by_a_full_context_is_a_truncated_sample(tokenizer):
     error: it trains like any other, on what the model generated."""
     out = _trajectory(tokenizer, ["abc"], [])
     out["is_truncated"] = True
-    r = from_output(out, "e", seq_len=1000)
+    r = from_output(out, "e", seq_len=1000, strategy="interleaved")
     assert r.is_truncated and r.error is None and not r.empty
     assert _trained_text(tokenizer, r.input_ids, r.loss_mask) == ["abc<|im_end|>"]
 

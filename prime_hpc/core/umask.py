@@ -1,0 +1,78 @@
+"""The process's umask, read and applied safely with threads.
+
+The umask belongs to the whole process, and the only portable way to read it, `os.umask`,
+sets it too: a thread that creates a file between that call and the one restoring the
+value gets the wrong permissions, and two threads doing it at once can leave the wrong
+value behind. So:
+
+- `current()` reads it without setting it where the kernel tells (Linux: the `Umask:`
+  line of `/proc/self/status`); elsewhere it sets and restores it under `LOCK`;
+- `applied(value)` sets it for a block (and for the processes started in it) and restores
+  the previous one; each change is made under `LOCK`, so it never interleaves with the
+  fallback read of `current()`.
+
+Both are cheap (one small read of /proc); nothing else here touches the umask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+LOCK = threading.RLock()  # held around every change of the umask made here
+_STATUS = "/proc/self/status"
+
+
+def _from_proc() -> int | None:
+    """The umask from `/proc/self/status` (Linux >= 4.7), None where it is not given."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def current() -> int:
+    """This process's umask now (it may change: submit applies `cluster.umask`), read
+    without changing it where the kernel tells, else set and restored under `LOCK`."""
+    mask = _from_proc()
+    if mask is not None:
+        return mask
+    with LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def parse(value: str | int) -> int:
+    """A umask given as octal text ("027", `cluster.umask`) or as a number."""
+    return value if isinstance(value, int) else int(str(value), 8)
+
+
+@contextlib.contextmanager
+def applied(value: str | int) -> Iterator[None]:
+    """Everything created meanwhile by this process, and the processes and jobs it starts,
+    gets the umask `value` (octal text such as "027", or a number); the previous umask is
+    back afterwards, on every path."""
+    with LOCK:
+        previous = os.umask(parse(value))
+    try:
+        yield
+    finally:
+        with LOCK:
+            os.umask(previous)
+
+
+def file_mode() -> int:
+    """0o666 minus the umask: what open() would give a new file."""
+    return 0o666 & ~current()
+
+
+def dir_mode() -> int:
+    """0o777 minus the umask: what mkdir() would give a new directory."""
+    return 0o777 & ~current()

@@ -1,0 +1,184 @@
+#!/bin/bash
+# prime-hpc rl preflight on this machine (cluster=local): the same components as the
+# SLURM job, as local processes. Rendered from sbatch_templates/run.local.sh.j2.
+# Supervision: the job is done when every non-service component exited 0 (services are
+# then stopped); the first component to fail (or a service that exits) ends the whole job.
+# A time limit, preemption or requeue makes the trainer and the orchestrator checkpoint the
+# current step first (control/checkpoint.json), then the job goes back to the queue and its
+# next attempt continues from that checkpoint. A cancel stops everything at once.
+# Every component gets 20s to exit after SIGTERM before SIGKILL.
+declare -A PIDS SERVICE DONE REPLICA  # REPLICA[c]=g: c is one of the interchangeable servers g
+ENDED=""     # this attempt's outcome is recorded
+STOPPING=""  # why the components were asked to checkpoint and stop
+attempt() {  # attempt <command> [args...]: the launcher's helper for this run (prime_hpc.job.attempt)
+  /opt/venv/bin/python -m prime_hpc.job.attempt "$1" /shared/runs/reverse_text --job-id local-7 "${@:2}"
+}
+alive() {  # alive <pid>: is the component (any process of its group) still running?
+  kill -0 -- -"$1" 2>/dev/null
+}
+stop_all() {  # stop_all [requeued]: TERM to every component, then KILL what is left after 20s
+  local p
+  for p in "${PIDS[@]}"; do kill -TERM -- -"$p" 2>/dev/null; done
+  local waited=0 any p
+  while [ $waited -lt 20 ]; do
+    any=0
+    for p in "${PIDS[@]}"; do alive "$p" && any=1; done
+    [ $any -eq 0 ] && return 0
+    sleep 1; waited=$((waited + 1))
+  done
+  for p in "${PIDS[@]}"; do kill -KILL -- -"$p" 2>/dev/null; done
+}
+wait_components() {  # wait_components <seconds>: until every non-service component has exited
+  local waited=0 any c
+  while [ $waited -lt "$1" ]; do
+    any=0
+    for c in "${!PIDS[@]}"; do [ "${SERVICE[$c]}" = 0 ] && alive "${PIDS[$c]}" && any=1; done
+    [ $any -eq 0 ] && return 0
+    sleep 1; waited=$((waited + 1))
+  done
+  return 1
+}
+reap() {  # reap <pid>: what is left of a component that exited (its process group, locally)
+  kill -KILL -- -"$1" 2>/dev/null
+}
+replicas_left() {  # replicas_left <g>: how many servers of group g are still running
+  local c n=0
+  for c in "${!REPLICA[@]}"; do [ "${REPLICA[$c]}" = "$1" ] && [ -z "${DONE[$c]:-}" ] && n=$((n + 1)); done
+  echo $n
+}
+record() {  # record <rc> [component] [reason] [state]: the outcome, into job.json (once)
+  [ -n "$ENDED" ] && return 0
+  ENDED=1
+  attempt end --rc "$1" --component "${2:-}" --reason "${3:-}" --state "${4:-}"
+}
+checkpoint_and_requeue() {  # checkpoint_and_requeue <why> <seconds>: the checkpoint is asked for
+  STOPPING=$1; ENDED=1
+  # the trainer and the orchestrator checkpoint the step they are at and exit
+  wait_components "$2" || echo "prime-hpc: components still running after $2s; stopping them" >&2
+  # recorded before stopping the rest: SLURM may end this script any moment now
+  local rc=0
+  trap '' TERM INT  # SLURM signals this script too once the job is requeued: it goes on
+  attempt requeue --reason "$1" || rc=1  # back to the queue unless cluster.max_requeues is reached
+  if [ $rc -eq 0 ] || [ "$1" = REQUEUED ]; then stop_all requeued; else stop_all; fi
+  return $rc
+}
+stop_if_slurm_stops() {  # a time limit, a preemption or a requeue: checkpoint, requeue, exit
+  local why
+  why=$(attempt cause --checkpoint)  # CANCELLED, or TIMEOUT / PREEMPTED / REQUEUED (asked of SLURM)
+  case "$why" in
+    TIMEOUT|PREEMPTED|REQUEUED)
+      trap '' TERM INT USR2
+      echo "prime-hpc: $why: checkpointing before the job stops" >&2
+      checkpoint_and_requeue "$why" 20
+      exit 143 ;;
+  esac
+}
+signalled() {  # did a component get a SIGTERM? (SLURM signals only the steps when it preempts with a grace time)
+  local f
+  for f in /shared/runs/reverse_text/control/sigterm_*; do [ -e "$f" ] && return 0; done
+  return 1
+}
+on_signal() {
+  trap '' TERM INT USR2
+  [ -n "$STOPPING" ] && exit 143  # already checkpointing and requeueing (SLURM ends the attempt)
+  stop_if_slurm_stops
+  record 143 "" "cancelled" CANCELLED
+  stop_all
+  exit 143
+}
+on_time_limit() {  # SIGUSR2, signal_delay_s before the time limit
+  [ -n "$STOPPING" ] && return 0
+  trap '' USR2
+  STOPPING=TIMEOUT
+  echo "prime-hpc: the time limit is about 120s away: checkpointing, then requeueing" >&2
+  attempt checkpoint --reason TIMEOUT
+  checkpoint_and_requeue TIMEOUT 90
+  exit $?  # 1 when not requeued (cluster.max_requeues): the job failed, no afterok dependency starts
+}
+trap on_signal TERM INT
+trap on_time_limit USR2
+
+module load cuda
+set +e -uo pipefail
+umask 027  # what the run writes is not readable by other users (cluster.umask)
+export PRIME_HPC_DEVICE=cpu
+export PYTHONUNBUFFERED=1
+export PRIME_HPC_NODE_ADDRESS=127.0.0.1
+export VLLM_HOST_IP=127.0.0.1
+export GLOO_SOCKET_IFNAME=lo
+export NCCL_SOCKET_IFNAME=lo
+export PRIME_HPC_CACHE=/shared/cache
+export SUBMITIT_EXECUTOR=slurm
+export SRUN_EXPORT_ENV=ALL
+
+LOGS=$(attempt start) || { echo "prime-hpc: the attempt could not start; see above" >&2; exit 1; }
+export PRIME_HPC_LOGS="$LOGS"
+# every listener of the job demands the job's key; it comes only through this environment
+[ -n "${INFERENCE_SERVER_API_KEY:-}" ] || {
+  record 1 "" "INFERENCE_SERVER_API_KEY did not reach the job's environment; nothing was started without it"
+  echo "prime-hpc: INFERENCE_SERVER_API_KEY did not reach the job's environment; nothing was started without it" >&2
+  exit 1
+}
+
+# Each component in a session of its own, killed by the kernel if this script dies (kill -9 included)
+
+# inference: one server per (simulated) node; the run goes on while any of them is left
+for n in $(seq 0 1); do
+  PRIME_HPC_NODE_RANK=$n /opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.job.preflight node --group inference --output-dir /shared/runs/reverse_text >"$LOGS/inference/node_$n.log" 2>&1 &
+  PIDS[inference_$n]=$!; SERVICE[inference_$n]=0; REPLICA[inference_$n]=inference
+done
+# the router in front of every server
+/opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.job.preflight node --group router --output-dir /shared/runs/reverse_text >"$LOGS/inference/router_0.log" 2>&1 &
+PIDS[router]=$!; SERVICE[router]=0
+
+# trainer: torchrun on this machine
+# rendezvous and process group in files of this attempt (torch's TCP stores would listen on every interface)
+RDZV=/shared/runs/reverse_text/control/trainer_rendezvous.store; RDZV_CONF=store_type=file
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PRIME_HPC_PG_STORE=/shared/runs/reverse_text/control/trainer_process_group.store
+/opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m torch.distributed.run --nnodes=1 --nproc-per-node=2 \
+  --rdzv-backend=c10d --rdzv-endpoint="$RDZV" --rdzv-conf="$RDZV_CONF" --local-addr=127.0.0.1 --rdzv-id=local-7 \
+  --log-dir="$LOGS/trainer/torchrun" --redirects=3 --tee=3 \
+  -m prime_hpc.job.preflight node --group trainer --output-dir /shared/runs/reverse_text >"$LOGS/trainer/node_0.log" 2>&1 &
+PIDS[trainer]=$!; SERVICE[trainer]=0
+
+# head task (orchestrator)
+/opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=1 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m submitit.core._submit /shared/runs/reverse_text/submit/submitit >"$LOGS/orchestrator.log" 2>&1 &
+PIDS[orchestrator]=$!; SERVICE[orchestrator]=0
+
+
+# (supervision loop; functions at the top of the script)
+while true; do
+  signalled && stop_if_slurm_stops  # a component got a SIGTERM this script did not: ask SLURM why
+  for c in "${!PIDS[@]}"; do
+    [ -n "${DONE[$c]:-}" ] && continue
+    if ! kill -0 "${PIDS[$c]}" 2>/dev/null; then  # its main process exited
+      wait "${PIDS[$c]}"; rc=$?; DONE[$c]=$rc
+      # a signal for the whole job (requeue, cancel) may end a component before this
+      # script's own trap has run: let the trap go first, it decides what the exit means
+      [ "$rc" -gt 128 ] && { sleep 2 & wait $!; }
+      if [ "$c" = watchdog ] && [ "$rc" -ne 3 ]; then
+        echo "prime-hpc: the stall watchdog exited with code $rc (see its log); the run goes on unwatched" >&2
+        continue
+      fi
+      # a service or a failure may be SLURM stopping the job without signalling this script
+      { [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; } && [ "$c" != watchdog ] && stop_if_slurm_stops
+      if [ -n "${REPLICA[$c]:-}" ] && [ "$(replicas_left "${REPLICA[$c]}")" -gt 0 ]; then
+        echo "prime-hpc: $c exited with code $rc; $(replicas_left "${REPLICA[$c]}") ${REPLICA[$c]} server(s) left, the run goes on" >&2
+        reap "${PIDS[$c]}"; attempt lost --component "$c" --rc "$rc"
+        continue
+      fi
+      if [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; then
+        echo "prime-hpc: $c exited with code $rc; stopping the other components" >&2
+        record $(( rc == 0 ? 1 : rc )) "$c" "exited with code $rc"
+        stop_all; exit $(( rc == 0 ? 1 : rc ))
+      fi
+    fi
+  done
+  pending=0
+  for c in "${!PIDS[@]}"; do
+    [ "${SERVICE[$c]}" = 0 ] && [ -z "${DONE[$c]:-}" ] && pending=1
+  done
+  if [ $pending -eq 0 ]; then stop_all; record 0; exit 0; fi
+  sleep 1 & wait $!
+done
+
