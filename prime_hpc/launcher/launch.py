@@ -312,7 +312,7 @@ def submit_stages(
         cfg.clean_output_dir = False
     warm = submit(warm_cfg, warmup_overrides(cfg), after=after, pipeline={"run": str(run.root)})
     try:
-        run = submit(
+        main = submit(
             cfg,
             overrides,
             after=[After(job_id=warm.ref.job_id, output_dir=warm.ref.output_dir)],
@@ -322,8 +322,8 @@ def submit_stages(
     except BaseException:
         cancel(warm.ref)
         raise
-    jobs.update_job(warm.ref.run, pipeline={"run": run.ref.output_dir, "run_job_id": run.ref.job_id})
-    return [warm, run]
+    jobs.update_job(warm.ref.run, pipeline={"run": main.ref.output_dir, "run_job_id": main.ref.job_id})
+    return [warm, main]
 
 
 def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
