@@ -63,7 +63,7 @@ def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:
     """{job id: state} of these jobs, each backend asked once for all of its jobs, and
     a note naming what could not be asked (those jobs show what job.json recorded)."""
     from prime_hpc.sched import BACKENDS
-    from prime_hpc.sched.base import choose
+    from prime_hpc.sched.registry import choose
 
     by_backend: dict[str, dict[str, dict]] = {}
     for r in refs:

@@ -49,7 +49,7 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
     from prime_hpc.rundir import jobs
-    from prime_hpc.sched.base import choose
+    from prime_hpc.sched.registry import choose
     from prime_hpc.watch.vitals import vitals
 
     job = jobs.read_job(ref.run)

@@ -44,7 +44,7 @@ from prime_hpc.rundir.jobs import (
     read_job,
 )
 from prime_hpc.sched import local
-from prime_hpc.sched.base import of
+from prime_hpc.sched.registry import of
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
 

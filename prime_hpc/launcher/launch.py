@@ -27,7 +27,8 @@ from prime_hpc.launcher.render import render_local, render_sbatch
 # re-exported: what a job is doing, light for the read-only commands
 from prime_hpc.launcher.state import cancel, group_states, job_state, pipeline_refs  # noqa: F401
 from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_text, jobs, with_umask
-from prime_hpc.sched.base import JobSpec, choose
+from prime_hpc.sched.base import JobSpec
+from prime_hpc.sched.registry import choose
 
 
 @dataclass

@@ -19,7 +19,7 @@ from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env, is_loopback
 from prime_hpc.rundir import COMPONENTS, RunDir
-from prime_hpc.sched.base import choose
+from prime_hpc.sched.registry import choose
 
 MODES = ("run", "doctor")
 GROUP_NAMES = COMPONENTS  # het group k runs GROUP_NAMES[k]

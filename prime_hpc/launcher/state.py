@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from prime_hpc.rundir import RunDir, jobs
-from prime_hpc.sched.base import choose
+from prime_hpc.sched.registry import choose
 
 
 def pipeline_refs(ref: jobs.JobRef) -> list[jobs.JobRef]:

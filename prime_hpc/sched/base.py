@@ -1,6 +1,6 @@
 """The backend protocol: what prime-hpc asks of whatever runs its jobs (SLURM, or this
 machine). One class per backend (`prime_hpc.sched.slurm.Slurm`, `prime_hpc.sched.local.Local`);
-`prime_hpc.sched.choose` is the one place a backend's name (`cluster.backend`, job.json's
+`prime_hpc.sched.registry.choose` is the one place a backend's name (`cluster.backend`, job.json's
 `backend`) becomes its class. Nothing outside this package tells backends apart by name.
 
 Light: `status`, `list`, `tail`, `cancel` and the job script's helpers (`prime_hpc.job.attempt`)
@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
-from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir
 from prime_hpc.rundir.jobs import CANCELLED
-from prime_hpc.sched import BACKENDS
 
 
 @dataclass
@@ -86,31 +84,3 @@ class Backend(abc.ABC):
         """Why the job is being stopped: CANCELLED, or where the scheduler says so
         TIMEOUT, PREEMPTED or REQUEUED."""
         return CANCELLED
-
-
-class UnknownBackend(UserError):
-    """A backend name (cluster.backend, job.json's backend) that no class answers to."""
-
-
-def _classes() -> dict[str, type[Backend]]:
-    from prime_hpc.sched.local import Local
-    from prime_hpc.sched.slurm import Slurm
-
-    return {cls.name: cls for cls in (Local, Slurm)}
-
-
-def choose(name: Any) -> Backend:
-    """The backend called `name`: the one place a backend's name becomes its class."""
-    cls = _classes().get(str(name))
-    if cls is None:
-        raise UnknownBackend(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
-    return cls()
-
-
-def of(job: dict[str, Any]) -> Backend:
-    """The backend a job.json records as running the job."""
-    if "backend" not in job:
-        raise UnknownBackend(
-            f"job.json of {job.get('output_dir', 'this run')} records no backend (one of {', '.join(BACKENDS)})"
-        )
-    return choose(job["backend"])

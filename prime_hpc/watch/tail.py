@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence, TextIO, Union
 from prime_hpc.rundir import COMPONENTS as RUN_COMPONENTS
 from prime_hpc.rundir import RunDir, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
-from prime_hpc.sched.base import of
+from prime_hpc.sched.registry import of
 
 COMPONENTS = (*RUN_COMPONENTS, "router", "envs")  # what to tail: the components, the router, the env workers
 POLL_S = 0.5

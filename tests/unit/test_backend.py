@@ -19,7 +19,7 @@ from prime_hpc.job import attempt
 from prime_hpc.rundir import RunDir, atomic_write_json, jobs
 from prime_hpc.rundir.jobs import start_time
 from prime_hpc.sched import BACKENDS, local
-from prime_hpc.sched.base import UnknownBackend, _classes, choose, of
+from prime_hpc.sched.registry import UnknownBackend, _classes, choose, of
 from prime_hpc.sched.slurm import aggregate, stop_cause
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def test_the_backend_package_imports_only_what_lies_below_it():
         for m in re.finditer(r"^\s*(?:from|import) prime_hpc\.(\w+)", path.read_text(), re.M):
             assert m.group(1) in ("core", "rundir", "sched"), f"{path.name} imports prime_hpc.{m.group(1)}"
     heavy = ("submitit", "omegaconf", "hydra", "jinja2")
-    code = f"import sys, prime_hpc.sched.base, prime_hpc.sched.slurm; print(sorted(m for m in {heavy} if m in sys.modules))"
+    code = f"import sys, prime_hpc.sched.registry; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
     # the schema takes the backends' names from the package, which loads nothing else
