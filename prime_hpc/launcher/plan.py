@@ -221,6 +221,97 @@ def _argv(python: str, module: str, *args: str) -> list[str]:
     return [python, "-u", "-m", module, *args]
 
 
+@dataclass
+class Commands:
+    """What each group runs: the servers' and trainer's commands, the router's (beside
+    the servers) and the trainer module torchrun starts per rank."""
+
+    argv: dict[str, list[str]]
+    router: list[str]
+    trainer_module: str
+    trainer_args: list[str]
+
+
+def commands(cfg: DictConfig, mode: str, py: str, run: RunDir) -> Commands:
+    """A run's components (`mode=run`), or the preflight's probe on every node (`doctor`).
+    The head task (group 0) is set by the backend (submitit or the local script)."""
+    if mode == "run":
+        inference = str(run.component_config("inference"))
+        # a bench run's trainer: the real step on synthetic batches (its own entry point)
+        module = "prime_hpc.trainer.bench" if cfg.bench.mode else f"prime_hpc.trainer.{cfg.trainer.type}"
+        return Commands(
+            argv={
+                "orchestrator": [],
+                "inference": _argv(py, "prime_hpc.inference", "--config", inference),
+                "trainer": [],
+            },
+            router=_argv(py, "prime_hpc.inference.router", "--config", inference),
+            trainer_module=module,
+            trainer_args=["--config", str(run.component_config("trainer"))],
+        )
+    out = str(run.root)
+
+    def probe(group: str) -> list[str]:
+        return ["node", "--group", group, "--output-dir", out]
+
+    return Commands(
+        argv={
+            "orchestrator": [],
+            "inference": _argv(py, "prime_hpc.job.preflight", *probe("inference")),
+            "trainer": [],
+        },
+        router=_argv(py, "prime_hpc.job.preflight", *probe("router")),
+        trainer_module="prime_hpc.job.preflight",
+        trainer_args=probe("trainer"),
+    )
+
+
+def group_plans(
+    cfg: DictConfig, mode: str, argv: dict[str, list[str]], nproc: int, cores: Optional[list[int]]
+) -> list[GroupPlan]:
+    """Each group's nodes, resources, pinning and environment, in het-group order."""
+    c = cfg.cluster
+    names = job_groups(cfg, mode)
+    cpus = group_cpus(cfg, names, cores)
+    gpus = group_gpus(cfg, names)
+    return [
+        GroupPlan(
+            index=i,
+            name=name,
+            nodes=int(c[name].nodes),
+            gpus_per_node=int(c[name].gpus_per_node),
+            cpus_per_task=int(c[name].cpus_per_task),
+            mem_gb=c[name].mem_gb,
+            argv=argv[name],
+            service=(mode == "run" and name == "inference"),
+            cpu_ids=cpus[name],
+            env=group_env(name, cpus[name], int(c[name].cpus_per_task), nproc, c.device, gpus[name]),
+        )
+        for i, name in enumerate(names)
+    ]
+
+
+def job_env(cfg: DictConfig) -> dict[str, str]:
+    """What every component of the job gets: device, addresses, the shared cache and the
+    backend's own variables."""
+    c = cfg.cluster
+    env = {jobenv.DEVICE_VAR: c.device, "PYTHONUNBUFFERED": "1"}
+    env.update(address_env(c.address))
+    env[jobenv.CACHE_VAR] = cache_root(cfg)
+    env.update(choose(c.backend).job_env)
+    return env
+
+
+def watchdog_argv(cfg: DictConfig, mode: str, py: str, out: str, nproc: int) -> list[str]:
+    """The stall watchdog beside the job script (a run with a stall timeout only)."""
+    timeout_s = float(cfg.watchdog.stall_timeout_s)
+    if mode != "run" or timeout_s <= 0:
+        return []
+    return _argv(
+        py, "prime_hpc.job.watchdog", out, "--stall-timeout-s", f"{timeout_s:g}", "--ranks-per-node", str(nproc)
+    )
+
+
 def make_plan(
     cfg: DictConfig, mode: str = "run", python: Optional[str] = None, cores: Optional[list[int]] = None
 ) -> Plan:
@@ -232,53 +323,8 @@ def make_plan(
     run = RunDir(cfg.output_dir)
     py = python or c.python or sys.executable
     out = str(run.root)
-    if mode == "run":
-        argv = {
-            "orchestrator": [],  # the head task: set by the backend (submitit or local)
-            "inference": _argv(py, "prime_hpc.inference", "--config", str(run.component_config("inference"))),
-            "trainer": [],
-        }
-        router = _argv(py, "prime_hpc.inference.router", "--config", str(run.component_config("inference")))
-        # a bench run's trainer: the real step on synthetic batches (its own entry point)
-        trainer_module = "prime_hpc.trainer.bench" if cfg.bench.mode else f"prime_hpc.trainer.{cfg.trainer.type}"
-        trainer_args = ["--config", str(run.component_config("trainer"))]
-    else:
-        argv = {
-            "orchestrator": [],
-            "inference": _argv(py, "prime_hpc.job.preflight", "node", "--group", "inference", "--output-dir", out),
-            "trainer": [],
-        }
-        router = _argv(py, "prime_hpc.job.preflight", "node", "--group", "router", "--output-dir", out)
-        trainer_module = "prime_hpc.job.preflight"
-        trainer_args = ["node", "--group", "trainer", "--output-dir", out]
+    cmd = commands(cfg, mode, py, run)
     nproc = trainer_nproc_per_node(cfg)
-    names = job_groups(cfg, mode)
-    cpus = group_cpus(cfg, names, cores)
-    gpus = group_gpus(cfg, names)
-    groups = []
-    for i, name in enumerate(names):
-        r = c[name]
-        groups.append(
-            GroupPlan(
-                index=i,
-                name=name,
-                nodes=int(r.nodes),
-                gpus_per_node=int(r.gpus_per_node),
-                cpus_per_task=int(r.cpus_per_task),
-                mem_gb=r.mem_gb,
-                argv=argv[name],
-                service=(mode == "run" and name == "inference"),
-                cpu_ids=cpus[name],
-                env=group_env(name, cpus[name], int(r.cpus_per_task), nproc, c.device, gpus[name]),
-            )
-        )
-    env = {
-        jobenv.DEVICE_VAR: c.device,
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.update(address_env(c.address))
-    env[jobenv.CACHE_VAR] = cache_root(cfg)
-    env.update(choose(c.backend).job_env)
     name = cfg.name if mode == "run" else f"{cfg.name}-doctor"
     return Plan(
         mode=mode,
@@ -289,9 +335,9 @@ def make_plan(
         python=py,
         backend=c.backend,
         device=c.device,
-        groups=groups,
-        trainer=TrainerLaunch(nproc_per_node=int(nproc), module=trainer_module, args=trainer_args),
-        env=env,
+        groups=group_plans(cfg, mode, cmd.argv, nproc, cores),
+        trainer=TrainerLaunch(nproc_per_node=int(nproc), module=cmd.trainer_module, args=cmd.trainer_args),
+        env=job_env(cfg),
         env_setup=list(c.env_setup),
         time=c.time,
         partition=c.partition,
@@ -302,19 +348,9 @@ def make_plan(
         sbatch_extra=list(c.sbatch_extra),
         signal_delay_s=int(c.signal_delay_s),
         address=c.address,
-        router_argv=router,
+        router_argv=cmd.router,
         umask=str(c.umask),
-        watchdog_argv=_argv(
-            py,
-            "prime_hpc.job.watchdog",
-            out,
-            "--stall-timeout-s",
-            f"{float(cfg.watchdog.stall_timeout_s):g}",
-            "--ranks-per-node",
-            str(nproc),
-        )
-        if mode == "run" and float(cfg.watchdog.stall_timeout_s) > 0
-        else [],
+        watchdog_argv=watchdog_argv(cfg, mode, py, out, nproc),
         # submitit runs the pickled head task from its folder (the SLURM path)
         head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),
     )

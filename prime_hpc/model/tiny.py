@@ -121,6 +121,38 @@ def params_hash(seed: int = 0, **overrides: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
+def qwen3_config(vocab_size: int, vocab: dict[str, int], params: dict[str, Any]) -> Any:
+    """The untied Qwen3 config of a built model (`params`: its shape and dtype)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=params["hidden_size"],
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_attention_heads"],
+        num_key_value_heads=params["num_key_value_heads"],
+        head_dim=params["head_dim"],
+        max_position_embeddings=params["max_position_embeddings"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(params["rope_theta"])},
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=vocab[IM_END],
+        pad_token_id=vocab[PAD_TOKEN],
+        dtype=params["dtype"],
+    )
+
+
+def _save_tokenizer(tokenizer: Any, out: Path) -> None:
+    tokenizer.save_pretrained(out)
+    # Class name that both transformers 4 and 5 resolve (5 writes "TokenizersBackend").
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike,
     seed: int = 0,
@@ -139,7 +171,7 @@ def build_tiny_model(
     Not atomic by itself: use :func:`ensure_tiny_model` for a shared cache.
     """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3ForCausalLM
 
     params = _params(
         dict(
@@ -156,58 +188,24 @@ def build_tiny_model(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = max_position_embeddings
     vocab = tokenizer.get_vocab()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        bos_token_id=None,
-        eos_token_id=vocab[IM_END],
-        pad_token_id=vocab[PAD_TOKEN],
-        dtype=dtype,
-    )
-    torch_dtype = getattr(torch, dtype)
     # Seed a private RNG stream: callers' global RNG state is left untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    model = model.to(torch_dtype).eval()
+        model = Qwen3ForCausalLM(qwen3_config(len(tokenizer), vocab, params))
+    model = model.to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=None,
         eos_token_id=[vocab[IM_END], vocab[PAD_TOKEN]],
         pad_token_id=vocab[PAD_TOKEN],
     )
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    # Class name that both transformers 4 and 5 resolve (5 writes "TokenizersBackend").
-    tc_path = out / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text())
-    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
-    (out / "prime_hpc_tiny.json").write_text(
-        json.dumps(
-            {
-                "builder_version": BUILDER_VERSION,
-                "seed": seed,
-                "params": params,
-                "num_parameters": sum(p.numel() for p in model.parameters()),
-            },
-            indent=2,
-            sort_keys=True,
-        )
-        + "\n"
-    )
+    _save_tokenizer(tokenizer, out)
+    record = {"builder_version": BUILDER_VERSION, "seed": seed, "params": params}
+    record["num_parameters"] = sum(p.numel() for p in model.parameters())
+    (out / "prime_hpc_tiny.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     _make_readable(out)
     return out
 

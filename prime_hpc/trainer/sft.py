@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.config.component import TrainerRunConfig
@@ -64,17 +65,15 @@ def _nll(lp, mb, normalizer):
     return sft_loss(lp, mb["loss_mask"], normalizer)
 
 
-def train(cfg: TrainerRunConfig) -> None:
+def load_data(cfg: TrainerRunConfig, tokenizer: Any) -> tuple[list, Optional[list]]:
+    """The training samples and the validation samples (None without `val.interval`),
+    tokenized: a bad dataset fails before any heavy setup."""
     from loguru import logger
 
     from prime_hpc.core.errors import UserError
-    from prime_hpc.runtime.stopping import CONTINUE, Stop
-    from prime_hpc.trainer import sft_data
-    from prime_hpc.trainer.model import load_tokenizer
 
     t = cfg.trainer
-    tokenizer = load_tokenizer(cfg)
-    samples = load_samples(t.data, tokenizer, t.loss_mask)  # a bad dataset fails before any heavy setup
+    samples = load_samples(t.data, tokenizer, t.loss_mask)
     val_samples = None
     if t.val.interval:
         if not t.val.data.name:
@@ -84,83 +83,135 @@ def train(cfg: TrainerRunConfig) -> None:
         f"{len(samples)} training samples from {t.data.name}"
         + (f", {len(val_samples)} validation samples from {t.val.data.name}" if val_samples else "")
     )
+    return samples, val_samples
+
+
+@dataclass
+class Epochs:
+    """Where the run is in its data: the packed stream, the validation batches, the
+    rows each rank takes per step and the counts a checkpoint keeps."""
+
+    stream: Any  # sft_data.SFTStream
+    val: Optional[list[dict]]
+    rows_per_rank: int
+    pad_id: int
+    progress: dict[str, int]
+
+    def state(self) -> dict[str, Any]:
+        return {"progress": self.progress, "dataloader": self.stream.state()}
+
+
+def start(s: Session, cfg: TrainerRunConfig, tokenizer: Any, samples: list, val_samples: Optional[list]) -> Epochs:
+    """The data position of a new run, or of a resumed one (its checkpoint's)."""
+    from prime_hpc.trainer import sft_data
+
+    t, env, pad_id = cfg.trainer, s.env, _pad_id(tokenizer)
+    stream = sft_data.SFTStream(samples, t.data.seq_len, cfg.seed, epochs=None if cfg.max_steps else 1)
+    if s.resumed:
+        stream.load_state(s.resumed["dataloader"])
+    return Epochs(
+        stream=stream,
+        val=validation_batches(val_samples, t.val.data.seq_len, env, t.micro_batch_size, pad_id)
+        if val_samples
+        else None,
+        rows_per_rank=math.ceil(max(1, t.data.batch_size // t.data.seq_len) / env.world_size),
+        pad_id=pad_id,
+        progress=dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0})),
+    )
+
+
+def train_step(
+    s: Session, cfg: TrainerRunConfig, data: Epochs, step: int, rows: list, used: int, t0: float
+) -> tuple[dict, bool]:
+    """Train on this step's `rows` (`used` samples), validate when due, save what is due;
+    returns the step's metrics and whether the run ends here (the data ends, `max_steps`,
+    or the validation loss fell below `val.stop_below`). `t0`: when the step began (its
+    rows were taken then)."""
+    from prime_hpc.trainer import sft_data
+
+    t, env = cfg.trainer, s.env
+    mbs = sft_data.micro_batches(
+        sft_data.split_rows(rows, env.rank, env.world_size, data.rows_per_rank), t.micro_batch_size, data.pad_id
+    )
+    t_data = time.perf_counter() - t0
+    result = s.engine.train_step(mbs, _nll)
+    data.progress["num_tokens"] += int(result.sums["num_tokens"])
+    data.progress["num_samples"] += used
+    last = step == cfg.max_steps or data.stream.exhausted()
+    due = last or (t.val.interval is not None and step % t.val.interval == 0)
+    val_m = _validate(s, step, data.val, log=False) if data.val is not None and due else {}
+    early = bool(val_m) and t.val.stop_below is not None and val_m["val/loss"] < t.val.stop_below
+    saved, t_ckpt = runner.checkpoint_if_due(s, step, last or early, data.state())
+    t_weights = 0.0
+    if saved or last or early:
+        t_weights = runner.save_weights(s, step)
+        if env.is_main:
+            runner.prune_weights(s.run, step, 0)
+    m = runner.step_metrics(s, result, time.perf_counter() - t0, t_data)
+    m.update(
+        {
+            "progress/epoch": data.stream.progress_epochs,
+            "progress/num_samples": data.progress["num_samples"],
+            "progress/num_tokens": data.progress["num_tokens"],
+            "time/save_ckpt": t_ckpt,
+            "time/save_weights": t_weights,
+            **val_m,
+        }
+    )
+    return m, early
+
+
+def log_step(s: Session, step: int, m: dict) -> None:
+    from loguru import logger
+
+    if s.metrics is not None:
+        s.metrics.log(step, m)
+    logger.info(
+        f"step {step} | loss {m['loss/mean']:.4f}"
+        + (f" | val/loss {m['val/loss']:.4f}" if "val/loss" in m else "")
+        + f" | grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | "
+        f"epoch {m['progress/epoch']:.2f} | {m['perf/throughput']:.0f} tok/s"
+    )
+
+
+def train(cfg: TrainerRunConfig) -> None:
+    """Steps until `max_steps`, the end of the data or an early stop; a stop request
+    (time limit, preemption) checkpoints the step it is at and ends the process."""
+    from loguru import logger
+
+    from prime_hpc.runtime.stopping import CONTINUE, Stop
+    from prime_hpc.trainer.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    samples, val_samples = load_data(cfg, tokenizer)
     with runner.session(cfg, PARTS) as s:
-        env, pad_id = s.env, _pad_id(tokenizer)
-        rows_per_rank = math.ceil(max(1, t.data.batch_size // t.data.seq_len) / env.world_size)
-        stream = sft_data.SFTStream(samples, t.data.seq_len, cfg.seed, epochs=None if cfg.max_steps else 1)
-        if s.resumed:
-            stream.load_state(s.resumed["dataloader"])
-        val = (
-            validation_batches(val_samples, t.val.data.seq_len, env, t.micro_batch_size, pad_id)
-            if val_samples
-            else None
-        )
-        progress = dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0}))
+        data = start(s, cfg, tokenizer, samples, val_samples)
         step = s.start_step
-        if val is not None and step == 0:
-            _validate(s, 0, val)
+        if data.val is not None and step == 0:
+            _validate(s, 0, data.val)
         runner.beat(s, step)
         stop = Stop(s.run)
-        while (cfg.max_steps is None or step < cfg.max_steps) and not stream.exhausted():
+        while (cfg.max_steps is None or step < cfg.max_steps) and not data.stream.exhausted():
             code, _ = runner.agreed_stop(s, stop)
             if code != CONTINUE:
-                runner.stop_here(s, step, code, {"progress": progress, "dataloader": stream.state()})
+                runner.stop_here(s, step, code, data.state())
                 return
             t0 = time.perf_counter()
-            rows, used = stream.next_rows(rows_per_rank * env.world_size)
+            rows, used = data.stream.next_rows(data.rows_per_rank * s.env.world_size)
             if not rows:
                 break
             step += 1
-            mbs = sft_data.micro_batches(
-                sft_data.split_rows(rows, env.rank, env.world_size, rows_per_rank), t.micro_batch_size, pad_id
-            )
-            t_data = time.perf_counter() - t0
-            result = s.engine.train_step(mbs, _nll)
-            progress["num_tokens"] += int(result.sums["num_tokens"])
-            progress["num_samples"] += used
-            last = step == cfg.max_steps or stream.exhausted()
-            val_m = (
-                _validate(s, step, val, log=False)
-                if val is not None and (last or (t.val.interval is not None and step % t.val.interval == 0))
-                else {}
-            )
-            early = bool(val_m) and t.val.stop_below is not None and val_m["val/loss"] < t.val.stop_below
-            final = last or early
-            state = {"progress": progress, "dataloader": stream.state()}
-            saved, t_ckpt = runner.checkpoint_if_due(s, step, final, state)
-            t_weights = 0.0
-            if saved or final:
-                t_weights = runner.save_weights(s, step)
-                if env.is_main:
-                    runner.prune_weights(s.run, step, 0)
-            m = runner.step_metrics(s, result, time.perf_counter() - t0, t_data)
-            m.update(
-                {
-                    "progress/epoch": stream.progress_epochs,
-                    "progress/num_samples": progress["num_samples"],
-                    "progress/num_tokens": progress["num_tokens"],
-                    "time/save_ckpt": t_ckpt,
-                    "time/save_weights": t_weights,
-                }
-            )
-            m.update(val_m)
-            if s.metrics is not None:
-                s.metrics.log(step, m)
-            logger.info(
-                f"step {step} | loss {m['loss/mean']:.4f}"
-                + (f" | val/loss {m['val/loss']:.4f}" if "val/loss" in m else "")
-                + f" | grad_norm {m['optim/grad_norm']:.3f} | lr {m['optim/lr']:.2e} | "
-                f"epoch {m['progress/epoch']:.2f} | {m['perf/throughput']:.0f} tok/s"
-            )
+            m, early = train_step(s, cfg, data, step, rows, used, t0)
+            log_step(s, step, m)
             runner.beat(s, step)
             if early:
                 logger.info(
-                    f"val/loss {val_m['val/loss']:.4f} < trainer.val.stop_below={t.val.stop_below}: "
+                    f"val/loss {m['val/loss']:.4f} < trainer.val.stop_below={cfg.trainer.val.stop_below}: "
                     f"stopping at step {step}"
                 )
                 break
         s.ckpt.wait()
-        if env.is_main:  # a background save may have rotated a checkpoint away just now
+        if s.env.is_main:  # a background save may have rotated a checkpoint away just now
             runner.prune_weights(s.run, step, 0)
         runner.beat(s, step, done=True)
         logger.info(f"done at step {step}")
