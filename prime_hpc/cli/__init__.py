@@ -12,8 +12,8 @@ import importlib
 import sys
 from typing import Optional
 
-COMMANDS = ("submit", "resume", "status", "list", "tail", "cancel", "plot", "eval", "doctor", "completion")
-TAKES_OVERRIDES = ("submit", "doctor", "resume")  # extra words are Hydra overrides
+COMMANDS = ("submit", "resume", "scale", "status", "list", "tail", "cancel", "plot", "eval", "doctor", "completion")
+TAKES_OVERRIDES = ("submit", "doctor", "resume", "scale")  # extra words are overrides
 
 USAGE_EXAMPLES = """examples:
   prime-hpc submit +experiment=reverse_text                 compose with Hydra, submit (here: SFT warm-up, then RL)
@@ -21,6 +21,7 @@ USAGE_EXAMPLES = """examples:
   prime-hpc submit +experiment=reverse_text --dry-run       write configs and job scripts, submit nothing
   prime-hpc submit -m +experiment=reverse_text trainer.optim.lr=1e-6,3e-6   a sweep: one run per point
   prime-hpc resume JOB ckpt.step=-1 max_steps=200           continue a run from its latest checkpoint
+  prime-hpc scale JOB inference=+2 partition=preempt        two more inference nodes for a running run (-2: remove them)
   prime-hpc status JOB --watch        prime-hpc plot JOB... -o curves.png       prime-hpc tail JOB
   prime-hpc list      prime-hpc cancel JOB      prime-hpc eval JOB steps=10,20
   prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster

@@ -1,4 +1,5 @@
-"""`prime-hpc cancel JOB`: a job, both jobs of a pipeline, or every point of a sweep."""
+"""`prime-hpc cancel JOB`: a job (with its extra inference jobs), both jobs of a pipeline,
+or every point of a sweep."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.launcher import state
+    from prime_hpc.launcher import scale, state
     from prime_hpc.rundir import jobs
 
     # a sweep's last points first: cancelling a point must not release the one that waits for it
     for point in jobs.resolve_many(a.job)[::-1]:
         for ref in state.pipeline_refs(point)[::-1]:  # the run first: its warm-up cannot start it any more
+            for x in scale.cancel_all(ref.run):  # its extra inference jobs before the run itself
+                print(f"cancelled extra inference job {x['job_id']} ({x['nodes']} node(s)) of {ref.name}")
             if state.cancel(ref):
                 print(f"cancelled job {ref.job_id} ({ref.name})")
             else:

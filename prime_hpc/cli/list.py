@@ -1,5 +1,5 @@
-"""`prime-hpc list [-n N]`: the newest jobs, a pipeline's warm-up under its run and a
-sweep's points under the sweep."""
+"""`prime-hpc list [-n N]`: the newest jobs, a pipeline's warm-up and a run's extra
+inference jobs (`prime-hpc scale`) under its run, and a sweep's points under the sweep."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def run(a: argparse.Namespace) -> int:
         indent = "  " if r.sweep else ""
         rows.append(_row(r, rec, live, indent, (rec.get("sweep") or {}).get("swept", "")))
         shown.add(r.output_dir)
+        rows += _extra_rows(r, rec, indent + " + ")
         warm = ((rec.get("pipeline") or {}).get("warmup") or {}).get("output_dir")
         for w in refs:
             if w.output_dir == warm and w.output_dir not in shown:
@@ -57,6 +58,22 @@ def _row(r: Any, job: dict, live: dict, indent: str, swept: str) -> tuple:
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted_at))
     kind = f"{job.get('kind', r.kind)}/{r.backend}" + ("/doctor" if r.mode == "doctor" else "")
     return (indent + r.job_id, r.name, state, kind, when, r.output_dir + (f"  [{swept}]" if swept else ""))
+
+
+def _extra_rows(r: Any, job: dict, indent: str) -> list[tuple]:
+    """The run's extra inference jobs (`prime-hpc scale`), one row each, under its row."""
+    if not job.get("extra_jobs"):
+        return []
+    from prime_hpc.watch.extra import live_states as extra_live
+    from prime_hpc.watch.extra import state_of
+
+    live, _ = extra_live(job)
+    rows = []
+    for x in job["extra_jobs"]:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(x.get("submitted_at") or 0))
+        kind = f"inference/{x.get('backend', r.backend)}/extra"
+        rows.append((indent + str(x["job_id"]), f"{r.name} +{x['nodes']}", state_of(x, live), kind, when, ""))
+    return rows
 
 
 def live_states(refs: list, records: dict) -> tuple[dict[str, str], str]:

@@ -11,6 +11,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("job", help="job id, run name or output dir")
     r.add_argument("-f", "--follow", action="store_true", help="then follow its logs until it ends")
     r.add_argument(
+        "--scale",
+        metavar="inference=+N",
+        help="also submit an extra inference job of N nodes for it (prime-hpc scale); extra jobs of the run's "
+        "earlier jobs are not started again otherwise",
+    )
+    r.add_argument(
         "overrides",
         nargs="*",
         help="ckpt.step=-1 (default: the latest complete checkpoint) or N, and "
@@ -20,15 +26,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.launcher import launch
+    from prime_hpc.launcher import launch, scale
     from prime_hpc.rundir import jobs
 
     ref = jobs.resolve(a.job)
-    sub = launch.resume(ref, a.overrides)
-    print(
-        f"resumed {ref.name} as job {sub.ref.job_id} ({sub.ref.backend}) from checkpoint step "
-        f"{sub.resume_step}; output dir {ref.output_dir}"
-    )
+    nodes = scale.parse_delta(a.scale) if a.scale else 0
+    if nodes < 0:
+        raise scale.ScaleError(f"resume --scale {a.scale}: a resumed run has no extra job to remove; give +N")
+    if nodes:
+        scale.check_kind(ref)
+    with launch.job_api_key():  # the run and its extra job demand the same key
+        sub = launch.resume(ref, a.overrides)
+        print(
+            f"resumed {ref.name} as job {sub.ref.job_id} ({sub.ref.backend}) from checkpoint step "
+            f"{sub.resume_step}; output dir {ref.output_dir}"
+        )
+        for x in scale.scale(sub.ref, nodes) if nodes else []:
+            print(f"  with extra inference job {x['job_id']} ({x['nodes']} node(s)); logs: {x['logs']}")
     print(f"  follow:     prime-hpc tail {sub.ref.job_id}    state: prime-hpc status {sub.ref.job_id}")
     if a.follow:
         from prime_hpc.cli.tail import follow_ref

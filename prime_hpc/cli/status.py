@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from prime_hpc.core.text import columns
+from prime_hpc.core.text import ago, columns
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -30,13 +30,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return st
 
 
-def ago(t: Optional[float]) -> str:
-    if not t:
-        return "-"
-    d = max(0.0, time.time() - t)
-    return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.1f}h ago"
-
-
 def heartbeat(run: Any, component: str) -> Optional[dict]:
     """The newest heartbeat of any rank/node of `component`."""
     best = None
@@ -50,6 +43,7 @@ def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
     from prime_hpc.rundir import jobs
     from prime_hpc.sched.registry import choose
+    from prime_hpc.watch.extra import extra_status
     from prime_hpc.watch.vitals import vitals
 
     job = jobs.read_job(ref.run)
@@ -59,6 +53,7 @@ def job_status(ref: Any) -> dict[str, Any]:
     if note:
         overall = job.get("state", "UNKNOWN")
     beats = {g: heartbeat(ref.run, g) for g in groups}
+    extras, extra_note = extra_status(ref.run, job)
     return {
         "job_id": ref.job_id,
         "name": ref.name,
@@ -69,6 +64,8 @@ def job_status(ref: Any) -> dict[str, Any]:
         "output_dir": ref.output_dir,
         "slurm_note": note,
         "groups": {g: {"state": st, "heartbeat": beats[g]} for g, st in groups.items()},
+        "extra_jobs": extras,
+        "extra_note": extra_note,
         "attempts": job.get("attempts", []),
         "requeues": job.get("requeues", 0),
         "failure": job.get("failure"),
@@ -89,6 +86,7 @@ def _max_steps(run: Any) -> Optional[int]:
 
 def format_job(s: dict[str, Any]) -> list[str]:
     from prime_hpc.rundir import jobs
+    from prime_hpc.watch.extra import format_extra
     from prime_hpc.watch.vitals import format_vitals
 
     attempts = s["attempts"]
@@ -105,6 +103,9 @@ def format_job(s: dict[str, Any]) -> list[str]:
         beat = info["heartbeat"] or {}
         rows.append((g, info["state"], ago(beat.get("time")) + (f" step {beat['step']}" if "step" in beat else "")))
     out += columns(rows, indent="  ")
+    if s.get("extra_note"):
+        out.append(s["extra_note"])
+    out += format_extra(s.get("extra_jobs") or [])
     for i, a in enumerate(attempts[:-1] if len(attempts) > 1 else []):
         out.append(
             f"  attempt {i + 1} (job {a['job_id']}, logs/attempt_{a['attempt']}) ended {a.get('end', '?')}"

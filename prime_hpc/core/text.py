@@ -3,7 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Optional, Sequence
+
+
+def ago(t: Optional[float], now: Optional[float] = None) -> str:
+    """How long ago the unix time `t` was: `12s ago`, `5m ago`, `3.1h ago` ('-' for none)."""
+    if not t:
+        return "-"
+    d = max(0.0, (time.time() if now is None else now) - float(t))
+    return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.1f}h ago"
 
 
 def columns(rows: Sequence[Sequence[str]], indent: str = "", sep: str = "  ") -> list[str]:

@@ -17,8 +17,15 @@ entries were computed by the old weights) and releases. Every completion carries
 <key>`, the job's `INFERENCE_SERVER_API_KEY`; without that variable the server does not
 start.
 
-Once healthy, the server publishes `endpoints/inference_<node>.json` (address, port,
-model, policy step), and rewrites it after each update.
+Once healthy, the server publishes `endpoints/<slot>.json` (address, port, model, policy
+step), and rewrites it after each update. Its slot is `inference_<node>` in the run's own
+job, `inference_<job id>.<node>` in an extra inference job (`--extra-job`, `prime-hpc
+scale`). A server of an extra job leaves the run without failing a request: on SIGTERM
+(a cancel, a preemption) or SIGUSR2 (its job's time limit is near) it removes its endpoint
+first (the run's relay then takes it out of the router and of later updates), waits until
+the router no longer lists it and its requests in flight have finished (at most
+`DRAIN_TIMEOUT_S` in all), then exits 0. While it serves, it publishes its endpoint again
+if the file is gone without its doing (a new attempt of the run's job empties `endpoints/`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -45,10 +53,15 @@ from prime_hpc.core.net import node_address, url
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
-from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
+from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, read_json
+from prime_hpc.rundir.layout import parse_slot, server_slot
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
+# Longest a server of an extra job takes to leave (router first, then its requests in
+# flight): within SLURM's KillWait (30 s by default) after a cancel's SIGTERM.
+DRAIN_TIMEOUT_S = 20.0
+DRAIN_QUIET_S = 0.5  # no request in flight for this long: nothing is on its way any more
 
 
 def load_config(path: str) -> InferenceRunConfig:
@@ -132,12 +145,15 @@ def step_of(weight_dir: str) -> Optional[int]:
 class Server:
     """State shared by the added routes: the engine, the gate, what to publish."""
 
-    def __init__(self, cfg: InferenceRunConfig, model_path: str, host: str) -> None:
+    def __init__(self, cfg: InferenceRunConfig, model_path: str, host: str, extra_job: Optional[str] = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.host = host
         self.port = 0
         self.node = jobenv.node_rank()
+        self.extra_job = extra_job  # the id of the extra inference job this server belongs to (None: the run's)
+        self.slot = server_slot(self.node, extra_job)
+        self.draining: Optional[str] = None  # why it leaves, once it does
         self.run = RunDir(cfg.output_dir)
         self.gate = PolicyGate(step=0, weight_dir=None)
         self.engine: Any = None
@@ -154,7 +170,10 @@ class Server:
             "url": url(self.host, self.port),
             "host": self.host,
             "port": self.port,
+            "slot": self.slot,
             "node": self.node,
+            "job_id": self.extra_job or os.environ.get("SLURM_JOB_ID"),
+            "extra": self.extra_job is not None,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "model": self.cfg.model.name,
@@ -168,7 +187,9 @@ class Server:
         }
 
     def publish(self) -> None:
-        atomic_write_json(self.run.inference_endpoint(self.node), self.endpoint(), durable=False)
+        if self.draining:  # it has left: never announced again
+            return
+        atomic_write_json(self.run.inference_endpoint(self.slot), self.endpoint(), durable=False)
 
     def beat(self) -> None:
         """The heartbeat: from the serving loop, so it stops when the loop does; its progress
@@ -177,7 +198,7 @@ class Server:
         gate = self.gate
         self.run.beat(
             "inference",
-            self.node,
+            self.node if self.extra_job is None else f"{self.extra_job}.{self.node}",
             policy_step=gate.step,
             in_flight=gate.active,
             progress_at=gate.progress_at,
@@ -186,9 +207,85 @@ class Server:
 
     def unpublish(self) -> None:
         try:
-            os.unlink(self.run.inference_endpoint(self.node))
+            os.unlink(self.run.inference_endpoint(self.slot))
         except OSError:
             pass
+
+    def republish_if_gone(self) -> None:
+        """A server of an extra job that still serves publishes its endpoint again when the
+        file is gone without its doing: a new attempt of the run's job (a requeue) empties
+        `endpoints/`, and the relay of that attempt syncs it again."""
+        if self.extra_job is None or self.draining or not self.healthy:
+            return
+        if not self.run.inference_endpoint(self.slot).exists():
+            self.publish()
+            print(
+                f"prime-hpc inference: {self.slot} published its endpoint again (the run's job restarted)", flush=True
+            )
+
+    def leave(self) -> None:
+        """What an extra job's server leaves behind as it exits: nothing (its endpoint and
+        heartbeat go: the run does not wait for it)."""
+        self.unpublish()
+        if self.extra_job is not None:
+            self.run.server_heartbeat(self.slot).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ leaving (extra jobs)
+    async def drain(self, why: str) -> None:
+        """Leave the run without failing a request: the endpoint goes first, then wait (at
+        most `DRAIN_TIMEOUT_S` in all) until the router no longer lists this server and no
+        request is in flight, then shut down (SIGINT: vLLM's own graceful stop)."""
+        if self.draining:
+            return
+        self.draining = why
+        t0 = time.monotonic()
+        deadline = t0 + DRAIN_TIMEOUT_S
+        self.unpublish()
+        print(f"prime-hpc inference: {self.slot} leaves the run ({why}): endpoint removed", flush=True)
+        routed = await self._wait_unrouted(deadline)
+        quiet = await self._wait_quiet(deadline)
+        print(
+            f"prime-hpc inference: {self.slot} left after {time.monotonic() - t0:.1f}s: "
+            f"{'out of the router' if routed else 'still in the router (timed out)'}, "
+            f"{'no request in flight' if quiet else f'{self.gate.active} request(s) still in flight (timed out)'}, "
+            f"{self.gate.served} served, policy {self.gate.step}",
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGINT)
+
+    async def _wait_unrouted(self, deadline: float) -> bool:
+        """Until the run's router no longer lists this server (True), or `deadline`
+        (False). No router to ask: True."""
+        import httpx
+
+        from prime_hpc.inference.client import headers
+
+        me = url(self.host, self.port)
+        async with httpx.AsyncClient(timeout=5, headers=headers()) as client:
+            while time.monotonic() < deadline:
+                try:
+                    router = str(read_json(self.run.router_endpoint)["url"])
+                    workers = (await client.get(router + "/workers")).json()["workers"]
+                except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
+                    return True
+                if me not in [w.get("url") for w in workers]:
+                    return True
+                await asyncio.sleep(0.2)
+        return False
+
+    async def _wait_quiet(self, deadline: float) -> bool:
+        """Until no generation has been in flight for `DRAIN_QUIET_S` (True), or
+        `deadline` (False)."""
+        quiet_since: Optional[float] = None
+        while time.monotonic() < deadline:
+            if self.gate.active:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= DRAIN_QUIET_S:
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     # ------------------------------------------------------------------ weight updates
     async def _swap(self, load, step: int, weight_dir: Optional[str]) -> dict:
@@ -290,6 +387,8 @@ def add_routes(app: Any, server: Server) -> None:
     @app.get("/policy")
     async def policy():
         return {
+            "slot": server.slot,
+            "draining": server.draining,
             "policy_step": server.gate.step,
             "weight_dir": server.gate.weight_dir,
             "in_flight": server.gate.active,
@@ -329,15 +428,32 @@ async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> N
     server.healthy, server.healthy_at = True, time.time()
     server.publish()
     print(
-        f"prime-hpc inference: node {server.node} serving {server.cfg.model.name} at {url(server.host, server.port)}",
+        f"prime-hpc inference: node {server.node} serving {server.cfg.model.name} at {url(server.host, server.port)}"
+        + (f" as {server.slot} (extra inference job {server.extra_job})" if server.extra_job else ""),
         flush=True,
     )
-    while True:  # heartbeat while serving
+    while not server.draining:  # heartbeat while serving
         server.beat()
+        server.republish_if_gone()
         await asyncio.sleep(BEAT_S)
 
 
-async def serve(cfg: InferenceRunConfig, log: str) -> None:
+async def _drain_on_signals(server: Server, app: Any) -> None:
+    """A server of an extra job: SIGTERM and SIGUSR2 make it leave the run (`Server.drain`)
+    instead of stopping at once. Installed once vLLM's `serve_http` has set its own SIGTERM
+    handler (which this one replaces), i.e. once it serves."""
+    loop = asyncio.get_running_loop()
+    while getattr(app.state, "server", None) is None:
+        await asyncio.sleep(0.05)
+
+    def leave(why: str) -> None:
+        loop.create_task(server.drain(why))
+
+    loop.add_signal_handler(signal.SIGTERM, leave, "SIGTERM")
+    loop.add_signal_handler(signal.SIGUSR2, leave, "SIGUSR2: its job's time limit is near")
+
+
+async def serve(cfg: InferenceRunConfig, log: str, extra_job: Optional[str] = None) -> None:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -349,7 +465,7 @@ async def serve(cfg: InferenceRunConfig, log: str) -> None:
 
     model_path = resolve_model(cfg.model.name, cfg.model.seed)
     host = node_address(cfg.address)
-    server = Server(cfg, model_path, host)
+    server = Server(cfg, model_path, host, extra_job)
     server.unpublish()
     argv = vllm_args(cfg, model_path, host)
     args = make_arg_parser(FlexibleArgumentParser(prog="prime_hpc.inference")).parse_args(argv)
@@ -369,9 +485,10 @@ async def serve(cfg: InferenceRunConfig, log: str) -> None:
             app.middleware_stack = None  # built early by vLLM's bootstrap; rebuilt lazily with ours outermost
             app.add_middleware(GateMiddleware, gate=server.gate, api_key=api_key())
             await init_app_state(engine, app.state, args, tasks)
-            publisher = asyncio.get_running_loop().create_task(
-                _publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log)
-            )
+            loop = asyncio.get_running_loop()
+            background = [loop.create_task(_publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log))]
+            if extra_job is not None:
+                background.append(loop.create_task(_drain_on_signals(server, app)))
             shutdown = await serve_http(
                 app,
                 sock=sock,
@@ -383,22 +500,30 @@ async def serve(cfg: InferenceRunConfig, log: str) -> None:
         try:
             await shutdown
         finally:
-            publisher.cancel()
+            for task in background:
+                task.cancel()
     finally:
-        server.unpublish()
+        server.leave()
         sock.close()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.inference", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
+    p.add_argument(
+        "--extra-job",
+        metavar="JOB_ID",
+        help="this server belongs to extra inference job JOB_ID (prime-hpc scale): slot inference_<JOB_ID>.<node>",
+    )
     a = p.parse_args(argv)
     if not jobenv.require_key("prime-hpc inference", "a server"):
         return 2
     try:
         cfg = load_config(a.config)
         env = engine_env(cfg)  # refuses a compile cache that is not the user's alone
-    except UserError as e:
+        if a.extra_job is not None:
+            parse_slot(server_slot(0, a.extra_job))  # a job id a slot can be named after
+    except (UserError, ValueError) as e:
         print(f"prime-hpc inference: {e}", file=sys.stderr, flush=True)
         return 2
     node = jobenv.node_rank()
@@ -409,7 +534,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         import uvloop
 
-        uvloop.run(serve(cfg, log))
+        uvloop.run(serve(cfg, log, a.extra_job))
     except KeyboardInterrupt:
         return 0
     except Exception as e:  # the traceback above for the log; one line for the reader

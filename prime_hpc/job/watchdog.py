@@ -11,8 +11,9 @@ from the loop that does its work (`RunDir.beat`). A component is stalled when
   waiting for another component (`waiting_on`). A stalled inference server is named
   before the orchestrator whose generations it holds.
 
-Components that said they are done, and heartbeats of servers the run has lost, are not
-watched. On a stall the watchdog prints one line (component, how long it was silent, the
+Components that said they are done, heartbeats of servers the run has lost, and the
+servers of extra inference jobs (`inference_<job id>.<node>`, `prime-hpc scale`: the run
+does not depend on them; the relay drops one that stops answering) are not watched. On a stall the watchdog prints one line (component, how long it was silent, the
 last line of its log), writes `control/stall.json` for the supervisor's record, and
 exits 3; the supervisor then ends the job like any failed component.
 
@@ -31,9 +32,18 @@ from typing import Any, Optional
 
 from prime_hpc.core import jobenv
 from prime_hpc.rundir import RunDir, atomic_write_json, tail_lines
+from prime_hpc.rundir.layout import parse_slot
 
 POLL_S = 2.0
 STALLED = 3  # exit code
+
+
+def is_extra_slot(name: str) -> bool:
+    """A heartbeat of a server of an extra inference job (`inference_<job id>.<node>`)."""
+    try:
+        return parse_slot(name)[0] is not None
+    except ValueError:
+        return False
 
 
 def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[dict[str, Any]]:
@@ -47,7 +57,7 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
     )
     stalls = []
     for name, b in beats.items():
-        if b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):
+        if b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)) or is_extra_slot(name):
             continue
         silent = now - float(b["time"])
         why = "no heartbeat"

@@ -8,6 +8,7 @@ Het group 0 = orchestrator (head node), 1 = inference servers (+ router on the f
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -353,4 +354,38 @@ def make_plan(
         watchdog_argv=watchdog_argv(cfg, mode, py, out, nproc),
         # submitit runs the pickled head task from its folder (the SLURM path)
         head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),
+    )
+
+
+@dataclass
+class InferenceJobPlan:
+    """An extra inference job of a running run (`prime-hpc scale`): a plain job of `nodes`
+    nodes, one server each, with the run's job-level settings (`plan`: time, partition,
+    account, environment ..., after the cluster overrides of the scale) and its inference
+    group's resources, pinning and command (`group`, on `nodes` nodes)."""
+
+    plan: Plan
+    group: GroupPlan
+    job_name: str  # SLURM-safe: "<run>-inference"
+    run_check_s: int = 10  # how often the job looks whether the run still runs (its servers leave when not)
+
+    @property
+    def nodes(self) -> int:
+        return self.group.nodes
+
+
+def inference_job_plan(
+    cfg: DictConfig, nodes: int, python: Optional[str] = None, cores: Optional[list[int]] = None
+) -> InferenceJobPlan:
+    """The placement of an extra inference job of `nodes` nodes for the run `cfg` (its
+    recorded config with the scale's cluster overrides): the run's own inference group,
+    on `nodes` nodes (its servers use the run's configs/inference.yaml)."""
+    plan = make_plan(cfg, "run", python, cores)
+    inf = plan.group("inference")
+    if inf is None:
+        raise ValueError("an extra inference job belongs to an RL run (one with an inference group)")
+    return InferenceJobPlan(
+        plan=plan,
+        group=dataclasses.replace(inf, nodes=int(nodes)),
+        job_name=slurm_job_name(f"{plan.name}-inference"),
     )

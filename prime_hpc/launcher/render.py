@@ -13,7 +13,7 @@ from typing import Any
 
 from prime_hpc.core.errors import UserError
 from prime_hpc.job.watchdog import STALLED
-from prime_hpc.launcher.plan import Plan
+from prime_hpc.launcher.plan import InferenceJobPlan, Plan
 from prime_hpc.rundir import RunDir
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch_templates"
@@ -106,3 +106,15 @@ def render_sbatch(plan: Plan) -> str:
 def render_local(plan: Plan, job_id: str) -> str:
     """The same components as local processes (cluster=local)."""
     return _render("run.local.sh.j2", plan, job_id=job_id)
+
+
+def render_inference(job: InferenceJobPlan) -> str:
+    """The batch script of an extra inference job (`prime-hpc scale`, SLURM only)."""
+    return _render(
+        "inference.sbatch.j2",
+        job.plan,
+        inf=job.group,
+        job_name=job.job_name,
+        slurm_output=str(job.plan.run.extra_batch_log("%j")),  # output_dir never holds '%' (validated)
+        run_check_s=job.run_check_s,
+    )

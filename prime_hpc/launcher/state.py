@@ -39,8 +39,11 @@ def batch_log(ref: jobs.JobRef) -> Path:
 
 
 def cancel(ref: jobs.JobRef) -> bool:
-    """Cancel every group of the job; job.json records who ended it. False if the job
-    had already ended."""
+    """Cancel every group of the job, and its extra inference jobs; job.json records who
+    ended it. False if the job had already ended."""
+    from prime_hpc.launcher.scale import cancel_all
+
+    cancel_all(ref.run)  # the run's extra inference jobs (prime-hpc scale) first: they serve it
     backend = choose(ref.backend)
     if backend.state(ref.run, ref.job_id) in jobs.FINAL_STATES:
         return False

@@ -112,6 +112,38 @@ def job_groups(job: dict[str, Any]) -> list[str]:
     return list(job.get("groups") or COMPONENTS)
 
 
+# ----------------------------------------------------------------------------- extra inference jobs
+# `prime-hpc scale` adds jobs of inference servers to a running run; job.json records each
+# under `extra_jobs` (oldest first): {job_id, nodes, backend, submitted_at, state, started_at,
+# ended_at, end, logs, batch_log, script, overrides, lost}. The launcher writes a record when
+# it submits the job (PENDING) and CANCELLED before it cancels one; the job itself RUNNING
+# when it starts and its end (`prime_hpc.job.extra`).
+def extra_jobs(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's extra inference jobs, as job.json records them (oldest first)."""
+    return [dict(x) for x in job.get("extra_jobs") or []]
+
+
+def extra_job(job: dict[str, Any], job_id: str) -> Optional[dict[str, Any]]:
+    """The record of extra job `job_id` (None: not an extra job of this run)."""
+    return next((x for x in extra_jobs(job) if str(x.get("job_id")) == str(job_id)), None)
+
+
+def add_extra_job(run: RunDir, record: dict[str, Any]) -> None:
+    with editing_job(run) as job:
+        job.setdefault("extra_jobs", []).append(record)
+
+
+def update_extra_job(run: RunDir, job_id: str, **changes: Any) -> Optional[dict[str, Any]]:
+    """Set `changes` in the record of extra job `job_id` (under job.json's lock); the
+    record as written, None when the run has no such extra job."""
+    with editing_job(run) as job:
+        for x in job.get("extra_jobs") or []:
+            if str(x.get("job_id")) == str(job_id):
+                x.update(changes)
+                return dict(x)
+    return None
+
+
 # ----------------------------------------------------------------------------- index
 @dataclass
 class JobRef:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,36 @@ COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group orde
 CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
 BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
 DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doctor_marker`
+SLOT_PREFIX = "inference_"  # every inference server's slot id starts with it
+_EXTRA_SLOT = re.compile(r"^inference_([A-Za-z0-9-]+)\.(\d+)$")  # inference_<job id>.<node>
+
+
+def server_slot(node: int, job_id: Optional[str] = None) -> str:
+    """The slot id naming one inference server of the run: `inference_<node>` for a server
+    of the run's own job, `inference_<job id>.<node>` for one of an extra inference job
+    (`prime-hpc scale`), `node` its rank within that job. Its endpoint file, heartbeat and
+    log are named after it."""
+    return f"{SLOT_PREFIX}{int(node)}" if job_id is None else f"{SLOT_PREFIX}{job_id}.{int(node)}"
+
+
+def parse_slot(slot: int | str) -> tuple[Optional[str], int]:
+    """(job id, node) of a slot id (job id None: a server of the run's own job); a node
+    rank given as an int is the run's own server. ValueError for anything else."""
+    if isinstance(slot, int):
+        return None, slot
+    text = str(slot)
+    if text.startswith(SLOT_PREFIX) and text[len(SLOT_PREFIX) :].isdigit():
+        return None, int(text[len(SLOT_PREFIX) :])
+    m = _EXTRA_SLOT.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is no inference server's slot (inference_<node> or inference_<job id>.<node>)")
+    return m.group(1), int(m.group(2))
+
+
+def slot_id(slot: int | str) -> str:
+    """The slot id of `slot` (a node rank of the run's own job, or a slot id), validated."""
+    job_id, node = parse_slot(slot)
+    return server_slot(node, job_id)
 
 
 def _step_dir(parent: Path, step: int) -> Path:
@@ -87,13 +118,38 @@ class RunDir:
         """`submit/submitit/<job id>_batch.out`: a SLURM job's batch script output."""
         return self.submitit_dir / f"{job_id}_batch.out"
 
+    # --- extra inference jobs (`prime-hpc scale`): jobs of their own that outlive attempts
+    def extra_script(self, index: int) -> Path:
+        """`submit/inference_<k>.sbatch`: the script of the run's k-th extra inference job
+        (k counts from 0 over the run: job.json's `extra_jobs`)."""
+        return self.submit_dir / f"inference_{int(index)}.sbatch"
+
+    @property
+    def extra_logs_root(self) -> Path:
+        """`logs/extra/`: the extra inference jobs' logs, apart from the attempts' trees (an
+        extra job outlives a requeue of the run's job)."""
+        return self.logs_root / "extra"
+
+    def extra_job_logs(self, job_id: str) -> Path:
+        """`logs/extra/<job id>/`: one extra job's logs, its servers' in
+        `inference/node_<n>.log` (`node_log`) as in an attempt's tree."""
+        return self.extra_logs_root / str(job_id)
+
+    def extra_batch_log(self, job_id: str) -> Path:
+        """`logs/extra/<job id>.out`: an extra job's batch script output (SLURM writes it,
+        the script renders it with `%j`)."""
+        return self.extra_logs_root / f"{job_id}.out"
+
     # --- discovery and liveness
     @property
     def endpoints_dir(self) -> Path:
         return self.root / "endpoints"
 
-    def inference_endpoint(self, node: int) -> Path:
-        return self.endpoints_dir / f"inference_{int(node)}.json"
+    def inference_endpoint(self, slot: int | str) -> Path:
+        """`endpoints/<slot>.json` of one server: a node rank of the run's own job
+        (`inference_<node>.json`) or a slot id (`inference_<job id>.<node>.json`, a server of
+        an extra inference job; `server_slot`)."""
+        return self.endpoints_dir / f"{slot_id(slot)}.json"
 
     @property
     def router_endpoint(self) -> Path:
@@ -157,10 +213,18 @@ class RunDir:
     def heartbeats_dir(self) -> Path:  # per attempt: cleared when one starts
         return self.root / "heartbeats"
 
-    def heartbeat(self, component: str, rank: int = 0) -> Path:
+    def heartbeat(self, component: str, rank: int | str = 0) -> Path:
+        """`heartbeats/<component>_<rank>`; an inference server's rank may be the slot's
+        `<job id>.<node>` (a server of an extra inference job: `heartbeats/<slot>`)."""
+        if component == "inference" and not str(rank).isdigit():
+            return self.server_heartbeat(f"{SLOT_PREFIX}{rank}")
         return self.heartbeats_dir / f"{component}_{int(rank)}"
 
-    def beat(self, component: str, rank: int = 0, **info: Any) -> None:
+    def server_heartbeat(self, slot: int | str) -> Path:
+        """`heartbeats/<slot>` of one inference server (a node rank, or a slot id)."""
+        return self.heartbeats_dir / slot_id(slot)
+
+    def beat(self, component: str, rank: int | str = 0, **info: Any) -> None:
         """Record that `component` rank `rank` is alive (and, e.g., at which step). Written
         by the loop that does the work, at least every `BEAT_S` while it runs; with
         `progress_at` (the last time it got something done) and `waiting_on` (the
@@ -358,6 +422,8 @@ class RunDir:
         group, _, index = component.rpartition("_")
         if group == "inference" and index.isdigit():
             return RunDir.node_log(logs, "inference", int(index))
+        if component.startswith(SLOT_PREFIX) and "." in component:  # a server of an extra job: its tree's
+            return RunDir.node_log(logs, "inference", parse_slot(component)[1])
         if component == "router" or (group == "router" and index.isdigit()):
             return RunDir.router_log(logs, int(index) if group else 0)
         if node is not None and component in ("trainer", "inference"):

@@ -38,12 +38,23 @@ class Backend(abc.ABC):
     job_env: ClassVar[dict[str, str]] = {}  # exported by every job script this backend runs
     one_machine: ClassVar[bool] = False  # every group of a job runs on the submitting machine
     requeues: ClassVar[bool] = False  # can put a job back in its queue (time limit, preemption)
+    extra_jobs: ClassVar[bool] = False  # can run extra inference jobs beside a running run (`scale`)
 
     # --- submit time (the launcher)
     @abc.abstractmethod
     def submit(self, job: JobSpec) -> tuple[str, dict[str, Any]]:
         """Start `job` and return at once: its id, and what job.json records of it besides
         (the local backend: the supervising script's pid)."""
+
+    def submit_script(self, script: Path) -> str:
+        """Submit a plain job script of this backend as it is (an extra inference job: one
+        task per node, nothing for submitit to run); its id. Only where `extra_jobs`."""
+        raise NotImplementedError(f"{self.name} runs take no extra inference jobs")
+
+    def plain_states(self, job_ids: list[str]) -> tuple[dict[str, str], str]:
+        """{job id: state} of plain (one-group) jobs of this backend, asked at once, and a
+        note naming what could not be asked (those are left out). Only where `extra_jobs`."""
+        return {}, ""
 
     @abc.abstractmethod
     def cancel(self, run: RunDir, job_id: str) -> None:

@@ -179,6 +179,7 @@ class Slurm(Backend):
     # whatever the site's default; the head task runs under submitit's job environment
     job_env = {"SUBMITIT_EXECUTOR": "slurm", "SRUN_EXPORT_ENV": "ALL"}
     requeues = True
+    extra_jobs = True
 
     def submit(self, job: JobSpec) -> tuple[str, dict[str, Any]]:
         """Submit the rendered `submit/<kind>.sbatch` running `job.task` on the head group;
@@ -193,6 +194,29 @@ class Slurm(Backend):
         from prime_hpc.sched.slurm_submit import submit
 
         return submit(job), {}
+
+    def submit_script(self, script: Path) -> str:
+        """`sbatch --parsable` of a script that runs as it is (no submitit: no Python task
+        to run). The job runs in the submitting environment, which carries the job's key,
+        whatever the site's default: `--export=ALL` on the command line wins."""
+        import shutil
+
+        if shutil.which("sbatch") is None:
+            raise LaunchError("no SLURM here (sbatch not found)")
+        out = subprocess.run(
+            ["sbatch", "--parsable", "--export=ALL", str(script)], capture_output=True, text=True, timeout=120
+        )
+        job_id = out.stdout.strip().split(";")[0]
+        if out.returncode != 0 or not job_id.isdigit():
+            detail = " ".join((out.stderr or out.stdout).split()) or f"exit code {out.returncode}"
+            raise LaunchError(f"sbatch refused the job: {detail[-400:]}")
+        return job_id
+
+    def plain_states(self, job_ids: list[str]) -> tuple[dict[str, str], str]:
+        if not job_ids:
+            return {}, ""
+        states, note = live_states({j: 1 for j in job_ids})
+        return states, (f"SLURM could not be asked ({note})" if note else "")
 
     def cancel(self, run: RunDir, job_id: str) -> None:
         out = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60)

@@ -9,7 +9,9 @@ step; torn or foreign lines are skipped). Draws five panels over a shared "step"
 2. loss: `loss/mean` (trainer, line) and `val/loss` of SFT runs (markers);
 3. `mismatch_kl/mean` (trainer), log scale when every value is positive;
 4. `entropy/mean` (trainer);
-5. seconds per step: `time/step` of the trainer (solid) and the orchestrator (dashed).
+5. seconds per step: `time/step` of the trainer (solid) and the orchestrator (dashed);
+   when the number of inference servers changed during a run (`inference/servers`:
+   `prime-hpc scale`, a lost server), that count too, as steps on a right-hand axis.
 
 Runs overlay in the same panels, one colour per run, named in the figure's legend; a panel
 without data for any run says "no data". matplotlib (Agg) is imported only when drawing,
@@ -37,6 +39,7 @@ SOURCES = ("orchestrator", "trainer")
 EVAL_KEY = re.compile(r"^eval/(?P<env>.+)/avg@(?P<k>\d+)$")
 NO_DATA = "no data"
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+SERVERS_KEY = "inference/servers"  # the orchestrator's count of live inference servers at each step
 Metrics = dict[str, dict[int, dict]]  # component -> step -> merged row
 
 
@@ -76,6 +79,8 @@ class Panel:
     ylabel: str
     series: list[Series] = field(default_factory=list)
     log: bool = False
+    twin: list[Series] = field(default_factory=list)  # drawn as steps against a right-hand axis
+    twin_label: str = ""
 
     @property
     def empty(self) -> bool:
@@ -127,6 +132,13 @@ def build_panels(metrics: Sequence[Metrics]) -> list[Panel]:
             s = series(m, i, component, key, style)
             if s is not None:
                 panels[panel].series.append(s)
+    for i, m in enumerate(metrics):  # the servers, where their number changed (scale, a lost one)
+        servers = series(m, i, "orchestrator", SERVERS_KEY, "steps")
+        if servers is not None and len(set(servers.values)) > 1:
+            panels[4].twin.append(servers)
+    if panels[4].twin:
+        panels[4].title += "; steps: inference servers"
+        panels[4].twin_label = "inference servers"
     kl = panels[2]
     kl.log = not kl.empty and all(v > 0 for s in kl.series for v in s.values)
     return panels
@@ -172,6 +184,13 @@ def _draw_panel(ax: Any, panel: Panel, colours: list, markers: dict[str, str]) -
         # the first step also waits for the servers to start: do not let it flatten the rest
         values = sorted(v for s in panel.series for v in s.values)
         ax.set_ylim(0, max(values[len(values) // 2] * 3, values[int(len(values) * 0.95) - 1] * 1.1))
+    if panel.twin:
+        right = ax.twinx()
+        for s in panel.twin:
+            right.step(s.steps, s.values, where="post", color=colours[s.run], linewidth=1, alpha=0.6)
+        right.set_ylabel(panel.twin_label)
+        right.yaxis.set_major_locator(MaxNLocator(integer=True))
+        right.set_ylim(0, max(v for s in panel.twin for v in s.values) + 1)
     if panel.empty:
         ax.text(0.5, 0.5, NO_DATA, transform=ax.transAxes, ha="center", va="center", fontsize=14, color="0.5")
         ax.set_yticks([])

@@ -5,6 +5,9 @@ Sources (one attempt's tree, `logs/latest -> attempt_<k>`; see docs/run-director
 
     orchestrator.log                    orchestrator
     inference/node_<i>.log              inference[<i>]
+    ../extra/<id>/inference/node_<n>.log   inference[<id>.<n>]: a server of an extra inference
+                                        job (`prime-hpc scale`) that had not ended when the
+                                        attempt started
     inference/router_<i>.log            router (router[<i>] for i > 0)
     trainer/node_<i>.log                trainer[<global rank>], and torchrun[<i>] for the
                                         lines of torchrun itself on node i
@@ -213,6 +216,20 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
     return found
 
 
+def extra_sources(run: RunDir) -> list[Source]:
+    """The logs of the servers of the run's extra inference jobs (`prime-hpc scale`,
+    `logs/extra/<id>/inference/node_<n>.log`, labelled `inference[<id>.<n>]`) that exist,
+    of the jobs that had not ended when the current attempt started."""
+    from prime_hpc.watch.extra import log_sources
+
+    job = read_job(run)
+    if not job.get("extra_jobs"):
+        return []
+    attempts = job.get("attempts") or [{}]
+    since = attempts[-1].get("started_at")
+    return [Source(path, label) for path, label in log_sources(run, job, since) if path.is_file()]
+
+
 def nproc_per_node(logs: Path) -> Optional[int]:
     """Trainer ranks per node: torchrun makes one directory per local rank under
     `trainer/torchrun/<rdzv-id>_<suffix>/attempt_<r>/` on every node (None until then)."""
@@ -251,8 +268,16 @@ class Tail:
     """The sources of one attempt's tree, which of their lines are selected, and how they
     are printed (`<label> | <line>`, labels padded to the widest seen so far)."""
 
-    def __init__(self, components: Sequence[str], rank: Rank, show_all: bool, out: TextIO) -> None:
+    def __init__(
+        self,
+        components: Sequence[str],
+        rank: Rank,
+        show_all: bool,
+        out: TextIO,
+        extra: Callable[[], list[Source]] = list,
+    ) -> None:
         self.components, self.rank, self.show_all, self.out = tuple(components), rank, show_all, out
+        self.extra = extra  # the servers of the run's extra inference jobs (outside the attempt's tree)
         self.logs: Optional[Path] = None
         self.sources: dict[Path, Source] = {}
         self.nproc: Optional[int] = None
@@ -326,7 +351,8 @@ class Tail:
         given), only its last `initial_lines` lines."""
         if self.logs is None:
             return
-        new = [src for src in discover(self.logs, self.components) if src.path not in self.sources]
+        found = discover(self.logs, self.components) + (self.extra() if "inference" in self.components else [])
+        new = [src for src in found if src.path not in self.sources]
         for src in new:
             self.sources[src.path] = src
             self.width = max(self.width, len(src.label))
@@ -381,7 +407,7 @@ def follow(
     unknown = sorted(set(components or ()) - set(COMPONENTS))
     if unknown:
         raise ValueError(f"unknown component(s) {', '.join(unknown)}; choose from {', '.join(COMPONENTS)}")
-    tail = Tail(components or COMPONENTS, parse_rank(rank), show_all, out)
+    tail = Tail(components or COMPONENTS, parse_rank(rank), show_all, out, extra=lambda: extra_sources(run))
     state_fn = state_fn or (lambda: job_state(run))
     try:
         state, job = state_fn()
