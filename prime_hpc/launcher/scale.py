@@ -208,8 +208,8 @@ def check_key(run: RunDir) -> None:
 
 def scale_up(ref: jobs.JobRef, nodes: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Submit one extra inference job of `nodes` nodes for the run; its record."""
-    job = check_run(ref)
     settings = cluster_overrides(overrides)
+    job = check_run(ref)
     check_key(ref.run)
     from prime_hpc.config.compose import recorded_config
     from prime_hpc.config.validate import (
