@@ -300,6 +300,11 @@ class Server:
         except UpdateTimeout as e:
             return _error(503, f"update not applied: {e}")
         self.publish()
+        print(
+            f"prime-hpc inference: {self.slot} serves policy {step} (update {self.updates}, "
+            f"drain {waited:.2f}s, load {time.monotonic() - t0 - waited:.2f}s)",
+            flush=True,
+        )
         return {
             "status": "ok",
             "policy_step": step,

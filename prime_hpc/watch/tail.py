@@ -56,7 +56,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _NOISE = re.compile(
     r'INFO:\s+\S+ - "[A-Z]+ \S+ HTTP/[\d.]+" [23]\d\d\b'  # uvicorn access line of a successful request
     r"|\b(?:started|finished) processing request\b|\bHTTP request completed\b"  # the router, per request
-    r"|Successfully reset prefix cache"  # every weight update, on every server ...
+    r"|Successfully reset prefix cache|prime-hpc inference: \S+ serves policy \d+ \(update"  # every weight update, on every server ...
     r"|Reloading and processing weights took|RotaryEmbedding: Failed to load weights"
 )  # ... and its reload
 _RANK_PREFIX = re.compile(r"\[[A-Za-z_][\w-]*?(\d+)\]:")  # torchrun: [<role><local rank>]:
@@ -66,7 +66,8 @@ _RANK_PREFIX = re.compile(r"\[[A-Za-z_][\w-]*?(\d+)\]:")  # torchrun: [<role><lo
 def is_noise(line: str) -> bool:
     """True for a line hidden by default: a successful request's access line (uvicorn's
     `INFO: <addr> - "POST /v1/chat/completions HTTP/1.1" 200 OK`, the router's
-    per-request lines) or `Successfully reset prefix cache`. Failed requests (4xx, 5xx)
+    per-request lines), `Successfully reset prefix cache` and a server's line for each
+    weight update (`... serves policy N (update ...)`). Failed requests (4xx, 5xx)
     and the engine's `Avg prompt throughput` lines are kept."""
     return bool(_NOISE.search(_ANSI.sub("", line)))
 

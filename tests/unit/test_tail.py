@@ -202,6 +202,8 @@ def test_parse_rank():
         ("2026-11-23 06:11:50 INFO vllm_router_rs::http: HTTP request completed method=POST status=200", True),
         ("2026-11-23 06:11:50 ERROR vllm_router_rs::response: request failed with server error", False),
         (THROUGHPUT, False),
+        ("prime-hpc inference: inference_57.0 serves policy 12 (update 3, drain 0.01s, load 0.05s)", True),
+        ("prime-hpc inference: inference_57.0 left after 1.2s: out of the router, no request in flight", False),
         ("INFO:     Application startup complete.", False),
         ("[default0]:2026-11-23 06:20:27 | INFO    | trainer[0] | step 3 | loss 0.1", False),
     ],
