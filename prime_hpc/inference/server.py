@@ -54,7 +54,7 @@ from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, read_json
-from prime_hpc.rundir.layout import parse_slot, server_slot
+from prime_hpc.rundir.layout import server_slot
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
@@ -196,9 +196,8 @@ class Server:
         is a finished generation or update (an engine that hangs with either under way makes
         none), and an idle server only waits for the orchestrator."""
         gate = self.gate
-        self.run.beat(
-            "inference",
-            self.node if self.extra_job is None else f"{self.extra_job}.{self.node}",
+        self.run.beat_as(
+            self.run.server_heartbeat(self.slot),
             policy_step=gate.step,
             in_flight=gate.active,
             progress_at=gate.progress_at,
@@ -526,9 +525,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(a.config)
         env = engine_env(cfg)  # refuses a compile cache that is not the user's alone
-        if a.extra_job is not None:
-            parse_slot(server_slot(0, a.extra_job))  # a job id a slot can be named after
-    except (UserError, ValueError) as e:
+        if a.extra_job is not None and not a.extra_job.isdigit():
+            raise UserError(f"--extra-job {a.extra_job!r}: a job id is a number")
+    except UserError as e:
         print(f"prime-hpc inference: {e}", file=sys.stderr, flush=True)
         return 2
     node = jobenv.node_rank()

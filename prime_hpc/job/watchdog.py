@@ -40,10 +40,8 @@ STALLED = 3  # exit code
 
 def is_extra_slot(name: str) -> bool:
     """A heartbeat of a server of an extra inference job (`inference_<job id>.<node>`)."""
-    try:
-        return parse_slot(name)[0] is not None
-    except ValueError:
-        return False
+    slot = parse_slot(name)
+    return slot is not None and slot.job_id is not None
 
 
 def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[dict[str, Any]]:

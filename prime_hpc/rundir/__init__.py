@@ -39,7 +39,7 @@ from prime_hpc.rundir.files import (
     wait_stable,
     with_umask,
 )
-from prime_hpc.rundir.layout import BEAT_S, CHECKPOINT_PARTS, COMPONENTS, RunDir
+from prime_hpc.rundir.layout import BEAT_S, CHECKPOINT_PARTS, COMPONENTS, RunDir, Slot, parse_slot, server_slot
 
 __all__ = [
     "BEAT_S",
@@ -49,6 +49,7 @@ __all__ = [
     "TMP_PREFIX",
     "MarkerError",
     "RunDir",
+    "Slot",
     "WaitTimeout",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -57,11 +58,13 @@ __all__ = [
     "is_stable",
     "jsonl_row",
     "mark_stable",
+    "parse_slot",
     "publish_dir",
     "read_json",
     "read_rows",
     "read_tail",
     "remove_marked",
+    "server_slot",
     "stable_time",
     "staging_dir",
     "tail",

@@ -18,36 +18,43 @@ COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group orde
 CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
 BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
 DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doctor_marker`
-SLOT_PREFIX = "inference_"  # every inference server's slot id starts with it
-_EXTRA_SLOT = re.compile(r"^inference_([A-Za-z0-9-]+)\.(\d+)$")  # inference_<job id>.<node>
+# An inference server's slot: `inference_<n>` for the server on node n of the run's own job,
+# `inference_<jobid>.<n>` for one on node n of an extra inference job of the run (`prime-hpc
+# scale`). Its endpoint file, heartbeat and log are named after it.
+SERVER_GROUP = "inference"
+_SLOT = re.compile(r"inference_(?:(\d+)\.)?(\d+)")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A parsed slot: the job it belongs to (None: the run's own job) and its node there."""
+
+    job_id: Optional[str]
+    node: int
+
+    @property
+    def name(self) -> str:
+        return server_slot(self.node, self.job_id)
 
 
 def server_slot(node: int, job_id: Optional[str] = None) -> str:
-    """The slot id naming one inference server of the run: `inference_<node>` for a server
-    of the run's own job, `inference_<job id>.<node>` for one of an extra inference job
-    (`prime-hpc scale`), `node` its rank within that job. Its endpoint file, heartbeat and
-    log are named after it."""
-    return f"{SLOT_PREFIX}{int(node)}" if job_id is None else f"{SLOT_PREFIX}{job_id}.{int(node)}"
+    """The slot of the server on `node` (of an extra inference job of the run: `job_id`)."""
+    return f"{SERVER_GROUP}_{job_id}.{int(node)}" if job_id else f"{SERVER_GROUP}_{int(node)}"
 
 
-def parse_slot(slot: int | str) -> tuple[Optional[str], int]:
-    """(job id, node) of a slot id (job id None: a server of the run's own job); a node
-    rank given as an int is the run's own server. ValueError for anything else."""
+def parse_slot(name: str) -> Optional[Slot]:
+    """`inference_<n>` or `inference_<jobid>.<n>` (a file name's `.json` removed first) as
+    a `Slot`; None for any other name."""
+    m = _SLOT.fullmatch(name[:-5] if name.endswith(".json") else name)
+    return Slot(m.group(1), int(m.group(2))) if m else None
+
+
+def _slot_name(slot: "str | int") -> str:
     if isinstance(slot, int):
-        return None, slot
-    text = str(slot)
-    if text.startswith(SLOT_PREFIX) and text[len(SLOT_PREFIX) :].isdigit():
-        return None, int(text[len(SLOT_PREFIX) :])
-    m = _EXTRA_SLOT.match(text)
-    if m is None:
-        raise ValueError(f"{text!r} is no inference server's slot (inference_<node> or inference_<job id>.<node>)")
-    return m.group(1), int(m.group(2))
-
-
-def slot_id(slot: int | str) -> str:
-    """The slot id of `slot` (a node rank of the run's own job, or a slot id), validated."""
-    job_id, node = parse_slot(slot)
-    return server_slot(node, job_id)
+        return server_slot(slot)
+    if parse_slot(slot) is None:
+        raise ValueError(f"{slot!r} is not an inference server's slot (inference_<n> or inference_<jobid>.<n>)")
+    return slot
 
 
 def _step_dir(parent: Path, step: int) -> Path:
@@ -145,11 +152,11 @@ class RunDir:
     def endpoints_dir(self) -> Path:
         return self.root / "endpoints"
 
-    def inference_endpoint(self, slot: int | str) -> Path:
+    def inference_endpoint(self, slot: "str | int") -> Path:
         """`endpoints/<slot>.json` of one server: a node rank of the run's own job
         (`inference_<node>.json`) or a slot id (`inference_<job id>.<node>.json`, a server of
         an extra inference job; `server_slot`)."""
-        return self.endpoints_dir / f"{slot_id(slot)}.json"
+        return self.endpoints_dir / f"{_slot_name(slot)}.json"
 
     @property
     def router_endpoint(self) -> Path:
@@ -213,25 +220,23 @@ class RunDir:
     def heartbeats_dir(self) -> Path:  # per attempt: cleared when one starts
         return self.root / "heartbeats"
 
-    def heartbeat(self, component: str, rank: int | str = 0) -> Path:
-        """`heartbeats/<component>_<rank>`; an inference server's rank may be the slot's
-        `<job id>.<node>` (a server of an extra inference job: `heartbeats/<slot>`)."""
-        if component == "inference" and not str(rank).isdigit():
-            return self.server_heartbeat(f"{SLOT_PREFIX}{rank}")
+    def heartbeat(self, component: str, rank: int = 0) -> Path:
         return self.heartbeats_dir / f"{component}_{int(rank)}"
 
-    def server_heartbeat(self, slot: int | str) -> Path:
-        """`heartbeats/<slot>` of one inference server (a node rank, or a slot id)."""
-        return self.heartbeats_dir / slot_id(slot)
+    def server_heartbeat(self, slot: "str | int") -> Path:
+        """`heartbeats/<slot>` (`inference_<n>` is `heartbeat("inference", n)`)."""
+        return self.heartbeats_dir / _slot_name(slot)
 
-    def beat(self, component: str, rank: int | str = 0, **info: Any) -> None:
+    def beat(self, component: str, rank: int = 0, **info: Any) -> None:
         """Record that `component` rank `rank` is alive (and, e.g., at which step). Written
         by the loop that does the work, at least every `BEAT_S` while it runs; with
         `progress_at` (the last time it got something done) and `waiting_on` (the
         component it waits for, if it only waits), the watchdog tells a stall from a wait."""
-        atomic_write_json(
-            self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info}, durable=False
-        )
+        self.beat_as(self.heartbeat(component, rank), **info)
+
+    def beat_as(self, path: Path, **info: Any) -> None:
+        """Write the heartbeat file `path` (`heartbeat(...)` or `server_heartbeat(slot)`)."""
+        atomic_write_json(path, {"time": time.time(), "pid": os.getpid(), **info}, durable=False)
 
     def beats(self, component: Optional[str] = None) -> dict[str, dict]:
         """The heartbeats there are, {"trainer_0": {...}, ...} (of `component`'s ranks only
@@ -422,8 +427,9 @@ class RunDir:
         group, _, index = component.rpartition("_")
         if group == "inference" and index.isdigit():
             return RunDir.node_log(logs, "inference", int(index))
-        if component.startswith(SLOT_PREFIX) and "." in component:  # a server of an extra job: its tree's
-            return RunDir.node_log(logs, "inference", parse_slot(component)[1])
+        slot = parse_slot(component)
+        if slot is not None and slot.job_id:  # a server of an extra job: `logs` is that job's tree
+            return RunDir.node_log(logs, "inference", slot.node)
         if component == "router" or (group == "router" and index.isdigit()):
             return RunDir.router_log(logs, int(index) if group else 0)
         if node is not None and component in ("trainer", "inference"):

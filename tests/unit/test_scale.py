@@ -19,7 +19,7 @@ from prime_hpc.launcher import scale
 from prime_hpc.launcher.plan import inference_job_plan
 from prime_hpc.launcher.render import render_inference
 from prime_hpc.rundir import RunDir, jobs
-from prime_hpc.rundir.layout import parse_slot, server_slot
+from prime_hpc.rundir.layout import Slot, parse_slot, server_slot
 from prime_hpc.watch import plot
 from prime_hpc.watch.extra import format_extra, log_sources, state_of
 from prime_hpc.watch.tail import extra_sources
@@ -80,19 +80,16 @@ def test_extra_job_script_with_a_hostile_run_dir(tmp_path):
 def test_slot_names_of_the_runs_servers_and_of_extra_jobs(tmp_path):
     run = RunDir(tmp_path)
     assert server_slot(1) == "inference_1" and server_slot(0, "57") == "inference_57.0"
-    assert parse_slot("inference_1") == (None, 1) and parse_slot("inference_57.3") == ("57", 3)
-    assert parse_slot(2) == (None, 2)
+    assert parse_slot("inference_1") == Slot(None, 1) and parse_slot("inference_57.3") == Slot("57", 3)
+    assert parse_slot("inference_57.3.json").name == "inference_57.3"
     assert run.inference_endpoint(1) == run.inference_endpoint("inference_1") == run.endpoints_dir / "inference_1.json"
     assert run.inference_endpoint("inference_57.0") == run.endpoints_dir / "inference_57.0.json"
-    assert (
-        run.heartbeat("inference", "57.0")
-        == run.server_heartbeat("inference_57.0")
-        == run.heartbeats_dir / ("inference_57.0")
-    )
-    assert run.heartbeat("inference", 1) == run.heartbeats_dir / "inference_1"
-    for bad in ("inference_", "router", "inference_57.x", "inference_../x.0", "inference_5 7.0"):
+    assert run.server_heartbeat("inference_57.0") == run.heartbeats_dir / "inference_57.0"
+    assert run.server_heartbeat(1) == run.heartbeat("inference", 1) == run.heartbeats_dir / "inference_1"
+    for bad in ("inference_", "router", "inference_57.x", "inference_../x.0", "inference_5 7.0", "inference_a.0"):
+        assert parse_slot(bad) is None
         with pytest.raises(ValueError):
-            parse_slot(bad)
+            run.inference_endpoint(bad)
     logs = run.extra_job_logs("57")
     assert RunDir.log_of(logs, "inference_57.1") == logs / "inference" / "node_1.log"
 
