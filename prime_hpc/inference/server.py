@@ -17,8 +17,11 @@ entries were computed by the old weights) and releases. Every completion carries
 <key>`, the job's `INFERENCE_SERVER_API_KEY`; without that variable the server does not
 start.
 
-Once healthy, the server publishes `endpoints/inference_<node>.json` (address, port,
-model, policy step), and rewrites it after each update.
+The server is named by its slot (`inference_<node>`; `rundir.server_slot`). Once healthy,
+it publishes `endpoints/<slot>.json` (address, port, slot, job, node, pid, model, policy
+step) and rewrites it after each update; it removes it when it stops. Generation reaches it
+only through the router, to which the orchestrator's weight relay adds it once it has
+loaded the run's current policy (docs/inference.md#the-fleet).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from prime_hpc.core.net import node_address, url
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
-from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json
+from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, server_slot
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
@@ -138,6 +141,7 @@ class Server:
         self.host = host
         self.port = 0
         self.node = jobenv.node_rank()
+        self.slot = jobenv.slot() or server_slot(self.node)
         self.run = RunDir(cfg.output_dir)
         self.gate = PolicyGate(step=0, weight_dir=None)
         self.engine: Any = None
@@ -154,6 +158,9 @@ class Server:
             "url": url(self.host, self.port),
             "host": self.host,
             "port": self.port,
+            "slot": self.slot,
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_step": jobenv.slurm_step(),
             "node": self.node,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
@@ -168,16 +175,16 @@ class Server:
         }
 
     def publish(self) -> None:
-        atomic_write_json(self.run.inference_endpoint(self.node), self.endpoint(), durable=False)
+        atomic_write_json(self.run.inference_endpoint(self.slot), self.endpoint(), durable=False)
 
     def beat(self) -> None:
         """The heartbeat: from the serving loop, so it stops when the loop does; its progress
         is a finished generation or update (an engine that hangs with either under way makes
         none), and an idle server only waits for the orchestrator."""
         gate = self.gate
-        self.run.beat(
-            "inference",
-            self.node,
+        self.run.beat_as(
+            self.run.server_heartbeat(self.slot),
+            slurm_step=jobenv.slurm_step(),
             policy_step=gate.step,
             in_flight=gate.active,
             progress_at=gate.progress_at,
@@ -186,7 +193,7 @@ class Server:
 
     def unpublish(self) -> None:
         try:
-            os.unlink(self.run.inference_endpoint(self.node))
+            os.unlink(self.run.inference_endpoint(self.slot))
         except OSError:
             pass
 

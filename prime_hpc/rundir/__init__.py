@@ -8,6 +8,7 @@ and the trainer, on the shared filesystem.
 - `checkpoints`: which checkpoint steps exist, are complete and resumable;
 - `window`: which policies a step may train on (the async window);
 - `drops`: why the orchestrator drops a group, and the metrics key counting each reason;
+- `fleet`: the inference servers' states (the supervisors' and the weight relay's files);
 - `jobs`: `job.json`, the launcher's record of a run, and the list of recent runs;
 - `bench`: a bench run's results (`bench.json`).
 """
@@ -39,7 +40,7 @@ from prime_hpc.rundir.files import (
     wait_stable,
     with_umask,
 )
-from prime_hpc.rundir.layout import BEAT_S, CHECKPOINT_PARTS, COMPONENTS, RunDir
+from prime_hpc.rundir.layout import BEAT_S, CHECKPOINT_PARTS, COMPONENTS, RunDir, Slot, parse_slot, server_slot
 
 __all__ = [
     "BEAT_S",
@@ -49,6 +50,7 @@ __all__ = [
     "TMP_PREFIX",
     "MarkerError",
     "RunDir",
+    "Slot",
     "WaitTimeout",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -57,11 +59,13 @@ __all__ = [
     "is_stable",
     "jsonl_row",
     "mark_stable",
+    "parse_slot",
     "publish_dir",
     "read_json",
     "read_rows",
     "read_tail",
     "remove_marked",
+    "server_slot",
     "stable_time",
     "staging_dir",
     "tail",

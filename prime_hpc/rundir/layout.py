@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,35 @@ COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group orde
 CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
 BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
 DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doctor_marker`
+
+# An inference server's slot: `inference_<n>` for the server on node n of the run's own job,
+# `inference_<jobid>.<n>` for one on node n of another job of the run (`prime-hpc scale`).
+SERVER_GROUP = "inference"
+_SLOT = re.compile(r"inference_(?:(\d+)\.)?(\d+)")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A parsed slot: the job it belongs to (None: the run's own job) and its node there."""
+
+    job_id: Optional[str]
+    node: int
+
+    @property
+    def name(self) -> str:
+        return server_slot(self.node, self.job_id)
+
+
+def server_slot(node: int, job_id: Optional[str] = None) -> str:
+    """The slot of the server on `node` (of another job of the run: `job_id`)."""
+    return f"{SERVER_GROUP}_{job_id}.{int(node)}" if job_id else f"{SERVER_GROUP}_{int(node)}"
+
+
+def parse_slot(name: str) -> Optional[Slot]:
+    """`inference_<n>` or `inference_<jobid>.<n>` (a file name's `.json` removed first) as
+    a `Slot`; None for any other name."""
+    m = _SLOT.fullmatch(name[:-5] if name.endswith(".json") else name)
+    return Slot(m.group(1), int(m.group(2))) if m else None
 
 
 def _step_dir(parent: Path, step: int) -> Path:
@@ -34,6 +64,14 @@ def _steps_in(parent: Path, require_stable: bool) -> list[int]:
             if not require_stable or is_stable(parent / name):
                 steps.append(int(name[5:]))
     return sorted(steps)
+
+
+def _slot_name(slot: "str | int") -> str:
+    if isinstance(slot, int):
+        return server_slot(slot)
+    if parse_slot(slot) is None:
+        raise ValueError(f"{slot!r} is not an inference server's slot (inference_<n> or inference_<jobid>.<n>)")
+    return slot
 
 
 @dataclass(frozen=True)
@@ -92,8 +130,54 @@ class RunDir:
     def endpoints_dir(self) -> Path:
         return self.root / "endpoints"
 
-    def inference_endpoint(self, node: int) -> Path:
-        return self.endpoints_dir / f"inference_{int(node)}.json"
+    def inference_endpoint(self, slot: "str | int") -> Path:
+        """`endpoints/<slot>.json` (an int: the run's own server on that node), published by
+        the server once healthy, removed when it leaves."""
+        return self.endpoints_dir / f"{_slot_name(slot)}.json"
+
+    def server_slots(self) -> list[str]:
+        """The slots with a published endpoint, the run's own job's first (by node), then
+        the other jobs' (by job, node)."""
+        try:
+            names = os.listdir(self.endpoints_dir)
+        except OSError:
+            return []
+        slots = [s for s in (parse_slot(n) for n in names if n.endswith(".json")) if s is not None]
+        return [s.name for s in sorted(slots, key=lambda s: (s.job_id is not None, int(s.job_id or 0), s.node))]
+
+    def server_endpoints(self) -> dict[str, dict]:
+        """{slot: endpoint record} of every published server (unreadable ones left out)."""
+        out = {}
+        for slot in self.server_slots():
+            try:
+                out[slot] = json.loads(self.inference_endpoint(slot).read_text())
+            except (OSError, ValueError):
+                continue
+        return out
+
+    # --- the inference fleet: one file per writer (docs/inference.md#the-fleet)
+    @property
+    def fleet_dir(self) -> Path:
+        return self.root / "fleet"
+
+    def fleet_process(self, slot: "str | int") -> Path:
+        """`fleet/<slot>.json`: the server's process as its job's supervisor sees it (state
+        starting | hung | lost, restarts, since, log); written by that supervisor only."""
+        return self.fleet_dir / f"{_slot_name(slot)}.json"
+
+    @property
+    def fleet_membership(self) -> Path:
+        """`fleet/membership.json`: which servers the orchestrator's weight relay loads and
+        routes to (state loading weights | serving | removed, policy step, since); written
+        by the relay only."""
+        return self.fleet_dir / "membership.json"
+
+    RESTART_PREFIX = "restart_"
+
+    def restart_request(self, slot: "str | int") -> Path:
+        """`control/restart_<slot>.json`: the watchdog found the server hung; its
+        supervisor kills it (and restarts it as a lost server)."""
+        return self.control_dir / f"{self.RESTART_PREFIX}{_slot_name(slot)}.json"
 
     @property
     def router_endpoint(self) -> Path:
@@ -160,14 +244,20 @@ class RunDir:
     def heartbeat(self, component: str, rank: int = 0) -> Path:
         return self.heartbeats_dir / f"{component}_{int(rank)}"
 
+    def server_heartbeat(self, slot: "str | int") -> Path:
+        """`heartbeats/<slot>` (`inference_<n>` is `heartbeat("inference", n)`)."""
+        return self.heartbeats_dir / _slot_name(slot)
+
     def beat(self, component: str, rank: int = 0, **info: Any) -> None:
         """Record that `component` rank `rank` is alive (and, e.g., at which step). Written
         by the loop that does the work, at least every `BEAT_S` while it runs; with
         `progress_at` (the last time it got something done) and `waiting_on` (the
         component it waits for, if it only waits), the watchdog tells a stall from a wait."""
-        atomic_write_json(
-            self.heartbeat(component, rank), {"time": time.time(), "pid": os.getpid(), **info}, durable=False
-        )
+        self.beat_as(self.heartbeat(component, rank), **info)
+
+    def beat_as(self, path: Path, **info: Any) -> None:
+        """Write the heartbeat file `path` (`heartbeat(...)` or `server_heartbeat(slot)`)."""
+        atomic_write_json(path, {"time": time.time(), "pid": os.getpid(), **info}, durable=False)
 
     def beats(self, component: Optional[str] = None) -> dict[str, dict]:
         """The heartbeats there are, {"trainer_0": {...}, ...} (of `component`'s ranks only
@@ -351,13 +441,15 @@ class RunDir:
     @staticmethod
     def log_of(logs: Path | str, component: str, node: Optional[int] = None) -> Path:
         """The log to read first for `component` in the attempt's log tree `logs`: one
-        server of a set (`inference_<n>`) -> `inference/node_<n>.log`; the router
+        server of the fleet (`inference_<n>`, `inference_<jobid>.<n>`) ->
+        `inference/node_<n>.log` (`node_<jobid>.<n>.log`); the router
         (`router`, `router_<i>`) -> `inference/router_<i>.log`; the trainer or inference on
         `node` -> `<component>/node_<node>.log`; else (orchestrator, watchdog, a group
         without a node) -> `<component>.log` (`trainer.log`, `inference.log`: node 0's)."""
         group, _, index = component.rpartition("_")
-        if group == "inference" and index.isdigit():
-            return RunDir.node_log(logs, "inference", int(index))
+        slot = parse_slot(component)
+        if slot is not None:
+            return RunDir.node_log(logs, "inference", f"{slot.job_id}.{slot.node}" if slot.job_id else slot.node)
         if component == "router" or (group == "router" and index.isdigit()):
             return RunDir.router_log(logs, int(index) if group else 0)
         if node is not None and component in ("trainer", "inference"):

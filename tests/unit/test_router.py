@@ -191,12 +191,36 @@ def test_a_removed_or_dead_server_gets_no_more_requests(fleet):
     assert [_generate(base).json()["worker"] for _ in range(4)] == ["a"] * 4
 
 
-def test_no_server_left_is_a_503_naming_what_was_tried(fleet):
-    router, base, workers, served, _ = fleet
+def test_a_request_that_finds_no_server_waits_for_one_to_join_else_a_503_naming_what_was_tried(fleet):
+    router, base, workers, served, run = fleet
     for s in served.values():
         s.stop()
+    router.no_server_wait_s = 1.0
+    t0 = time.monotonic()
     r = _generate(base)
     assert r.status_code == 503 and "no inference server answered" in r.json()["error"]
+    assert time.monotonic() - t0 >= 1.0  # it waited for a server to join
+    router.no_server_wait_s = 30.0
+    late = Served(Worker("late"))  # a restarted server: published, then added by the relay
+    try:
+        atomic_write_json(run.inference_endpoint("inference_7.0"), {"url": late.url, "node": 0})
+
+        def join() -> None:
+            time.sleep(1.0)
+            httpx.post(base + "/add_worker", params={"url": late.url}, headers=AUTH, timeout=10)
+
+        threading.Thread(target=join, daemon=True).start()
+        assert _generate(base).json()["worker"] == "late"
+    finally:
+        late.stop()
+
+
+def test_a_server_whose_endpoint_is_gone_is_dropped(fleet):
+    router, base, workers, served, run = fleet
+    run.inference_endpoint(1).unlink()  # it left the run (its supervisor removed the file)
+    router.drop_unpublished()
+    assert router.workers == [served["a"].url]
+    assert [_generate(base).json()["worker"] for _ in range(3)] == ["a"] * 3
 
 
 @pytest.mark.parametrize("module", ["prime_hpc.inference", "prime_hpc.inference.router", "prime_hpc.orchestrator"])
