@@ -240,3 +240,49 @@ def test_a_listener_started_without_the_key_refuses_in_one_line(module, tmp_path
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "INFERENCE_SERVER_API_KEY is not set" in lines[0], r.stderr
+
+
+def test_the_relay_loads_a_joining_server_before_the_router_sends_it_anything_and_drops_one_that_left(
+    fleet, monkeypatch, tmp_path
+):
+    """The membership the weight relay keeps (orchestrator/fleet.py), against this router:
+    a server found in endpoints/ first gets the current policy (to it alone), then joins the
+    router and every later update; its endpoint removed, it leaves both."""
+    import asyncio
+
+    from prime_hpc.inference.client import Admin
+    from prime_hpc.orchestrator.relay import WeightRelay
+    from prime_hpc.rundir.fleet import fleet as fleet_rows
+    from prime_hpc.rundir.fleet import read_membership
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
+    router, base, workers, served, run = fleet
+    joiner = Worker("late")
+    late = Served(joiner)
+    try:
+
+        async def go() -> None:
+            admin = Admin([s.url for s in served.values()])
+            relay = WeightRelay(run, admin, "m", router=base)
+            relay.members.start_with([{"url": s.url, "node": n} for n, s in enumerate(served.values())], 0)
+            relay.policy, relay.loaded = 3, ("full", str(tmp_path / "weights" / "step_3"))
+            atomic_write_json(run.inference_endpoint("inference_7.0"), {"url": late.url, "node": 0, "policy_step": 0})
+            await relay.members.poll(force=True)
+            assert joiner.seen[0][:2] == ("POST", "/update_weights")  # loaded before it joined
+            assert late.url in router.workers and late.url in admin.live
+            assert read_membership(run)["inference_7.0"]["state"] == "serving"
+            assert relay.serving() == 3 and relay.gauges()["inference/servers"] == 3
+            run.inference_endpoint(1).unlink()  # server b left (its supervisor removed the file)
+            await relay.members.poll(force=True)
+            await asyncio.gather(*relay.members.tasks)
+            assert served["b"].url not in router.workers and served["b"].url not in admin.live
+            assert {r["slot"]: r["state"] for r in fleet_rows(run)} == {
+                "inference_0": "serving",
+                "inference_1": "removed",
+                "inference_7.0": "serving",
+            }
+            await admin.aclose()
+
+        asyncio.run(go())
+    finally:
+        late.stop()
