@@ -67,6 +67,8 @@ STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and
 def start(run: RunDir, job_id: str) -> str:
     job = read_job(run)
     restarted = any(str(a.get("job_id")) == str(job_id) for a in job.get("attempts", []))
+    if restarted:
+        job = unrecorded_requeue(run, job_id)
     limit = (job.get("failure") or {}).get("max_requeues")
     if restarted and limit is not None:  # SLURM brought back a job that had used its requeues: nothing written
         raise UserError(
@@ -111,6 +113,38 @@ def start(run: RunDir, job_id: str) -> str:
             }
         )
     return str(logs)
+
+
+def unrecorded_requeue(run: RunDir, job_id: str) -> dict:
+    """A job SLURM requeued without its script recording the end of the attempt (the node
+    of the job script failed): that attempt ended NODE_FAIL, and the requeue counts against
+    `cluster.max_requeues` (past it, the run ends as with any requeue). Returns job.json."""
+
+    def unended(job: dict) -> bool:
+        last = (job.get("attempts") or [{}])[-1]
+        return str(last.get("job_id")) == str(job_id) and not last.get("ended_at")
+
+    if not unended(job := read_job(run)):
+        return job
+    limit = max_requeues(run)
+    with editing_job(run) as job:
+        if not unended(job):
+            return dict(job)
+        _end_attempt(job, job_id, "NODE_FAIL", "the attempt ended without its job script (its node failed?)")
+        done = int(job.get("requeues", 0))
+        if done >= limit:
+            job["failure"] = {
+                "component": None,
+                "rc": 0,
+                "reason": f"NODE_FAIL by SLURM: not continued (cluster.max_requeues={limit} reached); "
+                f"continue with: prime-hpc resume {run.root}",
+                "log": str(of(job).batch_log(run, job_id)),
+                "max_requeues": limit,
+            }
+            job["state"], job["ended_at"] = FAILED, time.time()
+        else:
+            job["requeues"] = done + 1
+        return dict(job)
 
 
 def start_fleet(run: RunDir, job_id: str, logs: Path) -> None:

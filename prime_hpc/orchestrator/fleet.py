@@ -27,7 +27,7 @@ from prime_hpc.rundir.fleet import LOADING, REMOVED, SERVING
 
 POLL_S = 1.0  # how often endpoints/ is read
 RETRY_S = 10.0  # a server that could not join is tried again after this
-JOIN_TIMEOUT_S = 300.0  # loading the current policy into a joining server
+JOIN_TIMEOUT_S = 120.0  # loading the current policy into a joining server
 
 
 class Membership:

@@ -41,7 +41,8 @@ wait_components() {  # wait_components <seconds>: until every non-service compon
 reap() {  # reap <pid>: what is left of a component that exited (its process group, locally)
   kill -KILL -- -"$1" 2>/dev/null
 }
-kill_server() {  # kill_server <slot> [SLURM step]: a hung server, at once (it is then restarted as lost)
+kill_server() {  # kill_server <slot> [SLURM step]: a hung server of this job, at once (then restarted as lost)
+  [ -n "${PIDS[$1]:-}" ] || return 0
   kill -KILL -- -"${PIDS[$1]}" 2>/dev/null
 }
 replicas_left() {  # replicas_left <g>: how many servers of group g are still running
@@ -162,6 +163,7 @@ PIDS[watchdog]=$!; SERVICE[watchdog]=1
 while true; do
   signalled && stop_if_slurm_stops  # a component got a SIGTERM this script did not: ask SLURM why
   for f in /shared/runs/reverse_text/control/restart_*; do  # servers the watchdog found hung
+    case "${f##*/}" in *.*.json) continue ;; esac  # inference_<jobid>.<n>: another job's server, its supervisor's
     [ -e "$f" ] && hit=$(attempt hung --request "$f") && kill_server $hit
   done
   for c in "${!PIDS[@]}"; do

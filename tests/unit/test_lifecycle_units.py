@@ -719,3 +719,24 @@ def test_a_lost_server_is_restarted_in_its_slot_at_most_max_restarts_times(tmp_p
     assert lost[0]["reason"] == "hung: no heartbeat for 30s" and "reason" not in lost[1]
     attempt.request_checkpoint(run, "TIMEOUT")  # a run that stops restarts nothing
     assert attempt.lost(run, "inference_0", 1)[1] is False
+
+
+def test_a_requeue_its_job_script_did_not_record_counts_as_node_fail(tmp_path):
+    """The node of the job script failed: SLURM requeued the job with nobody recording the
+    end of the attempt. The next start closes it as NODE_FAIL and counts the requeue."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    (run.root / "config.yaml").write_text(yaml.safe_dump({"cluster": {"max_requeues": 1}}))
+    open_attempt = {"attempt": 0, "job_id": "9", "started_at": 1.0}
+    atomic_write_json(
+        run.job_json, {"backend": "slurm", "job_ids": ["9"], "state": "RUNNING", "attempts": [open_attempt]}
+    )
+    job = attempt.unrecorded_requeue(run, "9")
+    assert job["requeues"] == 1 and job["attempts"][0]["end"] == "NODE_FAIL" and not job.get("failure"), job
+    assert attempt.unrecorded_requeue(run, "9")["requeues"] == 1  # a recorded end is not counted again
+    with jobs.editing_job(run) as j:
+        j["attempts"].append({**open_attempt, "attempt": 1})
+    job = attempt.unrecorded_requeue(run, "9")  # past cluster.max_requeues: the run ends
+    assert job["state"] == "FAILED" and job["failure"]["max_requeues"] == 1, job
+    with pytest.raises(UserError, match="cluster.max_requeues=1"):
+        attempt.start(run, "9")
