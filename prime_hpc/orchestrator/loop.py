@@ -6,12 +6,13 @@ not know it (each gets its config, the run directory, its clients and callbacks)
       Generator)                        errored streak, Teacher)    Evaluator (every eval.interval steps)
           ▲ policy, model                  ▲ policy
     WeightRelay: weights/step_m ──► every server (in the background)
+      └ Membership: endpoints/ ──► a joiner loaded with the policy, then in the router and the updates
 
 For step n = start+1 .. max_steps: the sink fills step n from the source (which keeps
 groups generating only while the served policy is recent enough for the steps to come:
 >= n - async_level), the step is written, checkpointed when due and evaluated when due;
 then `rollouts/DONE`. The relay loads every new `weights/step_m` into all servers
-meanwhile. Between groups the loop is asked whether to stop (`runtime.stopping`; on a
+meanwhile, and keeps the fleet's membership (servers that join or leave). Between groups the loop is asked whether to stop (`runtime.stopping`; on a
 checkpoint request the trainer's step is saved first) and whether the relay still runs.
 The heartbeat's progress is a step written, a new policy served (a step trained) or an
 eval group finished, never a train group judged: a loop that judges groups forever
