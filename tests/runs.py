@@ -65,3 +65,42 @@ def wait_for_step(run: RunDir, step: int, timeout_s: float = 600) -> None:
         assert not job.get("ended_at"), f"the job ended before step {step}: {job.get('failure')}"
         time.sleep(0.5)
     raise AssertionError(f"no trainer step {step} within {timeout_s}s")
+
+
+def engine_pid(server_pid: int) -> int:
+    """vLLM's engine process under an inference server (it names itself VLLM::EngineCore)."""
+    engines = [p for p in procs.descendants([server_pid]) if _comm(p).startswith("VLLM::EngineCor")]
+    assert len(engines) == 1, (server_pid, engines)
+    return engines[0]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def slurm_node(pid: int) -> str:
+    """The SLURM node a step's process runs on (its SLURMD_NODENAME)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"SLURMD_NODENAME="))
+
+
+def fleet_row(run: RunDir, slot: str) -> dict:
+    from prime_hpc.rundir.fleet import fleet
+
+    return next((r for r in fleet(run) if r["slot"] == slot), {})
+
+
+def wait_fleet(run: RunDir, slot: str, pred, what: str, timeout_s: float = 300) -> dict:
+    """Until `slot`'s fleet row satisfies `pred` (the job must not end meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        row = fleet_row(run, slot)
+        if row and pred(row):
+            return row
+        job = jobs.read_job(run)
+        assert not job.get("ended_at"), f"the job ended ({job.get('state')}, {job.get('failure')}) before {what}"
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}: {fleet_row(run, slot)}")

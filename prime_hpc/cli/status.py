@@ -1,5 +1,5 @@
-"""`prime-hpc status [JOB] [--json] [--watch [S]]`: the state of each group, the attempts,
-and the run's vital signs (steps, reward and its trend, eval, loss, mismatch KL, s/step,
+"""`prime-hpc status [JOB] [--json] [--watch [S]]`: the state of each group, the inference
+fleet (each server's state, restarts, policy step and log), the attempts, and the run's vital signs (steps, reward and its trend, eval, loss, mismatch KL, s/step,
 throughput, ETA). A pipeline shows both jobs; a sweep one line per point. When SLURM
 cannot be asked, the answer comes from the run directory, saying so in one line."""
 
@@ -42,6 +42,7 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
     from prime_hpc.rundir import jobs
+    from prime_hpc.rundir.fleet import fleet
     from prime_hpc.sched.registry import choose
     from prime_hpc.watch.extra import extra_status
     from prime_hpc.watch.vitals import vitals
@@ -66,6 +67,7 @@ def job_status(ref: Any) -> dict[str, Any]:
         "groups": {g: {"state": st, "heartbeat": beats[g]} for g, st in groups.items()},
         "extra_jobs": extras,
         "extra_note": extra_note,
+        "fleet": fleet(ref.run),
         "attempts": job.get("attempts", []),
         "requeues": job.get("requeues", 0),
         "failure": job.get("failure"),
@@ -103,6 +105,7 @@ def format_job(s: dict[str, Any]) -> list[str]:
         beat = info["heartbeat"] or {}
         rows.append((g, info["state"], ago(beat.get("time")) + (f" step {beat['step']}" if "step" in beat else "")))
     out += columns(rows, indent="  ")
+    out += fleet_lines(s.get("fleet") or [], ended=s["state"] in jobs.FINAL_STATES)
     if s.get("extra_note"):
         out.append(s["extra_note"])
     out += format_extra(s.get("extra_jobs") or [])
@@ -115,15 +118,39 @@ def format_job(s: dict[str, Any]) -> list[str]:
     if s["mode"] != "doctor" and (v["trainer_step"] is not None or v["orchestrator_step"] or v.get("unfilled")):
         out += format_vitals(s["vitals"], s["kind"])
     for lost in (attempts[-1].get("lost") or []) if attempts else []:
+        then = "restarted in its slot" if lost.get("restarted") else "the run went on without it"
         out.append(
             f"lost: {lost['component']}{jobs.on_node(lost)} exited with code {lost['rc']} at "
-            f"{time.strftime('%H:%M:%S', time.localtime(lost['at']))}; the run went on without it; "
-            f"see {lost.get('log')}"
+            f"{time.strftime('%H:%M:%S', time.localtime(lost['at']))}"
+            + (f" ({lost['reason']})" if lost.get("reason") else "")
+            + f"; {then}; see {lost.get('log')}"
         )
     if s["failure"]:
         f = s["failure"]
         out.append(f"failed: {f.get('component') or 'job'}{jobs.on_node(f)} {f.get('reason', '')}; see {f.get('log')}")
     return out
+
+
+def fleet_lines(rows: list[dict], ended: bool = False) -> list[str]:
+    """The inference fleet as a table: one row per server (slot), from the run directory
+    (`rundir.fleet`: the supervisors' and the relay's files, no HTTP)."""
+    if not rows:
+        return []
+    table = [("SERVER", "NODE", "STATE", "SINCE", "RESTARTS", "POLICY", "LOG")]
+    for r in rows:
+        node = "-" if r.get("node") is None else str(r["node"])
+        table.append(
+            (
+                r["slot"],
+                node + (f" ({r['host']})" if r.get("host") else ""),
+                "ended" if ended and r["state"] != "lost" else r["state"],
+                ago(r.get("since")),
+                str(r.get("restarts", 0)),
+                "-" if r.get("policy_step") is None else str(r["policy_step"]),
+                str(r.get("log") or "-"),
+            )
+        )
+    return columns(table, indent="  ")
 
 
 def sweep_lines(refs: list, statuses: list[dict]) -> list[str]:

@@ -356,6 +356,11 @@ class InferenceConfig:
     extra_args: List[str] = field(default_factory=list)
     """passed verbatim to the vLLM server"""
     startup_timeout_s: int = ruled(600, ge=1)
+    max_restarts: int = ruled(3, ge=0)
+    """a server that dies (or hangs) is restarted in its slot at most this often per attempt"""
+    stall_timeout_s: float = ruled(600, ge=0)
+    """a server with requests in flight that finishes none for this long is hung: taken out,
+    killed and restarted (the watchdog's check; 0 = off); set above the longest generation"""
 
 
 # ----------------------------------------------------------------------------- bench

@@ -6,6 +6,8 @@ components read them here and nowhere else.
 - `PRIME_HPC_NODE_RANK`: the node's index within its group, set per inference server
   (each server is a SLURM step of its own, where `SLURM_NODEID` is 0) and read before
   `SLURM_NODEID`;
+- `PRIME_HPC_INFERENCE_SLOT`: an inference server's slot when it is not `inference_<node
+  rank>` (a server of another job of the run: `inference_<jobid>.<n>`);
 - `PRIME_HPC_DEVICE`: `cpu` or `cuda`, the run's device (`cluster.device`);
 - `PRIME_HPC_CACHE`: the run's shared cache (`cluster.cache_dir`: built models, compile
   caches); also honoured outside a job;
@@ -24,6 +26,7 @@ from typing import Optional
 
 LOGS_VAR = "PRIME_HPC_LOGS"
 NODE_RANK_VAR = "PRIME_HPC_NODE_RANK"
+SLOT_VAR = "PRIME_HPC_INFERENCE_SLOT"
 DEVICE_VAR = "PRIME_HPC_DEVICE"
 CACHE_VAR = "PRIME_HPC_CACHE"
 API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
@@ -57,6 +60,19 @@ def node_rank() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
+
+
+def slot() -> Optional[str]:
+    """This inference server's slot, when the launcher named it (else it is derived from
+    the node rank: `rundir.server_slot`)."""
+    return os.environ.get(SLOT_VAR) or None
+
+
+def slurm_step() -> Optional[str]:
+    """`<job id>.<step id>` of the SLURM step this process runs in (None outside one): what
+    `scancel --signal` addresses."""
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    return f"{job}.{step}" if job and step else None
 
 
 def device() -> str:

@@ -83,8 +83,10 @@ class Admin:
     """Admin calls to every live server of a run, concurrently. A server that no longer
     answers at all (connection refused or cut, no `/health`) is lost: it is dropped from
     this and every later call (`lost` says which and why, `on_lost` is told) and the run
-    goes on with the others; only when none is left does a call raise. Any other failure
-    (a server that answers with an error) raises one `InferenceError` naming it."""
+    goes on with the others (with none, a call reaches no server and returns []). Any other failure
+    (a server that answers with an error) raises one `InferenceError` naming it. Servers
+    join (`add`, after they loaded the current policy: `to=[url]`) and leave (`remove`)
+    while the run goes on."""
 
     def __init__(
         self, servers: list[str], key: Optional[str] = None, timeout_s: float = 900.0, on_lost: Any = None
@@ -114,6 +116,18 @@ class Admin:
     def live(self) -> list[str]:
         return [s for s in self.servers if s not in self.lost]
 
+    def add(self, server: str) -> None:
+        """`server` takes part in every later call (it was lost before: not any more)."""
+        self.lost.pop(server, None)
+        if server not in self.servers:
+            self.servers.append(server)
+
+    def remove(self, server: str) -> None:
+        """`server` takes no part in later calls (it left the run)."""
+        if server in self.servers:
+            self.servers.remove(server)
+        self.lost.pop(server, None)
+
     async def _gone(self, client: Any, base: str) -> bool:
         """Does the server no longer answer at all? (It may only have been slow.)"""
         import httpx
@@ -124,7 +138,8 @@ class Admin:
         except httpx.HTTPError:
             return True
 
-    async def _post_all(self, path: str, body: Optional[dict]) -> list[dict]:
+    async def _post_all(self, path: str, body: Optional[dict], to: Optional[list[str]] = None) -> list[dict]:
+        """POST to every live server (`to`: only these, which need not be members yet)."""
         import httpx
 
         client = self.client()
@@ -151,35 +166,54 @@ class Admin:
                 raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {str(detail)[:300]}")
             return r.json()
 
-        live = self.live
+        live = self.live if to is None else list(to)
         results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
         for base, r in zip(live, results):
             if isinstance(r, dict) and set(r) == {"lost"}:
+                if to is not None:  # not a member: the caller decides
+                    raise InferenceError(f"{base}{path}: {r['lost']}")
                 self.lost[base] = r["lost"]
                 if self.on_lost is not None:
                     self.on_lost(base, r["lost"])
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise InferenceError("; ".join(errors))
-        if not self.live:
-            raise InferenceError("no inference server is left: " + "; ".join(f"{s}: {w}" for s, w in self.lost.items()))
         return [r for r in results if not (isinstance(r, dict) and set(r) == {"lost"})]  # type: ignore[misc]
 
-    async def update_weights(self, weight_dir: os.PathLike | str, step: int) -> list[dict]:
-        """Every server: wait for in-flight generations, load `weight_dir`, serve `step`."""
-        return await self._post_all("/update_weights", {"weight_dir": str(weight_dir), "step": int(step)})
+    async def update_weights(
+        self, weight_dir: os.PathLike | str, step: int, to: Optional[list[str]] = None
+    ) -> list[dict]:
+        """Every server (`to`: these): wait for in-flight generations, load `weight_dir`,
+        serve `step`."""
+        return await self._post_all("/update_weights", {"weight_dir": str(weight_dir), "step": int(step)}, to)
 
-    async def reload_base(self) -> list[dict]:
-        return await self._post_all("/reload_weights", None)
+    async def reload_base(self, to: Optional[list[str]] = None) -> list[dict]:
+        return await self._post_all("/reload_weights", None, to)
 
-    async def load_lora(self, name: str, path: os.PathLike | str, step: int) -> list[dict]:
+    async def load_lora(
+        self, name: str, path: os.PathLike | str, step: int, to: Optional[list[str]] = None
+    ) -> list[dict]:
         return await self._post_all(
-            "/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "step": int(step)}
+            "/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "step": int(step)}, to
         )
 
     async def policies(self) -> list[dict]:
         rs = await asyncio.gather(*(self.client().get(s + "/policy", timeout=30) for s in self.live))
         return [r.json() for r in rs]
+
+
+async def add_worker(router: str, server: str) -> None:
+    """Ask the router to send requests to `server` too (it must be published in
+    `endpoints/`); raises `InferenceError` when the router refuses or does not answer."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=30, headers=headers()) as client:
+            r = await client.post(router + "/add_worker", params={"url": server})
+    except httpx.HTTPError as e:
+        raise InferenceError(f"{router}/add_worker: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise InferenceError(f"{router}/add_worker?url={server}: HTTP {r.status_code}: {r.text[:300]}")
 
 
 async def forget_worker(router: str, server: str) -> None:

@@ -1,8 +1,9 @@
 """`python -m prime_hpc.inference.router --config <run>/configs/inference.yaml`: the run's
-router, on the first inference node, in front of every server of the run.
+router, on the head node (where losing it ends the attempt anyway), in front of every
+server of the run.
 
-It waits (at most `inference.startup_timeout_s`) until every server has published
-`endpoints/inference_<node>.json`, binds this node's address on a port the kernel picks,
+It waits (at most `inference.startup_timeout_s`) until every server of the job has
+published `endpoints/inference_<node>.json`, binds this node's address on a port the kernel picks,
 and serves that socket from a child process (`Router`, below), which it starts again on
 the same socket if it dies, at most `MAX_RESTARTS` times per attempt (connections made
 meanwhile wait in the socket's queue); after that it exits with the child's code and the
@@ -16,6 +17,11 @@ are health-checked every `HEALTH_EVERY_S` and taken out of rotation after
 `HEALTH_FAILURES` failures in a row, and requests are forwarded only to servers this run
 published in `endpoints/`: `/add_worker` refuses any other address, so the job's key (the
 `Authorization` header it forwards) never reaches an address the run did not start.
+Membership is the orchestrator's weight relay's (it adds a server once it loaded the
+current policy, and removes one that left); the router also drops a server whose endpoint
+file is gone, and a restarted router serves the servers the relay lists as serving
+(`fleet/membership.json`). A request that finds no server waits for one (at most
+`NO_SERVER_WAIT_S`): while the fleet is being restarted, requests queue here.
 
 Admin routes (key required): `GET /workers` (each server and whether it is up),
 `POST /add_worker?url=`, `POST /remove_worker?url=`.
@@ -39,7 +45,8 @@ from prime_hpc.core import jobenv
 from prime_hpc.core.net import node_address, url
 from prime_hpc.inference.client import api_key, wait_for_servers
 from prime_hpc.inference.gate import ApiKey, is_preflight, send_json
-from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_for
+from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
+from prime_hpc.rundir.fleet import serving_urls
 from prime_hpc.runtime.stopping import die_with_parent
 
 POLICY = "round_robin"
@@ -47,18 +54,13 @@ MAX_RESTARTS = 3  # a router that dies is started again at most this often per a
 HEALTH_EVERY_S = 5.0  # how often each server's /health is asked
 HEALTH_FAILURES = 2  # failed checks in a row that take a server out of rotation
 READY_TIMEOUT_S = 120.0  # a (re)started router must answer within this
+NO_SERVER_WAIT_S = 600.0  # a request that finds no server waits this long for one to join
 HOP_HEADERS = (b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive")
 
 
 def published_urls(run: RunDir) -> set[str]:
-    """The server URLs this run published (`endpoints/inference_<node>.json`)."""
-    out = set()
-    for path in run.endpoints_dir.glob("inference_*.json"):
-        try:
-            out.add(str(read_json(path)["url"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return out
+    """The server URLs this run published (`endpoints/<slot>.json`)."""
+    return {str(r["url"]) for r in run.server_endpoints().values() if isinstance(r, dict) and r.get("url")}
 
 
 class Router:
@@ -66,8 +68,15 @@ class Router:
     request forwarded as it came (method, path, query, headers, body) to one server that
     is up, its answer streamed back."""
 
-    def __init__(self, workers: list[str], key: Optional[str], run: Optional[RunDir] = None) -> None:
+    def __init__(
+        self,
+        workers: list[str],
+        key: Optional[str],
+        run: Optional[RunDir] = None,
+        no_server_wait_s: float = NO_SERVER_WAIT_S,
+    ) -> None:
         self.key = ApiKey(key)
+        self.no_server_wait_s = no_server_wait_s
         self.workers = list(dict.fromkeys(workers))  # in rotation order
         self.failures = {w: 0 for w in self.workers}  # failed health checks (or connections) in a row
         self.run = run  # where the run's servers are published (None: any address may be added)
@@ -93,7 +102,7 @@ class Router:
         if not worker.startswith(("http://", "https://")):
             return f"{worker!r} is not an http(s) URL"
         if self.run is not None and worker not in published_urls(self.run):
-            return f"{worker} is not a server of this run (endpoints/inference_*.json)"
+            return f"{worker} is not a server of this run (endpoints/<slot>.json)"
         if worker not in self.workers:
             self.workers.append(worker)
         self.failures[worker] = 0
@@ -107,12 +116,21 @@ class Router:
         self.failures.pop(worker, None)
         return True
 
+    def drop_unpublished(self) -> None:
+        """Forget the servers whose endpoint file is gone (they left the run)."""
+        if self.run is None or not self.workers:
+            return
+        published = published_urls(self.run)
+        for w in [w for w in self.workers if w not in published]:
+            self.remove(w)
+
     async def check_health(self) -> None:
         """Ask every server's /health every `HEALTH_EVERY_S` (it needs no key)."""
         import httpx
 
         async with httpx.AsyncClient(timeout=HEALTH_EVERY_S) as client:
             while True:
+                self.drop_unpublished()
 
                 async def one(w: str) -> None:
                     try:
@@ -176,8 +194,8 @@ class Router:
         target = scope["path"] + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in HOP_HEADERS]
         tried: set[str] = set()
-        errors = []
-        while (worker := self.pick(tried)) is not None:
+        errors: list[str] = []
+        while (worker := await self.next_worker(tried)) is not None:
             tried.add(worker)
             request = self.client.build_request(scope["method"], worker + target, headers=headers, content=body)
             try:
@@ -189,6 +207,14 @@ class Router:
                 continue
             return await self.relay(response, send)
         return await send_json(send, 503, {"error": "no inference server answered: " + ("; ".join(errors) or "none")})
+
+    async def next_worker(self, tried: set[str]) -> Optional[str]:
+        """`pick`, waiting (at most `no_server_wait_s`) while no server is left to try: one
+        that joins (a restarted server) takes the request."""
+        deadline = time.monotonic() + self.no_server_wait_s
+        while (worker := self.pick(tried)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        return worker
 
     @staticmethod
     async def relay(response: Any, send: Any) -> None:
@@ -314,7 +340,7 @@ def supervise(config: str, run: RunDir, sock: socket.socket, workers: list[str])
         if state["stopping"] or restarts >= MAX_RESTARTS:
             break
         restarts += 1
-        workers = live_workers(workers) or workers
+        workers = serving_urls(run) or live_workers(workers) or workers  # the relay's members first
         print(
             f"prime-hpc router: the router exited with code {rc}; restarting it on the same socket "
             f"(restart {restarts} of at most {MAX_RESTARTS})",

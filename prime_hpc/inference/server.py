@@ -17,15 +17,19 @@ entries were computed by the old weights) and releases. Every completion carries
 <key>`, the job's `INFERENCE_SERVER_API_KEY`; without that variable the server does not
 start.
 
-Once healthy, the server publishes `endpoints/<slot>.json` (address, port, model, policy
-step), and rewrites it after each update. Its slot is `inference_<node>` in the run's own
-job, `inference_<job id>.<node>` in an extra inference job (`--extra-job`, `prime-hpc
-scale`). A server of an extra job leaves the run without failing a request: on SIGTERM
-(a cancel, a preemption) or SIGUSR2 (its job's time limit is near) it removes its endpoint
-first (the run's relay then takes it out of the router and of later updates), waits until
-the router no longer lists it and its requests in flight have finished (at most
-`DRAIN_TIMEOUT_S` in all), then exits 0. While it serves, it publishes its endpoint again
-if the file is gone without its doing (a new attempt of the run's job empties `endpoints/`).
+The server is named by its slot (`inference_<node>`; `rundir.server_slot`; a server of an
+extra inference job, `prime-hpc scale`: `inference_<job id>.<node>`, `--extra-job`). Once
+healthy, it publishes `endpoints/<slot>.json` (address, port, slot, job, node, pid, model,
+policy step) and rewrites it after each update; it removes it when it stops. Generation
+reaches it only through the router, to which the orchestrator's weight relay adds it once
+it has loaded the run's current policy (docs/inference.md#the-fleet).
+
+A server of an extra job leaves the run without failing a request: on SIGTERM (a cancel, a
+preemption) or SIGUSR2 (its job's time limit is near) it removes its endpoint first (the
+relay then takes it out of the router and of later updates), waits until the router no
+longer lists it and its requests in flight have finished (at most `DRAIN_TIMEOUT_S` in
+all), then exits 0. While it serves, it publishes its endpoint again if the file is gone
+without its doing (a new attempt of the run's job empties `endpoints/`).
 """
 
 from __future__ import annotations
@@ -53,8 +57,7 @@ from prime_hpc.core.net import node_address, url
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
-from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, read_json
-from prime_hpc.rundir.layout import server_slot
+from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, read_json, server_slot
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
@@ -152,7 +155,7 @@ class Server:
         self.port = 0
         self.node = jobenv.node_rank()
         self.extra_job = extra_job  # the id of the extra inference job this server belongs to (None: the run's)
-        self.slot = server_slot(self.node, extra_job)
+        self.slot = jobenv.slot() or server_slot(self.node, extra_job)
         self.draining: Optional[str] = None  # why it leaves, once it does
         self.run = RunDir(cfg.output_dir)
         self.gate = PolicyGate(step=0, weight_dir=None)
@@ -171,8 +174,9 @@ class Server:
             "host": self.host,
             "port": self.port,
             "slot": self.slot,
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_step": jobenv.slurm_step(),
             "node": self.node,
-            "job_id": self.extra_job or os.environ.get("SLURM_JOB_ID"),
             "extra": self.extra_job is not None,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
@@ -198,6 +202,7 @@ class Server:
         gate = self.gate
         self.run.beat_as(
             self.run.server_heartbeat(self.slot),
+            slurm_step=jobenv.slurm_step(),
             policy_step=gate.step,
             in_flight=gate.active,
             progress_at=gate.progress_at,

@@ -6,8 +6,13 @@ start       new log tree logs/attempt_<k>/ (+ logs/latest); on a restart (requeu
             resume, pick the checkpoint to continue from and clear what came after it;
             job.json RUNNING; prints the log tree's path
 end         --rc N [--component C] [--reason R] [--state S]: how the attempt ended
-lost        --component C --rc N: one of several interchangeable servers (inference_<n>)
-            exited and the run goes on without it
+lost        --component C --rc N: an inference server (its slot, inference_<n>) exited;
+            exit 0 when it is to be restarted in its slot (inference.max_restarts), else 1
+            (the run goes on without it while other servers are left)
+hung        --request FILE: the watchdog found a server hung (control/restart_<slot>.json):
+            record why, print "<slot> <SLURM step>" for the supervisor to kill it
+node-lost   exit 0 when a node of the job is down (SLURM): a component that died with
+            it ends the attempt, which is requeued
 checkpoint  --reason R: ask the trainer and the orchestrator to checkpoint and exit
 requeue     --reason R: record the attempt as ended by R and put the job back in the queue
             (SLURM), unless cluster.max_requeues is reached (then exit 1)
@@ -30,7 +35,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import CHECKPOINT_PARTS, RunDir, atomic_write_json, atomic_write_text, read_json
+from prime_hpc.rundir import (
+    CHECKPOINT_PARTS,
+    RunDir,
+    atomic_write_json,
+    atomic_write_text,
+    parse_slot,
+    read_json,
+    server_slot,
+)
+from prime_hpc.rundir import fleet as fleet_files
 from prime_hpc.rundir.jobs import (
     CANCELLED,
     COMPLETED,
@@ -53,6 +67,8 @@ STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and
 def start(run: RunDir, job_id: str) -> str:
     job = read_job(run)
     restarted = any(str(a.get("job_id")) == str(job_id) for a in job.get("attempts", []))
+    if restarted:
+        job = unrecorded_requeue(run, job_id)
     limit = (job.get("failure") or {}).get("max_requeues")
     if restarted and limit is not None:  # SLURM brought back a job that had used its requeues: nothing written
         raise UserError(
@@ -60,11 +76,13 @@ def start(run: RunDir, job_id: str) -> str:
             f"continued (continue with: prime-hpc resume {run.root})"
         )
     k, logs = run.new_attempt()
-    # endpoints and requests are per attempt: nobody may find a previous attempt's servers
-    for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir):
+    # endpoints, requests and the fleet are per attempt: nobody may find a previous attempt's servers
+    for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir, run.fleet_dir):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True, exist_ok=True)
     groups = job_groups(job)
+    if "inference" in groups:
+        start_fleet(run, job_id, logs)
     for sub in ("inference", "trainer", "envs"):
         if sub != "inference" or "inference" in groups:
             (logs / sub).mkdir(exist_ok=True)
@@ -95,6 +113,48 @@ def start(run: RunDir, job_id: str) -> str:
             }
         )
     return str(logs)
+
+
+def unrecorded_requeue(run: RunDir, job_id: str) -> dict:
+    """A job SLURM requeued without its script recording the end of the attempt (the node
+    of the job script failed): that attempt ended NODE_FAIL, and the requeue counts against
+    `cluster.max_requeues` (past it, the run ends as with any requeue). Returns job.json."""
+
+    def unended(job: dict) -> bool:
+        last = (job.get("attempts") or [{}])[-1]
+        return str(last.get("job_id")) == str(job_id) and not last.get("ended_at")
+
+    if not unended(job := read_job(run)):
+        return job
+    limit = max_requeues(run)
+    with editing_job(run) as job:
+        if not unended(job):
+            return dict(job)
+        _end_attempt(job, job_id, "NODE_FAIL", "the attempt ended without its job script (its node failed?)")
+        done = int(job.get("requeues", 0))
+        if done >= limit:
+            job["failure"] = {
+                "component": None,
+                "rc": 0,
+                "reason": f"NODE_FAIL by SLURM: not continued (cluster.max_requeues={limit} reached); "
+                f"continue with: prime-hpc resume {run.root}",
+                "log": str(of(job).batch_log(run, job_id)),
+                "max_requeues": limit,
+            }
+            job["state"], job["ended_at"] = FAILED, time.time()
+        else:
+            job["requeues"] = done + 1
+        return dict(job)
+
+
+def start_fleet(run: RunDir, job_id: str, logs: Path) -> None:
+    """Every server this job starts is `starting` in its slot, with no restarts yet."""
+    nodes = int((_component_yaml(run, "inference") or {}).get("nodes") or 0)
+    for node in range(nodes):
+        slot = server_slot(node)
+        fleet_files.write_process(
+            run, slot, fleet_files.STARTING, restarts=0, node=node, job_id=job_id, log=str(RunDir.log_of(logs, slot))
+        )
 
 
 def _component_yaml(run: RunDir, component: str) -> Optional[dict]:
@@ -201,9 +261,7 @@ def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:
         stall = read_json(run.stall_record)
     except (OSError, ValueError):
         return "watchdog", reason, {"node": None, "log": str(RunDir.component_log(logs, "watchdog"))}
-    component = stall.get("component", "watchdog")
-    if component == "inference":
-        component = f"inference_{stall.get('node', 0)}"  # as the supervisor names that server
+    component = stall.get("component", "watchdog")  # "inference": the whole fleet (no server could serve)
     return component, stall["reason"], {"node": stall.get("node"), "log": stall["log"], "who": stall.get("who")}
 
 
@@ -221,20 +279,57 @@ def own_cause(run: RunDir, component: str, reason: str, where: dict) -> tuple[st
     return (f"{reason}: {cause}" if reason else cause), {**where, "log": str(record.get("log") or where["log"])}
 
 
-def lost(run: RunDir, component: str, rc: int) -> str:
-    """Record in the attempt that a server of the run is gone while the run goes on (its
-    heartbeat goes: the watchdog no longer waits for it)."""
+def max_restarts(run: RunDir) -> int:
+    """`inference.max_restarts` of the run (its servers' config); the schema's default
+    where it does not say."""
+    from prime_hpc.config.schema import InferenceConfig
+
+    value = ((_component_yaml(run, "inference") or {}).get("inference") or {}).get("max_restarts")
+    return int(InferenceConfig.max_restarts) if value is None else int(value)
+
+
+def lost(run: RunDir, component: str, rc: int) -> tuple[str, bool]:
+    """Record that the server in slot `component` exited: in the attempt's `lost` list, in
+    its fleet file, and by removing its endpoint and heartbeat (the relay and the router
+    drop it; the watchdog no longer waits for it). Returns (what happened, whether to
+    restart it in its slot: while it has restarts left this attempt and the run is not
+    stopping)."""
     logs = run.latest_logs.resolve()
-    entry = {"component": component, "rc": rc, "at": time.time(), **where_it_died(logs, component)}
-    group, _, node = component.rpartition("_")
-    try:
-        os.unlink(run.heartbeat(group, int(node)))
-    except (OSError, ValueError):
-        pass
+    entry: dict[str, Any] = {"component": component, "rc": rc, "at": time.time(), **where_it_died(logs, component)}
+    cause, _ = own_cause(run, component, "", entry)
+    if cause:
+        entry["reason"] = cause
+    for path in (run.server_heartbeat(component), run.inference_endpoint(component)):
+        path.unlink(missing_ok=True)
+    done = int(fleet_files.read_process(run, component).get("restarts") or 0)
+    limit = max_restarts(run)
+    restart = done < limit and not run.checkpoint_request.exists()
+    entry["restarted"] = restart
     with editing_job(run) as job:
         if job.get("attempts"):
             job["attempts"][-1].setdefault("lost", []).append(entry)
-    return f"prime-hpc: lost {component} (exit code {rc}); see {entry['log']}"
+    why = entry.get("reason") or f"exited with code {rc}"
+    if restart:
+        run.failure_record(component).unlink(missing_ok=True)  # its cause is recorded; a later death has its own
+        fleet_files.write_process(run, component, fleet_files.STARTING, restarts=done + 1, rc=rc, reason=why)
+        return f"prime-hpc: lost {component} ({why}); restarting it (restart {done + 1} of at most {limit})", True
+    fleet_files.write_process(run, component, fleet_files.LOST, rc=rc, reason=why)
+    note = f"no restart left (inference.max_restarts={limit})" if done >= limit else "the run is stopping"
+    return f"prime-hpc: lost {component} ({why}); {note}; see {entry['log']}", False
+
+
+def hung(run: RunDir, request: Path) -> str:
+    """The watchdog's request to restart a hung server: its cause recorded (the fleet file,
+    `control/failure_<slot>.json` for the record of its end), the request consumed.
+    Returns "<slot> <SLURM step or ''>" for the supervisor, which kills it."""
+    req = read_json(request)
+    slot = str(req["slot"])
+    if parse_slot(slot) is None:
+        raise UserError(f"{request}: {slot!r} is not a server's slot")
+    atomic_write_json(run.failure_record(slot), {"reason": req.get("reason"), "log": req.get("log")})
+    fleet_files.write_process(run, slot, fleet_files.HUNG, reason=req.get("reason"))
+    request.unlink(missing_ok=True)
+    return f"{slot} {req.get('slurm_step') or ''}".strip()
 
 
 SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.*)")
@@ -246,8 +341,9 @@ def where_it_died(logs: Path, component: str) -> dict[str, Any]:
     srun reports as failed (`trainer/srun.log`, one task per node); else node 0."""
     node: Optional[int] = 0
     host = None
-    if component.startswith("inference_"):
-        node = int(component.split("_")[1])
+    slot = parse_slot(component)
+    if slot is not None:
+        node = slot.node
     elif component == "trainer":
         try:
             for line in RunDir.srun_log(logs, "trainer").read_text(errors="replace").splitlines():
@@ -414,7 +510,21 @@ def rendezvous() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.job.attempt")
-    p.add_argument("cmd", choices=("start", "end", "lost", "checkpoint", "requeue", "cause", "wait-for", "rendezvous"))
+    p.add_argument(
+        "cmd",
+        choices=(
+            "start",
+            "end",
+            "lost",
+            "hung",
+            "node-lost",
+            "checkpoint",
+            "requeue",
+            "cause",
+            "wait-for",
+            "rendezvous",
+        ),
+    )
     p.add_argument("output_dir", nargs="?")
     p.add_argument("--job-id", default="")
     p.add_argument("--rc", type=int, default=0)
@@ -424,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("before", nargs="?", help="wait-for: the run directory this job starts after")
     p.add_argument("--any", action="store_true", help="wait-for: start however that run ended")
     p.add_argument("--checkpoint", action="store_true", help="cause: ask for the checkpoint when the job stops")
+    p.add_argument("--request", help="hung: the watchdog's restart request")
     a = p.parse_intermixed_args(argv)
     if a.cmd == "rendezvous":
         print(rendezvous())
@@ -435,7 +546,16 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "end":
             print(end(run, a.job_id, a.rc, a.component, a.reason, a.state), file=sys.stderr)
         elif a.cmd == "lost":
-            print(lost(run, a.component, a.rc), file=sys.stderr)
+            message, restart = lost(run, a.component, a.rc)
+            print(message, file=sys.stderr)
+            return 0 if restart else 1
+        elif a.cmd == "hung":
+            print(hung(run, Path(a.request)))
+        elif a.cmd == "node-lost":
+            down = of(read_job(run)).down_nodes(a.job_id)
+            if down:
+                print(f"prime-hpc: node(s) of the job down: {', '.join(down)}", file=sys.stderr)
+            return 0 if down else 1
         elif a.cmd == "checkpoint":
             request_checkpoint(run, a.reason)
         elif a.cmd == "requeue":

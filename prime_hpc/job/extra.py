@@ -3,14 +3,14 @@
 python -m prime_hpc.job.extra <command> <output_dir> --job-id ID [options]
 
 start   the job's log directory, logs/extra/<id>/ (printed); its record in job.json's
-        `extra_jobs` RUNNING. Refused (exit 1, nothing started) when the run does not
+        `extra_jobs` RUNNING; each of its slots `starting` in the fleet (`fleet/<slot>.json`). Refused (exit 1, nothing started) when the run does not
         record this job, when it was cancelled meanwhile, or when the run has ended
 check   exit 0 while the run still runs (its servers stay), 1 once it ended: its job.json
         state is final (COMPLETED, FAILED, CANCELLED ...); a run between two attempts
         (REQUEUED, PENDING) still runs
 end     --reason WHY --exits "n=rc ...": how the job ended, in its record (state, end,
-        ended_at, each server's exit code); the endpoint and heartbeat files its servers
-        left (a server that was killed) are removed
+        ended_at, each server's exit code); its slots' fleet records, and the endpoint and
+        heartbeat files its servers left (a server that was killed), are removed
 
 States of an extra job's record: PENDING (submitted), RUNNING, then COMPLETED (it left
 because the run ended), TIMEOUT (it left before its time limit), PREEMPTED, CANCELLED
@@ -27,6 +27,7 @@ import time
 from typing import Optional
 
 from prime_hpc.rundir import RunDir
+from prime_hpc.rundir.fleet import STARTING, write_process
 from prime_hpc.rundir.jobs import CANCELLED, COMPLETED, FAILED, FINAL_STATES, extra_job, read_job, update_extra_job
 from prime_hpc.rundir.layout import server_slot
 
@@ -48,6 +49,9 @@ def start(run: RunDir, job_id: str) -> str:
         raise RuntimeError(f"the run ended ({job.get('state')}) before job {job_id} started: nothing to serve")
     logs = run.extra_job_logs(job_id)
     RunDir.group_log_dir(logs, "inference").mkdir(parents=True, exist_ok=True)
+    for node in range(int(record.get("nodes") or 0)):  # the fleet's view (`status`): starting, until the relay has it
+        slot = server_slot(node, job_id)
+        write_process(run, slot, STARTING, node=node, job_id=job_id, restarts=0, log=str(RunDir.log_of(logs, slot)))
     update_extra_job(
         run,
         job_id,
@@ -99,7 +103,7 @@ def end(run: RunDir, job_id: str, rc: int, reason: str, exits: dict[str, int]) -
     record = extra_job(job, job_id) or {}
     for node in range(int(record.get("nodes") or 0)):
         slot = server_slot(node, job_id)
-        for path in (run.inference_endpoint(slot), run.server_heartbeat(slot)):
+        for path in (run.inference_endpoint(slot), run.server_heartbeat(slot), run.fleet_process(slot)):
             path.unlink(missing_ok=True)
     if rc != 0:
         state = FAILED

@@ -7,13 +7,19 @@ from the loop that does its work (`RunDir.beat`). A component is stalled when
 - its heartbeat is older than T: the process is alive (the supervisor would have seen it
   exit) but its loop no longer runs: stopped, deadlocked, stuck in a call; or
 - it still beats but has made no progress (`progress_at`: a step written or trained, a
-  policy served, an inference server's finished generation) for T while it was not only
-  waiting for another component (`waiting_on`). A stalled inference server is named
-  before the orchestrator whose generations it holds.
+  policy served) for T while it was not only waiting for another component (`waiting_on`).
 
-Components that said they are done, heartbeats of servers the run has lost, and the
-servers of extra inference jobs (`inference_<job id>.<node>`, `prime-hpc scale`: the run
-does not depend on them; the relay drops one that stops answering) are not watched. On a stall the watchdog prints one line (component, how long it was silent, the
+Inference servers are replaceable and watched apart (`--server-stall-timeout-s` S,
+`inference.stall_timeout_s`): a server whose heartbeat is older than S, or that has
+requests in flight and finished none for S, is hung. The watchdog does not end the job
+for it: it asks the server's supervisor to kill it (`control/restart_<slot>.json`, once
+per process), which then restarts it like a server that died. The job fails only when no
+server could serve for longer than T (hung, dead, restarting): one line naming every
+server, its state and its log. An orchestrator that waits for inference is excused while
+a server works on its requests, or while the fleet is being restarted.
+
+Components that said they are done, and heartbeats of servers that left, are not
+watched. On a stall the watchdog prints one line (component, how long it was silent, the
 last line of its log), writes `control/stall.json` for the supervisor's record, and
 exits 3; the supervisor then ends the job like any failed component.
 
@@ -31,35 +37,26 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, atomic_write_json, tail_lines
-from prime_hpc.rundir.layout import parse_slot
+from prime_hpc.rundir import RunDir, atomic_write_json, parse_slot, tail_lines
 
 POLL_S = 2.0
 STALLED = 3  # exit code
 
 
-def is_extra_slot(name: str) -> bool:
-    """A heartbeat of a server of an extra inference job (`inference_<job id>.<node>`)."""
-    slot = parse_slot(name)
-    return slot is not None and slot.job_id is not None
-
-
-def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[dict[str, Any]]:
-    """The stall to report among heartbeats {"trainer_0": {...}, ...}, or None: an
-    inference server's first (a hung engine also starves the orchestrator, which then
-    stalls with it: the server is the cause), else the longest silence."""
-    # a server at work (not only waiting); one that hangs is what an orchestrator waiting for
-    # inference waits on: without one, that wait is no excuse
-    serving = any(
-        n.startswith("inference_") and not b.get("waiting_on") and not b.get("done") for n, b in beats.items()
-    )
-    stalls = []
+def stalled(beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bool = False) -> Optional[dict[str, Any]]:
+    """The longest stall among the heartbeats {"trainer_0": {...}, ...} of components that
+    are not inference servers (`hung_servers` judges those), or None. An orchestrator
+    only waiting for inference is excused while a server works on requests (a hung one
+    included: the watchdog has it restarted), or while the fleet is down (`fleet_down`:
+    `Fleet.stall` ends the job if that lasts)."""
+    busy = any(parse_slot(n) and not b.get("waiting_on") and not b.get("done") for n, b in beats.items())
+    stalls: list[dict[str, Any]] = []
     for name, b in beats.items():
-        if b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)) or is_extra_slot(name):
+        if parse_slot(name) or b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):
             continue
         silent = now - float(b["time"])
         why = "no heartbeat"
-        waiting = b.get("waiting_on") if b.get("waiting_on") != "inference" or serving else None
+        waiting = b.get("waiting_on") if b.get("waiting_on") != "inference" or busy or fleet_down else None
         if silent <= timeout_s and isinstance(b.get("progress_at"), (int, float)) and not waiting:
             silent, why = now - float(b["progress_at"]), "no progress"
         if silent > timeout_s:
@@ -73,7 +70,93 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float) -> Optional[di
                     "step": b.get("step"),
                 }
             )
-    return max(stalls, key=lambda x: (x["component"] == "inference", x["silent_s"]), default=None)
+    return max(stalls, key=lambda x: int(x["silent_s"]), default=None)
+
+
+def hung_servers(beats: dict[str, dict], timeout_s: float, now: float) -> dict[str, Optional[str]]:
+    """{slot: None if the server can serve, else why it is hung} for every inference
+    server's heartbeat: silent for `timeout_s`, or requests in flight and none finished
+    for `timeout_s` (0: never hung)."""
+    out: dict[str, Optional[str]] = {}
+    for name, b in beats.items():
+        if not parse_slot(name) or b.get("done") or not isinstance(b.get("time"), (int, float)):
+            continue
+        silent, idle = now - float(b["time"]), now - float(b.get("progress_at") or b["time"])
+        if timeout_s > 0 and silent > timeout_s:
+            out[name] = f"no heartbeat for {int(silent)}s"
+        elif timeout_s > 0 and int(b.get("in_flight") or 0) > 0 and idle > timeout_s:
+            out[name] = f"alive, but no progress for {int(idle)}s with {b['in_flight']} request(s) in flight"
+        else:
+            out[name] = None
+    return out
+
+
+class Fleet:
+    """The watchdog's view of the inference servers across polls: which hung process it
+    asked to restart already, and since when no server could serve."""
+
+    def __init__(self, run: RunDir, logs: Path, timeout_s: float, server_timeout_s: float) -> None:
+        self.run, self.logs = run, logs
+        self.timeout_s, self.server_timeout_s = timeout_s, server_timeout_s
+        self.asked: dict[str, Any] = {}  # slot -> the pid whose restart was asked
+        self.serving_at: Optional[float] = None  # the last time a server could serve (None: none yet)
+
+    def check(self, beats: dict[str, dict], now: float) -> bool:
+        """Ask for the restart of every newly hung server; True while the fleet is down
+        (no server can serve now, after one could)."""
+        verdicts = hung_servers(beats, self.server_timeout_s, now)
+        for slot, why in verdicts.items():
+            if why is not None and self.asked.get(slot) != beats[slot].get("pid"):
+                self.asked[slot] = beats[slot].get("pid")
+                self.request_restart(slot, beats[slot], why, now)
+        if any(why is None for why in verdicts.values()):
+            self.serving_at = now
+        return self.serving_at is not None and not any(why is None for why in verdicts.values())
+
+    def request_restart(self, slot: str, beat: dict, why: str, now: float) -> None:
+        log = RunDir.log_of(self.logs, slot)
+        reason = f"hung: {why} (inference.stall_timeout_s={self.server_timeout_s:g})"
+        atomic_write_json(
+            self.run.restart_request(slot),
+            {
+                "slot": slot,
+                "pid": beat.get("pid"),
+                "slurm_step": beat.get("slurm_step"),
+                "reason": reason,
+                "log": str(log),
+                "at": now,
+            },
+        )
+        print(f"prime-hpc watchdog: {slot} {reason}; asking for its restart; see {log}", file=sys.stderr, flush=True)
+
+    def stall(self, now: float) -> Optional[dict[str, Any]]:
+        """The job's stall when no server could serve for longer than the watchdog's
+        timeout: every server named with its state and log."""
+        if self.serving_at is None or now - self.serving_at <= self.timeout_s:
+            return None
+        from prime_hpc.rundir.fleet import fleet
+
+        rows = fleet(self.run)
+        servers = [
+            f"{r['slot']} {r['state']}, {r['restarts']} restart(s), log {r['log'] or RunDir.log_of(self.logs, r['slot'])}"
+            for r in rows
+        ]
+        silent = int(now - self.serving_at)
+        reason = (
+            f"stalled: no inference server could serve for {silent}s (watchdog.stall_timeout_s={self.timeout_s:g}): "
+            + ("; ".join(servers) or "none left")
+        )
+        log = rows[0]["log"] if rows and rows[0]["log"] else str(RunDir.log_of(self.logs, "inference_0"))
+        return {
+            "component": "inference",
+            "servers": [r["slot"] for r in rows],
+            "silent_s": silent,
+            "why": "no server",
+            "reason": reason,
+            "log": log,
+            "node": None,
+            "who": "inference",
+        }
 
 
 def last_line(path: Path, max_bytes: int = 8192) -> str:
@@ -84,7 +167,7 @@ def last_line(path: Path, max_bytes: int = 8192) -> str:
 
 def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Path:
     """The log of the stalled `component` rank: its node's (`RunDir.log_of`)."""
-    node = {"trainer": rank // max(1, ranks_per_node), "inference": rank}.get(component)
+    node = {"trainer": rank // max(1, ranks_per_node)}.get(component)
     return RunDir.log_of(logs, component, node)
 
 
@@ -119,34 +202,43 @@ def watch(
     ranks_per_node: int = 1,
     poll_s: float = POLL_S,
     supervisor: Optional[Supervisor] = None,
+    server_timeout_s: Optional[float] = None,
 ) -> int:
+    """Poll the heartbeats until a stall (then record it and return `STALLED`) or the job
+    script's death (0). `server_timeout_s`: the run has inference servers, watched as a
+    fleet (None: it has none)."""
+    fleet = Fleet(run, logs, timeout_s, server_timeout_s) if server_timeout_s is not None else None
     while True:
         time.sleep(poll_s)
         if supervisor is not None and supervisor.died(run):
             return 0
-        s = stalled(run.beats(), timeout_s, time.time())
-        if s is None:
-            continue
-        log = stall_log(logs, s["component"], s["rank"], ranks_per_node)
-        who = s["component"] + (
-            f" rank {s['rank']}"
-            if s["component"] == "trainer"
-            else f" node {s['rank']}"
-            if s["component"] == "inference"
-            else ""
+        beats, now = run.beats(), time.time()
+        down = fleet.check(beats, now) if fleet is not None else False
+        record = fleet.stall(now) if fleet is not None else None
+        if record is None:
+            s = stalled(beats, timeout_s, now, fleet_down=down)
+            if s is None:
+                continue
+            record = component_stall(s, logs, timeout_s, ranks_per_node)
+        atomic_write_json(run.stall_record, {**record, "at": time.time()})
+        print(
+            f"prime-hpc watchdog: {record['who']} {record['reason']}; see {record['log']}", file=sys.stderr, flush=True
         )
-        what = "no heartbeat" if s["why"] == "no heartbeat" else "alive, but no progress"
-        reason = (
-            f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g})"
-            + (f" at step {s['step']}" if s.get("step") is not None else "")
-            + f"; last line of its log: {last_line(log) or '(empty)'}"
-        )
-        node = s["rank"] // max(1, ranks_per_node) if s["component"] == "trainer" else s["rank"]
-        atomic_write_json(
-            run.stall_record, {**s, "who": who, "reason": reason, "log": str(log), "node": node, "at": time.time()}
-        )
-        print(f"prime-hpc watchdog: {who} {reason}; see {log}", file=sys.stderr, flush=True)
         return STALLED
+
+
+def component_stall(s: dict[str, Any], logs: Path, timeout_s: float, ranks_per_node: int) -> dict[str, Any]:
+    """The record of a component's stall `s` (`stalled`): who, why in one line, its log."""
+    log = stall_log(logs, s["component"], s["rank"], ranks_per_node)
+    who = s["component"] + (f" rank {s['rank']}" if s["component"] == "trainer" else "")
+    what = "no heartbeat" if s["why"] == "no heartbeat" else "alive, but no progress"
+    reason = (
+        f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g})"
+        + (f" at step {s['step']}" if s.get("step") is not None else "")
+        + f"; last line of its log: {last_line(log) or '(empty)'}"
+    )
+    node = s["rank"] // max(1, ranks_per_node) if s["component"] == "trainer" else s["rank"]
+    return {**s, "who": who, "reason": reason, "log": str(log), "node": node}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -156,6 +248,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--job-id", default="")
     p.add_argument("--supervisor-pid", type=int, help="the job script's pid: its death ends the attempt")
+    p.add_argument("--server-stall-timeout-s", type=float, help="inference.stall_timeout_s (a run with servers)")
     a = p.parse_args(argv)
     if a.stall_timeout_s <= 0:
         return 0
@@ -163,7 +256,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     logs = jobenv.logs_dir() or run.latest_logs
     supervisor = Supervisor(a.job_id, a.supervisor_pid) if a.supervisor_pid else None
     try:
-        return watch(run, a.stall_timeout_s, logs, a.ranks_per_node, supervisor=supervisor)
+        return watch(
+            run,
+            a.stall_timeout_s,
+            logs,
+            a.ranks_per_node,
+            supervisor=supervisor,
+            server_timeout_s=a.server_stall_timeout_s,
+        )
     except KeyboardInterrupt:
         return 0
 

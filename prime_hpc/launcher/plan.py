@@ -2,8 +2,8 @@
 environment. A pure function of the config, so tests can pin it and the templates stay
 free of logic.
 
-Het group 0 = orchestrator (head node), 1 = inference servers (+ router on the first),
-2 = trainer (torchrun, c10d rendezvous on the first trainer node).
+Het group 0 = orchestrator (head node, + the router), 1 = inference servers (one per
+node, each restartable in its slot), 2 = trainer (torchrun, c10d rendezvous on the first trainer node).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Plan:
     after: list[After] = field(default_factory=list)  # jobs this one starts after
     address: Optional[str] = None  # cluster.address: every node's bind/publish address (None: its own)
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
-    router_argv: list[str] = field(default_factory=list)  # on the first inference node, next to its server
+    router_argv: list[str] = field(default_factory=list)  # on the head node, next to the orchestrator
     watchdog_argv: list[str] = field(default_factory=list)  # next to the job script; empty: no watchdog
 
     @property
@@ -304,13 +304,17 @@ def job_env(cfg: DictConfig) -> dict[str, str]:
 
 
 def watchdog_argv(cfg: DictConfig, mode: str, py: str, out: str, nproc: int) -> list[str]:
-    """The stall watchdog beside the job script (a run with a stall timeout only)."""
+    """The stall watchdog beside the job script (a run with a stall timeout only); with
+    inference servers, it also finds hung ones (`inference.stall_timeout_s`)."""
     timeout_s = float(cfg.watchdog.stall_timeout_s)
     if mode != "run" or timeout_s <= 0:
         return []
-    return _argv(
+    argv = _argv(
         py, "prime_hpc.job.watchdog", out, "--stall-timeout-s", f"{timeout_s:g}", "--ranks-per-node", str(nproc)
     )
+    if "inference" in job_groups(cfg, mode):
+        argv += ["--server-stall-timeout-s", f"{float(cfg.inference.stall_timeout_s):g}"]
+    return argv
 
 
 def make_plan(

@@ -6,12 +6,13 @@ not know it (each gets its config, the run directory, its clients and callbacks)
       Generator)                        errored streak, Teacher)    Evaluator (every eval.interval steps)
           ▲ policy, model                  ▲ policy
     WeightRelay: weights/step_m ──► every server (in the background)
+      └ Membership: endpoints/ ──► a joiner loaded with the policy, then in the router and the updates
 
 For step n = start+1 .. max_steps: the sink fills step n from the source (which keeps
 groups generating only while the served policy is recent enough for the steps to come:
 >= n - async_level), the step is written, checkpointed when due and evaluated when due;
 then `rollouts/DONE`. The relay loads every new `weights/step_m` into all servers
-meanwhile. Between groups the loop is asked whether to stop (`runtime.stopping`; on a
+meanwhile, and keeps the fleet's membership (servers that join or leave). Between groups the loop is asked whether to stop (`runtime.stopping`; on a
 checkpoint request the trainer's step is saved first) and whether the relay still runs.
 The heartbeat's progress is a step written, a new policy served (a step trained) or an
 eval group finished, never a train group judged: a loop that judges groups forever
@@ -35,7 +36,7 @@ from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, load_slots, route_env_logs
 from prime_hpc.orchestrator.evaluator import Evaluator
 from prime_hpc.orchestrator.generate import Generator
-from prime_hpc.orchestrator.relay import WeightRelay, server_lost
+from prime_hpc.orchestrator.relay import WeightRelay
 from prime_hpc.orchestrator.sink import StepFill, StepSink
 from prime_hpc.orchestrator.source import GroupSource
 from prime_hpc.orchestrator.step_metrics import StepMetrics
@@ -62,12 +63,22 @@ class Orchestrator:
         self.stop_code: Optional[int] = None
 
     def wire(
-        self, client: Any, model: Optional[str], admin: Any, metrics: Any, train: list[EnvSlot], evals: list[EnvSlot]
+        self,
+        client: Any,
+        model: Optional[str],
+        admin: Any,
+        metrics: Any,
+        train: list[EnvSlot],
+        evals: list[EnvSlot],
+        router: Optional[str] = None,
     ) -> None:
         """The parts, around the runtime handles: the policy `client` (asking for `model`,
-        None: the run's), the servers' `admin`, the `metrics` logger and the env slots."""
+        None: the run's), the servers' `admin`, the `metrics` logger, the env slots and the
+        `router` whose membership the relay keeps (None: a fixed set of servers)."""
         o, cfg = self.ocfg, self.cfg
-        self.relay = relay = WeightRelay(self.run, admin, model or cfg.model.name, on_policy=self.progress)
+        self.relay = relay = WeightRelay(
+            self.run, admin, model or cfg.model.name, on_policy=self.progress, router=router
+        )
         self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = EnvSampler(train, cfg.seed, 1 if self.max_steps is None else None)  # null: the data once
         self.source = GroupSource(sampler, self.generator, lambda: relay.policy, o, self.async_level, self.max_steps)
@@ -128,13 +139,15 @@ class Orchestrator:
         admin = metrics = None
         try:
             ep = discover(self.run, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=self.logs)
-            admin = Admin(ep.servers, on_lost=lambda server, why: server_lost(ep, admin, server, why))
+            admin = Admin(ep.servers, on_lost=lambda server, why: self.relay.server_lost(server, why))
             metrics = MetricsLogger(self.run, "orchestrator", cfg.wandb, run_name=cfg.name, config=asdict(cfg))
-            self.wire(*self.policy_client(ep), admin, metrics, train, evals)
+            self.wire(*self.policy_client(ep), admin, metrics, train, evals, router=ep.router)
             if saved is not None:
                 self.restore(saved)
             if start is not None and self.run.weights_step(start).exists():
                 await self.relay.serve(start)
+            if self.relay.members is not None:
+                self.relay.members.start_with(ep.server_records, self.relay.policy)
             metrics.follow("trainer", start or 0)  # one W&B run: the trainer's rows go in through this logger
             logger.info(
                 f"orchestrator: {len(train)} train env(s), {len(evals)} eval env(s), router {ep.router}, "

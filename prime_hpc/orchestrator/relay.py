@@ -12,9 +12,13 @@ the source's admission and the sink's policy-lag rules; one record per update in
 it the slowest server's drain and load), reported by `gauges`; and a call to `on_policy`
 after each update (a step trained is progress for the heartbeat).
 
-A server that stops answering is lost (`Admin` drops it): `server_lost` says so in one
-line and asks the router to forget it; the run goes on with the others. An update that
-fails otherwise stops the relay; `check` then raises its error in the loop.
+The relay owns the fleet's membership (`fleet.Membership`, polled between updates): a
+server that joins (a restarted one, another job's) is loaded with the current policy
+before the router sends it anything, and takes part in every later update; one that
+leaves or stops answering is taken out of the router and of later updates; the run goes
+on with the others, and with none for a while (an update then only moves `policy`, which
+every server that joins loads). An update that fails otherwise stops the relay; `check`
+then raises its error in the loop.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from loguru import logger
 
-from prime_hpc.inference.client import Endpoints, forget_worker
+from prime_hpc.orchestrator.fleet import Membership
 from prime_hpc.rundir import STABLE, RunDir, read_json, stable_time
 
 LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
@@ -33,23 +37,48 @@ POLL_S = 0.02  # how often weights/ is looked at: on-policy generation waits for
 
 
 class WeightRelay:
-    def __init__(self, run: RunDir, admin: Any, model: str, on_policy: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        admin: Any,
+        model: str,
+        on_policy: Callable[[], None] = lambda: None,
+        router: Optional[str] = None,
+    ) -> None:
         self.run = run
         self.admin = admin
         self.model = model  # the name generation asks for
         self.on_policy = on_policy
         self.policy = 0
+        self.loaded: Optional[tuple[str, str]] = None  # what the servers hold: ("full" | "adapter", path)
         self.updates: list[dict] = []
         self.task: Optional[asyncio.Task] = None
+        self.members = Membership(run, admin, router, self.load_into) if router else None
 
     async def serve(self, step: int) -> None:
         """Load `weights/step_<step>` into every server now (a resumed run's policy)."""
         await self.admin.update_weights(self.run.weights_step(step), step)
-        self.policy = step
+        self.policy, self.loaded = step, ("full", str(self.run.weights_step(step)))
+
+    async def load_into(self, server: str, endpoint: dict) -> int:
+        """Load the current policy into `server` alone (a joining one); returns its step."""
+        if self.loaded is None:  # still the base model
+            if endpoint.get("policy_step", 0) != 0:
+                await self.admin.reload_base(to=[server])
+            return 0
+        kind, path = self.loaded
+        if kind == "adapter":
+            await self.admin.load_lora(LORA_NAME, path, self.policy, to=[server])
+        elif endpoint.get("policy_step") != self.policy or endpoint.get("weight_dir") != path:
+            await self.admin.update_weights(path, self.policy, to=[server])
+        return self.policy
 
     async def watch(self) -> None:
-        """Load every new `weights/step_m` into all servers, newest first (until cancelled)."""
+        """Keep the membership current and load every new `weights/step_m` into all
+        servers, newest first (until cancelled)."""
         while True:
+            if self.members is not None:
+                await self.members.poll()
             steps = self.run.weight_steps()
             if steps and steps[-1] > self.policy:
                 await self.update(steps[-1])
@@ -69,8 +98,10 @@ class WeightRelay:
             # LoRA with save_adapter_separately: the servers keep the base model and load the adapter
             answers = await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(step), step)
             self.model = LORA_NAME
+            self.loaded = ("adapter", str(self.run.weights_adapter(step)))
         else:
             answers = await self.admin.update_weights(d, step)
+            self.loaded = ("full", str(d))
         self.updates.append(
             {
                 "step": step,
@@ -81,8 +112,14 @@ class WeightRelay:
                 "load": max((float(a.get("load_s", 0)) for a in answers), default=0.0),
             }
         )
-        logger.info(f"inference now serves policy {step} ({time.monotonic() - t0:.2f}s)")
         self.policy = step
+        if self.members is not None:
+            self.members.updated(step)
+        logger.info(
+            f"inference now serves policy {step} ({time.monotonic() - t0:.2f}s, {len(answers)} server(s))"
+            if answers
+            else f"policy {step}: no server serving now; every server that joins loads it"
+        )
         self.on_policy()  # a step trained: a wait for the trainer's weights ends
 
     def start(self) -> None:
@@ -99,26 +136,28 @@ class WeightRelay:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
 
+    def serving(self) -> int:
+        """Servers that generate with the current policy now (`inference/servers`)."""
+        if self.members is not None:
+            return self.members.serving()
+        return len(self.admin.live) if self.admin is not None else 0
+
+    def server_lost(self, server: str, why: str) -> None:
+        """The admin client found `server` no longer answering: it leaves the fleet."""
+        if self.members is not None:
+            self.members.lost(server, why)
+        else:
+            logger.warning(f"inference server {server} is gone ({why}); weight updates skip it from now on")
+
     def gauges(self) -> dict:
         """The relay's numbers in a step's metrics row (the newest update's times)."""
         last = self.updates[-1] if self.updates else {}
         return {
             "off_policy/policy": self.policy,
-            "inference/servers": len(self.admin.live) if self.admin is not None else 0,
+            "inference/servers": self.serving(),
             # the newest policy update: weights marked -> seen by the relay, and the update call to every server
             "time/weight_handoff": last.get("handoff", 0.0),
             "time/weight_update": last.get("seconds", 0.0),
             "time/weight_drain": last.get("drain", 0.0),
             "time/weight_load": last.get("load", 0.0),
         }
-
-
-def server_lost(ep: Endpoints, admin: Any, server: str, why: str) -> None:
-    """A server stopped answering: the run goes on with the others. The router is told
-    to stop sending to it (it would also find out by its own health checks)."""
-    node = next((r.get("node") for r in ep.server_records if r.get("url") == server), "?")
-    logger.warning(
-        f"inference server on node {node} ({server}) is gone ({why}); "
-        f"{len(admin.live)} server(s) left; weight updates skip it from now on"
-    )
-    asyncio.get_running_loop().create_task(forget_worker(ep.router, server))

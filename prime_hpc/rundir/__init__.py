@@ -8,6 +8,7 @@ and the trainer, on the shared filesystem.
 - `checkpoints`: which checkpoint steps exist, are complete and resumable;
 - `window`: which policies a step may train on (the async window);
 - `drops`: why the orchestrator drops a group, and the metrics key counting each reason;
+- `fleet`: the inference servers' states (the supervisors' and the weight relay's files);
 - `jobs`: `job.json`, the launcher's record of a run, and the list of recent runs;
 - `bench`: a bench run's results (`bench.json`).
 """

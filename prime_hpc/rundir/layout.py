@@ -19,8 +19,7 @@ CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint 
 BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
 DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doctor_marker`
 # An inference server's slot: `inference_<n>` for the server on node n of the run's own job,
-# `inference_<jobid>.<n>` for one on node n of an extra inference job of the run (`prime-hpc
-# scale`). Its endpoint file, heartbeat and log are named after it.
+# `inference_<jobid>.<n>` for one on node n of another job of the run (`prime-hpc scale`).
 SERVER_GROUP = "inference"
 _SLOT = re.compile(r"inference_(?:(\d+)\.)?(\d+)")
 
@@ -38,7 +37,7 @@ class Slot:
 
 
 def server_slot(node: int, job_id: Optional[str] = None) -> str:
-    """The slot of the server on `node` (of an extra inference job of the run: `job_id`)."""
+    """The slot of the server on `node` (of another job of the run: `job_id`)."""
     return f"{SERVER_GROUP}_{job_id}.{int(node)}" if job_id else f"{SERVER_GROUP}_{int(node)}"
 
 
@@ -47,14 +46,6 @@ def parse_slot(name: str) -> Optional[Slot]:
     a `Slot`; None for any other name."""
     m = _SLOT.fullmatch(name[:-5] if name.endswith(".json") else name)
     return Slot(m.group(1), int(m.group(2))) if m else None
-
-
-def _slot_name(slot: "str | int") -> str:
-    if isinstance(slot, int):
-        return server_slot(slot)
-    if parse_slot(slot) is None:
-        raise ValueError(f"{slot!r} is not an inference server's slot (inference_<n> or inference_<jobid>.<n>)")
-    return slot
 
 
 def _step_dir(parent: Path, step: int) -> Path:
@@ -72,6 +63,14 @@ def _steps_in(parent: Path, require_stable: bool) -> list[int]:
             if not require_stable or is_stable(parent / name):
                 steps.append(int(name[5:]))
     return sorted(steps)
+
+
+def _slot_name(slot: "str | int") -> str:
+    if isinstance(slot, int):
+        return server_slot(slot)
+    if parse_slot(slot) is None:
+        raise ValueError(f"{slot!r} is not an inference server's slot (inference_<n> or inference_<jobid>.<n>)")
+    return slot
 
 
 @dataclass(frozen=True)
@@ -153,10 +152,53 @@ class RunDir:
         return self.root / "endpoints"
 
     def inference_endpoint(self, slot: "str | int") -> Path:
-        """`endpoints/<slot>.json` of one server: a node rank of the run's own job
-        (`inference_<node>.json`) or a slot id (`inference_<job id>.<node>.json`, a server of
-        an extra inference job; `server_slot`)."""
+        """`endpoints/<slot>.json` (an int: the run's own server on that node), published by
+        the server once healthy, removed when it leaves."""
         return self.endpoints_dir / f"{_slot_name(slot)}.json"
+
+    def server_slots(self) -> list[str]:
+        """The slots with a published endpoint, the run's own job's first (by node), then
+        the other jobs' (by job, node)."""
+        try:
+            names = os.listdir(self.endpoints_dir)
+        except OSError:
+            return []
+        slots = [s for s in (parse_slot(n) for n in names if n.endswith(".json")) if s is not None]
+        return [s.name for s in sorted(slots, key=lambda s: (s.job_id is not None, int(s.job_id or 0), s.node))]
+
+    def server_endpoints(self) -> dict[str, dict]:
+        """{slot: endpoint record} of every published server (unreadable ones left out)."""
+        out = {}
+        for slot in self.server_slots():
+            try:
+                out[slot] = json.loads(self.inference_endpoint(slot).read_text())
+            except (OSError, ValueError):
+                continue
+        return out
+
+    # --- the inference fleet: one file per writer (docs/inference.md#the-fleet)
+    @property
+    def fleet_dir(self) -> Path:
+        return self.root / "fleet"
+
+    def fleet_process(self, slot: "str | int") -> Path:
+        """`fleet/<slot>.json`: the server's process as its job's supervisor sees it (state
+        starting | hung | lost, restarts, since, log); written by that supervisor only."""
+        return self.fleet_dir / f"{_slot_name(slot)}.json"
+
+    @property
+    def fleet_membership(self) -> Path:
+        """`fleet/membership.json`: which servers the orchestrator's weight relay loads and
+        routes to (state loading weights | serving | removed, policy step, since); written
+        by the relay only."""
+        return self.fleet_dir / "membership.json"
+
+    RESTART_PREFIX = "restart_"
+
+    def restart_request(self, slot: "str | int") -> Path:
+        """`control/restart_<slot>.json`: the watchdog found the server hung; its
+        supervisor kills it (and restarts it as a lost server)."""
+        return self.control_dir / f"{self.RESTART_PREFIX}{_slot_name(slot)}.json"
 
     @property
     def router_endpoint(self) -> Path:
@@ -420,16 +462,15 @@ class RunDir:
     @staticmethod
     def log_of(logs: Path | str, component: str, node: Optional[int] = None) -> Path:
         """The log to read first for `component` in the attempt's log tree `logs`: one
-        server of a set (`inference_<n>`) -> `inference/node_<n>.log`; the router
+        server of the fleet (`inference_<n>`, `inference_<jobid>.<n>`) ->
+        `inference/node_<n>.log` (`node_<jobid>.<n>.log`); the router
         (`router`, `router_<i>`) -> `inference/router_<i>.log`; the trainer or inference on
         `node` -> `<component>/node_<node>.log`; else (orchestrator, watchdog, a group
         without a node) -> `<component>.log` (`trainer.log`, `inference.log`: node 0's)."""
         group, _, index = component.rpartition("_")
-        if group == "inference" and index.isdigit():
-            return RunDir.node_log(logs, "inference", int(index))
         slot = parse_slot(component)
-        if slot is not None and slot.job_id:  # a server of an extra job: `logs` is that job's tree
-            return RunDir.node_log(logs, "inference", slot.node)
+        if slot is not None:
+            return RunDir.node_log(logs, "inference", f"{slot.job_id}.{slot.node}" if slot.job_id else slot.node)
         if component == "router" or (group == "router" and index.isdigit()):
             return RunDir.router_log(logs, int(index) if group else 0)
         if node is not None and component in ("trainer", "inference"):

@@ -95,3 +95,9 @@ class Backend(abc.ABC):
         """Why the job is being stopped: CANCELLED, or where the scheduler says so
         TIMEOUT, PREEMPTED or REQUEUED."""
         return CANCELLED
+
+    def down_nodes(self, job_id: str) -> list[str]:
+        """The job's nodes the scheduler holds as failed (down, drained, not responding):
+        a component that died with one ends the attempt, which is requeued. This machine
+        does not fail apart from the job."""
+        return []

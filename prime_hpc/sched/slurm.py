@@ -161,6 +161,34 @@ def stop_cause(info: dict[str, str], restart_count: int) -> str:
     return CANCELLED
 
 
+DOWN_STATES = ("down", "drain", "fail", "maint", "power", "unk")  # sinfo %T prefixes of a node lost to the job
+
+
+def job_nodes(job_id: str) -> list[str]:
+    """Every node of the job, all its het components' (`scontrol show job`, expanded)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=30)
+        lists = [
+            f.split("=", 1)[1] for line in out.stdout.splitlines() for f in line.split() if f.startswith("NodeList=")
+        ]
+        names = subprocess.run(
+            ["scontrol", "show", "hostnames", ",".join(x for x in lists if x and x != "(null)")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return list(dict.fromkeys(names))
+
+
+def node_failed(sinfo_state: str) -> bool:
+    """A node's `sinfo -o %T` state says it is lost to its jobs: down, drained or failing
+    (also "draining"/"drained"), or not responding (a trailing `*`)."""
+    state = sinfo_state.strip().lower()
+    return state.endswith("*") or state.startswith(DOWN_STATES)
+
+
 def job_fields(job_id: str) -> dict[str, str]:
     """`scontrol show job -o <id>` of the job (its first record: the het leader)."""
     try:
@@ -276,6 +304,19 @@ class Slurm(Backend):
             timeout=60,
         )
         return ""
+
+    def down_nodes(self, job_id: str) -> list[str]:
+        nodes = job_nodes(job_id)
+        if not nodes:
+            return []
+        try:
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"], capture_output=True, text=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        rows = [line.split() for line in out.splitlines() if len(line.split()) == 2]
+        return sorted({n for n, state in rows if node_failed(state)})
 
     def stop_cause(self, run: RunDir, job_id: str) -> str:
         """SLURM's answer (`stop_cause` of `scontrol show job`), against this attempt's

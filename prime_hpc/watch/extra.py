@@ -1,18 +1,16 @@
 """A run's extra inference jobs (`prime-hpc scale`) as `status`, `list` and `tail` show
 them: each job's record in job.json (`extra_jobs`) with its live state (asked of the
-backend once for all of them), and each of its servers from the run directory: its
-endpoint (published: it serves, or waits for the relay to sync it; its policy step) and its
-heartbeat. Light: no config, no submitit.
+backend once for all of them), and its servers' logs. Their servers' states are the run's
+fleet's (`rundir.fleet`). Light: no config, no submitit.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core.text import ago, columns
-from prime_hpc.rundir import RunDir, read_json
+from prime_hpc.rundir import RunDir
 from prime_hpc.rundir.jobs import FINAL_STATES, extra_jobs
 from prime_hpc.rundir.layout import server_slot
 
@@ -38,47 +36,16 @@ def state_of(record: dict[str, Any], live: dict[str, str]) -> str:
     return live.get(str(record["job_id"])) or ("ENDED" if recorded == "RUNNING" else recorded)
 
 
-def server(run: RunDir, slot: str, now: float) -> dict[str, Any]:
-    """One server of an extra job: `serving` (its endpoint is published), `starting` or
-    `leaving` (a heartbeat but no endpoint), `gone` (neither)."""
-    try:
-        ep: Optional[dict] = read_json(run.inference_endpoint(slot))
-    except (OSError, ValueError):
-        ep = None
-    try:
-        beat: Optional[dict] = read_json(run.server_heartbeat(slot))
-    except (OSError, ValueError):
-        beat = None
-    state = "serving" if ep else ("leaving" if beat else "gone")
-    return {
-        "slot": slot,
-        "state": state,
-        "policy_step": (ep or beat or {}).get("policy_step"),
-        "url": (ep or {}).get("url"),
-        "heartbeat_s": round(now - float(beat["time"]), 1) if beat and "time" in beat else None,
-    }
-
-
 def extra_status(run: RunDir, job: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """Every extra job of the run (oldest first) with its state and, while it runs, its
-    servers; and a note when the backend could not be asked."""
+    """Every extra job of the run (oldest first) with its state, and a note when the
+    backend could not be asked. (Their servers are rows of the run's fleet: `rundir.fleet`.)"""
     live, note = live_states(job)
-    now = time.time()
-    out = []
-    for x in extra_jobs(job):
-        state = state_of(x, live)
-        servers = (
-            [server(run, server_slot(n, str(x["job_id"])), now) for n in range(int(x.get("nodes") or 0))]
-            if state == "RUNNING"
-            else []
-        )
-        out.append({**x, "state": state, "servers": servers})
-    return out, note
+    return [{**x, "state": state_of(x, live)} for x in extra_jobs(job)], note
 
 
 def format_extra(rows: list[dict[str, Any]]) -> list[str]:
-    """`status`'s lines for the extra jobs: one per job (id, nodes, state, where, when),
-    and under a running one one per server (slot, state, policy step, heartbeat)."""
+    """`status`'s lines for the extra jobs: one per job (id, nodes, state, when, where);
+    their servers are in the fleet's table above, as `inference_<id>.<n>`."""
     if not rows:
         return []
     table = [("EXTRA JOB", "NODES", "STATE", "SUBMITTED", "ENDED", "WHERE")]
@@ -86,21 +53,17 @@ def format_extra(rows: list[dict[str, Any]]) -> list[str]:
         where = " ".join(f"{k}={x[k]}" for k in ("partition", "time") if x.get(k))
         ended = ago(x.get("ended_at")) + (f" ({x['end']})" if x.get("end") else "")
         table.append((str(x["job_id"]), str(x["nodes"]), x["state"], ago(x.get("submitted_at")), ended, where or "-"))
-        for s in x["servers"]:
-            policy = "-" if s["policy_step"] is None else f"policy {s['policy_step']}"
-            beat = "-" if s["heartbeat_s"] is None else f"{s['heartbeat_s']:.0f}s ago"
-            table.append(("  " + s["slot"], "", s["state"], policy, beat, ""))
     return columns(table, indent="  ")
 
 
 def log_sources(run: RunDir, job: dict[str, Any], since: Optional[float] = None) -> list[tuple[Path, str]]:
     """(log, label) of every server of the run's extra jobs that had not ended by `since`
-    (default: every one): `logs/extra/<id>/inference/node_<n>.log` as `inference[<id>.<n>]`."""
+    (default: every one): `logs/extra/<id>/inference/node_<id>.<n>.log` as `inference[<id>.<n>]`."""
     out = []
     for x in extra_jobs(job):
         if since is not None and x.get("ended_at") and float(x["ended_at"]) < since:
             continue
         logs = run.extra_job_logs(str(x["job_id"]))
         for n in range(int(x.get("nodes") or 0)):
-            out.append((RunDir.node_log(logs, "inference", n), f"inference[{x['job_id']}.{n}]"))
+            out.append((RunDir.log_of(logs, server_slot(n, str(x["job_id"]))), f"inference[{x['job_id']}.{n}]"))
     return out

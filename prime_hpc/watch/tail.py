@@ -5,7 +5,7 @@ Sources (one attempt's tree, `logs/latest -> attempt_<k>`; see docs/run-director
 
     orchestrator.log                    orchestrator
     inference/node_<i>.log              inference[<i>]
-    ../extra/<id>/inference/node_<n>.log   inference[<id>.<n>]: a server of an extra inference
+    ../extra/<id>/inference/node_<id>.<n>.log   inference[<id>.<n>]: a server of an extra
                                         job (`prime-hpc scale`) that had not ended when the
                                         attempt started
     inference/router_<i>.log            router (router[<i>] for i > 0)
@@ -219,7 +219,7 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
 
 def extra_sources(run: RunDir) -> list[Source]:
     """The logs of the servers of the run's extra inference jobs (`prime-hpc scale`,
-    `logs/extra/<id>/inference/node_<n>.log`, labelled `inference[<id>.<n>]`) that exist,
+    `logs/extra/<id>/inference/node_<id>.<n>.log`, labelled `inference[<id>.<n>]`) that exist,
     of the jobs that had not ended when the current attempt started."""
     from prime_hpc.watch.extra import log_sources
 

@@ -41,6 +41,10 @@ wait_components() {  # wait_components <seconds>: until every non-service compon
 reap() {  # reap <pid>: what is left of a component that exited (its process group, locally)
   kill -KILL -- -"$1" 2>/dev/null
 }
+kill_server() {  # kill_server <slot> [SLURM step]: a hung server of this job, at once (then restarted as lost)
+  [ -n "${PIDS[$1]:-}" ] || return 0
+  kill -KILL -- -"${PIDS[$1]}" 2>/dev/null
+}
 replicas_left() {  # replicas_left <g>: how many servers of group g are still running
   local c n=0
   for c in "${!REPLICA[@]}"; do [ "${REPLICA[$c]}" = "$1" ] && [ -z "${DONE[$c]:-}" ] && n=$((n + 1)); done
@@ -124,13 +128,15 @@ export PRIME_HPC_LOGS="$LOGS"
 
 # Each component in a session of its own, killed by the kernel if this script dies (kill -9 included)
 
-# inference: one server per (simulated) node; the run goes on while any of them is left
-for n in $(seq 0 1); do
-  PRIME_HPC_NODE_RANK=$n /opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.inference --config /shared/runs/reverse_text/configs/inference.yaml >"$LOGS/inference/node_$n.log" 2>&1 &
-  PIDS[inference_$n]=$!; SERVICE[inference_$n]=1; REPLICA[inference_$n]=inference
-done
+# inference: one server per (simulated) node, in slot inference_<n>; a server that dies (or
+# hangs) is restarted in its slot, and the run goes on while any is left
+start_server() {  # start_server <n>: the server of node n
+  PRIME_HPC_NODE_RANK=$1 /opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.inference --config /shared/runs/reverse_text/configs/inference.yaml >>"$LOGS/inference/node_$1.log" 2>&1 &
+  PIDS[inference_$1]=$!; SERVICE[inference_$1]=1; REPLICA[inference_$1]=inference; unset "DONE[inference_$1]"
+}
+for n in $(seq 0 1); do start_server "$n"; done
 # the router in front of every server
-/opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.inference.router --config /shared/runs/reverse_text/configs/inference.yaml >"$LOGS/inference/router_0.log" 2>&1 &
+/opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=1 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.inference.router --config /shared/runs/reverse_text/configs/inference.yaml >"$LOGS/inference/router_0.log" 2>&1 &
 PIDS[router]=$!; SERVICE[router]=1
 
 # trainer: torchrun on this machine
@@ -150,12 +156,16 @@ PIDS[orchestrator]=$!; SERVICE[orchestrator]=0
 
 # the stall watchdog: reads every component's heartbeat in the run directory, and records
 # this script's end in job.json if it dies without doing so
-setsid /opt/venv/bin/python -u -m prime_hpc.job.watchdog /shared/runs/reverse_text --stall-timeout-s 600 --ranks-per-node 1 --job-id local-7 --supervisor-pid $$ >"$LOGS/watchdog.log" 2>&1 &
+setsid /opt/venv/bin/python -u -m prime_hpc.job.watchdog /shared/runs/reverse_text --stall-timeout-s 600 --ranks-per-node 1 --server-stall-timeout-s 600 --job-id local-7 --supervisor-pid $$ >"$LOGS/watchdog.log" 2>&1 &
 PIDS[watchdog]=$!; SERVICE[watchdog]=1
 
 # (supervision loop; functions at the top of the script)
 while true; do
   signalled && stop_if_slurm_stops  # a component got a SIGTERM this script did not: ask SLURM why
+  for f in /shared/runs/reverse_text/control/restart_*; do  # servers the watchdog found hung
+    case "${f##*/}" in *.*.json) continue ;; esac  # inference_<jobid>.<n>: another job's server, its supervisor's
+    [ -e "$f" ] && hit=$(attempt hung --request "$f") && kill_server $hit
+  done
   for c in "${!PIDS[@]}"; do
     [ -n "${DONE[$c]:-}" ] && continue
     if ! kill -0 "${PIDS[$c]}" 2>/dev/null; then  # its main process exited
@@ -169,10 +179,17 @@ while true; do
       fi
       # a service or a failure may be SLURM stopping the job without signalling this script
       { [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; } && [ "$c" != watchdog ] && stop_if_slurm_stops
-      if [ -n "${REPLICA[$c]:-}" ] && [ "$(replicas_left "${REPLICA[$c]}")" -gt 0 ]; then
-        echo "prime-hpc: $c exited with code $rc; $(replicas_left "${REPLICA[$c]}") ${REPLICA[$c]} server(s) left, the run goes on" >&2
-        reap "${PIDS[$c]}"; attempt lost --component "$c" --rc "$rc"
-        continue
+      if [ -n "${REPLICA[$c]:-}" ]; then  # a server of the fleet: restarted in its slot while it may be
+        reap "${PIDS[$c]}"
+        if attempt lost --component "$c" --rc "$rc"; then start_server "${c#inference_}"; continue; fi
+        if [ "$(replicas_left "${REPLICA[$c]}")" -gt 0 ]; then
+          echo "prime-hpc: $c exited with code $rc; $(replicas_left "${REPLICA[$c]}") ${REPLICA[$c]} server(s) left, the run goes on" >&2
+          continue
+        fi
+      fi
+      if [ "$rc" -ne 0 ] && [ "$c" != watchdog ] && attempt node-lost; then  # it died with its node
+        echo "prime-hpc: $c exited with code $rc and a node of the job failed; requeueing" >&2
+        checkpoint_and_requeue NODE_FAIL 0; exit $(( $? == 0 ? 143 : 1 ))
       fi
       if [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; then
         echo "prime-hpc: $c exited with code $rc; stopping the other components" >&2

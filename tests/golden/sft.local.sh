@@ -41,6 +41,10 @@ wait_components() {  # wait_components <seconds>: until every non-service compon
 reap() {  # reap <pid>: what is left of a component that exited (its process group, locally)
   kill -KILL -- -"$1" 2>/dev/null
 }
+kill_server() {  # kill_server <slot> [SLURM step]: a hung server of this job, at once (then restarted as lost)
+  [ -n "${PIDS[$1]:-}" ] || return 0
+  kill -KILL -- -"${PIDS[$1]}" 2>/dev/null
+}
 replicas_left() {  # replicas_left <g>: how many servers of group g are still running
   local c n=0
   for c in "${!REPLICA[@]}"; do [ "${REPLICA[$c]}" = "$1" ] && [ -z "${DONE[$c]:-}" ] && n=$((n + 1)); done
@@ -153,10 +157,17 @@ while true; do
       fi
       # a service or a failure may be SLURM stopping the job without signalling this script
       { [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; } && [ "$c" != watchdog ] && stop_if_slurm_stops
-      if [ -n "${REPLICA[$c]:-}" ] && [ "$(replicas_left "${REPLICA[$c]}")" -gt 0 ]; then
-        echo "prime-hpc: $c exited with code $rc; $(replicas_left "${REPLICA[$c]}") ${REPLICA[$c]} server(s) left, the run goes on" >&2
-        reap "${PIDS[$c]}"; attempt lost --component "$c" --rc "$rc"
-        continue
+      if [ -n "${REPLICA[$c]:-}" ]; then  # a server of the fleet: restarted in its slot while it may be
+        reap "${PIDS[$c]}"
+        if attempt lost --component "$c" --rc "$rc"; then start_server "${c#inference_}"; continue; fi
+        if [ "$(replicas_left "${REPLICA[$c]}")" -gt 0 ]; then
+          echo "prime-hpc: $c exited with code $rc; $(replicas_left "${REPLICA[$c]}") ${REPLICA[$c]} server(s) left, the run goes on" >&2
+          continue
+        fi
+      fi
+      if [ "$rc" -ne 0 ] && [ "$c" != watchdog ] && attempt node-lost; then  # it died with its node
+        echo "prime-hpc: $c exited with code $rc and a node of the job failed; requeueing" >&2
+        checkpoint_and_requeue NODE_FAIL 0; exit $(( $? == 0 ? 143 : 1 ))
       fi
       if [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; then
         echo "prime-hpc: $c exited with code $rc; stopping the other components" >&2

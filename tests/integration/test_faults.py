@@ -3,8 +3,11 @@ or frozen (SIGSTOP) mid-run. The job must end soon, name the component, its node
 code and the log of the process that died, and leave no process of the run behind:
 neither those listed before the fault (children included, found by their parent chain)
 nor any found afresh after the end by the job's environment. torchrun's agent and the job
-script itself are killed too, on SLURM and in cluster=local. Losing one of several
-inference servers is survived: tests/integration/test_slurm_rl.py."""
+script itself are killed too, on SLURM and in cluster=local. An inference server is
+replaceable: its loss ends the job only when it may not be restarted
+(`inference.max_restarts=0`) and no other server is left, or when no server can serve for
+longer than the watchdog's timeout (a frozen server killed and restarted, but not serving
+again in time). Servers that heal: tests/integration/test_slurm_rl.py."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from prime_hpc.launcher.state import batch_log
 from prime_hpc.rundir import RunDir, jobs
 from tests import procs
 from tests.conftest import cli
-from tests.runs import agent_pid, run_processes, still_alive, supervisor_pid, wait_for_step
+from tests.runs import agent_pid, engine_pid, run_processes, still_alive, supervisor_pid, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -42,6 +45,7 @@ def start_run(tmp_path: Path, name: str, *overrides: str):
             "orchestrator.batch_size=16",
             "orchestrator.eval.interval=0",
             f"watchdog.stall_timeout_s={STALL_S}",
+            f"inference.stall_timeout_s={STALL_S}",
             *overrides,
         ]
     )
@@ -77,18 +81,7 @@ def victim_pid(run: RunDir, target: str) -> int:
             time.sleep(0.5)
         return int(json.loads(run.heartbeat("orchestrator", 0).read_text())["pid"])
     server = int(json.loads(run.inference_endpoint(0).read_text())["pid"])
-    if target == "engine":  # vLLM's engine process under the server (it names itself VLLM::EngineCore)
-        engines = [p for p in procs.descendants([server]) if _comm(p).startswith("VLLM::EngineCor")]
-        assert len(engines) == 1, (server, engines)
-        return engines[0]
-    return server
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
+    return engine_pid(server) if target == "engine" else server
 
 
 def kill_router_past_its_restarts(run: RunDir) -> float:
@@ -128,11 +121,11 @@ def check_job_key(run: RunDir) -> str:
 FAULTS = [  # (what is done, to which component, what job.json must name)
     ("kill", "trainer", "trainer"),
     ("kill", "orchestrator", "orchestrator"),
-    ("kill", "inference", "inference_0"),
+    ("kill", "inference", "inference_0"),  # the only server, with inference.max_restarts=0
     ("kill", "router", "router"),  # past its restarts
     ("stop", "orchestrator", "orchestrator"),
     ("stop", "trainer", "trainer"),
-    ("stop", "engine", "inference_0"),  # vLLM's engine hangs; its server still beats
+    ("stop", "inference", "inference"),  # the only server hangs: restarted, but none serves for too long
 ]
 
 
@@ -143,7 +136,7 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(
     tokens = {"WANDB_API_KEY": "wandb-token-7f3e9c1a", "HF_TOKEN": "hf_token_52b8d0e4"}
     for var, value in tokens.items():  # in the submitting environment, as on a user's login node
         monkeypatch.setenv(var, value)
-    sub = start_run(tmp_path, f"{how}-{target}")
+    sub = start_run(tmp_path, f"{how}-{target}", *(["inference.max_restarts=0"] if how == "kill" else []))
     run = sub.ref.run
     stopped = None
     try:
@@ -162,7 +155,8 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(
         else:
             os.kill(pid, signal.SIGSTOP)
             stopped = pid
-        budget = (STALL_S + 10 if how == "stop" else 0) + 30 + STOP_GRACE_S
+        # a frozen server is found hung after inference.stall_timeout_s, then no server serves for the watchdog's
+        budget = (STALL_S + 10 if how == "stop" else 0) + (STALL_S if target == "inference" else 0) + 30 + STOP_GRACE_S
         job = wait_ended(run, budget + 30)
         assert launch.wait_done(sub, 120) == "FAILED", job
         job = jobs.read_job(run)
@@ -170,7 +164,7 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(
         assert ended_after <= budget, f"the job took {ended_after:.0f}s to end (budget {budget}s)"
         f = job["failure"]
         assert f["component"] == named, f
-        if named.startswith("inference_"):
+        if named.startswith("inference"):
             assert f["log"] == str(RunDir.node_log(logs, "inference", 0)), f
         elif named == "router":
             assert f["log"] == str(RunDir.router_log(logs, 0)), f
@@ -181,10 +175,14 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(
             assert f["log"] == str(RunDir.component_log(logs, named)), f
         if how == "kill":
             assert f["rc"] != 0 and f["reason"], f
-        elif target == "engine":  # its API loop still beats: the server is stalled by its work
-            assert f["reason"].startswith("stalled: alive, but no progress for "), f
+        elif target == "inference":  # hung, killed and restarted; no server serves for the watchdog's timeout
+            assert f["reason"].startswith("stalled: no inference server could serve for "), f
             silent = int(f["reason"].split(" for ")[1].split("s")[0])
             assert STALL_S <= silent <= STALL_S + 10, f
+            assert f"inference_0 starting, 1 restart(s), log {logs / 'inference' / 'node_0.log'}" in f["reason"], f
+            lost = job["attempts"][-1]["lost"]
+            assert [x["component"] for x in lost] == ["inference_0"] and lost[0]["restarted"], lost
+            assert lost[0]["reason"].startswith("hung: no heartbeat for "), lost
         else:
             assert f["reason"].startswith("stalled: no heartbeat for "), f
             assert "last line of its log: " in f["reason"] and "(empty)" not in f["reason"], f

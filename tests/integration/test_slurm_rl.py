@@ -1,12 +1,19 @@
-"""A real RL run as one het job on the dev cluster: two inference "nodes" behind the router
-in group 1, the trainer in group 2, the orchestrator on the head. Asserts on the run
-directory: endpoints published while it runs, weights per step, metrics, job.json, logs,
-and that the API key is written nowhere, although the site's default would export no
-environment to the job (`SBATCH_EXPORT=NONE`). While it runs, every port a process of the
-job listens on (found from the processes' sockets) is loopback and answers nothing
-without the key. Mid-run one of the two servers is killed (SIGKILL: the run goes on with the other, and
-nothing of the dead server is left), then the router (it is started again, in front of the
-server left)."""
+"""A real RL run as one het job on the dev cluster: two inference "nodes" in group 1 behind
+the router (on the head node), the trainer in group 2, the orchestrator on the head. Asserts
+on the run directory: endpoints published while it runs, weights per step, metrics,
+job.json, logs, and that the API key is written nowhere, although the site's default would
+export no environment to the job (`SBATCH_EXPORT=NONE`). While it runs, every port a process
+of the job listens on (found from the processes' sockets) is loopback and answers nothing
+without the key.
+
+Then the fleet heals, one fault after the other, in the same attempt: the router is killed
+(it is started again in front of the servers); at step 5 server 1 is killed (SIGKILL): it
+is restarted in its slot, loads the run's current policy before it serves, and takes every
+later update; then server 0's engine is frozen (SIGSTOP): with requests in flight and none
+finished for `inference.stall_timeout_s` it is hung, taken out, killed and restarted, its
+requests retried on server 1; last, server 1's node is taken away (`scontrol update
+state=down`): its server ends, its restarts there fail and count, and the run completes on
+server 0 without a requeue. Nothing of a killed server is left behind."""
 
 from __future__ import annotations
 
@@ -22,10 +29,11 @@ import pytest
 from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, is_stable, jobs
+from prime_hpc.rundir.fleet import fleet, read_membership
 from tests import procs
 from tests.conftest import cli
 from tests.netcheck import unkeyed_answers
-from tests.runs import run_processes, still_alive, wait_for_step
+from tests.runs import engine_pid, fleet_row, run_processes, slurm_node, still_alive, wait_fleet, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -45,10 +53,46 @@ def _wait(pred, timeout_s, what, run: RunDir):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
+def _server_processes(logs, pid: int) -> dict[int, int]:
+    """{pid: start time} of an inference server and everything under it."""
+    return {p: st for p, st in run_processes(logs).items() if p == pid or procs.descends(p, pid)}
+
+
+def _policy(server_url: str) -> int:
+    r = httpx.get(server_url + "/policy", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    return int(r.json()["policy_step"])
+
+
+def _members(run: RunDir) -> dict:
+    return read_membership(run)
+
+
+def _rejoined(run: RunDir, slot: str, old_url: str, timeout_s: float = 300) -> dict:
+    """The relay's record of `slot` once a new server serves there (not `old_url`)."""
+    return _wait(
+        lambda: (m := _members(run).get(slot, {})).get("state") == "serving" and m.get("url") != old_url and m,
+        timeout_s,
+        f"{slot} serving again",
+        run,
+    )
+
+
+def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
+    """At the relay's next update the rejoined server serves the run's policy, like the others."""
+    after = _wait(
+        lambda: (m := _members(run).get(slot, {})).get("policy_step", -1) > member["policy_step"] and m,
+        120,
+        f"an update reaching {slot}",
+        run,
+    )
+    policies = {s: _policy(m["url"]) for s, m in _members(run).items() if m["state"] == "serving"}
+    assert len(set(policies.values())) == 1 and policies[slot] >= after["policy_step"], policies
+
+
+def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
-    steps = 20
+    steps = 60
     cfg = compose(
         [
             "+experiment=reverse_text",
@@ -58,17 +102,23 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
             "cluster.inference.nodes=2",
             "orchestrator.batch_size=32",
             "orchestrator.eval.interval=0",
+            "inference.stall_timeout_s=20",
+            "watchdog.stall_timeout_s=300",
         ]
     )
     sub = launch.submit(cfg, [])
     run = sub.ref.run
+    stopped = down = None
     try:
         ep = run.endpoints_dir
         names = ("inference_0.json", "inference_1.json", "router.json")
         _wait(lambda: all((ep / n).exists() for n in names), 600, "the endpoints", run)
         servers = [json.loads((ep / n).read_text()) for n in names[:2]]
         router = json.loads((ep / "router.json").read_text())
-        assert [s["node"] for s in servers] == [0, 1]
+        assert [(s["slot"], s["node"], s["job_id"]) for s in servers] == [
+            ("inference_0", 0, servers[0]["job_id"]),
+            ("inference_1", 1, servers[0]["job_id"]),
+        ]
         assert len({(s["host"], s["port"]) for s in servers}) == 2
         assert router["workers"] == [s["url"] for s in servers]
         # the router demands the key on every route but /health, its own admin routes included
@@ -87,13 +137,10 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
         assert {port for _, port, _ in http} >= {servers[0]["port"], servers[1]["port"], router["port"]}, answers
         assert all(a == "401" for v in http.values() for a in v), http
         assert all(addr == "127.0.0.1" for addr, _, _ in answers), answers
-        logs = run.latest_logs.resolve()  # one server dies: the run goes on with the other
-        server1 = {
-            pid: start
-            for pid, start in run_processes(logs).items()
-            if pid == servers[1]["pid"] or procs.descends(pid, servers[1]["pid"])
-        }
-        os.kill(servers[1]["pid"], signal.SIGKILL)
+        logs = run.latest_logs.resolve()
+        nodes = [slurm_node(s["pid"]) for s in servers]
+        assert slurm_node(router["supervisor_pid"]) not in nodes  # the router lives on the head node
+
         os.kill(router["pid"], signal.SIGKILL)  # the router dies: it is started again, on the same address
         again = _wait(
             lambda: (r := json.loads((ep / "router.json").read_text())).get("restarts") == 1 and r,
@@ -102,25 +149,74 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
             run,
         )
         assert again["url"] == router["url"] and again["pid"] != router["pid"]
-        assert again["workers"] == [servers[0]["url"]]  # in front of the server still there
+        assert sorted(again["workers"]) == sorted(s["url"] for s in servers)  # the relay's members
+
+        # 1. server 1 dies: restarted in its slot, synced before it serves, in every later update
+        wait_for_step(run, 5)
+        t_kill = time.time()
+        gone = _server_processes(logs, servers[1]["pid"])
+        os.kill(servers[1]["pid"], signal.SIGKILL)
+        member1 = _rejoined(run, "inference_1", servers[1]["url"])
+        row = fleet_row(run, "inference_1")
+        assert (row["state"], row["restarts"], row["log"]) == ("serving", 1, str(logs / "inference" / "node_1.log"))
+        _synced_at_next_update(run, "inference_1", member1)
+        print(f"server 1 killed -> serving again in {time.time() - t_kill:.0f}s")
+
+        # 2. server 0's engine hangs: taken out, killed and restarted; its requests go to server 1
+        wait_fleet(run, "inference_0", lambda r: r["state"] == "serving", "server 0 serving")
+        _wait(lambda: json.loads(run.server_heartbeat(0).read_text()).get("in_flight"), 120, "requests on 0", run)
+        stopped = engine_pid(servers[0]["pid"])
+        gone.update(_server_processes(logs, servers[0]["pid"]))
+        t_stop = time.time()
+        os.kill(stopped, signal.SIGSTOP)
+        member0 = _rejoined(run, "inference_0", servers[0]["url"])
+        print(f"server 0 frozen -> serving again in {time.time() - t_stop:.0f}s")
+        assert fleet_row(run, "inference_0")["restarts"] == 1
+        _synced_at_next_update(run, "inference_0", member0)
+
+        # 3. server 1's node is taken away: only its server is lost; the run goes on, same attempt
+        down = nodes[1]
+        subprocess.run(
+            ["scontrol", "update", f"nodename={down}", "state=down", "reason=prime-hpc fleet test"],
+            check=True,
+            timeout=60,
+        )
+        wait_fleet(run, "inference_1", lambda r: r["state"] == "lost", "server 1 lost with its node")
         assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
     finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except OSError:
+                pass
+        if down is not None:
+            subprocess.run(["scontrol", "update", f"nodename={down}", "state=resume"], capture_output=True, timeout=60)
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
     assert is_stable(run.weights_step(steps))  # the final policy, loadable by vLLM and transformers
     orch = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     trainer = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     assert [r["step"] for r in orch] == list(range(1, steps + 1)) == [r["step"] for r in trainer]
     assert orch[0]["inference/servers"] == 2 and orch[-1]["inference/servers"] == 1
+    assert 1 in [r["inference/servers"] for r in orch[5:]]
     job = jobs.read_job(run)
+    assert len(job["attempts"]) == 1 and not job.get("requeues"), job  # no requeue for an inference node
     lost = job["attempts"][-1]["lost"]
-    assert [(x["component"], x["node"], x["log"]) for x in lost] == [
-        ("inference_1", 1, str(logs / "inference" / "node_1.log"))
-    ] and lost[0]["rc"] != 0, lost
-    assert not still_alive(server1), "the killed server left processes behind"
-    assert "is gone" in (logs / "orchestrator.log").read_text()
+    assert [(x["component"], x["restarted"]) for x in lost[:2]] == [("inference_1", True), ("inference_0", True)]
+    assert lost[0]["rc"] != 0 and lost[0]["log"] == str(logs / "inference" / "node_1.log"), lost
+    assert lost[1]["reason"].startswith("hung: alive, but no progress for "), lost
+    # on the lost node: every restart there failed and counted, until none was left
+    assert [x["component"] for x in lost[2:]] == ["inference_1"] * 3 and not lost[-1]["restarted"], lost
+    rows = {r["slot"]: r for r in fleet(run)}
+    assert rows["inference_1"]["restarts"] == 3 and rows["inference_0"]["restarts"] == 1, rows
+    assert not still_alive(gone), "a killed server left processes behind"
+    assert (
+        "left: " in (logs / "orchestrator.log").read_text()
+        and "joined at policy" in (logs / "orchestrator.log").read_text()
+    )
     assert "restarting it on the same socket" in (logs / "inference" / "router_0.log").read_text()
     out = cli("status", str(run.root)).stdout
-    assert "lost: inference_1" in out and "node_1.log" in out, out
+    assert "lost: inference_1" in out and "node_1.log" in out and "restarted in its slot" in out, out
+    assert "SERVER" in out and "RESTARTS" in out, out
     for rel in (
         "inference/node_0.log",
         "inference/node_1.log",
@@ -130,6 +226,7 @@ def test_rl_job_with_two_inference_nodes_and_a_router(tmp_path, monkeypatch):
     ):
         assert (logs / rel).is_file(), rel
     assert (logs / "inference.log").resolve() == (logs / "inference/node_0.log").resolve()
+    assert (logs / "inference/node_0.log").read_text().count("prime-hpc inference: vllm ") == 2  # appended
     for path in [run.root, *run.root.rglob("*")]:
         if path.is_symlink():
             continue

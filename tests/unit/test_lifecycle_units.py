@@ -360,34 +360,79 @@ def test_watchdog_tells_a_stall_from_a_wait():
         "why": "no progress",
         "step": None,
     }
-    beats["inference_1"]["time"] = now - 200  # frozen: the longest silence is the one named
-    assert stalled(beats, 60, now)["component"] == "inference" and stalled(beats, 60, now)["rank"] == 1
+    beats["inference_1"]["time"] = now - 200  # a frozen server is no stall of the job: the fleet's business
+    assert stalled(beats, 60, now)["component"] == "orchestrator"
     done = {"trainer_0": {"time": now - 900, "done": True}, "orchestrator_0": {"time": now - 900, "stopped": True}}
     assert stalled(done, 60, now) is None
 
 
-def test_a_hung_inference_server_is_named_before_the_orchestrator_it_starves():
+def test_a_hung_server_is_found_by_its_own_timeout_and_excuses_the_orchestrator_it_starves():
     """A server whose engine hangs keeps beating (its API loop runs) but finishes no
-    generation; the orchestrator waiting for those generations stalls too, longer: the
-    server is the one named. An idle server only waits and is never a stall."""
-    from prime_hpc.job.watchdog import stalled
+    generation: after inference.stall_timeout_s it is hung (and restarted, not the job's
+    end); one whose heartbeat stops is hung too; an idle or working one is not. The
+    orchestrator waiting for generations is excused while a server holds them, or while no
+    server can serve (the fleet's verdict decides); waiting on idle servers is its own stall."""
+    from prime_hpc.job.watchdog import hung_servers, stalled
 
     now = 1000.0
     beats = {
         "inference_0": {"time": now - 1, "progress_at": now - 70, "waiting_on": None, "in_flight": 8},
-        "orchestrator_0": {"time": now - 1, "progress_at": now - 200, "waiting_on": None},
+        "inference_7.1": {"time": now - 1, "progress_at": now - 300, "waiting_on": "orchestrator", "in_flight": 0},
+        "orchestrator_0": {"time": now - 1, "progress_at": now - 200, "waiting_on": "inference"},
         "trainer_0": {"time": now - 1, "progress_at": now - 300, "waiting_on": "orchestrator"},
     }
-    s = stalled(beats, 60, now)
-    assert (s["component"], s["rank"], s["why"], s["silent_s"]) == ("inference", 0, "no progress", 70)
-    # the orchestrator says it only waits for its generations (none finished for a while)
-    beats["orchestrator_0"]["waiting_on"] = "inference"
-    assert stalled(beats, 60, now)["component"] == "inference"
+    assert hung_servers(beats, 60, now) == {
+        "inference_0": "alive, but no progress for 70s with 8 request(s) in flight",
+        "inference_7.1": None,  # idle (another job's server): it only waits
+    }
+    assert hung_servers(beats, 0, now) == {"inference_0": None, "inference_7.1": None}  # 0: off
+    assert stalled(beats, 60, now) is None  # the orchestrator waits for what inference_0 holds
     beats["inference_0"]["progress_at"] = now - 5  # the server works on (long rollouts): a wait, no stall
-    assert stalled(beats, 60, now) is None
-    beats["inference_0"].update(waiting_on="orchestrator", in_flight=0)  # idle: nothing of inference
+    assert hung_servers(beats, 60, now)["inference_0"] is None and stalled(beats, 60, now) is None
+    beats["inference_0"]["time"] = now - 61  # its loop froze
+    assert hung_servers(beats, 60, now)["inference_0"] == "no heartbeat for 61s"
+    beats["inference_0"].update(time=now - 1, waiting_on="orchestrator", in_flight=0)  # every server idle
     s = stalled(beats, 60, now)  # works for the orchestrator (a stuck router, say): its own stall
     assert (s["component"], s["why"], s["silent_s"]) == ("orchestrator", "no progress", 200)
+    assert stalled(beats, 60, now, fleet_down=True) is None  # unless the fleet is being restarted
+
+
+def test_the_watchdog_asks_once_per_hung_process_and_fails_only_a_fleet_that_cannot_serve(tmp_path):
+    from prime_hpc.job.watchdog import Fleet
+    from prime_hpc.rundir import fleet as fleet_files
+
+    run = RunDir(tmp_path / "run")
+    logs = run.logs_root / "attempt_0"
+    run.control_dir.mkdir(parents=True)
+    for slot in ("inference_0", "inference_1"):
+        fleet_files.write_process(run, slot, fleet_files.STARTING, restarts=0, log=str(RunDir.log_of(logs, slot)))
+    f = Fleet(run, logs, timeout_s=100, server_timeout_s=20)
+    now = 1000.0
+    ok = {"time": now - 1, "progress_at": now - 1, "in_flight": 2, "pid": 11}
+    hung = {"time": now - 1, "progress_at": now - 30, "in_flight": 4, "pid": 12, "slurm_step": "88.3"}
+    assert f.check({}, now) is False and f.stall(now + 1000) is None  # no server yet: starting is not a stall
+    assert f.check({"inference_0": ok, "inference_1": hung}, now) is False
+    req = json.loads(run.restart_request("inference_1").read_text())
+    assert req["slot"] == "inference_1" and req["slurm_step"] == "88.3" and req["pid"] == 12
+    assert req["reason"].startswith("hung: alive, but no progress for 30s with 4 request(s) in flight")
+    assert req["log"] == str(logs / "inference" / "node_1.log")
+    # the request is consumed (the supervisor kills it): the same process is not asked twice
+    assert attempt.hung(run, run.restart_request("inference_1")) == "inference_1 88.3"
+    assert not run.restart_request("inference_1").exists()
+    assert fleet_files.read_process(run, "inference_1")["state"] == fleet_files.HUNG
+    assert json.loads(run.failure_record("inference_1").read_text())["reason"] == req["reason"]
+    f.check({"inference_0": ok, "inference_1": hung}, now + 2)
+    assert not run.restart_request("inference_1").exists()
+    f.check({"inference_0": ok, "inference_1": {**hung, "pid": 13}}, now + 3)  # its restart hung again
+    assert run.restart_request("inference_1").exists()
+    # no server can serve: the job goes on for watchdog.stall_timeout_s, then fails naming every server
+    assert f.check({"inference_1": {**hung, "pid": 13}}, now + 10) is True
+    assert f.stall(now + 3 + 99) is None
+    s = f.stall(now + 3 + 101)
+    assert s["component"] == "inference" and s["servers"] == ["inference_0", "inference_1"]
+    assert s["reason"].startswith("stalled: no inference server could serve for 101s (watchdog.stall_timeout_s=100): ")
+    assert "inference_1 hung, 0 restart(s), log " + str(logs / "inference" / "node_1.log") in s["reason"]
+    assert s["log"] == str(logs / "inference" / "node_0.log")
 
 
 def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_judged(tmp_path):
@@ -600,3 +645,98 @@ def test_a_components_own_one_line_cause_is_the_recorded_failure(tmp_path):
     assert "step 3 not filled: 0 group(s) accepted of 12 judged (errored: 9, no reward variance: 3)" in format_vitals(
         v, "rl"
     )
+
+
+# --------------------------------------------------------------------------- the inference fleet
+def test_server_slots_are_named_and_parsed_in_one_place(tmp_path):
+    from prime_hpc.rundir import Slot, parse_slot, server_slot
+
+    assert server_slot(3) == "inference_3" and server_slot(1, "4711") == "inference_4711.1"
+    assert parse_slot("inference_3") == Slot(None, 3) and parse_slot("inference_4711.1.json") == Slot("4711", 1)
+    for other in ("inference", "inference_", "inference_x", "inference_1.", "router_0", "trainer_0", "inference_1_2"):
+        assert parse_slot(other) is None, other
+    run = RunDir(tmp_path / "run")
+    assert run.inference_endpoint(2) == run.inference_endpoint("inference_2") == run.endpoints_dir / "inference_2.json"
+    with pytest.raises(ValueError):
+        run.inference_endpoint("router")
+    for slot in ("inference_12.0", "inference_1", "inference_0", "inference_9.1"):
+        atomic_write_json(run.inference_endpoint(slot), {"url": f"http://127.0.0.1/{slot}"})
+    (run.endpoints_dir / "router.json").write_text("{}")
+    assert run.server_slots() == ["inference_0", "inference_1", "inference_9.1", "inference_12.0"]
+    assert run.server_endpoints()["inference_9.1"]["url"].endswith("inference_9.1")
+    logs = tmp_path / "logs"
+    assert RunDir.log_of(logs, "inference_9.1") == logs / "inference" / "node_9.1.log"
+    assert attempt.where_it_died(logs, "inference_9.1")["node"] == 1
+
+
+def test_a_servers_state_merges_its_supervisors_record_and_the_relays(tmp_path):
+    from prime_hpc.rundir import fleet as f
+
+    p = {"state": f.STARTING, "since": 100.0}
+    assert f.merged_state(p, None) == "starting"
+    assert f.merged_state(p, {"state": f.SERVING, "since": 90.0}) == "starting"  # the relay holds the old process
+    assert f.merged_state(p, {"state": f.LOADING, "since": 110.0}) == "loading weights"
+    assert f.merged_state(p, {"state": f.SERVING, "since": 120.0}) == "serving"
+    assert f.merged_state({"state": f.LOST, "since": 130.0}, {"state": f.SERVING, "since": 120.0}) == "lost"
+    assert f.merged_state({"state": f.LOST, "since": 130.0}, {"state": f.REMOVED, "since": 131.0}) == "lost"
+    assert f.merged_state({"state": f.HUNG, "since": 130.0}, {"state": f.SERVING, "since": 120.0}) == "hung"
+    assert f.merged_state({}, {"state": f.SERVING, "since": 1.0}) == "serving"  # a slot without a supervisor's file
+
+
+def test_a_lost_server_is_restarted_in_its_slot_at_most_max_restarts_times(tmp_path):
+    from prime_hpc.rundir import fleet as f
+
+    run = RunDir(tmp_path / "run")
+    _, logs = run.new_attempt()
+    run.component_config("inference").parent.mkdir(parents=True)
+    run.component_config("inference").write_text(yaml.safe_dump({"nodes": 2, "inference": {"max_restarts": 2}}))
+    atomic_write_json(run.job_json, {"job_ids": ["7"], "state": "RUNNING", "attempts": [{"job_id": "7"}]})
+    attempt.start_fleet(run, "7", logs)
+    assert [r["state"] for r in f.fleet(run)] == ["starting", "starting"]
+    atomic_write_json(run.inference_endpoint(1), {"url": "http://127.0.0.1:1"})
+    run.beat_as(run.server_heartbeat(1), in_flight=0)
+    atomic_write_json(run.failure_record("inference_1"), {"reason": "hung: no heartbeat for 30s", "log": "x"})
+    message, restart = attempt.lost(run, "inference_1", 137)
+    assert restart and "restart 1 of at most 2" in message and "hung: no heartbeat" in message
+    assert not run.inference_endpoint(1).exists() and not run.server_heartbeat(1).exists()
+    row = f.fleet(run)[1]
+    assert (row["slot"], row["state"], row["restarts"], row["log"]) == (
+        "inference_1",
+        "starting",
+        1,
+        str(logs / "inference" / "node_1.log"),
+    )
+    assert attempt.lost(run, "inference_1", 1)[1] is True
+    message, restart = attempt.lost(run, "inference_1", 1)
+    assert not restart and "no restart left (inference.max_restarts=2)" in message
+    assert f.fleet(run)[1]["state"] == "lost" and f.fleet(run)[1]["restarts"] == 2
+    lost = jobs.read_job(run)["attempts"][-1]["lost"]
+    assert [(x["component"], x["rc"], x["restarted"]) for x in lost] == [
+        ("inference_1", 137, True),
+        ("inference_1", 1, True),
+        ("inference_1", 1, False),
+    ]
+    assert lost[0]["reason"] == "hung: no heartbeat for 30s" and "reason" not in lost[1]
+    attempt.request_checkpoint(run, "TIMEOUT")  # a run that stops restarts nothing
+    assert attempt.lost(run, "inference_0", 1)[1] is False
+
+
+def test_a_requeue_its_job_script_did_not_record_counts_as_node_fail(tmp_path):
+    """The node of the job script failed: SLURM requeued the job with nobody recording the
+    end of the attempt. The next start closes it as NODE_FAIL and counts the requeue."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    (run.root / "config.yaml").write_text(yaml.safe_dump({"cluster": {"max_requeues": 1}}))
+    open_attempt = {"attempt": 0, "job_id": "9", "started_at": 1.0}
+    atomic_write_json(
+        run.job_json, {"backend": "slurm", "job_ids": ["9"], "state": "RUNNING", "attempts": [open_attempt]}
+    )
+    job = attempt.unrecorded_requeue(run, "9")
+    assert job["requeues"] == 1 and job["attempts"][0]["end"] == "NODE_FAIL" and not job.get("failure"), job
+    assert attempt.unrecorded_requeue(run, "9")["requeues"] == 1  # a recorded end is not counted again
+    with jobs.editing_job(run) as j:
+        j["attempts"].append({**open_attempt, "attempt": 1})
+    job = attempt.unrecorded_requeue(run, "9")  # past cluster.max_requeues: the run ends
+    assert job["state"] == "FAILED" and job["failure"]["max_requeues"] == 1, job
+    with pytest.raises(UserError, match="cluster.max_requeues=1"):
+        attempt.start(run, "9")

@@ -115,8 +115,10 @@ def test_golden_sft_script_is_a_plain_job_of_the_trainer_only():
 def test_golden_script_is_a_three_group_het_job():
     text = GOLDEN.read_text()
     assert text.count("#SBATCH hetjob") == 2
-    # inference servers, router (first inference node), trainer, head
-    assert re.findall(r"srun --het-group=(\d)", text) == ["1", "1", "2", "0"]
+    # inference servers (one step per slot, restartable), router (head node), trainer, head
+    assert re.findall(r"srun --het-group=(\d)", text) == ["1", "0", "2", "0"]
+    assert "#SBATCH --no-kill\n" in text  # a failed inference node costs only its server
+    assert '--relative="$1"' in text and '--job-name="inference_$1"' in text and "--open-mode=append" in text
     # every "node" is this machine: the trainer's ranks meet in files (nothing listens beyond loopback)
     assert "RDZV_CONF=store_type=file" in text and "PRIME_HPC_PG_STORE=/shared/runs/reverse_text/control/" in text
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "job.attempt rendezvous" not in text
@@ -138,7 +140,7 @@ def test_golden_script_is_a_three_group_het_job():
 def test_a_real_cluster_meets_over_tcp_on_the_first_trainer_nodes_address():
     cfg = compose(["+experiment=reverse_text", "cluster=slurm", "output_dir=/shared/runs/rt"])
     text = render_sbatch(make_plan(cfg, python="/opt/venv/bin/python"))
-    assert re.findall(r"srun --het-group=(\d)", text) == ["2", "1", "1", "2", "0"]  # the probe first
+    assert re.findall(r"srun --het-group=(\d)", text) == ["2", "1", "0", "2", "0"]  # the probe first
     assert "job.attempt rendezvous" in text and "RDZV_CONF=store_type=tcp" in text
     assert "PRIME_HPC_PG_STORE" not in text and "--local-addr" not in text
 

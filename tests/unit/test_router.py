@@ -191,12 +191,36 @@ def test_a_removed_or_dead_server_gets_no_more_requests(fleet):
     assert [_generate(base).json()["worker"] for _ in range(4)] == ["a"] * 4
 
 
-def test_no_server_left_is_a_503_naming_what_was_tried(fleet):
-    router, base, workers, served, _ = fleet
+def test_a_request_that_finds_no_server_waits_for_one_to_join_else_a_503_naming_what_was_tried(fleet):
+    router, base, workers, served, run = fleet
     for s in served.values():
         s.stop()
+    router.no_server_wait_s = 1.0
+    t0 = time.monotonic()
     r = _generate(base)
     assert r.status_code == 503 and "no inference server answered" in r.json()["error"]
+    assert time.monotonic() - t0 >= 1.0  # it waited for a server to join
+    router.no_server_wait_s = 30.0
+    late = Served(Worker("late"))  # a restarted server: published, then added by the relay
+    try:
+        atomic_write_json(run.inference_endpoint("inference_7.0"), {"url": late.url, "node": 0})
+
+        def join() -> None:
+            time.sleep(1.0)
+            httpx.post(base + "/add_worker", params={"url": late.url}, headers=AUTH, timeout=10)
+
+        threading.Thread(target=join, daemon=True).start()
+        assert _generate(base).json()["worker"] == "late"
+    finally:
+        late.stop()
+
+
+def test_a_server_whose_endpoint_is_gone_is_dropped(fleet):
+    router, base, workers, served, run = fleet
+    run.inference_endpoint(1).unlink()  # it left the run (its supervisor removed the file)
+    router.drop_unpublished()
+    assert router.workers == [served["a"].url]
+    assert [_generate(base).json()["worker"] for _ in range(3)] == ["a"] * 3
 
 
 @pytest.mark.parametrize("module", ["prime_hpc.inference", "prime_hpc.inference.router", "prime_hpc.orchestrator"])
@@ -216,3 +240,49 @@ def test_a_listener_started_without_the_key_refuses_in_one_line(module, tmp_path
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "INFERENCE_SERVER_API_KEY is not set" in lines[0], r.stderr
+
+
+def test_the_relay_loads_a_joining_server_before_the_router_sends_it_anything_and_drops_one_that_left(
+    fleet, monkeypatch, tmp_path
+):
+    """The membership the weight relay keeps (orchestrator/fleet.py), against this router:
+    a server found in endpoints/ first gets the current policy (to it alone), then joins the
+    router and every later update; its endpoint removed, it leaves both."""
+    import asyncio
+
+    from prime_hpc.inference.client import Admin
+    from prime_hpc.orchestrator.relay import WeightRelay
+    from prime_hpc.rundir.fleet import fleet as fleet_rows
+    from prime_hpc.rundir.fleet import read_membership
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
+    router, base, workers, served, run = fleet
+    joiner = Worker("late")
+    late = Served(joiner)
+    try:
+
+        async def go() -> None:
+            admin = Admin([s.url for s in served.values()])
+            relay = WeightRelay(run, admin, "m", router=base)
+            relay.members.start_with([{"url": s.url, "node": n} for n, s in enumerate(served.values())], 0)
+            relay.policy, relay.loaded = 3, ("full", str(tmp_path / "weights" / "step_3"))
+            atomic_write_json(run.inference_endpoint("inference_7.0"), {"url": late.url, "node": 0, "policy_step": 0})
+            await relay.members.poll(force=True)
+            assert joiner.seen[0][:2] == ("POST", "/update_weights")  # loaded before it joined
+            assert late.url in router.workers and late.url in admin.live
+            assert read_membership(run)["inference_7.0"]["state"] == "serving"
+            assert relay.serving() == 3 and relay.gauges()["inference/servers"] == 3
+            run.inference_endpoint(1).unlink()  # server b left (its supervisor removed the file)
+            await relay.members.poll(force=True)
+            await asyncio.gather(*relay.members.tasks)
+            assert served["b"].url not in router.workers and served["b"].url not in admin.live
+            assert {r["slot"]: r["state"] for r in fleet_rows(run)} == {
+                "inference_0": "serving",
+                "inference_1": "removed",
+                "inference_7.0": "serving",
+            }
+            await admin.aclose()
+
+        asyncio.run(go())
+    finally:
+        late.stop()

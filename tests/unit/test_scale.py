@@ -14,11 +14,11 @@ import pytest
 
 from prime_hpc.config.compose import compose
 from prime_hpc.job import extra
-from prime_hpc.job.watchdog import stalled
 from prime_hpc.launcher import scale
 from prime_hpc.launcher.plan import inference_job_plan
 from prime_hpc.launcher.render import render_inference
 from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.rundir.fleet import fleet as read_fleet
 from prime_hpc.rundir.layout import Slot, parse_slot, server_slot
 from prime_hpc.watch import plot
 from prime_hpc.watch.extra import format_extra, log_sources, state_of
@@ -91,14 +91,7 @@ def test_slot_names_of_the_runs_servers_and_of_extra_jobs(tmp_path):
         with pytest.raises(ValueError):
             run.inference_endpoint(bad)
     logs = run.extra_job_logs("57")
-    assert RunDir.log_of(logs, "inference_57.1") == logs / "inference" / "node_1.log"
-
-
-def test_the_watchdog_does_not_watch_an_extra_jobs_servers():
-    now = time.time()
-    old = {"time": now - 1000, "progress_at": now - 1000}
-    assert stalled({"inference_57.0": old}, 600, now) is None  # the run does not depend on it
-    assert stalled({"inference_0": old}, 600, now)["component"] == "inference"
+    assert RunDir.log_of(logs, "inference_57.1") == logs / "inference" / "node_57.1.log"
 
 
 # --------------------------------------------------------------------------- inference=-N
@@ -176,6 +169,9 @@ def test_the_extra_jobs_start_and_end_in_its_record(tmp_path):
     rec = jobs.extra_job(jobs.read_job(run), "57")
     assert rec["state"] == "RUNNING" and rec["started_at"] and rec["logs"] == logs
     assert extra.running(run, "57")
+    fleet = {r["slot"]: r for r in read_fleet(run)}  # `status` shows its servers starting
+    assert set(fleet) == {"inference_57.0", "inference_57.1"} and fleet["inference_57.1"]["state"] == "starting"
+    assert fleet["inference_57.1"]["log"] == str(run.extra_job_logs("57") / "inference" / "node_57.1.log")
     # a server that was killed left its endpoint and heartbeat: the end removes them
     for slot in ("inference_57.0", "inference_57.1"):
         run.inference_endpoint(slot).parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +183,7 @@ def test_the_extra_jobs_start_and_end_in_its_record(tmp_path):
     rec = jobs.extra_job(jobs.read_job(run), "57")
     assert rec["state"] == "TIMEOUT" and rec["end"] == "TIMEOUT" and rec["exits"] == {"0": 0, "1": 0}
     assert sorted(p.name for p in run.endpoints_dir.iterdir()) == ["inference_0.json"]
-    assert list(run.heartbeats_dir.iterdir()) == []
+    assert list(run.heartbeats_dir.iterdir()) == [] and read_fleet(run) == []
 
 
 @pytest.mark.parametrize(
@@ -235,7 +231,6 @@ def test_status_lines_of_the_extra_jobs():
             "submitted_at": now - 30,
             "partition": "scavenger",
             "time": "00:20:00",
-            "servers": [{"slot": "inference_57.0", "state": "serving", "policy_step": 12, "heartbeat_s": 2.0}],
         },
         {
             "job_id": "56",
@@ -243,14 +238,13 @@ def test_status_lines_of_the_extra_jobs():
             "state": "CANCELLED",
             "submitted_at": now - 90,
             "ended_at": now - 10,
-            "servers": [],
+            "end": "STOPPED",
         },
     ]
     lines = format_extra(rows)
     assert lines[0].split() == ["EXTRA", "JOB", "NODES", "STATE", "SUBMITTED", "ENDED", "WHERE"]
     assert lines[1].split()[:3] == ["57", "1", "RUNNING"] and "partition=scavenger time=00:20:00" in lines[1]
-    assert lines[2].split() == ["inference_57.0", "serving", "policy", "12", "2s", "ago"]
-    assert lines[3].split()[:3] == ["56", "2", "CANCELLED"] and "10s ago" in lines[3]
+    assert lines[2].split()[:3] == ["56", "2", "CANCELLED"] and "10s ago (STOPPED)" in lines[2]
     assert state_of({"job_id": "1", "state": "RUNNING"}, {}) == "ENDED"  # killed before it could record its end
     assert state_of({"job_id": "1", "state": "PENDING"}, {"1": "RUNNING"}) == "RUNNING"
 
@@ -261,7 +255,7 @@ def test_tail_follows_the_servers_of_extra_jobs_that_had_not_ended_when_the_atte
     jobs.update_job(run, attempts=[{"attempt": 1, "started_at": 200.0}])
     job = jobs.read_job(run)
     assert [label for _, label in log_sources(run, job, since=200.0)] == ["inference[57.0]", "inference[57.1]"]
-    log = RunDir.node_log(run.extra_job_logs("57"), "inference", 1)
+    log = run.extra_job_logs("57") / "inference" / "node_57.1.log"
     log.parent.mkdir(parents=True)
     log.write_text("serving\n")
     assert [(s.path, s.label) for s in extra_sources(run)] == [(log, "inference[57.1]")]

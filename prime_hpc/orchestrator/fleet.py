@@ -1,0 +1,144 @@
+"""The fleet's membership: which inference servers the run generates with. A part of the
+weight relay (it runs in the relay's task, between two weight updates, so a server that
+joins never misses one).
+
+Consumes: `endpoints/<slot>.json` (each server publishes its own once healthy and removes
+it when it leaves; a supervisor removes the file of a server that died), polled every
+`POLL_S`, and the admin client's losses (a server that stopped answering during an
+update). Produces: a joining server first loaded with the relay's current policy (`load`,
+to that server alone), then added to the router (`/add_worker`), then a member of every
+later update (`Admin.add`); a server whose endpoint file is gone or was replaced, or that
+stopped answering, taken out of the router and of later updates; the relay's view of every
+slot in `fleet/membership.json` (`rundir.fleet`: loading weights, serving, removed), which
+`status` reads and a restarted router serves from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+from loguru import logger
+
+from prime_hpc.inference.client import InferenceError, add_worker, forget_worker
+from prime_hpc.rundir import RunDir, atomic_write_json, server_slot
+from prime_hpc.rundir.fleet import LOADING, REMOVED, SERVING
+
+POLL_S = 1.0  # how often endpoints/ is read
+RETRY_S = 10.0  # a server that could not join is tried again after this
+JOIN_TIMEOUT_S = 120.0  # loading the current policy into a joining server
+
+
+class Membership:
+    def __init__(
+        self,
+        run: RunDir,
+        admin: Any,
+        router: str,
+        load: Callable[[str, dict], Awaitable[int]],
+    ) -> None:
+        self.run = run
+        self.admin = admin
+        self.router = router
+        self.load = load  # load(url, endpoint record) -> the policy step it now serves
+        self.members: dict[str, dict] = {}  # slot -> the relay's record (rundir.fleet)
+        self.failed_at: dict[str, float] = {}  # url -> when it last failed to join
+        self.polled = float("-inf")
+        self.tasks: set[asyncio.Task] = set()
+
+    def start_with(self, records: list[dict], policy: int) -> None:
+        """The servers the attempt started with: the router and the admin have them already."""
+        for r in records:
+            slot = r.get("slot") or server_slot(int(r.get("node", 0)))
+            self.members[slot] = self._record(r, SERVING, policy)
+        self.write()
+
+    def serving(self) -> int:
+        return sum(1 for m in self.members.values() if m["state"] == SERVING)
+
+    async def poll(self, force: bool = False) -> None:
+        """Leaves, then joins, as `endpoints/` says (at most every `POLL_S` unless `force`)."""
+        if not force and time.monotonic() - self.polled < POLL_S:
+            return
+        self.polled = time.monotonic()
+        published = self.run.server_endpoints()
+        for slot, m in list(self.members.items()):
+            if m["state"] == REMOVED:
+                continue
+            record = published.get(slot)
+            if record is None:
+                self.leave(slot, "its endpoint was removed")
+            elif record.get("url") != m["url"]:
+                self.leave(slot, "a new server took its slot")
+        for slot, record in published.items():
+            member = self.members.get(slot)
+            if member is not None and member["state"] != REMOVED and member["url"] == record.get("url"):
+                continue
+            if time.monotonic() - self.failed_at.get(str(record.get("url")), float("-inf")) < RETRY_S:
+                continue
+            await self.join(slot, record)
+
+    async def join(self, slot: str, record: dict) -> None:
+        url = str(record["url"])
+        self.members[slot] = self._record(record, LOADING, record.get("policy_step"))
+        self.write()
+        try:
+            step = await asyncio.wait_for(self.load(url, record), JOIN_TIMEOUT_S)
+            await add_worker(self.router, url)
+        except (InferenceError, asyncio.TimeoutError) as e:
+            self.failed_at[url] = time.monotonic()
+            self.members[slot].update(state=REMOVED, since=time.time(), why=f"could not join: {e}")
+            self.write()
+            logger.warning(f"inference server {slot} ({url}) could not join: {e}; trying again in {RETRY_S:g}s")
+            return
+        self.admin.add(url)
+        self.members[slot].update(state=SERVING, since=time.time(), policy_step=step)
+        self.write()
+        logger.info(f"inference server {slot} ({url}) joined at policy {step}; {self.serving()} serving")
+
+    def leave(self, slot: str, why: str) -> None:
+        """`slot`'s server takes no more requests or updates (the router is told, best effort:
+        it also finds a dead server by its own checks)."""
+        m = self.members[slot]
+        self.admin.remove(m["url"])
+        m.update(state=REMOVED, since=time.time(), why=why)
+        self.write()
+        logger.warning(f"inference server {slot} ({m['url']}) left: {why}; {self.serving()} serving")
+        task = asyncio.get_running_loop().create_task(forget_worker(self.router, m["url"]))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def lost(self, url: str, why: str) -> None:
+        """The admin client found `url` no longer answering (during an update)."""
+        slot = self.slot_of(url)
+        if slot is not None:
+            self.leave(slot, f"it stopped answering ({why})")
+
+    def updated(self, step: int) -> None:
+        """Every serving member now serves `step`."""
+        for m in self.members.values():
+            if m["state"] == SERVING:
+                m["policy_step"] = step
+        self.write()
+
+    def slot_of(self, url: str) -> Optional[str]:
+        return next((s for s, m in self.members.items() if m["url"] == url and m["state"] != REMOVED), None)
+
+    def write(self) -> None:
+        atomic_write_json(
+            self.run.fleet_membership, {"servers": self.members, "updated_at": time.time()}, durable=False
+        )
+
+    @staticmethod
+    def _record(endpoint: dict, state: str, policy: Optional[int]) -> dict:
+        return {
+            "url": endpoint.get("url"),
+            "state": state,
+            "since": time.time(),
+            "policy_step": policy,
+            "node": endpoint.get("node"),
+            "job_id": endpoint.get("job_id"),
+            "hostname": endpoint.get("hostname"),
+            "pid": endpoint.get("pid"),
+        }
