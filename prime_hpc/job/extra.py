@@ -8,6 +8,10 @@ start   the job's log directory, logs/extra/<id>/ (printed); its record in job.j
 check   exit 0 while the run still runs (its servers stay), 1 once it ended: its job.json
         state is final (COMPLETED, FAILED, CANCELLED ...); a run between two attempts
         (REQUEUED, PENDING) still runs
+hung    --request FILE: the run's watchdog found a server of this job hung
+        (`control/restart_<slot>.json`): its cause recorded, the request consumed; prints
+        "<slot> <SLURM step>" for the script, which kills it (an extra job's server is not
+        restarted: it leaves, as if it had died)
 end     --reason WHY --exits "n=rc ...": how the job ended, in its record (state, end,
         ended_at, each server's exit code); its slots' fleet records, and the endpoint and
         heartbeat files its servers left (a server that was killed), are removed
@@ -24,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 from prime_hpc.rundir import RunDir
@@ -116,7 +121,8 @@ def end(run: RunDir, job_id: str, rc: int, reason: str, exits: dict[str, int]) -
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.job.extra")
-    p.add_argument("cmd", choices=("start", "check", "end"))
+    p.add_argument("cmd", choices=("start", "check", "hung", "end"))
+    p.add_argument("--request", default="")
     p.add_argument("output_dir")
     p.add_argument("--job-id", required=True)
     p.add_argument("--rc", type=int, default=0)
@@ -133,6 +139,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if a.cmd == "check":
         return 0 if running(run, a.job_id) else 1
+    if a.cmd == "hung":
+        from prime_hpc.job.attempt import hung
+
+        print(hung(run, Path(a.request)))
+        return 0
     print(end(run, a.job_id, a.rc, a.reason, parse_exits(a.exits)), file=sys.stderr)
     return 0
 

@@ -186,6 +186,18 @@ def test_the_extra_jobs_start_and_end_in_its_record(tmp_path):
     assert list(run.heartbeats_dir.iterdir()) == [] and read_fleet(run) == []
 
 
+def test_a_hung_server_of_the_job_is_handed_to_its_script_to_kill(tmp_path, capsys):
+    run = _run_with_extra(tmp_path)
+    extra.start(run, "57")
+    request = run.restart_request("inference_57.1")
+    request.parent.mkdir(parents=True, exist_ok=True)
+    request.write_text(json.dumps({"slot": "inference_57.1", "slurm_step": "57.1", "reason": "hung: no heartbeat"}))
+    assert extra.main(["hung", str(run.root), "--job-id", "57", "--request", str(request)]) == 0
+    assert capsys.readouterr().out.split() == ["inference_57.1", "57.1"]  # the script: scancel --signal=KILL 57.1
+    assert not request.exists()
+    assert {r["slot"]: r["state"] for r in read_fleet(run)}["inference_57.1"] == "hung"
+
+
 @pytest.mark.parametrize(
     "recorded, reason, exits, cause, state",
     [
