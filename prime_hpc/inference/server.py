@@ -24,11 +24,13 @@ policy step) and rewrites it after each update; it removes it when it stops. Gen
 reaches it only through the router, to which the orchestrator's weight relay adds it once
 it has loaded the run's current policy (docs/inference.md#the-fleet).
 
-A server of an extra job leaves the run without failing a request: on SIGTERM (a cancel, a
-preemption) or SIGUSR2 (its job's time limit is near) it removes its endpoint first (the
-relay then takes it out of the router and of later updates), waits until the router no
-longer lists it and its requests in flight have finished (at most `DRAIN_TIMEOUT_S` in
-all), then exits 0. While it serves, it publishes its endpoint again if the file is gone
+A server of an extra job leaves the run without failing a request when its job's script
+asks (`logs/extra/<id>/leave`: the job's time limit is near, `prime-hpc scale -N`, the run
+ended): it removes its endpoint first (the relay then takes it out of the router and of
+later updates), waits until the router no longer lists it and its requests in flight have
+finished (at most `DRAIN_TIMEOUT_S` in all), then exits 0. SIGTERM or SIGUSR2 (a plain
+scancel, a preemption) start the same, but SLURM signals vLLM's engine process too, which
+then stops at once. While it serves, it publishes its endpoint again if the file is gone
 without its doing (a new attempt of the run's job empties `endpoints/`).
 """
 
@@ -447,6 +449,20 @@ async def _publish_when_healthy(server: Server, timeout_s: float, log: str) -> N
         await asyncio.sleep(BEAT_S)
 
 
+async def _leave_when_told(server: Server, poll_s: float = 0.25) -> None:
+    """A server of an extra job: leave the run (`Server.drain`) once its job's script asks
+    (`logs/extra/<id>/leave`, its content the reason)."""
+    assert server.extra_job is not None
+    request = server.run.extra_leave_request(server.extra_job)
+    while not server.draining:
+        try:
+            why = request.read_text().strip() or "asked"
+        except OSError:
+            await asyncio.sleep(poll_s)
+            continue
+        await server.drain(f"its job asks: {why}")
+
+
 async def _drain_on_signals(server: Server, app: Any) -> None:
     """A server of an extra job: SIGTERM and SIGUSR2 make it leave the run (`Server.drain`)
     instead of stopping at once. Installed once vLLM's `serve_http` has set its own SIGTERM
@@ -498,6 +514,7 @@ async def serve(cfg: InferenceRunConfig, log: str, extra_job: Optional[str] = No
             background = [loop.create_task(_publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log))]
             if extra_job is not None:
                 background.append(loop.create_task(_drain_on_signals(server, app)))
+                background.append(loop.create_task(_leave_when_told(server)))
             shutdown = await serve_http(
                 app,
                 sock=sock,

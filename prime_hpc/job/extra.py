@@ -8,6 +8,8 @@ start   the job's log directory, logs/extra/<id>/ (printed); its record in job.j
 check   exit 0 while the run still runs (its servers stay), 1 once it ended: its job.json
         state is final (COMPLETED, FAILED, CANCELLED ...); a run between two attempts
         (REQUEUED, PENDING) still runs
+leave   --reason WHY: tell the job's servers to leave the run (`logs/extra/<id>/leave`,
+        which each of them watches): they drain and exit
 hung    --request FILE: the run's watchdog found a server of this job hung
         (`control/restart_<slot>.json`): its cause recorded, the request consumed; prints
         "<slot> <SLURM step>" for the script, which kills it (an extra job's server is not
@@ -31,13 +33,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, atomic_write_text
 from prime_hpc.rundir.fleet import STARTING, write_process
 from prime_hpc.rundir.jobs import CANCELLED, COMPLETED, FAILED, FINAL_STATES, extra_job, read_job, update_extra_job
 from prime_hpc.rundir.layout import server_slot
 
-# why the job's script told its servers to leave -> the state recorded
-LEFT_BECAUSE = {"TIMEOUT": "TIMEOUT", "RUN_ENDED": COMPLETED}
+# why the job's script told its servers to leave -> the state recorded (unless cancelled:
+# `prime-hpc scale -N` and `cancel` record that first, then send the same SIGUSR2)
+LEFT_BECAUSE = {"USR2": "TIMEOUT", "RUN_ENDED": COMPLETED}
 
 
 def start(run: RunDir, job_id: str) -> str:
@@ -121,7 +124,7 @@ def end(run: RunDir, job_id: str, rc: int, reason: str, exits: dict[str, int]) -
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.job.extra")
-    p.add_argument("cmd", choices=("start", "check", "hung", "end"))
+    p.add_argument("cmd", choices=("start", "check", "leave", "hung", "end"))
     p.add_argument("--request", default="")
     p.add_argument("output_dir")
     p.add_argument("--job-id", required=True)
@@ -139,6 +142,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if a.cmd == "check":
         return 0 if running(run, a.job_id) else 1
+    if a.cmd == "leave":
+        atomic_write_text(run.extra_leave_request(a.job_id), a.reason + "\n")
+        return 0
     if a.cmd == "hung":
         from prime_hpc.job.attempt import hung
 

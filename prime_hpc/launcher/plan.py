@@ -372,6 +372,7 @@ class InferenceJobPlan:
     group: GroupPlan
     job_name: str  # SLURM-safe: "<run>-inference"
     run_check_s: int = 10  # how often the job looks whether the run still runs (its servers leave when not)
+    leave_timeout_s: int = 40  # a server told to leave that still runs after this is stopped (its drain: 20 s)
 
     @property
     def nodes(self) -> int:

@@ -127,12 +127,16 @@ LIVE = ("PENDING", "RUNNING", "COMPLETING")
 
 def cancel_extra(run: RunDir, backend: str, record: dict[str, Any]) -> None:
     """Cancel one extra job: CANCELLED in its record first (its script reads it: a cancel,
-    not a preemption), then the backend's cancel; its servers drain and leave."""
+    not a preemption). A running job is asked to leave (SIGUSR2 to its script alone, which
+    tells its servers to drain and then ends the job: no request fails); one that has not
+    started is cancelled."""
     job_id = str(record["job_id"])
     prior = record.get("state")
     jobs.update_extra_job(run, job_id, state=jobs.CANCELLED, cancelled_at=time.time())
+    sched = choose(backend)
     try:
-        choose(backend).cancel(run, job_id)
+        if record.get("live") != "RUNNING" or not sched.signal_script(job_id, "USR2"):
+            sched.cancel(run, job_id)
     except BaseException:
         jobs.update_extra_job(run, job_id, state=prior, cancelled_at=None)
         raise

@@ -141,6 +141,13 @@ class RunDir:
         `inference/node_<n>.log` (`node_log`) as in an attempt's tree."""
         return self.extra_logs_root / str(job_id)
 
+    def extra_leave_request(self, job_id: str) -> Path:
+        """`logs/extra/<job id>/leave`: written by an extra job's script when its servers
+        must leave the run (its content: why); each of its servers watches for it. (Not a
+        signal: SLURM signals every process of a step, vLLM's engine too, which would stop
+        at once instead of finishing its requests.)"""
+        return self.extra_job_logs(job_id) / "leave"
+
     def extra_batch_log(self, job_id: str) -> Path:
         """`logs/extra/<job id>.out`: an extra job's batch script output (SLURM writes it,
         the script renders it with `%j`)."""

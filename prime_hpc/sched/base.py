@@ -51,6 +51,11 @@ class Backend(abc.ABC):
         task per node, nothing for submitit to run); its id. Only where `extra_jobs`."""
         raise NotImplementedError(f"{self.name} runs take no extra inference jobs")
 
+    def signal_script(self, job_id: str, signal_name: str) -> bool:
+        """Send `signal_name` (e.g. USR2) to the job's script alone, not to its steps;
+        False when that cannot be done (the job is not running). Only where `extra_jobs`."""
+        return False
+
     def plain_states(self, job_ids: list[str]) -> tuple[dict[str, str], str]:
         """{job id: state} of plain (one-group) jobs of this backend, asked at once, and a
         note naming what could not be asked (those are left out). Only where `extra_jobs`."""

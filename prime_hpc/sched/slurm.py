@@ -240,6 +240,13 @@ class Slurm(Backend):
             raise LaunchError(f"sbatch refused the job: {detail[-400:]}")
         return job_id
 
+    def signal_script(self, job_id: str, signal_name: str) -> bool:
+        """`scancel --batch --signal=<sig>`: the batch script only (its steps are not signalled)."""
+        out = subprocess.run(
+            ["scancel", "--batch", f"--signal={signal_name}", job_id], capture_output=True, text=True, timeout=60
+        )
+        return out.returncode == 0
+
     def plain_states(self, job_ids: list[str]) -> tuple[dict[str, str], str]:
         if not job_ids:
             return {}, ""

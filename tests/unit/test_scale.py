@@ -179,9 +179,11 @@ def test_the_extra_jobs_start_and_end_in_its_record(tmp_path):
         run.server_heartbeat(slot).parent.mkdir(parents=True, exist_ok=True)
         run.server_heartbeat(slot).write_text("{}")
     run.inference_endpoint(0).write_text("{}")  # the run's own server stays
-    extra.end(run, "57", 0, "TIMEOUT", extra.parse_exits(" 1=0 0=0"))
+    assert extra.main(["leave", str(run.root), "--job-id", "57", "--reason", "USR2"]) == 0
+    assert run.extra_leave_request("57").read_text() == "USR2\n"  # what its servers watch
+    extra.end(run, "57", 0, "USR2", extra.parse_exits(" 1=0 0=0"))
     rec = jobs.extra_job(jobs.read_job(run), "57")
-    assert rec["state"] == "TIMEOUT" and rec["end"] == "TIMEOUT" and rec["exits"] == {"0": 0, "1": 0}
+    assert rec["state"] == "TIMEOUT" and rec["end"] == "USR2" and rec["exits"] == {"0": 0, "1": 0}
     assert sorted(p.name for p in run.endpoints_dir.iterdir()) == ["inference_0.json"]
     assert list(run.heartbeats_dir.iterdir()) == [] and read_fleet(run) == []
 
@@ -202,7 +204,8 @@ def test_a_hung_server_of_the_job_is_handed_to_its_script_to_kill(tmp_path, caps
     "recorded, reason, exits, cause, state",
     [
         ("CANCELLED", "STOPPED", {"0": 0}, "CANCELLED", "CANCELLED"),  # prime-hpc scale -N / cancel
-        ("RUNNING", "TIMEOUT", {"0": 0}, "", "TIMEOUT"),  # drained before its time limit
+        ("CANCELLED", "USR2", {"0": 0}, "", "CANCELLED"),  # asked to leave by prime-hpc scale -N
+        ("RUNNING", "USR2", {"0": 0}, "", "TIMEOUT"),  # drained before its time limit
         ("RUNNING", "RUN_ENDED", {"0": 0}, "", "COMPLETED"),  # the run ended
         ("RUNNING", "STOPPED", {"0": 0}, "PREEMPTED", "PREEMPTED"),  # SLURM says why
         ("RUNNING", "", {"0": 0, "1": 0}, "PREEMPTED", "PREEMPTED"),  # a grace time: only the servers got it
