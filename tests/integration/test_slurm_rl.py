@@ -91,7 +91,7 @@ def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
 def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
-    steps = 40
+    steps = 200
     cfg = compose(
         [
             "+experiment=reverse_text",
