@@ -84,14 +84,41 @@ def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
         f"an update reaching {slot}",
         run,
     )
-    policies = {s: _policy(m["url"]) for s, m in _members(run).items() if m["state"] == "serving"}
-    assert len(set(policies.values())) == 1 and policies[slot] >= after["policy_step"], policies
+    deadline = time.monotonic() + 60  # read between two updates: every server serves the same policy
+    while (
+        len(
+            set(
+                (
+                    policies := {s: _policy(m["url"]) for s, m in _members(run).items() if m["state"] == "serving"}
+                ).values()
+            )
+        )
+        > 1
+    ):
+        assert time.monotonic() < deadline, policies
+        time.sleep(0.2)
+    assert len(policies) == 2 and policies[slot] >= after["policy_step"], policies
+
+
+def _trainer(logs) -> list[int]:
+    """The trainer's ranks (torchrun's workers: TORCHELASTIC_RUN_ID in their environment)."""
+    ranks = procs.with_env("TORCHELASTIC_RUN_ID=", run_processes(logs), prefix=True)
+    assert ranks, "no trainer rank found"
+    return sorted(ranks)
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
 
 
 def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
-    steps = 200
+    steps = 40
     cfg = compose(
         [
             "+experiment=reverse_text",
@@ -107,7 +134,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     )
     sub = launch.submit(cfg, [])
     run = sub.ref.run
-    stopped = None
+    stopped, paused = None, []
     try:
         ep = run.endpoints_dir
         names = ("inference_0.json", "inference_1.json", "router.json")
@@ -150,12 +177,17 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         assert again["url"] == router["url"] and again["pid"] != router["pid"]
         assert sorted(again["workers"]) == sorted(s["url"] for s in servers)  # the relay's members
 
-        # 1. server 1 dies: restarted in its slot, synced before it serves, in every later update
+        # 1. server 1 dies: restarted in its slot, synced before it serves, in every later update. While a
+        # server restarts, the trainer is paused (SIGSTOP): on 2 cores a vLLM start beside training and
+        # generation takes minutes, alone ~40 s; the run then only waits for its weights.
         wait_for_step(run, 5)
         t_kill = time.time()
         gone = _server_processes(logs, servers[1]["pid"])
         os.kill(servers[1]["pid"], signal.SIGKILL)
+        paused = _trainer(logs)
+        _signal_all(paused, signal.SIGSTOP)
         member1 = _rejoined(run, "inference_1", servers[1]["url"])
+        _signal_all(paused, signal.SIGCONT)
         row = fleet_row(run, "inference_1")
         assert (row["state"], row["restarts"], row["log"]) == ("serving", 1, str(logs / "inference" / "node_1.log"))
         _synced_at_next_update(run, "inference_1", member1)
@@ -168,13 +200,17 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         gone.update(_server_processes(logs, servers[0]["pid"]))
         t_stop = time.time()
         os.kill(stopped, signal.SIGSTOP)
+        _signal_all(paused, signal.SIGSTOP)
         member0 = _rejoined(run, "inference_0", servers[0]["url"])
+        _signal_all(paused, signal.SIGCONT)
+        paused = []
         print(f"server 0 frozen -> serving again in {time.time() - t_stop:.0f}s")
         assert fleet_row(run, "inference_0")["restarts"] == 1
         _synced_at_next_update(run, "inference_0", member0)
 
         assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
     finally:
+        _signal_all(paused, signal.SIGCONT)
         if stopped is not None:
             try:
                 os.kill(stopped, signal.SIGCONT)
