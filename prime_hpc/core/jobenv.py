@@ -8,6 +8,8 @@ components read them here and nowhere else.
   `SLURM_NODEID`;
 - `PRIME_HPC_INFERENCE_SLOT`: an inference server's slot when it is not `inference_<node
   rank>` (a server of another job of the run: `inference_<jobid>.<n>`);
+- `PRIME_HPC_HET_GROUP`: the het group an inference server's step runs in (its step is
+  addressed by that component's own job id, `SLURM_JOB_ID_HET_GROUP_<g>`);
 - `PRIME_HPC_DEVICE`: `cpu` or `cuda`, the run's device (`cluster.device`);
 - `PRIME_HPC_CACHE`: the run's shared cache (`cluster.cache_dir`: built models, compile
   caches); also honoured outside a job;
@@ -27,6 +29,7 @@ from typing import Optional
 LOGS_VAR = "PRIME_HPC_LOGS"
 NODE_RANK_VAR = "PRIME_HPC_NODE_RANK"
 SLOT_VAR = "PRIME_HPC_INFERENCE_SLOT"
+HET_GROUP_VAR = "PRIME_HPC_HET_GROUP"
 DEVICE_VAR = "PRIME_HPC_DEVICE"
 CACHE_VAR = "PRIME_HPC_CACHE"
 API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
@@ -70,8 +73,11 @@ def slot() -> Optional[str]:
 
 def slurm_step() -> Optional[str]:
     """`<job id>.<step id>` of the SLURM step this process runs in (None outside one): what
-    `scancel --signal` addresses."""
-    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    `scancel --signal` addresses. A step of a het job's component g belongs to that
+    component's own job id (`SLURM_JOB_ID_HET_GROUP_<g>`; `SLURM_JOB_ID` is the leader's)."""
+    group = os.environ.get(HET_GROUP_VAR)
+    job = (os.environ.get(f"SLURM_JOB_ID_HET_GROUP_{group}") if group else None) or os.environ.get("SLURM_JOB_ID")
+    step = os.environ.get("SLURM_STEP_ID")
     return f"{job}.{step}" if job and step else None
 
 

@@ -437,6 +437,7 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
         job["state"] = REQUEUED
         job["requeues"] = done + 1
     if reason == REQUEUED:
+        backend.requeued(job_id)  # back soon, not after SLURM's hold
         return (
             f"prime-hpc: the job was requeued by SLURM (requeue {done + 1} of at most {limit}); its next "
             f"attempt continues from the latest checkpoint",

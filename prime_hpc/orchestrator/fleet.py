@@ -44,6 +44,7 @@ class Membership:
         self.load = load  # load(url, endpoint record) -> the policy step it now serves
         self.members: dict[str, dict] = {}  # slot -> the relay's record (rundir.fleet)
         self.failed_at: dict[str, float] = {}  # url -> when it last failed to join
+        self.gone: set[str] = set()  # urls that left: a server never comes back at its old address
         self.polled = float("-inf")
         self.tasks: set[asyncio.Task] = set()
 
@@ -75,6 +76,8 @@ class Membership:
             member = self.members.get(slot)
             if member is not None and member["state"] != REMOVED and member["url"] == record.get("url"):
                 continue
+            if record.get("url") in self.gone:  # its endpoint outlived it: its supervisor removes it
+                continue
             if time.monotonic() - self.failed_at.get(str(record.get("url")), float("-inf")) < RETRY_S:
                 continue
             await self.join(slot, record)
@@ -101,6 +104,7 @@ class Membership:
         """`slot`'s server takes no more requests or updates (the router is told, best effort:
         it also finds a dead server by its own checks)."""
         m = self.members[slot]
+        self.gone.add(m["url"])
         self.admin.remove(m["url"])
         m.update(state=REMOVED, since=time.time(), why=why)
         self.write()

@@ -96,6 +96,11 @@ class Backend(abc.ABC):
         """Put the job back in the queue (only where `requeues`); '' on success, else why not."""
         return f"{self.name} runs are not requeued"
 
+    def requeued(self, job_id: str) -> None:
+        """The scheduler requeued the job itself (`scontrol requeue`, a node that failed):
+        let it start again soon (where a backend requeues at all)."""
+        return None
+
     def stop_cause(self, run: RunDir, job_id: str) -> str:
         """Why the job is being stopped: CANCELLED, or where the scheduler says so
         TIMEOUT, PREEMPTED or REQUEUED."""

@@ -304,13 +304,21 @@ class Slurm(Backend):
         out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
             return (out.stderr or out.stdout).strip() or f"scontrol exited with code {out.returncode}"
-        subprocess.run(
-            ["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{REQUEUE_START_DELAY_S}"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        self.requeued(job_id)
         return ""
+
+    def requeued(self, job_id: str) -> None:
+        """Start again after REQUEUE_START_DELAY_S, not SLURM's hold of about two minutes
+        (also after SLURM's own requeue: `scontrol requeue`, a failed node of the job)."""
+        try:
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{REQUEUE_START_DELAY_S}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            pass
 
     def down_nodes(self, job_id: str) -> list[str]:
         nodes = job_nodes(job_id)

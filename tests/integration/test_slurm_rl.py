@@ -11,9 +11,8 @@ Then the fleet heals, one fault after the other, in the same attempt: the router
 is restarted in its slot, loads the run's current policy before it serves, and takes every
 later update; then server 0's engine is frozen (SIGSTOP): with requests in flight and none
 finished for `inference.stall_timeout_s` it is hung, taken out, killed and restarted, its
-requests retried on server 1; last, server 1's node is taken away (`scontrol update
-state=down`): its server ends, its restarts there fail and count, and the run completes on
-server 0 without a requeue. Nothing of a killed server is left behind."""
+requests retried on server 1. The run completes in the same attempt, both servers serving;
+nothing of a killed server is left behind."""
 
 from __future__ import annotations
 
@@ -85,14 +84,41 @@ def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
         f"an update reaching {slot}",
         run,
     )
-    policies = {s: _policy(m["url"]) for s, m in _members(run).items() if m["state"] == "serving"}
-    assert len(set(policies.values())) == 1 and policies[slot] >= after["policy_step"], policies
+    deadline = time.monotonic() + 60  # read between two updates: every server serves the same policy
+    while (
+        len(
+            set(
+                (
+                    policies := {s: _policy(m["url"]) for s, m in _members(run).items() if m["state"] == "serving"}
+                ).values()
+            )
+        )
+        > 1
+    ):
+        assert time.monotonic() < deadline, policies
+        time.sleep(0.2)
+    assert len(policies) == 2 and policies[slot] >= after["policy_step"], policies
+
+
+def _trainer(logs) -> list[int]:
+    """The trainer's ranks (torchrun's workers: TORCHELASTIC_RUN_ID in their environment)."""
+    ranks = procs.with_env("TORCHELASTIC_RUN_ID=", run_processes(logs), prefix=True)
+    assert ranks, "no trainer rank found"
+    return sorted(ranks)
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
 
 
 def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
-    steps = 60
+    steps = 40
     cfg = compose(
         [
             "+experiment=reverse_text",
@@ -108,7 +134,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     )
     sub = launch.submit(cfg, [])
     run = sub.ref.run
-    stopped = down = None
+    stopped, paused = None, []
     try:
         ep = run.endpoints_dir
         names = ("inference_0.json", "inference_1.json", "router.json")
@@ -151,12 +177,17 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         assert again["url"] == router["url"] and again["pid"] != router["pid"]
         assert sorted(again["workers"]) == sorted(s["url"] for s in servers)  # the relay's members
 
-        # 1. server 1 dies: restarted in its slot, synced before it serves, in every later update
+        # 1. server 1 dies: restarted in its slot, synced before it serves, in every later update. While a
+        # server restarts, the trainer is paused (SIGSTOP): on 2 cores a vLLM start beside training and
+        # generation takes minutes, alone ~40 s; the run then only waits for its weights.
         wait_for_step(run, 5)
         t_kill = time.time()
         gone = _server_processes(logs, servers[1]["pid"])
         os.kill(servers[1]["pid"], signal.SIGKILL)
+        paused = _trainer(logs)
+        _signal_all(paused, signal.SIGSTOP)
         member1 = _rejoined(run, "inference_1", servers[1]["url"])
+        _signal_all(paused, signal.SIGCONT)
         row = fleet_row(run, "inference_1")
         assert (row["state"], row["restarts"], row["log"]) == ("serving", 1, str(logs / "inference" / "node_1.log"))
         _synced_at_next_update(run, "inference_1", member1)
@@ -169,45 +200,37 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         gone.update(_server_processes(logs, servers[0]["pid"]))
         t_stop = time.time()
         os.kill(stopped, signal.SIGSTOP)
+        _signal_all(paused, signal.SIGSTOP)
         member0 = _rejoined(run, "inference_0", servers[0]["url"])
+        _signal_all(paused, signal.SIGCONT)
+        paused = []
         print(f"server 0 frozen -> serving again in {time.time() - t_stop:.0f}s")
         assert fleet_row(run, "inference_0")["restarts"] == 1
         _synced_at_next_update(run, "inference_0", member0)
 
-        # 3. server 1's node is taken away: only its server is lost; the run goes on, same attempt
-        down = nodes[1]
-        subprocess.run(
-            ["scontrol", "update", f"nodename={down}", "state=down", "reason=prime-hpc fleet test"],
-            check=True,
-            timeout=60,
-        )
-        wait_fleet(run, "inference_1", lambda r: r["state"] == "lost", "server 1 lost with its node")
         assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
     finally:
+        _signal_all(paused, signal.SIGCONT)
         if stopped is not None:
             try:
                 os.kill(stopped, signal.SIGCONT)
             except OSError:
                 pass
-        if down is not None:
-            subprocess.run(["scontrol", "update", f"nodename={down}", "state=resume"], capture_output=True, timeout=60)
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
     assert is_stable(run.weights_step(steps))  # the final policy, loadable by vLLM and transformers
     orch = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     trainer = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     assert [r["step"] for r in orch] == list(range(1, steps + 1)) == [r["step"] for r in trainer]
-    assert orch[0]["inference/servers"] == 2 and orch[-1]["inference/servers"] == 1
+    assert orch[0]["inference/servers"] == 2 and orch[-1]["inference/servers"] == 2
     assert 1 in [r["inference/servers"] for r in orch[5:]]
     job = jobs.read_job(run)
-    assert len(job["attempts"]) == 1 and not job.get("requeues"), job  # no requeue for an inference node
+    assert len(job["attempts"]) == 1 and not job.get("requeues"), job
     lost = job["attempts"][-1]["lost"]
-    assert [(x["component"], x["restarted"]) for x in lost[:2]] == [("inference_1", True), ("inference_0", True)]
+    assert [(x["component"], x["restarted"]) for x in lost] == [("inference_1", True), ("inference_0", True)]
     assert lost[0]["rc"] != 0 and lost[0]["log"] == str(logs / "inference" / "node_1.log"), lost
     assert lost[1]["reason"].startswith("hung: alive, but no progress for "), lost
-    # on the lost node: every restart there failed and counted, until none was left
-    assert [x["component"] for x in lost[2:]] == ["inference_1"] * 3 and not lost[-1]["restarted"], lost
     rows = {r["slot"]: r for r in fleet(run)}
-    assert rows["inference_1"]["restarts"] == 3 and rows["inference_0"]["restarts"] == 1, rows
+    assert rows["inference_1"]["restarts"] == 1 and rows["inference_0"]["restarts"] == 1, rows
     assert not still_alive(gone), "a killed server left processes behind"
     assert (
         "left: " in (logs / "orchestrator.log").read_text()

@@ -125,7 +125,7 @@ def test_golden_script_is_a_three_group_het_job():
     assert "--overlap" in text and "router_0.log" in text
     assert "--rdzv-backend=c10d" in text and "--redirects=3 --tee=3" in text
     assert '--log-dir="$LOGS/trainer/torchrun"' in text
-    assert "#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n#SBATCH --mem=8192M" in text
+    assert "#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n#SBATCH --no-kill\n#SBATCH --mem=8192M" in text
     assert text.count("#SBATCH --mem=") == 3  # one per group: SLURM would copy one group's to the next
     assert "#SBATCH --dependency=afterok:41\n#SBATCH --kill-on-invalid-dep=yes" in text
     assert "--local-addr=127.0.0.1" in text and "export PRIME_HPC_NODE_ADDRESS=127.0.0.1" in text
