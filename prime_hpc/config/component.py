@@ -104,6 +104,8 @@ class OrchestratorRunConfig(TrainingRunConfig):
     micro_batch_size: int = src("trainer.micro_batch_size")
     inference_nodes: int = src("cluster.inference.nodes")
     """Servers to find in endpoints/."""
+    inference_job: str = src("cluster.inference_job")
+    """own: the servers are another job's (any slot in endpoints/), het: this job's."""
     lora: ServedLoRA = src(None, ServedLoRA)
     orchestrator: OrchestratorConfig = src("orchestrator", OrchestratorConfig)
 
@@ -112,6 +114,8 @@ class OrchestratorRunConfig(TrainingRunConfig):
 class InferenceRunConfig(ComponentRunConfig):
     nodes: int = src("cluster.inference.nodes")
     """Servers the router waits for."""
+    inference_job: str = src("cluster.inference_job")
+    """own: the servers are another job's (any slot in endpoints/), het: this job's."""
     address: Optional[str] = src("cluster.address")
     """Bind/publish address; None = the node's own."""
     gpus_per_node: int = src("cluster.inference.gpus_per_node")

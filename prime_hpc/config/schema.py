@@ -483,6 +483,10 @@ class ClusterConfig:
     """warning this long before the time limit: checkpoint, then requeue"""
     max_requeues: int = ruled(10, ge=0)
     """requeues (time limits, preemptions, scontrol requeue) before the run stops"""
+    inference_job: str = one_of("het", "het", "own")
+    """het: the inference servers are a group of the run's het job (started together; a lost
+    node of the job costs an attempt); own: a plain job of their own, submitted with the
+    run's (queued on its own; a lost inference node costs only its servers)"""
     umask: str = ruled("027", pattern="0?[0-7]{3}", example="027")
     """what the run writes (run dir, logs, weights) is not readable by other users of the
     cluster; 022 shares it read-only"""

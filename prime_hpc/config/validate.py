@@ -222,6 +222,15 @@ def check_slurm(cfg: DictConfig) -> None:
         ) from None
     if limit is not None and c.signal_delay_s >= limit * 60:  # its range is the field's own rule
         raise ConfigError("cluster.signal_delay_s", f"{c.signal_delay_s}s must be shorter than cluster.time={c.time}")
+    if c.inference_job == "own" and cfg.trainer.type != "sft":
+        from prime_hpc.sched.registry import choose
+
+        if not choose(c.backend).extra_jobs:
+            raise ConfigError(
+                "cluster.inference_job",
+                f"own puts the inference servers in a job of their own, which needs a scheduler to give it nodes; "
+                f"cluster.backend={c.backend} has none: use het (the default) or cluster=slurm",
+            )
     for i, line in enumerate(c.sbatch_extra):
         if "\n" in line or not line.strip().startswith("-"):
             raise ConfigError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -42,10 +43,34 @@ class Endpoints:
         return self.router + "/v1"
 
 
+OWN_SETTLE_S = 60.0  # servers of the run's own inference job: how long the first waits for the others
+
+
 def wait_for_servers(
-    run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None, alive: Any = None
+    run: RunDir,
+    nodes: int,
+    timeout_s: float,
+    logs: Optional[Path] = None,
+    alive: Any = None,
+    own_job: bool = False,
 ) -> list[dict]:
-    """Every server's endpoint record, in node order, once all have published one."""
+    """Every server's endpoint record, in node order, once all have published one. With
+    `own_job` the servers are another job's (cluster.inference_job=own), whose nodes may be
+    fewer by now (a node lost): once one of them, of any slot, has published one, and then
+    `nodes` of them or `OWN_SETTLE_S` more (the relay takes in later ones as they come)."""
+    if own_job:
+        wait_for(
+            lambda: run.server_slots(),
+            what=f"an endpoint of an inference server in {run.endpoints_dir}",
+            timeout_s=timeout_s,
+            producer="the run's inference job (prime-hpc status: its extra jobs)",
+            producer_log=None,
+            alive=alive,
+        )
+        deadline = time.monotonic() + OWN_SETTLE_S
+        while len(run.server_slots()) < nodes and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return list(run.server_endpoints().values())
     records = []
     for node in range(nodes):
         path = run.inference_endpoint(node)
@@ -62,10 +87,15 @@ def wait_for_servers(
 
 
 def discover(
-    run: RunDir, nodes: int, timeout_s: float = 900.0, logs: Optional[Path] = None, alive: Any = None
+    run: RunDir,
+    nodes: int,
+    timeout_s: float = 900.0,
+    logs: Optional[Path] = None,
+    alive: Any = None,
+    own_job: bool = False,
 ) -> Endpoints:
     """Wait until every server and the router have published their endpoints."""
-    records = wait_for_servers(run, nodes, timeout_s, logs, alive)
+    records = wait_for_servers(run, nodes, timeout_s, logs, alive, own_job)
     path = run.router_endpoint
     wait_for(
         lambda: path.exists(),

@@ -393,7 +393,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         serve(a.serve_fd, a.workers, run)
         return 0
     try:
-        servers = wait_for_servers(run, cfg.nodes, float(cfg.inference.startup_timeout_s), jobenv.logs_dir())
+        servers = wait_for_servers(
+            run,
+            cfg.nodes,
+            float(cfg.inference.startup_timeout_s),
+            jobenv.logs_dir(),
+            own_job=cfg.inference_job == "own",
+        )
         sock = listening_socket(node_address(cfg.address))
     except (WaitTimeout, OSError) as e:
         print(f"prime-hpc router: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)

@@ -112,7 +112,26 @@ def start(run: RunDir, job_id: str) -> str:
                 "resumed_from": resumed_from,
             }
         )
+    if job.get("fleet_nodes"):
+        ensure_fleet(run)
     return str(logs)
+
+
+def ensure_fleet(run: RunDir) -> None:
+    """A run whose servers run in a job of their own (`cluster.inference_job=own`): when none
+    is queued or running at the start of an attempt (it ended before: its time limit, a
+    preemption, its node), submit it again. A failure is said in one line; the run then waits
+    for servers until its timeout names the inference job."""
+    from prime_hpc.launcher.scale import ensure_fleet as submit_if_gone
+    from prime_hpc.rundir.jobs import resolve
+
+    try:
+        record = submit_if_gone(resolve(str(run.root)))
+    except Exception as e:  # noqa: BLE001 (said, not raised: the attempt goes on)
+        print(f"prime-hpc: could not submit the run's inference job again: {str(e).splitlines()[0]}", file=sys.stderr)
+        return
+    if record:
+        print(f"prime-hpc: submitted the run's inference job again: {record['job_id']}", file=sys.stderr)
 
 
 def unrecorded_requeue(run: RunDir, job_id: str) -> dict:

@@ -255,32 +255,48 @@ def _submit(
         overrides=[*prior.get("overrides", []), list(overrides)],
         git_sha=jobs.git_sha(Path(__file__).resolve().parent),
         cluster={k: cfg.cluster[k] for k in ("backend", "device", "partition", "account", "qos")},
+        **({"fleet_nodes": plan.fleet_nodes} if plan.fleet_nodes else {}),  # inference_job=own: its servers' job
         submitted_at=now,
         state=jobs.PENDING,
     )
-    try:
-        with job_api_key():
+    with job_api_key():  # the run's job and its servers' own job (inference_job=own) demand the same key
+        try:
             job_id, record = choose(plan.backend).submit(job_spec(run, plan, task))
-    except BaseException:
-        # nothing was submitted: leave the directory as fresh as it was
-        if prior:
-            jobs.update_job(run, **{k: prior.get(k) for k in ("state", "overrides", "submitted_at")})
-        else:
-            run.job_json.unlink(missing_ok=True)
-        raise
-    jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **record)
-    ref = jobs.JobRef(
-        job_id=job_id,
-        name=plan.name,
-        output_dir=str(run.root),
-        backend=plan.backend,
-        submitted_at=now,
-        mode=mode,
-        kind=plan.kind,
-        sweep=(sweep or prior.get("sweep") or {}).get("id"),
-    )
-    jobs.record(ref)
+        except BaseException:
+            # nothing was submitted: leave the directory as fresh as it was
+            if prior:
+                jobs.update_job(run, **{k: prior.get(k) for k in ("state", "overrides", "submitted_at")})
+            else:
+                run.job_json.unlink(missing_ok=True)
+            raise
+        jobs.update_job(run, job_ids=[*prior.get("job_ids", []), job_id], **record)
+        ref = jobs.JobRef(
+            job_id=job_id,
+            name=plan.name,
+            output_dir=str(run.root),
+            backend=plan.backend,
+            submitted_at=now,
+            mode=mode,
+            kind=plan.kind,
+            sweep=(sweep or prior.get("sweep") or {}).get("id"),
+        )
+        jobs.record(ref)
+        if plan.fleet_nodes:
+            submit_fleet(ref, plan, after)
     return Submitted(ref=ref, plan=plan)
+
+
+def submit_fleet(ref: jobs.JobRef, plan: Plan, after: Sequence[After]) -> None:
+    """The job of the run's inference servers (`cluster.inference_job=own`), right after the
+    run's own (and after what it waits for), with the same key (in this environment: see
+    `job_api_key`); the run's job is cancelled when it cannot be submitted."""
+    from prime_hpc.launcher import scale
+
+    try:
+        scale.scale_up(ref, plan.fleet_nodes, fleet=True, after=after)
+    except BaseException:
+        choose(plan.backend).cancel(ref.run, ref.job_id)
+        raise
 
 
 def job_spec(run: RunDir, plan: Plan, task: HeadTask) -> JobSpec:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -95,6 +95,7 @@ class Plan:
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the head node, next to the orchestrator
     watchdog_argv: list[str] = field(default_factory=list)  # next to the job script; empty: no watchdog
+    fleet_nodes: int = 0  # cluster.inference_job=own: the servers' own job has this many nodes (0: none)
 
     @property
     def run(self) -> RunDir:
@@ -126,10 +127,11 @@ def slurm_job_name(name: str) -> str:
     return (cleaned or "run")[:64]
 
 
-def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:
-    """The components a job runs, in het-group order: an RL run all three; an SFT run only
-    the trainer (a plain job, not a het job); a preflight the run's groups plus the head
-    that collects the reports; a bench (`bench.mode`) the groups it measures."""
+def components(cfg: DictConfig, mode: str = "run") -> list[str]:
+    """The components a run has, in het-group order: an RL run all three; an SFT run only
+    the trainer; a preflight the run's groups plus the head that collects the reports; a
+    bench (`bench.mode`) the groups it measures. Its job runs them all but the servers of an
+    inference fleet in a job of its own (`job_groups`)."""
     if cfg.trainer.type == "sft":
         return ["orchestrator", "trainer"] if mode == "doctor" else ["trainer"]
     bench = cfg.bench.mode if mode == "run" else None  # a bench runs only what it measures
@@ -138,6 +140,19 @@ def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:
     if bench == "inference":
         return ["orchestrator", "inference"]
     return list(COMPONENTS)
+
+
+def own_fleet(cfg: DictConfig, mode: str = "run") -> bool:
+    """The run's inference servers run in a plain job of their own, submitted with the run's
+    (`cluster.inference_job=own`): an RL run (not a bench, not a preflight)."""
+    return mode == "run" and str(cfg.cluster.inference_job) == "own" and components(cfg, mode) == list(COMPONENTS)
+
+
+def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:
+    """The groups the run's own job runs, in het-group order (`components`, without the
+    inference servers when they run in a job of their own)."""
+    names = components(cfg, mode)
+    return [n for n in names if n != "inference"] if own_fleet(cfg, mode) else names
 
 
 def machine_cores() -> list[int]:
@@ -273,8 +288,8 @@ def group_plans(
     """Each group's nodes, resources, pinning and environment, in het-group order."""
     c = cfg.cluster
     names = job_groups(cfg, mode)
-    cpus = group_cpus(cfg, names, cores)
-    gpus = group_gpus(cfg, names)
+    cpus = group_cpus(cfg, components(cfg, mode), cores)  # shared as if every component were here
+    gpus = group_gpus(cfg, components(cfg, mode))
     return [
         GroupPlan(
             index=i,
@@ -312,7 +327,7 @@ def watchdog_argv(cfg: DictConfig, mode: str, py: str, out: str, nproc: int) -> 
     argv = _argv(
         py, "prime_hpc.job.watchdog", out, "--stall-timeout-s", f"{timeout_s:g}", "--ranks-per-node", str(nproc)
     )
-    if "inference" in job_groups(cfg, mode):
+    if "inference" in components(cfg, mode):
         argv += ["--server-stall-timeout-s", f"{float(cfg.inference.stall_timeout_s):g}"]
     return argv
 
@@ -356,6 +371,7 @@ def make_plan(
         router_argv=cmd.router,
         umask=str(c.umask),
         watchdog_argv=watchdog_argv(cfg, mode, py, out, nproc),
+        fleet_nodes=int(c.inference.nodes) if own_fleet(cfg, mode) else 0,
         # submitit runs the pickled head task from its folder (the SLURM path)
         head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),
     )
@@ -379,18 +395,32 @@ class InferenceJobPlan:
         return self.group.nodes
 
 
+def _fleet_group(cfg: DictConfig, python: Optional[str], cores: Optional[list[int]]) -> Optional[GroupPlan]:
+    """The inference group of a run whose servers run in a job of their own: as it would be
+    in the run's het job."""
+    if not own_fleet(cfg):
+        return None
+    het = cfg.copy()
+    het.cluster.inference_job = "het"
+    return make_plan(het, "run", python, cores).group("inference")
+
+
 def inference_job_plan(
-    cfg: DictConfig, nodes: int, python: Optional[str] = None, cores: Optional[list[int]] = None
+    cfg: DictConfig,
+    nodes: int,
+    python: Optional[str] = None,
+    cores: Optional[list[int]] = None,
+    after: Sequence[After] = (),
 ) -> InferenceJobPlan:
     """The placement of an extra inference job of `nodes` nodes for the run `cfg` (its
     recorded config with the scale's cluster overrides): the run's own inference group,
     on `nodes` nodes (its servers use the run's configs/inference.yaml)."""
     plan = make_plan(cfg, "run", python, cores)
-    inf = plan.group("inference")
+    inf = plan.group("inference") or _fleet_group(cfg, python, cores)
     if inf is None:
         raise ValueError("an extra inference job belongs to an RL run (one with an inference group)")
     return InferenceJobPlan(
-        plan=plan,
+        plan=dataclasses.replace(plan, after=list(after)),
         group=dataclasses.replace(inf, nodes=int(nodes)),
         job_name=slurm_job_name(f"{plan.name}-inference"),
     )

@@ -173,7 +173,8 @@ def check_kind(ref: jobs.JobRef) -> dict[str, Any]:
     job = jobs.read_job(ref.run)
     if not job:
         raise ScaleError(f"{ref.run.root} holds no run (no job.json)")
-    if ref.mode != "run" or job.get("kind") != "rl" or "inference" not in jobs.job_groups(job):
+    has_servers = "inference" in jobs.job_groups(job) or job.get("fleet_nodes")
+    if ref.mode != "run" or job.get("kind") != "rl" or not has_servers:
         what = "a preflight" if ref.mode != "run" else f"an {job.get('kind', '?').upper()} run without inference"
         raise ScaleError(f"{ref.name} (job {ref.job_id}) is {what}; only an RL run has inference servers to scale")
     backend = choose(job.get("backend"))
@@ -210,8 +211,12 @@ def check_key(run: RunDir) -> None:
         raise ScaleError(f"the run's router refuses this {API_KEY_VAR}: export the key the run was submitted with")
 
 
-def scale_up(ref: jobs.JobRef, nodes: int, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Submit one extra inference job of `nodes` nodes for the run; its record."""
+def scale_up(
+    ref: jobs.JobRef, nodes: int, overrides: Sequence[str] = (), fleet: bool = False, after: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """Submit one extra inference job of `nodes` nodes for the run; its record. `fleet`: the
+    run's own servers (`cluster.inference_job=own`), submitted with the run's job (and after
+    what it waits for, `after`), or again for a new attempt."""
     settings = cluster_overrides(overrides)
     job = check_run(ref)
     check_key(ref.run)
@@ -234,7 +239,7 @@ def scale_up(ref: jobs.JobRef, nodes: int, overrides: Sequence[str] = ()) -> dic
     run = ref.run
     backend = choose(job["backend"])
     with with_umask(cfg.cluster.umask):
-        plan = inference_job_plan(cfg, nodes)
+        plan = inference_job_plan(cfg, nodes, after=after)
         index = len(jobs.extra_jobs(job))
         script = run.extra_script(index)
         atomic_write_text(script, render_inference(plan))
@@ -254,6 +259,7 @@ def scale_up(ref: jobs.JobRef, nodes: int, overrides: Sequence[str] = ()) -> dic
         "overrides": list(overrides),
         "partition": cfg.cluster.partition,
         "time": cfg.cluster.time,
+        **({"fleet": True} if fleet else {}),
     }
     try:
         jobs.add_extra_job(run, record)
@@ -261,6 +267,22 @@ def scale_up(ref: jobs.JobRef, nodes: int, overrides: Sequence[str] = ()) -> dic
         backend.cancel(run, job_id)
         raise
     return record
+
+
+def live_fleet(run: RunDir) -> list[dict[str, Any]]:
+    """The run's own inference jobs (`cluster.inference_job=own`) that are queued or running."""
+    return [x for x in live_extras(run) if x.get("fleet")]
+
+
+def ensure_fleet(ref: jobs.JobRef) -> Optional[dict[str, Any]]:
+    """A new attempt of a run whose servers run in a job of their own: submit that job again
+    when none is queued or running (it ended with the attempt before: its time limit, a
+    preemption, its node); its record, None when one is alive or the run has no such job."""
+    job = jobs.read_job(ref.run)
+    nodes = int(job.get("fleet_nodes") or 0)
+    if not nodes or live_fleet(ref.run):
+        return None
+    return scale_up(ref, nodes, fleet=True)
 
 
 def scale_down(ref: jobs.JobRef, nodes: int) -> list[dict[str, Any]]:

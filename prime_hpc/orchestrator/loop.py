@@ -138,7 +138,7 @@ class Orchestrator:
         env_logs = route_env_logs(self.logs, {"train": train, "eval": evals}, o.log.vf_level) if self.logs else None
         admin = metrics = None
         try:
-            ep = discover(self.run, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=self.logs)
+            ep = discover(self.run, cfg.inference_nodes, SERVERS_WAIT_S, self.logs, own_job=cfg.inference_job == "own")
             admin = Admin(ep.servers, on_lost=lambda server, why: self.relay.server_lost(server, why))
             metrics = MetricsLogger(self.run, "orchestrator", cfg.wandb, run_name=cfg.name, config=asdict(cfg))
             self.wire(*self.policy_client(ep), admin, metrics, train, evals, router=ep.router)

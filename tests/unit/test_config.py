@@ -64,6 +64,8 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         (["orchestrator.teacher.client.base_url=http://h:1/v1"], "orchestrator.teacher.client.base_url", "unset it"),
         (["orchestrator.training_mode=bogus"], "orchestrator.training_mode", "choose from rl, opd, sft"),
         (["cluster.device=tpu"], "cluster.device", "choose from cpu, cuda"),
+        (["cluster.inference_job=own"], "cluster.inference_job", "use het (the default) or cluster=slurm"),
+        (["cluster.inference_job=apart"], "cluster.inference_job", "choose from het, own"),
         (["trainer.loss.type=ppo"], "trainer.loss.type", "choose from"),
         (["trainer.type=sft"], "trainer.data.name", "dataset"),
         (
