@@ -43,7 +43,7 @@ class Endpoints:
         return self.router + "/v1"
 
 
-OWN_SETTLE_S = 60.0  # servers of the run's own inference job: how long the first waits for the others
+OWN_SETTLE_S = 20.0  # the run's own inference job: how long its first server waits for the others
 
 
 def wait_for_servers(

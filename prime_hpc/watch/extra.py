@@ -51,6 +51,8 @@ def format_extra(rows: list[dict[str, Any]]) -> list[str]:
     table = [("EXTRA JOB", "NODES", "STATE", "SUBMITTED", "ENDED", "WHERE")]
     for x in rows:
         where = " ".join(f"{k}={x[k]}" for k in ("partition", "time") if x.get(k))
+        if x.get("fleet"):  # the run's own servers (cluster.inference_job=own), not a scale
+            where = f"the run's servers {where}".strip()
         ended = ago(x.get("ended_at")) + (f" ({x['end']})" if x.get("end") else "")
         table.append((str(x["job_id"]), str(x["nodes"]), x["state"], ago(x.get("submitted_at")), ended, where or "-"))
     return columns(table, indent="  ")

@@ -255,11 +255,13 @@ def test_status_lines_of_the_extra_jobs():
             "ended_at": now - 10,
             "end": "STOPPED",
         },
+        {"job_id": "55", "nodes": 2, "state": "RUNNING", "submitted_at": now - 99, "time": "04:00:00", "fleet": True},
     ]
     lines = format_extra(rows)
     assert lines[0].split() == ["EXTRA", "JOB", "NODES", "STATE", "SUBMITTED", "ENDED", "WHERE"]
     assert lines[1].split()[:3] == ["57", "1", "RUNNING"] and "partition=scavenger time=00:20:00" in lines[1]
     assert lines[2].split()[:3] == ["56", "2", "CANCELLED"] and "10s ago (STOPPED)" in lines[2]
+    assert lines[3].rstrip().endswith("the run's servers time=04:00:00")  # cluster.inference_job=own
     assert state_of({"job_id": "1", "state": "RUNNING"}, {}) == "ENDED"  # killed before it could record its end
     assert state_of({"job_id": "1", "state": "PENDING"}, {"1": "RUNNING"}) == "RUNNING"
 
