@@ -44,6 +44,7 @@ def _cfg(**inf):
         "model": {"name": "tiny", "seed": 0},
         "device": "cpu",
         "nodes": 1,
+        "inference_job": "het",
         "gpus_per_node": 0,
         "lora": {"enabled": False, "rank": 8},
         "inference": base,
