@@ -485,8 +485,8 @@ class ClusterConfig:
     """requeues (time limits, preemptions, scontrol requeue) before the run stops"""
     inference_job: str = one_of("het", "het", "own")
     """het: the inference servers are a group of the run's het job (started together; a lost
-    node of the job costs an attempt); own: a plain job of their own, submitted with the
-    run's (queued on its own; a lost inference node costs only its servers)"""
+    node of the job costs an attempt); own: one plain job per server, submitted with the
+    run's (queued on their own; a lost inference node costs only its server)"""
     umask: str = ruled("027", pattern="0?[0-7]{3}", example="027")
     """what the run writes (run dir, logs, weights) is not readable by other users of the
     cluster; 022 shares it read-only"""

@@ -83,8 +83,8 @@ def start(run: RunDir, job_id: str) -> str:
     groups = job_groups(job)
     if "inference" in groups:
         start_fleet(run, job_id, logs)
-    for sub in ("inference", "trainer", "envs"):
-        if sub != "inference" or "inference" in groups:
+    for sub in ("inference", "trainer", "envs"):  # inference/: the servers' logs and the router's
+        if sub != "inference" or "inference" in groups or job.get("fleet_nodes"):
             (logs / sub).mkdir(exist_ok=True)
     # top-level names of the reference layout, pointing at node 0's stream
     for comp in ("trainer", "inference"):
@@ -118,20 +118,20 @@ def start(run: RunDir, job_id: str) -> str:
 
 
 def ensure_fleet(run: RunDir) -> None:
-    """A run whose servers run in a job of their own (`cluster.inference_job=own`): when none
-    is queued or running at the start of an attempt (it ended before: its time limit, a
-    preemption, its node), submit it again. A failure is said in one line; the run then waits
-    for servers until its timeout names the inference job."""
-    from prime_hpc.launcher.scale import ensure_fleet as submit_if_gone
+    """A run whose servers run in jobs of their own (`cluster.inference_job=own`): at the
+    start of an attempt, submit again those no longer queued or running (their time limit,
+    a preemption, a lost node). A failure is said in one line; the run goes on with the
+    servers it has (with none, until its timeout names the inference job)."""
+    from prime_hpc.launcher.scale import ensure_fleet as top_up
     from prime_hpc.rundir.jobs import resolve
 
     try:
-        record = submit_if_gone(resolve(str(run.root)))
+        records = top_up(resolve(str(run.root)))
     except Exception as e:  # noqa: BLE001 (said, not raised: the attempt goes on)
-        print(f"prime-hpc: could not submit the run's inference job again: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"prime-hpc: could not submit the run's inference jobs again: {str(e).splitlines()[0]}", file=sys.stderr)
         return
-    if record:
-        print(f"prime-hpc: submitted the run's inference job again: {record['job_id']}", file=sys.stderr)
+    for record in records:
+        print(f"prime-hpc: submitted an inference job of the run again: {record['job_id']}", file=sys.stderr)
 
 
 def unrecorded_requeue(run: RunDir, job_id: str) -> dict:

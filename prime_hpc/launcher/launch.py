@@ -117,8 +117,9 @@ def job_api_key() -> Iterator[None]:
 
 def config_components(plan: Plan) -> list[str]:
     """The components that get configs/<component>.yaml: those the job runs (an SFT
-    preflight's head is no orchestrator)."""
-    return [c for c in plan.group_names if c != "orchestrator" or plan.kind == "rl"]
+    preflight's head is no orchestrator), and the servers of its own inference job."""
+    names = [c for c in plan.group_names if c != "orchestrator" or plan.kind == "rl"]
+    return [*names, "inference"] if plan.fleet_nodes else names  # the servers' own job and the router read it
 
 
 def launch_files(run: RunDir, plan: Plan) -> list[Path]:
@@ -287,14 +288,19 @@ def _submit(
 
 
 def submit_fleet(ref: jobs.JobRef, plan: Plan, after: Sequence[After]) -> None:
-    """The job of the run's inference servers (`cluster.inference_job=own`), right after the
-    run's own (and after what it waits for), with the same key (in this environment: see
-    `job_api_key`); the run's job is cancelled when it cannot be submitted."""
+    """The jobs of the run's inference servers (`cluster.inference_job=own`), one node each,
+    right after the run's own (and after what it waits for), with the same key (in this
+    environment: see `job_api_key`). When one cannot be submitted, the run's job and those
+    submitted are cancelled."""
     from prime_hpc.launcher import scale
 
+    done: list[dict] = []
     try:
-        scale.scale_up(ref, plan.fleet_nodes, fleet=True, after=after)
+        for _ in range(plan.fleet_nodes):
+            done.append(scale.scale_up(ref, 1, fleet=True, after=after))
     except BaseException:
+        for x in done:
+            choose(plan.backend).cancel(ref.run, str(x["job_id"]))
         choose(plan.backend).cancel(ref.run, ref.job_id)
         raise
 

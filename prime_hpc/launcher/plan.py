@@ -389,6 +389,7 @@ class InferenceJobPlan:
     job_name: str  # SLURM-safe: "<run>-inference"
     run_check_s: int = 10  # how often the job looks whether the run still runs (its servers leave when not)
     leave_timeout_s: int = 40  # a server told to leave that still runs after this is stopped (its drain: 20 s)
+    exclusive: bool = False  # whole nodes (the run's own servers: no node shared with the run's job)
 
     @property
     def nodes(self) -> int:
@@ -411,10 +412,12 @@ def inference_job_plan(
     python: Optional[str] = None,
     cores: Optional[list[int]] = None,
     after: Sequence[After] = (),
+    fleet: bool = False,
 ) -> InferenceJobPlan:
     """The placement of an extra inference job of `nodes` nodes for the run `cfg` (its
     recorded config with the scale's cluster overrides): the run's own inference group,
-    on `nodes` nodes (its servers use the run's configs/inference.yaml)."""
+    on `nodes` nodes (its servers use the run's configs/inference.yaml); `fleet`: the run's own
+    servers (cluster.inference_job=own), on whole nodes."""
     plan = make_plan(cfg, "run", python, cores)
     inf = plan.group("inference") or _fleet_group(cfg, python, cores)
     if inf is None:
@@ -423,4 +426,5 @@ def inference_job_plan(
         plan=dataclasses.replace(plan, after=list(after)),
         group=dataclasses.replace(inf, nodes=int(nodes)),
         job_name=slurm_job_name(f"{plan.name}-inference"),
+        exclusive=fleet,
     )

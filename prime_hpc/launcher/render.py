@@ -118,4 +118,5 @@ def render_inference(job: InferenceJobPlan) -> str:
         slurm_output=str(job.plan.run.extra_batch_log("%j")),  # output_dir never holds '%' (validated)
         run_check_s=job.run_check_s,
         leave_timeout_s=job.leave_timeout_s,
+        exclusive=job.exclusive,
     )

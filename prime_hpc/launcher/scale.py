@@ -239,7 +239,7 @@ def scale_up(
     run = ref.run
     backend = choose(job["backend"])
     with with_umask(cfg.cluster.umask):
-        plan = inference_job_plan(cfg, nodes, after=after)
+        plan = inference_job_plan(cfg, nodes, after=after, fleet=fleet)
         index = len(jobs.extra_jobs(job))
         script = run.extra_script(index)
         atomic_write_text(script, render_inference(plan))
@@ -274,15 +274,14 @@ def live_fleet(run: RunDir) -> list[dict[str, Any]]:
     return [x for x in live_extras(run) if x.get("fleet")]
 
 
-def ensure_fleet(ref: jobs.JobRef) -> Optional[dict[str, Any]]:
-    """A new attempt of a run whose servers run in a job of their own: submit that job again
-    when none is queued or running (it ended with the attempt before: its time limit, a
-    preemption, its node); its record, None when one is alive or the run has no such job."""
+def ensure_fleet(ref: jobs.JobRef) -> list[dict[str, Any]]:
+    """A new attempt of a run whose servers run in jobs of their own, one node each: submit
+    as many again as are no longer queued or running (ended with the attempt before, at
+    their time limit, by a preemption, or with their node); their records."""
     job = jobs.read_job(ref.run)
     nodes = int(job.get("fleet_nodes") or 0)
-    if not nodes or live_fleet(ref.run):
-        return None
-    return scale_up(ref, nodes, fleet=True)
+    missing = nodes - sum(int(x["nodes"]) for x in live_fleet(ref.run)) if nodes else 0
+    return [scale_up(ref, 1, fleet=True) for _ in range(max(missing, 0))]
 
 
 def scale_down(ref: jobs.JobRef, nodes: int) -> list[dict[str, Any]]:

@@ -2,15 +2,16 @@
 `state=drain`: with the dev cluster's `ReturnToService=2` a DOWN node whose slurmd still
 answers is back in service at once, and would be given to the requeued job again).
 
-One RL run whose two inference servers run in a job of their own
+One RL run whose two inference servers run in jobs of their own, one node each
 (`cluster.inference_job=own`): SLURM requeues a het job's one-node components whenever any
 node of the het job fails, so servers that may be lost alone live outside it.
-1. The first inference node is taken away: only its server is lost; the run goes on with
-   the other in the same attempt (no requeue).
+1. The first inference node is taken away: only its server (and its job) is lost; the run
+   goes on with the other in the same attempt (no requeue).
 2. That node is put back, then the trainer's node is taken away: the attempt ends, the job
    is requeued (counted against `cluster.max_requeues`), SLURM starts it again on nodes that
    are up, and it continues from the last complete checkpoint to `max_steps`, the remaining
-   server of the inference job joining it again. The first attempt leaves no process behind.
+   server joining it again; the new attempt submits a job for the lost server again. The
+   first attempt leaves no process behind.
 Every node is put back (`state=resume`) however the test ends."""
 
 from __future__ import annotations
@@ -75,20 +76,18 @@ def test_a_lost_inference_node_costs_its_server_and_a_lost_trainer_node_an_attem
     )
     sub = launch.submit(cfg, [])
     run = sub.ref.run
-    (fleet,) = jobs.read_job(run)["extra_jobs"]
-    xid = str(fleet["job_id"])
+    xids = [str(x["job_id"]) for x in jobs.extra_jobs(jobs.read_job(run))]
     down: list[str] = []
     try:
-        assert fleet["fleet"] and fleet["nodes"] == 2, fleet
+        assert [(x["fleet"], x["nodes"]) for x in jobs.extra_jobs(jobs.read_job(run))] == [(True, 1), (True, 1)]
         assert jobs.read_job(run)["groups"] == ["orchestrator", "trainer"]
         wait_for_step(run, 3)
         eps = run.server_endpoints()
-        assert sorted(eps) == [server_slot(0, xid), server_slot(1, xid)], eps
+        assert sorted(eps) == sorted(server_slot(0, x) for x in xids), eps
         assert _orch_rows(run)[0]["inference/servers"] == 2
         # 1. the first inference node: its server is lost, the run goes on in the same attempt
-        servers_nodes = {slurm_node(int(e["pid"])) for e in eps.values()}
-        node = slurm_node(int(eps[server_slot(0, xid)]["pid"]))
-        assert _job_nodes(xid) == servers_nodes and node not in _job_nodes(sub.ref.job_id)
+        node = slurm_node(int(eps[server_slot(0, xids[0])]["pid"]))
+        assert _job_nodes(xids[0]) == {node} and node not in _job_nodes(sub.ref.job_id) | _job_nodes(xids[1])
         _take_away(node)
         down.append(node)
         deadline = time.monotonic() + 120
@@ -99,7 +98,6 @@ def test_a_lost_inference_node_costs_its_server_and_a_lost_trainer_node_an_attem
         wait_for_step(run, at + 3)  # steps go on with one server
         job = jobs.read_job(run)
         assert len(job["attempts"]) == 1 and not job.get("requeues"), job
-        assert _job_nodes(xid) == servers_nodes - {node}  # the inference job shed the node and runs on
         _put_back(node)
         down.remove(node)
 
@@ -125,16 +123,19 @@ def test_a_lost_inference_node_costs_its_server_and_a_lost_trainer_node_an_attem
         job = jobs.read_job(run)
         assert len(job["attempts"]) == 2 and job["attempts"][1]["resumed_from"] >= 4, job  # its last checkpoint
         assert tnode not in _job_nodes(sub.ref.job_id)  # the second attempt ran on nodes that were up
-        deadline = time.monotonic() + 120  # the inference job leaves once the run ended
-        while not (record := jobs.extra_jobs(jobs.read_job(run))[0]).get("ended_at"):
-            assert time.monotonic() < deadline, record
+        extra = jobs.extra_jobs(job)
+        assert len(extra) == 3 and extra[2]["fleet"], extra  # the lost server's job, submitted again
+        assert extra[2]["submitted_at"] > job["attempts"][1]["started_at"] - 1, extra
+        deadline = time.monotonic() + 120  # the remaining server's job leaves once the run ended
+        while not (kept := jobs.extra_jobs(jobs.read_job(run))[1]).get("ended_at"):
+            assert time.monotonic() < deadline, kept
             time.sleep(1)
-        assert len(jobs.extra_jobs(job)) == 1 and record["state"] == "COMPLETED", record  # the same job throughout
+        assert kept["state"] == "COMPLETED", kept
     finally:
         for n in down:
             _put_back(n)
-        for j in (xid, sub.ref.job_id):
-            subprocess.run(["scancel", j], capture_output=True, timeout=60)
+        for j in [x["job_id"] for x in jobs.extra_jobs(jobs.read_job(run))] + [sub.ref.job_id]:
+            subprocess.run(["scancel", str(j)], capture_output=True, timeout=60)
     rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows  # each step trained and recorded once
     servers = [r["inference/servers"] for r in _orch_rows(run)]

@@ -55,6 +55,9 @@ def test_the_servers_job_is_the_runs_inference_group_and_waits_for_what_the_run_
     assert job.group.argv == het.group("inference").argv
     plain = render_inference(job)
     assert "#SBATCH --no-kill" in plain and "--dependency" not in plain  # several nodes: one may fail alone
+    assert "--exclusive" not in plain  # an extra job of `scale` shares nodes as SLURM allows
+    fleet = render_inference(inference_job_plan(cfg, 2, python="/opt/venv/bin/python", cores=[0, 1], fleet=True))
+    assert "#SBATCH --exclusive\n" in fleet  # the run's own servers: no node shared with the run's job
     after = render_inference(
         inference_job_plan(cfg, 2, python="/opt/venv/bin/python", cores=[0, 1], after=[After("41", "/w")])
     )
