@@ -200,6 +200,9 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         gone.update(_server_processes(logs, servers[0]["pid"]))
         t_stop = time.time()
         os.kill(stopped, signal.SIGSTOP)
+        # the trainer keeps going until the hang is found (its requests in flight on the frozen server,
+        # the others still served), then pauses while the server restarts
+        wait_fleet(run, "inference_0", lambda r: r["restarts"] == 1, "server 0 found hung and restarted", 120)
         _signal_all(paused, signal.SIGSTOP)
         member0 = _rejoined(run, "inference_0", servers[0]["url"])
         _signal_all(paused, signal.SIGCONT)
