@@ -28,8 +28,8 @@ def test_reverse_text_sft_outlives_its_time_limit_and_reaches_80_of_100_exact_re
         "+experiment=reverse_text_sft",
         "cluster=dev",
         f"output_dir={out}",
-        "cluster.time=2",
-        "cluster.signal_delay_s=75",  # warned ~45 s into the first attempt
+        "cluster.time=3",
+        "cluster.signal_delay_s=75",  # warned 105 s into the first attempt: after a first checkpointable step
     )
     assert r.returncode == 0, r.stderr
     run = RunDir(out)
