@@ -60,7 +60,7 @@ def wait_for_servers(
     `nodes` of them or `OWN_SETTLE_S` more (the relay takes in later ones as they come)."""
     if own_job:
         wait_for(
-            lambda: run.server_slots(),
+            run.server_slots,
             what=f"an endpoint of an inference server in {run.endpoints_dir}",
             timeout_s=timeout_s,
             producer="the run's inference job (prime-hpc status: its extra jobs)",

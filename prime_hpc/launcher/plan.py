@@ -95,7 +95,7 @@ class Plan:
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the head node, next to the orchestrator
     watchdog_argv: list[str] = field(default_factory=list)  # next to the job script; empty: no watchdog
-    fleet_nodes: int = 0  # cluster.inference_job=own: the servers' own job has this many nodes (0: none)
+    fleet_group: Optional[GroupPlan] = None  # cluster.inference_job=own: the group its servers' own jobs run
 
     @property
     def run(self) -> RunDir:
@@ -104,6 +104,11 @@ class Plan:
     def group(self, name: str) -> Optional[GroupPlan]:
         """The plan of group `name`, None when the job does not run it (SFT: no inference)."""
         return next((g for g in self.groups if g.name == name), None)
+
+    @property
+    def fleet_nodes(self) -> int:
+        """Servers in jobs of their own (`cluster.inference_job=own`); 0: in this job, or none."""
+        return self.fleet_group.nodes if self.fleet_group else 0
 
     @property
     def group_names(self) -> list[str]:
@@ -285,11 +290,14 @@ def commands(cfg: DictConfig, mode: str, py: str, run: RunDir) -> Commands:
 def group_plans(
     cfg: DictConfig, mode: str, argv: dict[str, list[str]], nproc: int, cores: Optional[list[int]]
 ) -> list[GroupPlan]:
-    """Each group's nodes, resources, pinning and environment, in het-group order."""
+    """Each group's nodes, resources, pinning and environment, in het-group order: the
+    groups of the run's job, then (`cluster.inference_job=own`) the inference group its
+    servers' own jobs run, pinned as if beside the others."""
     c = cfg.cluster
-    names = job_groups(cfg, mode)
-    cpus = group_cpus(cfg, components(cfg, mode), cores)  # shared as if every component were here
-    gpus = group_gpus(cfg, components(cfg, mode))
+    names = components(cfg, mode)
+    in_job = job_groups(cfg, mode)
+    cpus = group_cpus(cfg, names, cores)
+    gpus = group_gpus(cfg, names)
     return [
         GroupPlan(
             index=i,
@@ -303,7 +311,7 @@ def group_plans(
             cpu_ids=cpus[name],
             env=group_env(name, cpus[name], int(c[name].cpus_per_task), nproc, c.device, gpus[name]),
         )
-        for i, name in enumerate(names)
+        for i, name in enumerate([*in_job, *(n for n in names if n not in in_job)])
     ]
 
 
@@ -346,6 +354,8 @@ def make_plan(
     cmd = commands(cfg, mode, py, run)
     nproc = trainer_nproc_per_node(cfg)
     name = cfg.name if mode == "run" else f"{cfg.name}-doctor"
+    groups = group_plans(cfg, mode, cmd.argv, nproc, cores)
+    in_job = len(job_groups(cfg, mode))
     return Plan(
         mode=mode,
         kind=str(cfg.trainer.type),
@@ -355,7 +365,8 @@ def make_plan(
         python=py,
         backend=c.backend,
         device=c.device,
-        groups=group_plans(cfg, mode, cmd.argv, nproc, cores),
+        groups=groups[:in_job],
+        fleet_group=groups[in_job] if len(groups) > in_job else None,
         trainer=TrainerLaunch(nproc_per_node=int(nproc), module=cmd.trainer_module, args=cmd.trainer_args),
         env=job_env(cfg),
         env_setup=list(c.env_setup),
@@ -371,7 +382,6 @@ def make_plan(
         router_argv=cmd.router,
         umask=str(c.umask),
         watchdog_argv=watchdog_argv(cfg, mode, py, out, nproc),
-        fleet_nodes=int(c.inference.nodes) if own_fleet(cfg, mode) else 0,
         # submitit runs the pickled head task from its folder (the SLURM path)
         head_argv=_argv(py, "submitit.core._submit", str(run.submitit_dir)),
     )
@@ -396,16 +406,6 @@ class InferenceJobPlan:
         return self.group.nodes
 
 
-def _fleet_group(cfg: DictConfig, python: Optional[str], cores: Optional[list[int]]) -> Optional[GroupPlan]:
-    """The inference group of a run whose servers run in a job of their own: as it would be
-    in the run's het job."""
-    if not own_fleet(cfg):
-        return None
-    het = cfg.copy()
-    het.cluster.inference_job = "het"
-    return make_plan(het, "run", python, cores).group("inference")
-
-
 def inference_job_plan(
     cfg: DictConfig,
     nodes: int,
@@ -419,7 +419,7 @@ def inference_job_plan(
     on `nodes` nodes (its servers use the run's configs/inference.yaml); `fleet`: the run's own
     servers (cluster.inference_job=own), on whole nodes."""
     plan = make_plan(cfg, "run", python, cores)
-    inf = plan.group("inference") or _fleet_group(cfg, python, cores)
+    inf = plan.group("inference") or plan.fleet_group
     if inf is None:
         raise ValueError("an extra inference job belongs to an RL run (one with an inference group)")
     return InferenceJobPlan(

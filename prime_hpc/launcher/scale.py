@@ -269,9 +269,9 @@ def scale_up(
     return record
 
 
-def live_fleet(run: RunDir) -> list[dict[str, Any]]:
+def live_fleet(run: RunDir, job: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """The run's own inference jobs (`cluster.inference_job=own`) that are queued or running."""
-    return [x for x in live_extras(run) if x.get("fleet")]
+    return [x for x in live_extras(run, job) if x.get("fleet")]
 
 
 def ensure_fleet(ref: jobs.JobRef) -> list[dict[str, Any]]:
@@ -280,7 +280,7 @@ def ensure_fleet(ref: jobs.JobRef) -> list[dict[str, Any]]:
     their time limit, by a preemption, or with their node); their records."""
     job = jobs.read_job(ref.run)
     nodes = int(job.get("fleet_nodes") or 0)
-    missing = nodes - sum(int(x["nodes"]) for x in live_fleet(ref.run)) if nodes else 0
+    missing = nodes - sum(int(x["nodes"]) for x in live_fleet(ref.run, job)) if nodes else 0
     return [scale_up(ref, 1, fleet=True) for _ in range(max(missing, 0))]
 
 

@@ -85,16 +85,10 @@ def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
         run,
     )
     deadline = time.monotonic() + 60  # read between two updates: every server serves the same policy
-    while (
-        len(
-            set(
-                (
-                    policies := {s: _policy(m["url"]) for s, m in _members(run).items() if m["state"] == "serving"}
-                ).values()
-            )
-        )
-        > 1
-    ):
+    while True:
+        policies = {s: _policy(m["url"]) for s, m in _members(run).items() if m["state"] == "serving"}
+        if len(set(policies.values())) <= 1:
+            break
         assert time.monotonic() < deadline, policies
         time.sleep(0.2)
     assert len(policies) == 2 and policies[slot] >= after["policy_step"], policies

@@ -49,7 +49,6 @@ def test_the_runs_job_holds_the_head_and_the_trainer_placed_as_beside_the_server
 def test_the_servers_job_is_the_runs_inference_group_and_waits_for_what_the_run_waits_for():
     cfg = compose([*RL, "cluster.inference_job=own"])
     job = inference_job_plan(cfg, 2, python="/opt/venv/bin/python", cores=[0, 1])
-    _, own = plans()
     het, _ = plans()
     assert job.nodes == 2 and job.group.cpu_ids == het.group("inference").cpu_ids
     assert job.group.argv == het.group("inference").argv
