@@ -74,6 +74,7 @@ TRAINER_TYPES = ("rl", "sft")
 TRAINING_MODES = ("rl", "opd", "sft")
 TRAJECTORY_STRATEGIES = ("interleaved", "branching")
 ADVANTAGES = ("mean", "std", "loo")
+WEIGHT_UPDATES = ("in_flight", "drain")
 BENCH_MODES = ("all", "trainer", "inference")
 
 
@@ -361,6 +362,10 @@ class InferenceConfig:
     stall_timeout_s: float = ruled(600, ge=0)
     """a server with requests in flight that finishes none for this long is hung: taken out,
     killed and restarted (the watchdog's check; 0 = off); set above the longest generation"""
+    weight_update: str = one_of("in_flight", *WEIGHT_UPDATES)
+    """in_flight: an update pauses generation keeping the requests in flight and their KV
+    cache, loads the weights and resumes (a completion may span policies); drain: it waits
+    until no generation is in flight (at most 600 s), every completion is one policy's"""
 
 
 # ----------------------------------------------------------------------------- bench

@@ -213,8 +213,8 @@ class Admin:
     async def update_weights(
         self, weight_dir: os.PathLike | str, step: int, to: Optional[list[str]] = None
     ) -> list[dict]:
-        """Every server (`to`: these): wait for in-flight generations, load `weight_dir`,
-        serve `step`."""
+        """Every server (`to`: these): load `weight_dir` (in flight or after draining, as
+        `inference.weight_update` says) and serve `step`."""
         return await self._post_all("/update_weights", {"weight_dir": str(weight_dir), "step": int(step)}, to)
 
     async def reload_base(self, to: Optional[list[str]] = None) -> list[dict]:

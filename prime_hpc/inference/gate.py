@@ -2,12 +2,24 @@
 server without a key does not start), and the policy gate that keeps a weight update from
 overlapping any generation.
 
-`PolicyGate` is a writer-preferring shared/exclusive lock: each generation request holds
-it shared for its whole life (queueing and decoding included), a weight update holds it
-exclusively. So an update waits until the requests in flight have finished, new requests
-wait until the update is done, and every completion was produced by exactly one policy,
-whose step the server stamps on the response (`policy_step` in the JSON body and the
-`x-policy-step` header; streams get the header).
+`PolicyGate` counts the generation requests in flight, each held for its whole life
+(queueing and decoding included), and serializes weight updates. An update applies in one
+of two ways (`inference.weight_update`):
+
+- in flight (`updating`): the requests in flight stay; the server pauses the engine
+  (keeping them and their KV cache), loads and resumes, so a request may be produced by two
+  (or more) policies;
+- drain (`exclusive`, a writer-preferring lock): the update waits until the requests in
+  flight have finished and new requests wait until it is done, so every completion was
+  produced by exactly one policy.
+
+Prefix caching stays right across updates in flight: each generation request is salted
+with the policy it is admitted under (vLLM's `cache_salt`, `SALTED_PATHS`), so a request
+never reuses KV blocks another policy computed, while the requests in flight keep theirs.
+
+The server stamps on each response the policy it started under and the one it ended under:
+`policy_step` (the oldest, what the off-policy bound counts) and `policy_step_end` in the
+JSON body, and the `x-policy-step` header (the start: streams get only the header).
 
 Pure ASGI, no vLLM import: unit-testable with any ASGI app.
 """
@@ -23,9 +35,13 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 POLICY_HEADER = b"x-policy-step"
-POLICY_FIELD = "policy_step"
+POLICY_FIELD = "policy_step"  # the policy a response started under (the oldest)
+POLICY_END_FIELD = "policy_step_end"  # the policy it ended under
 # Generation routes: a response produced by the model (incl. prompt logprobs for OPD).
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate")
+# Generation routes whose request takes vLLM's `cache_salt`
+SALTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
+SALT_MAX = 128  # vLLM's longest salt
 # Open without a key: liveness only (the router and load balancers probe it).
 OPEN_PATHS = ("/health", "/ping")
 
@@ -50,7 +66,9 @@ class PolicyGate:
         self.progress_at = time.time()
         self._writer = False
         self._writers_waiting = 0
+        self._updating = False  # an in-flight update is under way
         self._cond: Optional[asyncio.Condition] = None
+        self._update_lock: Optional[asyncio.Lock] = None
 
     @property
     def cond(self) -> asyncio.Condition:
@@ -96,11 +114,26 @@ class PolicyGate:
                 self.progress_at = time.time()
                 self.cond.notify_all()
 
+    @asynccontextmanager
+    async def updating(self) -> AsyncIterator[None]:
+        """One in-flight update at a time: generations go on being admitted (the engine,
+        paused, keeps them until the update is done)."""
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:
+            self._updating = True
+            self.progress_at = time.time()
+            try:
+                yield
+            finally:
+                self._updating = False
+                self.progress_at = time.time()  # an update is work: its own progress is its end
+
     @property
     def busy(self) -> bool:
         """Generations in flight or an update under way: work that must make progress (an
         engine that hangs holds them)."""
-        return self.active > 0 or self._writer
+        return self.active > 0 or self._writer or self._updating
 
 
 class MissingKey(RuntimeError):
@@ -172,17 +205,65 @@ class GateMiddleware:
             return None  # websocket: close without accepting
         if scope["type"] == "http" and scope.get("method") == "POST" and path in GENERATION_PATHS:
             async with self.gate.shared():
-                return await self.app(scope, receive, _Stamper(send, self.gate.step))
+                stamper = _Stamper(send, self.gate)
+                if path in SALTED_PATHS:
+                    scope, receive = await salted(scope, receive, stamper.step)
+                return await self.app(scope, receive, stamper)
         return await self.app(scope, receive, send)
 
 
-class _Stamper:
-    """Adds the policy step to a response: header always, JSON body field when the body
-    is a JSON object (buffered; streams pass through untouched)."""
+def policy_salt(step: int, salt: Any = None) -> str:
+    """The cache salt of a request admitted under policy `step` (the client's own salt, if
+    any, kept in front of it)."""
+    mine = f"policy-{step}"
+    if isinstance(salt, str) and salt:
+        return salt[: SALT_MAX - len(mine) - 1] + "-" + mine
+    return mine
 
-    def __init__(self, send: Send, step: int) -> None:
+
+async def salted(scope: Scope, receive: Receive, step: int) -> tuple[Scope, Receive]:
+    """The request with `cache_salt` set for policy `step` when its body is a JSON object
+    (any other body goes on as it came)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left before sending it all
+            return scope, _replay([message], receive)
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        obj["cache_salt"] = policy_salt(step, obj.get("cache_salt"))
+        body = json.dumps(obj).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+    return scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+
+
+def _replay(first: list[Message], receive: Receive) -> Receive:
+    """`receive` that gives `first` back, then goes on with the client's own (a disconnect)."""
+    pending = list(first)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+class _Stamper:
+    """Adds the policy steps to a response: the one it started under in the header, always;
+    that one and the one it ended under as JSON body fields when the body is a JSON object
+    (buffered; streams pass through untouched)."""
+
+    def __init__(self, send: Send, gate: PolicyGate) -> None:
         self.send = send
-        self.step = step
+        self.gate = gate
+        self.step = gate.step
         self.start: Optional[Message] = None
         self.chunks: list[bytes] = []
 
@@ -205,6 +286,7 @@ class _Stamper:
                 obj = json.loads(body)
                 if isinstance(obj, dict):
                     obj[POLICY_FIELD] = self.step
+                    obj[POLICY_END_FIELD] = max(self.step, self.gate.step)
                     body = json.dumps(obj).encode()
             except ValueError:
                 pass

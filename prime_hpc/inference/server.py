@@ -1,8 +1,9 @@
 """`python -m prime_hpc.inference --config <run>/configs/inference.yaml`: one vLLM OpenAI
 server on this node, for the run's model, with in-place weight updates.
 
-vLLM's own app serves the OpenAI API and its native admin routes (`/pause`, `/resume`,
-`/is_paused`, `/health`, ...). This module adds what is missing for RL:
+vLLM's own app serves the OpenAI API and `/health` (its `/pause`, `/resume` and
+weight-transfer routes exist only with `VLLM_SERVER_DEV_MODE=1`, never set here). This
+module adds what is missing for RL:
 
   POST /update_weights     {"weight_dir": ".../weights/step_N", "step": N?}
                            load the full HF safetensors weights the trainer wrote, in place
@@ -10,10 +11,13 @@ vLLM's own app serves the OpenAI API and its native admin routes (`/pause`, `/re
   POST /load_lora_adapter  {"lora_name", "lora_path", "step"?}: load/replace an adapter
   GET  /policy             {"policy_step", "weight_dir", "in_flight"}
 
-An update holds the policy gate (see `gate.py`) exclusively: it waits for in-flight
-generations to finish, keeps new ones waiting, reloads, clears the prefix cache (its KV
-entries were computed by the old weights) and releases. Every completion carries the
-`policy_step` that produced it. Every route except `/health` needs `Authorization: Bearer
+An update (`inference.weight_update`, see `gate.py`) either goes in flight: it pauses the
+engine keeping the requests in flight and their KV cache (vLLM's keep mode), loads and
+resumes, so those requests finish under the new policy; or drains: it waits for the
+generations in flight to finish, keeps new ones waiting, reloads and clears the prefix
+cache. Every request is salted with its policy, so none reuses another policy's cached
+prefix. Every completion carries the policies that produced it (`policy_step`, the oldest,
+and `policy_step_end`). Every route except `/health` needs `Authorization: Bearer
 <key>`, the job's `INFERENCE_SERVER_API_KEY`; without that variable the server does not
 start.
 
@@ -294,21 +298,34 @@ class Server:
         return False
 
     # ------------------------------------------------------------------ weight updates
-    async def _swap(self, load, step: int, weight_dir: Optional[str]) -> dict:
+    async def _swap(self, load, step: int, weight_dir: Optional[str]) -> Any:
+        """Apply `load` (new weights) as `inference.weight_update` says; the answer gives
+        the wait before it (`drain_s`: for the requests in flight to finish, or for the
+        engine to pause) and the load itself (`load_s`)."""
         t0 = time.monotonic()
+        in_flight = self.cfg.inference.weight_update == "in_flight"
         try:
-            async with self.gate.exclusive(UPDATE_DRAIN_TIMEOUT_S):
+            async with self.gate.updating() if in_flight else self.gate.exclusive(UPDATE_DRAIN_TIMEOUT_S):
+                if await self.engine.is_paused():
+                    return _error(409, "generation is paused (POST /resume first): an update pauses by itself")
+                if in_flight:
+                    await self.engine.pause_generation(mode="keep", clear_cache=False)
                 waited = time.monotonic() - t0
-                await load()
-                await self.engine.reset_prefix_cache()
-                self.gate.step, self.gate.weight_dir = step, weight_dir
-                self.updates += 1
+                try:
+                    await load()
+                    if not in_flight:  # nothing in flight: the old policy's cached prefixes go at once
+                        await self.engine.reset_prefix_cache()
+                    self.gate.step, self.gate.weight_dir = step, weight_dir
+                    self.updates += 1
+                finally:
+                    if in_flight:
+                        await self.engine.resume_generation()
         except UpdateTimeout as e:
             return _error(503, f"update not applied: {e}")
         self.publish()
         print(
             f"prime-hpc inference: {self.slot} serves policy {step} (update {self.updates}, "
-            f"drain {waited:.2f}s, load {time.monotonic() - t0 - waited:.2f}s)",
+            f"{'in flight, pause' if in_flight else 'drain'} {waited:.2f}s, load {time.monotonic() - t0 - waited:.2f}s)",
             flush=True,
         )
         return {
@@ -335,8 +352,6 @@ class Server:
                 "this model ties its input and output embeddings: in-place updates are wrong "
                 "on CPU vLLM; use a model with tie_word_embeddings=false",
             )
-        if await self.engine.is_paused():
-            return _error(409, "generation is paused (POST /resume first): /update_weights pauses by itself")
 
         async def load():
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(d)})

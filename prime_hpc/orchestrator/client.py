@@ -1,7 +1,8 @@
 """The orchestrator's model client: verifiers' OpenAI chat client, plus two things RL needs.
 
-- Every response keeps the `policy_step` the server stamped on it (which policy produced
-  the tokens), so the policy-lag rules can be applied per turn.
+- Every response keeps the policies the server stamped on it (`policy_step`, the one it
+  started under, and `policy_step_end`: an update in flight can come mid-turn), so the
+  policy-lag rules can be applied per turn.
 - Identical requests issued together are sent as one request with `n` completions. A
   group's rollouts start from the same prompt at the same moment (verifiers sends one
   request per rollout); the server's per-request work (chat template, tokenization,
@@ -55,6 +56,7 @@ def make_client(base_url: str, key: Optional[str], coalesce: bool = True, max_co
             extra = getattr(response, "model_extra", None) or {}
             if "policy_step" in extra:
                 r.policy_step = extra["policy_step"]
+                r.policy_step_end = extra.get("policy_step_end", extra["policy_step"])
             return r
 
         async def get_native_response(

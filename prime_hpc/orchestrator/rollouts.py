@@ -55,7 +55,7 @@ class Rollout:
     input_ids: list[int]
     loss_mask: list[bool]
     logprobs: list[float]
-    policy_steps: list[int]  # one per model turn
+    policy_steps: list[int]  # per model turn the policy it started under, and the one it ended under if later
     num_turns: int
     is_truncated: bool
     error: Optional[str] = None
@@ -90,6 +90,7 @@ class Rollout:
             inference_logprobs=self.logprobs,
             advantage=self.advantage,
             policy_step=self.oldest_policy,
+            policies=self.policies_spanned,
             env=self.env,
             reward=self.reward,
             token_advantages=self.token_advantages,
@@ -104,6 +105,7 @@ class Rollout:
                 inference_logprobs=b.logprobs,
                 advantage=self.advantage,
                 policy_step=self.oldest_policy,
+            policies=self.policies_spanned,
                 env=self.env,
                 reward=self.reward,
                 token_advantages=b.token_advantages,
@@ -130,6 +132,7 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
         error_text = error_text or str(out[REWARD_ERROR])
     seqs: list[Branch] = []
     steps: list[int] = []
+    turns = 0
     truncated = bool(out.get("is_truncated"))
     for t in out.get("trajectory") or []:
         tokens = _get(t, "tokens")
@@ -155,6 +158,10 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
         response = _get(t, "response")
         step = _get(response, "policy_step")
         steps.append(int(step) if step is not None else 0)
+        end = _get(response, "policy_step_end")
+        if end is not None and int(end) != steps[-1]:  # an update in flight came mid-turn
+            steps.append(int(end))
+        turns += 1
         truncated = truncated or bool(_get(tokens, "is_truncated"))
     empty_response = error_text is not None and "EmptyModelResponseError" in error_text
     if empty_response:  # the model answered nothing: an empty rollout, not an error
@@ -175,7 +182,7 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
         loss_mask=first.loss_mask,
         logprobs=first.logprobs,
         policy_steps=steps,
-        num_turns=len(steps),
+        num_turns=turns,
         is_truncated=truncated,
         error=error_text,
         branches=seqs[1:],

@@ -14,7 +14,9 @@ Per rank, a file holds a list of micro-batches of right-padded tensors (shape [B
     advantages          float32  the sample's advantage on every token, or its per-token
                                  advantages (distillation); 0 on pads
     inference_logprobs  float32  log p_inference(input_ids[t] | input_ids[:t]); 0 where unknown
-    policy_steps        int64    [B] policy step that generated each sample
+    policy_steps        int64    [B] the oldest policy step that generated each sample
+    policy_spans        int64    [B] how many policies it spans (> 1: an update came while
+                                 it was generated; absent in batches of older runs: 1)
 
 Position t of every per-token tensor refers to token `input_ids[t]`: the trainer compares
 the log-probability its logits at t-1 assign to token t with `inference_logprobs[t]`.
@@ -43,7 +45,8 @@ class Sample:
     loss_mask: list[bool]
     inference_logprobs: list[float]
     advantage: float
-    policy_step: int = 0
+    policy_step: int = 0  # the oldest policy that generated it
+    policies: int = 1  # how many policies it spans (newest - oldest + 1)
     env: str = ""
     reward: float = 0.0
     token_advantages: Optional[list[float]] = None  # per token (e.g. distillation); overrides `advantage`
@@ -82,6 +85,7 @@ def _empty_micro_batch() -> dict[str, Any]:
         "advantages": torch.zeros(1, 1),
         "inference_logprobs": torch.zeros(1, 1),
         "policy_steps": torch.zeros(1, dtype=torch.long),
+        "policy_spans": torch.ones(1, dtype=torch.long),
     }
     return mb
 
@@ -100,6 +104,7 @@ def collate(samples: list[Sample]) -> dict[str, Any]:
         "advantages": torch.zeros(b, t),
         "inference_logprobs": torch.zeros(b, t),
         "policy_steps": torch.tensor([s.policy_step for s in samples], dtype=torch.long),
+        "policy_spans": torch.tensor([s.policies for s in samples], dtype=torch.long),
     }
     for i, s in enumerate(samples):
         n = len(s)

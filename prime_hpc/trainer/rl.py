@@ -87,6 +87,26 @@ def wait_for_rollouts(
     )
 
 
+def spanning_sums(logprobs, mb) -> dict:
+    """Of the samples generated across a weight update (`policy_spans` > 1): how many, their
+    loss tokens and the sum of their tokens' mismatch KL."""
+    import torch
+
+    from prime_hpc.trainer.loss import k3
+
+    spans = mb.get("policy_spans")
+    if spans is None:  # a batch of an older run
+        spans = torch.ones_like(mb["policy_steps"])
+    rows = (spans > 1) & mb["loss_mask"].any(-1)
+    mask = mb["loss_mask"] & rows[:, None]
+    kl = torch.where(mask, k3(logprobs.detach(), mb["inference_logprobs"]), torch.zeros_like(logprobs))
+    return {
+        "spanning_samples": rows.sum().float(),
+        "spanning_tokens": mask.sum().to(logprobs.dtype),
+        "spanning_mismatch_kl": kl.sum(),
+    }
+
+
 def make_loss_fn(loss_cfg: LossConfig, step: int, mode: str):
     """The step's objective. `mode` is the orchestrator's training mode recorded in the
     step's info: `rl` and `opd` (per-token advantages log p_teacher - log p_student) use
@@ -110,6 +130,8 @@ def make_loss_fn(loss_cfg: LossConfig, step: int, mode: str):
         rows = mb["loss_mask"].any(-1)
         lag = (step - 1 - mb["policy_steps"]).clamp(min=0)
         out.sums["off_policy_steps"] = (lag * rows).sum().float()
+        if mode != "sft":  # the mismatch KL of samples an update came in the middle of, apart
+            out.sums.update(spanning_sums(lp, mb))
         return out
 
     return loss_fn
@@ -260,8 +282,12 @@ def _log_step(
                 "mismatch_kl/mean": sums["mismatch_kl"] / tok,
                 "masked_advantage_positive/mean": sums["masked_positive"] / tok,
                 "masked_advantage_negative/mean": sums["masked_negative"] / tok,
+                # samples an update in flight came in the middle of: how many, and their mismatch KL apart
+                "off_policy/spanning_samples": sums.get("spanning_samples", 0.0),
             }
         )
+        if sums.get("spanning_tokens"):
+            m["mismatch_kl/spanning/mean"] = sums["spanning_mismatch_kl"] / sums["spanning_tokens"]
     m.update(
         {
             "off_policy_steps/mean": sums["off_policy_steps"] / max(sums["num_samples"], 1.0),

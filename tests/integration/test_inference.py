@@ -255,38 +255,66 @@ def test_bad_updates_name_the_problem_and_keep_serving(inference, tmp_path):
 
 
 @pytest.mark.vllm
-def test_concurrent_generations_during_an_update_each_come_from_one_policy(inference):
-    """Many requests in flight while both servers swap weights: every completion reports
-    one policy step, and the servers serve the new step afterwards."""
-    from prime_hpc.model import build_tiny_model
+def test_an_update_in_flight_keeps_the_requests_and_they_finish_under_the_new_policy(inference):
+    """Many requests in flight while both servers swap weights (`inference.weight_update=
+    in_flight`, the default): the update waits for none of them, each runs to its end, and
+    one that spans the update carries both policies: its tokens before the update are the
+    old policy's, its last ones the new weights'. A request admitted after it is the new
+    policy's alone."""
+    from prime_hpc.model import build_tiny_model, resolve_model
 
+    base_dir = Path(resolve_model("tiny"))
     step_dir = inference.run.weights_step(2)
     build_tiny_model(step_dir, seed=7)
     mark_stable(step_dir)
     admin = inference.admin()
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "abc"}],
+        "max_tokens": 48,  # with the prompt, within the context (seq_len 80)
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
 
     async def main():
         async with httpx.AsyncClient(headers=_auth(inference), timeout=300) as client:
-            body = {
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "abc"}],
-                "max_tokens": 24,
-                "min_tokens": 24,
-            }
             reqs = [
                 asyncio.create_task(client.post(inference.endpoints.router + "/v1/chat/completions", json=body))
-                for _ in range(24)
+                for _ in range(32)
             ]
-            await asyncio.sleep(0.2)
+            while sum(p["in_flight"] for p in await admin.policies()) < 32:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # a few tokens into them
             updated = await admin.update_weights(step_dir, 2)
             after = await client.post(inference.endpoints.router + "/v1/chat/completions", json=body)
             return [r.json() for r in await asyncio.gather(*reqs)], updated, after.json()
 
+    def served(out):
+        return [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
+
+    def old(out):
+        return _transformers_logprobs(base_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"])
+
     try:
         outs, updated, after = asyncio.run(main())
-        assert {o["policy_step"] for o in outs} <= {0, 2}
-        assert all(o["usage"]["completion_tokens"] == 24 for o in outs)  # each ran to its end
         assert [u["policy_step"] for u in updated] == [2, 2] and after["policy_step"] == 2
+        assert all(o["usage"]["completion_tokens"] == 48 for o in outs), [o["usage"] for o in outs]  # each ran to its end
+        spans = [(o["policy_step"], o["policy_step_end"]) for o in outs]
+        # some spanned it: the update did not wait for them (drained, none could)
+        assert set(spans) <= {(0, 0), (0, 2)} and (0, 2) in spans, spans
+        started_old = 0
+        for o in outs:
+            lps, olds = served(o), old(o)
+            if o["policy_step_end"] == 0:  # finished before the update: all the old policy's
+                assert max(abs(a - b) for a, b in zip(lps, olds)) < TOLERANCE
+                continue
+            started_old += abs(lps[0] - olds[0]) < TOLERANCE
+            # its last tokens came from the new weights (on the old policy's KV cache)
+            assert max(abs(a - b) for a, b in zip(lps[-4:], olds[-4:])) > 100 * TOLERANCE
+        assert started_old > 0  # and requests that began under the old policy went on under the new one
+        assert after["policy_step_end"] == 2 and max(abs(a - b) for a, b in zip(served(after), old(after))) > 0.1
     finally:
         asyncio.run(admin.reload_base())
 

@@ -140,6 +140,7 @@ class FakeModel:
 
     def __init__(self):
         self.release: dict[str, asyncio.Event] = {}
+        self.bodies: dict[str, dict] = {}  # each request's body as the model got it, by name
 
     async def __call__(self, scope, receive, send):
         body = b""
@@ -148,7 +149,9 @@ class FakeModel:
             body += m.get("body", b"")
             if not m.get("more_body"):
                 break
-        name = json.loads(body or b"{}").get("name", "")
+        got = json.loads(body or b"{}")
+        name = got.get("name", "")
+        self.bodies[name] = {**got, "content-length": dict(scope["headers"]).get(b"content-length")}
         if scope["path"].startswith("/v1/"):
             ev = self.release.setdefault(name, asyncio.Event())
             await ev.wait()
@@ -269,7 +272,7 @@ def test_completions_carry_the_policy_step_that_produced_them():
         model.release.setdefault("x", asyncio.Event()).set()
         status, hdrs, body = await _call(app, "/v1/completions", {"name": "x"})
         assert status == 200 and hdrs["x-policy-step"] == "4"
-        assert json.loads(body) == {"name": "x", "policy_step": 4}
+        assert json.loads(body) == {"name": "x", "policy_step": 4, "policy_step_end": 4}
         model.release.setdefault("s", asyncio.Event()).set()
         status, hdrs, body = await _call(app, "/v1/stream", {"name": "s"})  # not a generation path: untouched
         assert "x-policy-step" not in hdrs
@@ -309,6 +312,69 @@ def test_an_update_waits_for_in_flight_generations_and_holds_back_new_ones():
         await upd
 
     asyncio.run(main())
+
+
+def test_an_update_in_flight_keeps_running_requests_and_stamps_the_policies_they_span():
+    """`inference.weight_update=in_flight`: an update neither waits for the requests in
+    flight nor holds new ones back; a request that spans it carries both policies, one
+    admitted after it only the new one, and updates never overlap each other."""
+
+    async def main():
+        model, gate, app = _gated(step=3)
+        for n in ("spans", "after"):
+            model.release[n] = asyncio.Event()
+        spans = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "spans"}))
+        await asyncio.sleep(0.05)
+        order = []
+
+        async def update(step):
+            async with gate.updating():
+                assert gate.busy
+                order.append(f"start {step}")
+                await asyncio.sleep(0.05)
+                gate.step = step
+                order.append(f"end {step}")
+
+        await asyncio.gather(update(4), update(5))
+        assert order == ["start 4", "end 4", "start 5", "end 5"]  # one at a time
+        assert gate.active == 1 and not spans.done()  # not waited for
+        after = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "after"}))
+        model.release["after"].set()
+        _, hdrs, body = await after  # admitted at once, during nothing
+        assert hdrs["x-policy-step"] == "5" and json.loads(body)["policy_step_end"] == 5
+        model.release["spans"].set()
+        _, hdrs, body = await spans
+        assert hdrs["x-policy-step"] == "3"
+        assert (json.loads(body)["policy_step"], json.loads(body)["policy_step_end"]) == (3, 5)
+        assert not gate.busy
+
+    asyncio.run(main())
+
+
+def test_each_generation_is_salted_with_its_policy_so_no_cached_prefix_crosses_an_update():
+    async def main():
+        model, gate, app = _gated(step=7)
+        for n in ("a", "b", "c"):
+            model.release.setdefault(n, asyncio.Event()).set()
+        await _call(app, "/v1/chat/completions", {"name": "a"})
+        await _call(app, "/v1/completions", {"name": "b", "cache_salt": "tenant-9"})
+        gate.step = 8
+        await _call(app, "/v1/chat/completions", {"name": "c"})
+        assert model.bodies["a"]["cache_salt"] == "policy-7"
+        assert model.bodies["b"]["cache_salt"] == "tenant-9-policy-7"  # the client's own salt kept
+        assert model.bodies["c"]["cache_salt"] == "policy-8"
+        sent = {k: v for k, v in model.bodies["c"].items() if k != "content-length"}
+        assert int(model.bodies["c"]["content-length"]) == len(json.dumps(sent).encode())
+
+    asyncio.run(main())
+
+
+def test_policy_salts_are_valid_vllm_salts():
+    from prime_hpc.inference.gate import SALT_MAX, policy_salt
+
+    for salt in (None, "", "x", "y" * 500):
+        out = policy_salt(123456, salt)
+        assert 0 < len(out) <= SALT_MAX and out.endswith("policy-123456") and not set(out) & set("@/\\\0")
 
 
 def test_an_update_that_cannot_drain_gives_up_and_changes_nothing():

@@ -116,6 +116,33 @@ def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
     assert cut.input_ids == [1, 2, 3, 4] and cut.is_truncated
 
 
+def test_a_turn_an_update_came_in_the_middle_of_records_both_policies():
+    """Updates in flight: a turn that started under policy 3 and ended under 5 spans 3
+    policies; its sample carries the oldest (the off-policy bound's) and the span."""
+    out = {
+        "reward": 1.0,
+        "trajectory": [
+            {
+                "tokens": {"prompt_ids": [1, 2], "completion_ids": [3, 4], "completion_logprobs": [-0.1, -0.2]},
+                "response": {"policy_step": 3, "policy_step_end": 5},
+            },
+        ],
+    }
+    r = from_output(out, "env", seq_len=100, strategy="interleaved")
+    assert r.policy_steps == [3, 5] and r.num_turns == 1 and r.oldest_policy == 3 and r.policies_spanned == 3
+    (sample,) = r.to_samples()
+    assert (sample.policy_step, sample.policies) == (3, 3)
+    # one that ended under the policy it began with spans one; more than max_off_policy_steps is dropped
+    same = from_output(
+        {**out, "trajectory": [{**out["trajectory"][0], "response": {"policy_step": 5, "policy_step_end": 5}}]},
+        "env",
+        100,
+        "interleaved",
+    )
+    assert same.policy_steps == [5] and same.to_samples()[0].policies == 1
+    assert judge_group([r, same], 6, 3, 2, False, "mean").dropped_spanning == 1
+
+
 def test_an_empty_answer_is_an_empty_rollout_not_an_error():
     r = from_output(
         {"reward": 0.0, "error": {"error_chain_repr": "EmptyModelResponseError('no content')"}, "trajectory": []},

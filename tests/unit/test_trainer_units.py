@@ -139,6 +139,31 @@ def test_teacher_completions_train_with_nll():
     assert "mismatch_kl" in make_loss_fn(cfg, 1, "opd")(lp, mb, 2.0).sums
 
 
+def test_the_mismatch_kl_of_samples_spanning_an_update_is_summed_apart():
+    from types import SimpleNamespace as NS
+
+    from prime_hpc.rundir.batch import Sample, collate
+    from prime_hpc.trainer.loss import k3
+    from prime_hpc.trainer.rl import make_loss_fn
+
+    samples = [
+        Sample([1, 2, 3], [False, True, True], [0.0, -0.5, -1.0], 1.0, policy_step=2, policies=1),
+        Sample([1, 2, 3], [False, True, True], [0.0, -0.7, -0.2], -1.0, policy_step=2, policies=2),
+    ]
+    mb = collate(samples)
+    assert mb["policy_spans"].tolist() == [1, 2]
+    lp = torch.tensor([[0.0, -0.6, -0.9], [0.0, -0.4, -0.3]])
+    cfg = NS(type="dppo", mask_low=0.2, mask_high=0.2, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    sums = make_loss_fn(cfg, 3, "rl")(lp, mb, 4.0).sums
+    want = k3(lp[1, 1:], torch.tensor([-0.7, -0.2])).sum()  # the second sample's two loss tokens
+    assert sums["spanning_samples"] == 1 and sums["spanning_tokens"] == 2
+    assert sums["spanning_mismatch_kl"].item() == pytest.approx(want.item())
+    assert sums["mismatch_kl"].item() > want.item()  # the whole batch's, as before
+    old = dict(mb)
+    del old["policy_spans"]  # a batch an older run wrote: no sample spans
+    assert make_loss_fn(cfg, 3, "rl")(lp, old, 4.0).sums["spanning_samples"] == 0
+
+
 def test_complete_checkpoint_steps_by_parts(tmp_path):
     run = RunDir(tmp_path)
     _ckpt(run, 1)
