@@ -105,7 +105,7 @@ class Rollout:
                 inference_logprobs=b.logprobs,
                 advantage=self.advantage,
                 policy_step=self.oldest_policy,
-            policies=self.policies_spanned,
+                policies=self.policies_spanned,
                 env=self.env,
                 reward=self.reward,
                 token_advantages=b.token_advantages,
