@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 
 def resolve_model(name: str, seed: int = 0) -> str:
     """What to hand to `from_pretrained` / vLLM for the run's `model.name`: the built tiny
-    model's directory for "tiny"; for a prime-hpc run directory, its latest complete
+    model's directory for "tiny" (and the size ladder's other names, `tiny.SIZES`); for a prime-hpc run directory, its latest complete
     `weights/step_<n>` (e.g. a warm-up's final weights); otherwise the HF id or local path
     unchanged."""
-    if name == TINY:
+    from prime_hpc.model.tiny import SIZES  # light: no torch
+
+    if name in SIZES:
         from prime_hpc.model.tiny import ensure_tiny_model
 
-        return str(ensure_tiny_model(seed=seed))
+        return str(ensure_tiny_model(seed=seed, **SIZES[name]))
     from pathlib import Path
 
     path = Path(name).expanduser()

@@ -70,7 +70,59 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "max_position_embeddings": 2048,
     "rope_theta": 10000.0,
     "dtype": "float32",
+    "vocab_size": 0,  # 0: the char-level tokenizer's own (101); more: rows no token reaches
 }
+
+# The size ladder: `model.name` values the builder makes, each random-init, untied (a tied
+# lm_head is wrong after an in-place reload on CPU vLLM), with the char-level tokenizer.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},  # ~0.8M parameters: tests and the default experiment
+    "tiny-35m": dict(
+        hidden_size=512,
+        num_layers=11,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+    ),
+    "tiny-150m": dict(
+        hidden_size=1024,
+        num_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=3072,
+    ),
+    # Qwen3-0.6B's shape (its config, not its weights; bfloat16 as it ships), untied: 0.75B
+    "tiny-0.6b": dict(
+        hidden_size=1024,
+        num_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        vocab_size=151936,
+        dtype="bfloat16",
+    ),
+}
+
+
+def num_parameters(name: str) -> int:
+    """Parameters of the ladder's model `name`, from its shape alone (nothing is built)."""
+    p = _params(SIZES[name])
+    h, heads, kv, hd, i = (
+        p["hidden_size"],
+        p["num_attention_heads"],
+        p["num_key_value_heads"],
+        p["head_dim"],
+        p["intermediate_size"],
+    )
+    vocab = p["vocab_size"] or len(_vocab())
+    attention = h * heads * hd * 2 + h * kv * hd * 2 + 2 * hd  # q, o; k, v; q_norm, k_norm
+    layer = attention + 3 * h * i + 2 * h  # + gate, up, down; two RMSNorms
+    return p["num_layers"] * layer + 2 * vocab * h + h  # + embed, lm_head (untied), final norm
 
 
 def _vocab() -> dict[str, int]:
@@ -117,6 +169,8 @@ def _params(overrides: dict[str, Any]) -> dict[str, Any]:
 def params_hash(seed: int = 0, **overrides: Any) -> str:
     """Short hash of everything that determines the built files."""
     params = _params(overrides)
+    if not params["vocab_size"]:  # the tokenizer's: the key the tiny model has always had
+        del params["vocab_size"]
     blob = json.dumps({"builder_version": BUILDER_VERSION, "seed": seed, **params}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -126,7 +180,7 @@ def qwen3_config(vocab_size: int, vocab: dict[str, int], params: dict[str, Any])
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=vocab_size,
+        vocab_size=max(vocab_size, params.get("vocab_size") or 0),
         hidden_size=params["hidden_size"],
         intermediate_size=params["intermediate_size"],
         num_hidden_layers=params["num_layers"],
@@ -165,6 +219,7 @@ def build_tiny_model(
     max_position_embeddings: int = DEFAULT_PARAMS["max_position_embeddings"],
     rope_theta: float = DEFAULT_PARAMS["rope_theta"],
     dtype: str = DEFAULT_PARAMS["dtype"],
+    vocab_size: int = DEFAULT_PARAMS["vocab_size"],
 ) -> Path:
     """Write the tiny model + tokenizer to ``out_dir`` (created if needed); return it.
 
@@ -184,6 +239,7 @@ def build_tiny_model(
             max_position_embeddings=max_position_embeddings,
             rope_theta=rope_theta,
             dtype=dtype,
+            vocab_size=vocab_size,
         )
     )
     out = Path(out_dir)
@@ -192,9 +248,15 @@ def build_tiny_model(
     tokenizer.model_max_length = max_position_embeddings
     vocab = tokenizer.get_vocab()
     # Seed a private RNG stream: callers' global RNG state is left untouched.
+    config = qwen3_config(len(tokenizer), vocab, params)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(qwen3_config(len(tokenizer), vocab, params))
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(getattr(torch, dtype))  # a large model is made in its dtype, not float32 first
+        try:
+            model = Qwen3ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
     model = model.to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=None,
