@@ -88,3 +88,9 @@ def free_port(host: str) -> int:
 
 def url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
+
+
+# How long a client keeps an idle pooled connection to a server of the run: well under the
+# servers' own keep-alive (vLLM's and uvicorn's 5 s), so a request never goes out on a
+# connection the server is closing at that moment (it would fail with a ReadError).
+IDLE_CONNECTION_S = 1.0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core.jobenv import API_KEY_VAR
+from prime_hpc.core.net import IDLE_CONNECTION_S
 from prime_hpc.rundir import RunDir, read_json, wait_for
 
 
@@ -134,7 +135,12 @@ class Admin:
 
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
-            self._client, self._loop = httpx.AsyncClient(timeout=self.timeout_s, headers=headers(self.key)), loop
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout_s,
+                headers=headers(self.key),
+                limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S),
+            )
+            self._loop = loop
         return self._client
 
     async def aclose(self) -> None:

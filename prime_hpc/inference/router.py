@@ -42,7 +42,7 @@ from typing import Any, Optional
 from urllib.parse import parse_qs
 
 from prime_hpc.core import jobenv
-from prime_hpc.core.net import node_address, url
+from prime_hpc.core.net import IDLE_CONNECTION_S, node_address, url
 from prime_hpc.inference.client import api_key, wait_for_servers
 from prime_hpc.inference.gate import ApiKey, is_preflight, send_json
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
@@ -55,6 +55,9 @@ HEALTH_EVERY_S = 5.0  # how often each server's /health is asked
 HEALTH_FAILURES = 2  # failed checks in a row that take a server out of rotation
 READY_TIMEOUT_S = 120.0  # a (re)started router must answer within this
 NO_SERVER_WAIT_S = 600.0  # a request that finds no server waits this long for one to join
+# Tries of one request on one server before the next: a connection that breaks once (the
+# server closed it as the request went out) is no sign the server is gone; twice is.
+TRIES_PER_SERVER = 2
 HOP_HEADERS = (b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive")
 
 
@@ -188,22 +191,28 @@ class Router:
             more = message.get("more_body", False)
         if self.client is None:  # no pool limit: the run's own concurrency bounds it
             self.client = httpx.AsyncClient(
-                timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+                timeout=None,
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=256, keepalive_expiry=IDLE_CONNECTION_S
+                ),
             )
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in HOP_HEADERS]
         tried: set[str] = set()
+        tries: dict[str, int] = {}
         errors: list[str] = []
         while (worker := await self.next_worker(tried)) is not None:
-            tried.add(worker)
+            tries[worker] = tries.get(worker, 0) + 1
             request = self.client.build_request(scope["method"], worker + target, headers=headers, content=body)
             try:
                 response = await self.client.send(request, stream=True)
-            except httpx.TransportError as e:  # nothing was answered: try the next server
-                if worker in self.failures:
-                    self.failures[worker] = HEALTH_FAILURES  # out until a health check says it is back
+            except httpx.TransportError as e:  # nothing was answered: again, then the next server
                 errors.append(f"{worker}: {type(e).__name__}")
+                if tries[worker] >= TRIES_PER_SERVER:
+                    tried.add(worker)
+                    if worker in self.failures:
+                        self.failures[worker] = HEALTH_FAILURES  # out until a health check says it is back
                 continue
             return await self.relay(response, send)
         return await send_json(send, 503, {"error": "no inference server answered: " + ("; ".join(errors) or "none")})

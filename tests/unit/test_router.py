@@ -215,6 +215,32 @@ def test_a_request_that_finds_no_server_waits_for_one_to_join_else_a_503_naming_
         late.stop()
 
 
+def test_a_connection_that_breaks_once_is_tried_again_on_the_same_server(fleet):
+    """A pooled connection the server closes just as a request goes out on it breaks that
+    request (httpx: ReadError); the router sends it once more before it counts the server
+    as gone, so the only server of a run does not leave a request waiting for another."""
+    router, base, workers, served, _ = fleet
+    router.remove(served["b"].url)
+    broken = []
+
+    class BreaksOnce(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if not broken:
+                broken.append(str(request.url))
+                raise httpx.ReadError("the server closed the connection", request=request)
+            return await super().handle_async_request(request)
+
+    router.no_server_wait_s = 30.0
+    router.client = httpx.AsyncClient(transport=BreaksOnce())
+    r = _generate(base)
+    assert r.status_code == 200 and r.json() == {"worker": "a"}, r.text
+    assert broken == [served["a"].url + "/v1/chat/completions"] and router.up() == [served["a"].url]
+    # idle pooled connections are dropped well before a server's own keep-alive (5 s) would
+    from prime_hpc.core.net import IDLE_CONNECTION_S
+
+    assert IDLE_CONNECTION_S < 5
+
+
 def test_a_server_whose_endpoint_is_gone_is_dropped(fleet):
     router, base, workers, served, run = fleet
     run.inference_endpoint(1).unlink()  # it left the run (its supervisor removed the file)
