@@ -112,9 +112,18 @@ def start(run: RunDir, job_id: str) -> str:
                 "resumed_from": resumed_from,
             }
         )
-    if job.get("fleet_nodes"):
+    if tops_up_fleet(job, job_id):
         ensure_fleet(run)
     return str(logs)
+
+
+def tops_up_fleet(job: dict, job_id: str) -> bool:
+    """Whether this attempt (the newest in `job`) submits the run's missing inference jobs
+    again: only when its servers run in jobs of their own and an earlier attempt of the
+    same job came before it (a requeue). The first attempt of a job leaves that to the
+    command that submitted it (`submit`, `resume`), which may still be submitting them:
+    an idle cluster starts a job within a second of its submission."""
+    return bool(job.get("fleet_nodes")) and any(a.get("job_id") == job_id for a in job.get("attempts", [])[:-1])
 
 
 def ensure_fleet(run: RunDir) -> None:

@@ -86,3 +86,18 @@ def test_the_servers_of_another_job_are_waited_for_one_then_all_or_a_while(tmp_p
     assert [r["slot"] for r in wait_for_servers(run, 2, 5, own_job=True)] == slots
     with pytest.raises(WaitTimeout):  # the run's own slots are what a het run waits for
         wait_for_servers(run, 1, 0.5)
+
+
+def test_only_a_requeued_attempt_submits_missing_server_jobs_again():
+    """The first attempt of a job may start while `submit` (or `resume`) is still
+    submitting the servers' jobs: topping up then would submit them twice. A requeued
+    attempt of the same job tops up; a run without jobs of its own never does."""
+    from prime_hpc.job.attempt import tops_up_fleet
+
+    first = {"fleet_nodes": 2, "attempts": [{"job_id": "41"}]}
+    assert not tops_up_fleet(first, "41")
+    requeued = {"fleet_nodes": 2, "attempts": [{"job_id": "41"}, {"job_id": "41"}]}
+    assert tops_up_fleet(requeued, "41")
+    resumed = {"fleet_nodes": 2, "attempts": [{"job_id": "41"}, {"job_id": "57"}]}  # a new job: its submitter's
+    assert not tops_up_fleet(resumed, "57")
+    assert not tops_up_fleet({"attempts": [{"job_id": "41"}, {"job_id": "41"}]}, "41")
