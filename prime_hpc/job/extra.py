@@ -59,7 +59,10 @@ def start(run: RunDir, job_id: str) -> str:
     RunDir.group_log_dir(logs, "inference").mkdir(parents=True, exist_ok=True)
     for node in range(int(record.get("nodes") or 0)):  # the fleet's view (`status`): starting, until the relay has it
         slot = server_slot(node, job_id)
-        write_process(run, slot, STARTING, node=node, job_id=job_id, restarts=0, log=str(RunDir.log_of(logs, slot)))
+        try:
+            write_process(run, slot, STARTING, node=node, job_id=job_id, restarts=0, log=str(RunDir.log_of(logs, slot)))
+        except OSError:  # an attempt of the run's job starting this moment empties fleet/: the view only
+            pass
     update_extra_job(
         run,
         job_id,

@@ -188,6 +188,17 @@ def test_the_extra_jobs_start_and_end_in_its_record(tmp_path):
     assert list(run.heartbeats_dir.iterdir()) == [] and read_fleet(run) == []
 
 
+def test_an_extra_job_starts_while_an_attempt_of_the_run_empties_its_directories(tmp_path):
+    """The servers' own jobs (`cluster.inference_job=own`) can start in the same second as
+    the run's job, whose attempt empties `fleet/`: the fleet's view of them starting is
+    then lost, never the job (the relay records its servers once they serve)."""
+    run = _run_with_extra(tmp_path)
+    run.fleet_dir.parent.mkdir(parents=True, exist_ok=True)
+    run.fleet_dir.write_text("")  # not a directory this moment: every write into it fails
+    logs = extra.start(run, "57")
+    assert jobs.extra_job(jobs.read_job(run), "57")["state"] == "RUNNING" and logs
+
+
 def test_a_hung_server_of_the_job_is_handed_to_its_script_to_kill(tmp_path, capsys):
     run = _run_with_extra(tmp_path)
     extra.start(run, "57")
