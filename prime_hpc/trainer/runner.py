@@ -79,6 +79,7 @@ class Session:
     resumed: Optional[dict]  # state.json of the checkpoint resumed from
     num_params: int
     progress_at: float = 0.0  # the last time this rank started or finished a step (heartbeat)
+    load_ckpt_s: Optional[float] = None  # seconds the resume's checkpoint took to load; reported once
 
 
 @contextlib.contextmanager
@@ -105,10 +106,13 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
         ckpt = Checkpointer(run, cfg.ckpt, env)
         metrics = None
         try:
-            state = None
+            state, load_s = None, None
             if resume is not None:
                 logger.info(f"resuming from {run.checkpoint_part(resume, 'trainer')}")
+                t0 = time.perf_counter()
                 state = ckpt.load(resume, engine)
+                load_s = time.perf_counter() - t0
+                logger.info(f"checkpoint {resume} loaded in {load_s:.2f}s")
             if env.is_main:
                 # an RL run's W&B run is written by the orchestrator, which forwards these rows
                 metrics = MetricsLogger(
@@ -125,7 +129,7 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
                 f"{sum(p.numel() for p in policy.trainable) / 1e6:.3f}M trainable) on {env.world_size} "
                 f"rank(s), device {cfg.device}"
             )
-            yield Session(cfg, run, env, policy, engine, ckpt, metrics, resume or 0, state, n)
+            yield Session(cfg, run, env, policy, engine, ckpt, metrics, resume or 0, state, n, load_ckpt_s=load_s)
         finally:
             ckpt.close()
             if metrics is not None:
@@ -203,6 +207,8 @@ def step_metrics(s: Session, result: "StepResult", t_step: float, t_wait: float)
     if mem is not None:
         out["perf/peak_memory"] = mem
         devices.reset_peak_memory(s.cfg.device)
+    if s.load_ckpt_s is not None:  # the first step after a resume: what loading its checkpoint took
+        out["time/load_ckpt"], s.load_ckpt_s = s.load_ckpt_s, None
     return out
 
 

@@ -135,6 +135,9 @@ def test_checkpoint_resume_is_bit_identical_and_rotation_keeps_expected_steps(tm
     proc = run_trainer(SFT, trainer_yaml(b.root, [*DATA, *ckpt, "ckpt.step=-1"]), nproc=2)
     assert proc.returncode == 0, explain(proc)
     assert [r["step"] for r in _rows(b)] == [3, 4, 5]
+    # the first step after the resume says what loading the checkpoint took; the others do not
+    assert [("time/load_ckpt" in r) for r in _rows(b)] == [True, False, False] and _rows(b)[0]["time/load_ckpt"] > 0
+    assert not any("time/load_ckpt" in r for r in _rows(a))
     assert b.complete_checkpoint_steps(("trainer",)) == [2, 4, 5]
 
     _assert_identical(_dcp(a.checkpoint_part(5, "trainer")), _dcp(b.checkpoint_part(5, "trainer")))
