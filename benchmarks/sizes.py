@@ -229,6 +229,7 @@ def measure(size: str, workdir: Path, steps: int, ckpt_every: int) -> dict[str, 
             raise SystemExit(f"[sizes] the resumed run {run} did not end within an hour")
     orch = [r for r in read_jsonl(run / "metrics" / "orchestrator.jsonl") if "reward/all/mean" in r]
     later = [r for r in trainer if r["step"] > 1]
+    updated = [r for r in orch if r.get("time/weight_update")]  # the steps written after an update
     weights = max((run / "weights").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     nbytes = dir_bytes(weights)
     ckpt = max((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])) / "trainer"
@@ -242,8 +243,8 @@ def measure(size: str, workdir: Path, steps: int, ckpt_every: int) -> dict[str, 
         "weights bytes": float(nbytes),
         "trainer step s": median(later, "time/step"),
         "publish s": median(later, "time/save_weights"),
-        "update call s": median([r for r in orch if r["step"] > 1], "time/weight_update"),
-        "server load s": median([r for r in orch if r["step"] > 1], "time/weight_load"),
+        "update call s": median(updated, "time/weight_update"),
+        "server load s": median(updated, "time/weight_load"),
         "copy + fsync s": copy,
         "gloo broadcast s": raw_broadcast_s(nbytes),
         "checkpoint bytes": float(ckpt_bytes),
