@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import copy_fsync_s, median  # noqa: E402
 from vs_trl import job_state, machine, prime_hpc, project_versions, read_jsonl, submit_and_wait  # noqa: E402
+
+from prime_hpc.core.net import LOOPBACK, free_port  # noqa: E402
 
 DEFAULT_SIZES = "tiny,tiny-35m,tiny-150m,tiny-0.6b"
 COMPONENTS = ("trainer", "orchestrator", "inference")
@@ -124,12 +125,6 @@ class MemorySampler:
 
 
 # ----------------------------------------------------------------------------- anchors
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _broadcast_rank(rank: int, port: int, nbytes: int, repeats: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -154,7 +149,7 @@ def raw_broadcast_s(nbytes: int, repeats: int = 3) -> float:
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port(LOOPBACK)
     procs = [ctx.Process(target=_broadcast_rank, args=(r, port, nbytes, repeats, out)) for r in (0, 1)]
     for p in procs:
         p.start()
