@@ -194,7 +194,7 @@ class Orchestrator:
                 filled = await self.sink.fill(step)
                 if filled is None:
                     break
-                self.write_step(step, filled)
+                await self.write_step(step, filled)
                 self.checkpoints.after_step(step, step == self.max_steps)
                 await self.evaluator.start_if_due(step)
                 step += 1
@@ -212,10 +212,12 @@ class Orchestrator:
             )
             self.beat(done=True)
 
-    def write_step(self, step: int, fill: StepFill) -> None:
+    async def write_step(self, step: int, fill: StepFill) -> None:
         """The step's batch and totals, the snapshot a checkpoint of it holds, its metrics
-        row, the heartbeat."""
-        samples = self.sink.write(step, fill)
+        row, the heartbeat. The batch is written off the event loop: its files (and, on the
+        first step, importing torch) take seconds under load, which the heartbeat and the
+        groups in flight must not wait for."""
+        samples = await asyncio.to_thread(self.sink.write, step, fill)
         self.checkpoints.keep(step, self.state())
         row = self.step_metrics.log_step(step, fill, fill.kept)
         self.progress()
@@ -259,7 +261,10 @@ class Orchestrator:
         trainer's weights, which the watchdog does not count as a stall of its own."""
         while True:
             self.beat()
+            t = time.monotonic()
             await asyncio.sleep(BEAT_S)
+            if (late := time.monotonic() - t - BEAT_S) > BEAT_S:  # something held the loop: say so, it may stall
+                logger.warning(f"the event loop was blocked for {late:.1f}s (the heartbeat came late)")
 
     def beat(self, **info: Any) -> None:
         self.run.beat(

@@ -311,8 +311,10 @@ def test_an_update_in_flight_keeps_the_requests_and_they_finish_under_the_new_po
                 assert max(abs(a - b) for a, b in zip(lps, olds)) < TOLERANCE
                 continue
             started_old += abs(lps[0] - olds[0]) < TOLERANCE
-            # its last tokens came from the new weights (on the old policy's KV cache)
-            assert max(abs(a - b) for a, b in zip(lps[-4:], olds[-4:])) > 100 * TOLERANCE
+            # its last tokens came from the new weights (on the old policy's KV cache): ten times
+            # the served-vs-reference noise off the old weights' (two random tiny models differ
+            # by ~0.1 on some tokens, little on others: the largest of 8)
+            assert max(abs(a - b) for a, b in zip(lps[-8:], olds[-8:])) > 10 * TOLERANCE
         assert started_old > 0  # and requests that began under the old policy went on under the new one
         assert after["policy_step_end"] == 2 and max(abs(a - b) for a, b in zip(served(after), old(after))) > 0.1
     finally:
