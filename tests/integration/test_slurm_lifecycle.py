@@ -145,7 +145,7 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
             f"output_dir={tmp_path}/run",
             "cluster.partition=scavenger",
             "cluster.time=3",
-            "cluster.signal_delay_s=45",
+            "cluster.signal_delay_s=85",  # warned 95 s into an attempt: the first is preempted by then
             "cluster.max_requeues=2",
             "max_steps=2000",
             "ckpt.interval=1000",
