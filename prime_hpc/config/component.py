@@ -32,6 +32,7 @@ from prime_hpc.config.schema import (
     OrchestratorConfig,
     TrainerConfig,
     WandbConfig,
+    WeightsConfig,
 )
 from prime_hpc.core.errors import UserError
 
@@ -121,6 +122,8 @@ class InferenceRunConfig(ComponentRunConfig):
     gpus_per_node: int = src("cluster.inference.gpus_per_node")
     lora: ServedLoRA = src(None, ServedLoRA)
     inference: InferenceConfig = src("inference", InferenceConfig)
+    weights: WeightsConfig = src("weights", WeightsConfig)
+    """`transport=broadcast`: the server starts vLLM ready to receive weights over a group."""
 
 
 @dataclass

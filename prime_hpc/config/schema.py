@@ -75,6 +75,7 @@ TRAINING_MODES = ("rl", "opd", "sft")
 TRAJECTORY_STRATEGIES = ("interleaved", "branching")
 ADVANTAGES = ("mean", "std", "loo")
 WEIGHT_UPDATES = ("in_flight", "drain")
+WEIGHT_TRANSPORTS = ("filesystem", "broadcast")
 BENCH_MODES = ("all", "trainer", "inference")
 
 
@@ -401,6 +402,15 @@ class WeightsCkptConfig:
 
 
 @dataclass
+class WeightsConfig:
+    transport: str = one_of("filesystem", *WEIGHT_TRANSPORTS)
+    """how a new policy reaches the inference servers. filesystem: the trainer writes
+    weights/step_N and each server loads it; broadcast: the trainer sends it straight to
+    each server's workers over a process group of their own (NCCL on GPUs, gloo on CPU);
+    the servers still load from disk what is on disk (checkpoints, a resume)"""
+
+
+@dataclass
 class CkptConfig:
     enabled: bool = False
     """save a checkpoint at the end of training (off by default: disk)"""
@@ -535,6 +545,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -27,6 +27,13 @@ def dist_backend(device: str) -> str:
     return "nccl" if _check(device) == "cuda" else "gloo"
 
 
+def weight_transfer_backend(device: str) -> str:
+    """The vLLM weight-transfer backend a server receives broadcast weights with
+    (`weights.transport=broadcast`): vLLM's own NCCL engine on GPUs, prime-hpc's gloo
+    engine (`prime_hpc.inference.transfer`) on CPU."""
+    return "nccl" if _check(device) == "cuda" else "gloo"
+
+
 def torch_device(device: str, local_rank: int = 0) -> Any:
     """The torch device a rank computes on (cuda:<local_rank> or cpu); selects it on GPU."""
     import torch

@@ -9,7 +9,17 @@ module adds what is missing for RL:
                            load the full HF safetensors weights the trainer wrote, in place
   POST /reload_weights     back to the base model (policy step 0)
   POST /load_lora_adapter  {"lora_name", "lora_path", "step"?}: load/replace an adapter
-  GET  /policy             {"policy_step", "weight_dir", "in_flight"}
+  GET  /policy             {"policy_step", "weight_dir", "in_flight", "workers", ...}
+
+With `weights.transport=broadcast` vLLM is started with a weight-transfer backend (gloo on
+CPU, NCCL on GPUs) and the trainer sends each policy over a process group of its own, one
+per server (`prime_hpc.inference.broadcast`: it is rank 0, this server's workers the next):
+
+  POST /weights/join       {"master_address", "master_port", "world_size", "rank_offset",
+                           "timeout_s"?}: join the sender's group (answers once joined)
+  POST /weights/receive    {"step", "names", "dtype_names", "shapes"}: receive a policy over
+                           the group and serve it, applied like an update from a directory
+  POST /weights/leave      leave the group
 
 An update (`inference.weight_update`, see `gate.py`) either goes in flight: it pauses the
 engine keeping the requests in flight and their KV cache (vLLM's keep mode), loads and
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
@@ -50,7 +61,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 from fastapi import Request
 
@@ -59,7 +70,7 @@ from prime_hpc.config.schema import InferenceConfig
 from prime_hpc.core import device as devices
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.core.net import node_address, url
+from prime_hpc.core.net import address_env, node_address, url
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
@@ -71,6 +82,10 @@ UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generati
 # flight): within SLURM's KillWait (30 s by default) after a cancel's SIGTERM.
 DRAIN_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.5  # no request in flight for this long: nothing is on its way any more
+TIED_ON_CPU = (
+    "this model ties its input and output embeddings: in-place updates are wrong "
+    "on CPU vLLM; use a model with tie_word_embeddings=false"
+)
 
 
 def load_config(path: str) -> InferenceRunConfig:
@@ -126,6 +141,9 @@ def vllm_args(cfg: InferenceRunConfig, model_path: str, host: str) -> list[str]:
         argv.append("--trust-remote-code")
     if cfg.lora.enabled:
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
+    if cfg.weights.transport == "broadcast":
+        backend = devices.weight_transfer_backend(cfg.device)
+        argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
     return argv + [str(a) for a in inf.extra_args]
 
 
@@ -171,6 +189,10 @@ class Server:
         self.healthy_at: Optional[float] = None
         self.tied_on_cpu = False
         self.updates = 0
+        self.workers = 1  # vLLM workers (ranks of a weight group), once the engine is up
+        self.broadcast = cfg.weights.transport == "broadcast"
+        self.joined: Optional[dict] = None  # the weight group joined (broadcast), as the sender gave it
+        self.transfer_lock = asyncio.Lock()  # one join, leave or receive at a time
         self.device_name = devices.inference_device_name(cfg.device)
 
     # ------------------------------------------------------------------ publishing
@@ -347,11 +369,7 @@ class Server:
         if step is None:
             return _error(400, f"give 'step': it cannot be read from {weight_dir} (expected .../step_<n>)")
         if self.tied_on_cpu:
-            return _error(
-                409,
-                "this model ties its input and output embeddings: in-place updates are wrong "
-                "on CPU vLLM; use a model with tie_word_embeddings=false",
-            )
+            return _error(409, TIED_ON_CPU)
 
         async def load():
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(d)})
@@ -390,6 +408,137 @@ class Server:
             return _error(400, f"adapter not loaded: {result['error']}")
         return out
 
+    # ------------------------------------------------------------------ weights by broadcast
+    def _refuse_transfer(self) -> Any:
+        if not self.broadcast:
+            return _error(409, "this server was started without a weight group (set weights.transport=broadcast)")
+        if self.tied_on_cpu:
+            return _error(409, TIED_ON_CPU)
+        return None
+
+    async def join_weights(self, body: dict) -> Any:
+        """Join the sender's group (any earlier one is left first); answers once every rank
+        has joined, or with the error when the sender does not come within its timeout."""
+        refused = self._refuse_transfer()
+        if refused is not None:
+            return refused
+        info, problem = join_info(body, self.workers, devices.weight_transfer_backend(self.cfg.device))
+        if problem:
+            return _error(400, problem)
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        async with self.transfer_lock:
+            if self.joined is not None:
+                self.joined = None
+                await self.engine.shutdown_weight_transfer_engine()
+            t0 = time.monotonic()
+            try:
+                await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+            except Exception as e:
+                return _error(500, f"did not join the weight group: {_one_line(e)}")
+            self.joined = info
+        print(
+            f"prime-hpc inference: {self.slot} joined the weight group of {info['master_address']}:"
+            f"{info['master_port']} (ranks {info['rank_offset']}..{info['rank_offset'] + self.workers - 1} "
+            f"of {info['world_size']}, {time.monotonic() - t0:.2f}s)",
+            flush=True,
+        )
+        return {"status": "ok", "workers": self.workers, "world_size": info["world_size"]}
+
+    async def receive_weights(self, body: dict) -> Any:
+        """Receive policy `step` over the group and serve it (as `_swap` applies any update)."""
+        refused = self._refuse_transfer()
+        if refused is not None:
+            return refused
+        step, info, problem = receive_info(body)
+        if problem:
+            return _error(400, problem)
+        if self.joined is None:
+            return _error(409, "no weight group: the sender has not joined (POST /weights/join first)")
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async def load():
+            await self.engine.start_weight_update()
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self.engine.finish_weight_update(weight_version=str(step))
+
+        async with self.transfer_lock:
+            try:
+                return await self._swap(load, step, None)
+            except Exception as e:  # the group's state is unknown now: the sender joins again
+                self.joined = None
+                print(f"prime-hpc inference: {self.slot} did not receive policy {step}: {_one_line(e)}", flush=True)
+                return _error(500, f"policy {step} not received: {_one_line(e)}; join again")
+
+    async def leave_weights(self) -> Any:
+        if not self.broadcast:
+            return _error(409, "this server was started without a weight group (set weights.transport=broadcast)")
+        async with self.transfer_lock:
+            if self.joined is not None:
+                self.joined = None
+                await self.engine.shutdown_weight_transfer_engine()
+        return {"status": "ok"}
+
+
+def join_info(body: dict, workers: int, backend: str) -> tuple[dict, Optional[str]]:
+    """The workers' init info for `POST /weights/join`'s body, or what is wrong with it
+    (one line). `timeout_s` is for prime-hpc's gloo engine only (vLLM's NCCL one takes none)."""
+    address, port = body.get("master_address"), body.get("master_port")
+    world, offset = body.get("world_size"), body.get("rank_offset", 1)
+    if not isinstance(address, str) or not address:
+        return {}, "body needs 'master_address': the sender's address"
+    if not _is_int(port) or not 0 < port < 65536:
+        return {}, "body needs 'master_port': the sender's port (1..65535)"
+    if not _is_int(world) or not _is_int(offset) or offset < 1 or offset + workers > world:
+        return {}, (
+            f"'world_size' and 'rank_offset' must hold this server's {workers} worker(s) after the sender "
+            f"(rank_offset >= 1, rank_offset + {workers} <= world_size; got {world!r}, {offset!r})"
+        )
+    info: dict = {"master_address": address, "master_port": port, "world_size": world, "rank_offset": offset}
+    timeout = body.get("timeout_s")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            return {}, f"'timeout_s' must be a positive number of seconds (got {timeout!r})"
+        if backend == "gloo":
+            info["timeout_s"] = float(timeout)
+    return info, None
+
+
+def receive_info(body: dict) -> tuple[int, dict, Optional[str]]:
+    """(step, the workers' update info) for `POST /weights/receive`'s body, or what is wrong
+    with it (one line)."""
+    import torch
+
+    step, names = body.get("step"), body.get("names")
+    dtypes, shapes = body.get("dtype_names"), body.get("shapes")
+    if not _is_int(step) or step < 0:
+        return 0, {}, "body needs 'step': the policy's step (an integer >= 0)"
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        return 0, {}, "body needs 'names', 'dtype_names' and 'shapes': one entry per tensor, in the order sent"
+    if not names or not len(names) == len(dtypes) == len(shapes):
+        return (
+            0,
+            {},
+            f"'names', 'dtype_names', 'shapes' differ in length or are empty ({len(names)}, {len(dtypes)}, {len(shapes)})",
+        )
+    bad = [d for d in dtypes if not isinstance(d, str) or not isinstance(getattr(torch, d, None), torch.dtype)]
+    if bad:
+        return 0, {}, f"unknown dtype name {bad[0]!r} (e.g. float32, bfloat16)"
+    if not all(isinstance(s, list) and all(_is_int(n) and n >= 0 for n in s) for s in shapes):
+        return 0, {}, "each of 'shapes' is a list of sizes (integers >= 0)"
+    if not all(isinstance(n, str) and n for n in names):
+        return 0, {}, "each of 'names' is a tensor's name"
+    return step, {"names": names, "dtype_names": dtypes, "shapes": shapes}, None
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
 
 def _error(status: int, message: str) -> Any:
     from fastapi.responses import JSONResponse
@@ -410,6 +559,18 @@ def add_routes(app: Any, server: Server) -> None:
     async def load_lora_adapter(request: Request):
         return await server.load_lora(await _json(request))
 
+    @app.post("/weights/join")
+    async def weights_join(request: Request):
+        return await server.join_weights(await _json(request))
+
+    @app.post("/weights/receive")
+    async def weights_receive(request: Request):
+        return await server.receive_weights(await _json(request))
+
+    @app.post("/weights/leave")
+    async def weights_leave():
+        return await server.leave_weights()
+
     @app.get("/policy")
     async def policy():
         return {
@@ -420,6 +581,9 @@ def add_routes(app: Any, server: Server) -> None:
             "in_flight": server.gate.active,
             "served": server.gate.served,
             "updates": server.updates,
+            "workers": server.workers,
+            "transport": server.cfg.weights.transport,
+            "weights_joined": server.joined is not None,
         }
 
 
@@ -518,6 +682,7 @@ async def serve(cfg: InferenceRunConfig, log: str, extra_job: Optional[str] = No
             server.engine = engine
             hf = engine.model_config.hf_config
             server.tied_on_cpu = cfg.device == "cpu" and bool(getattr(hf, "tie_word_embeddings", False))
+            server.workers = engine.vllm_config.parallel_config.world_size_across_dp
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
             server.app = app
@@ -571,6 +736,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logs = jobenv.logs_dir()
     log = str(RunDir.node_log(logs, "inference", node)) if logs else "this process's output"
     os.environ.update(env)
+    for name, value in address_env(cfg.address).items():  # as the launcher sets them (a weight group's gloo too)
+        os.environ.setdefault(name, value)
     os.environ[SERVER_PID_VAR] = str(os.getpid())  # vLLM's own processes die with this one
     try:
         import uvloop

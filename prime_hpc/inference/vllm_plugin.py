@@ -24,6 +24,9 @@ on CPU):
   work by then, so the child's thread pools start clean. Not set on GPUs (CUDA needs
   spawn once initialised, and vLLM decides that itself there).
 
+Always: the weight-transfer backend `gloo` (`prime_hpc.inference.transfer`, imported only
+by a worker of a server started with it: `weights.transport=broadcast` on CPU).
+
 Importing this module imports no vLLM; `register()` does.
 """
 
@@ -36,6 +39,7 @@ SERVER_PID_VAR = "PRIME_HPC_SERVER_PID"
 RECHECK_MS = 10
 SPIN_ATTR = "_prime_hpc_spin_s"  # the spin bound kept on vLLM's SpinCondition class
 FORK_VAR = "PRIME_HPC_VLLM_FORK"
+GLOO_BACKEND = "gloo"  # the weight-transfer backend name (`core.device.weight_transfer_backend`)
 
 
 def _fork_engine() -> None:
@@ -58,7 +62,19 @@ def _fork_engine() -> None:
     setattr(platform, "check_and_update_config", classmethod(check_and_update_config))
 
 
+def _register_weight_transfer() -> None:
+    """Our CPU weight-transfer engine, by module path (imported when a worker creates it);
+    once per process (vLLM refuses a name registered twice)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            GLOO_BACKEND, "prime_hpc.inference.transfer", "GlooWeightTransferEngine"
+        )
+
+
 def register() -> None:
+    _register_weight_transfer()
     server = os.environ.get(SERVER_PID_VAR, "")
     if server.isdigit() and int(server) != os.getpid():
         from prime_hpc.runtime.stopping import die_with_parent

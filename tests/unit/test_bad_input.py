@@ -64,6 +64,7 @@ BAD_OVERRIDES = [
     (["inference.tensor_parallel_size=0"], "inference.tensor_parallel_size"),
     (["inference.dtype=int4"], "inference.dtype"),
     (["inference.max_model_len=4096"], "inference.max_model_len"),
+    (["weights.transport=nfs"], "weights.transport"),
     (["cluster.max_requeues=-1"], "cluster.max_requeues"),
     (["cluster.signal_delay_s=-10"], "cluster.signal_delay_s"),
     (["cluster.trainer.nodes=0"], "cluster.trainer.nodes"),

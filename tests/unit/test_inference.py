@@ -98,6 +98,106 @@ def test_data_parallel_defaults_to_the_node_gpus_and_lora_enables_adapters():
     assert "--data-parallel-size" not in cpu and "--tool-call-parser" not in cpu
 
 
+def test_the_device_picks_the_weight_transfer_backend():
+    from prime_hpc.core import device
+
+    assert device.weight_transfer_backend("cpu") == "gloo" == device.dist_backend("cpu")
+    assert device.weight_transfer_backend("cuda") == "nccl" == device.dist_backend("cuda")
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        device.weight_transfer_backend("tpu")
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("cuda", "nccl")])
+def test_a_broadcast_server_starts_vllm_with_its_devices_weight_transfer_backend(device, backend):
+    cfg = _cfg()
+    cfg.update(device=device, weights={"transport": "broadcast"})
+    argv = srv.vllm_args(_typed(cfg), "m", "h")
+    assert json.loads(_opt(argv, "--weight-transfer-config")) == {"backend": backend}
+    assert "--weight-transfer-config" not in srv.vllm_args(_typed(_cfg()), "m", "h")  # filesystem, the default
+
+
+def test_the_inference_config_carries_the_weights_transport():
+    from prime_hpc.config.component import component_config
+    from prime_hpc.config.compose import compose
+
+    for transport in ("filesystem", "broadcast"):
+        cfg = compose(["+experiment=reverse_text", "output_dir=/tmp/x", f"weights.transport={transport}"])
+        assert component_config(cfg, "inference")["weights"] == {"transport": transport}
+    assert compose(["+experiment=reverse_text", "output_dir=/tmp/x"]).weights.transport == "filesystem"
+
+
+JOIN = {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2, "rank_offset": 1}
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ({**JOIN, "master_address": ""}, "master_address"),
+        ({**JOIN, "master_port": 0}, "master_port"),
+        ({**JOIN, "master_port": "29500"}, "master_port"),
+        ({**JOIN, "world_size": 1}, "world_size"),
+        ({**JOIN, "rank_offset": 0}, "rank_offset"),
+        ({**JOIN, "timeout_s": -1}, "timeout_s"),
+    ],
+)
+def test_a_bad_join_names_the_field(body, problem):
+    info, why = srv.join_info(body, 1, "gloo")
+    assert why is not None and problem in why and "\n" not in why
+
+
+def test_a_join_gives_the_workers_their_place_and_gloo_its_timeout():
+    info, why = srv.join_info({**JOIN, "timeout_s": 30}, 1, "gloo")
+    assert why is None and info == {**JOIN, "timeout_s": 30.0}
+    info, why = srv.join_info({**JOIN, "world_size": 5, "timeout_s": 30}, 4, "nccl")  # vLLM's NCCL takes no timeout
+    assert why is None and info == {**JOIN, "world_size": 5}
+    assert srv.join_info({**JOIN, "world_size": 4}, 4, "gloo")[1] is not None  # 1 + 4 ranks do not fit in 4
+
+
+RECEIVE = {"step": 3, "names": ["a.weight", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[2, 3], []]}
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ({**RECEIVE, "step": -1}, "step"),
+        ({**RECEIVE, "step": True}, "step"),
+        ({k: v for k, v in RECEIVE.items() if k != "shapes"}, "shapes"),
+        ({**RECEIVE, "names": ["a.weight"]}, "length"),
+        ({**RECEIVE, "dtype_names": ["float32", "float33"]}, "float33"),
+        ({**RECEIVE, "dtype_names": ["float32", "Tensor"]}, "Tensor"),
+        ({**RECEIVE, "shapes": [[2, -3], []]}, "shapes"),
+    ],
+)
+def test_a_bad_receive_names_the_field(body, problem):
+    step, info, why = srv.receive_info(body)
+    assert why is not None and problem in why and "\n" not in why
+
+
+def test_a_receive_announces_the_tensors_in_order():
+    step, info, why = srv.receive_info(RECEIVE)
+    assert why is None and step == 3 and info == {k: v for k, v in RECEIVE.items() if k != "step"}
+
+
+def test_a_server_started_without_broadcast_refuses_the_weight_group_in_one_line(tmp_path):
+    cfg = _cfg()
+    cfg["output_dir"] = str(tmp_path)
+    server = srv.Server(_typed(cfg), "m", "127.0.0.1")
+    for answer in (
+        asyncio.run(server.join_weights(JOIN)),
+        asyncio.run(server.receive_weights(RECEIVE)),
+        asyncio.run(server.leave_weights()),
+    ):
+        error = json.loads(answer.body)["error"]
+        assert answer.status_code == 409 and "weights.transport=broadcast" in error and "\n" not in error
+    cfg["weights"] = {"transport": "broadcast"}
+    server = srv.Server(_typed(cfg), "m", "127.0.0.1")
+    answer = asyncio.run(server.receive_weights(RECEIVE))  # before any join
+    assert answer.status_code == 409 and "POST /weights/join first" in json.loads(answer.body)["error"]
+    server.tied_on_cpu = True
+    answer = asyncio.run(server.join_weights(JOIN))
+    assert answer.status_code == 409 and json.loads(answer.body)["error"] == srv.TIED_ON_CPU
+
+
 def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch, tmp_path):
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     env = srv.engine_env(_typed(_cfg(cpu_kvcache_space_gb=3, cpu_threads=6)))
