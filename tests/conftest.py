@@ -98,11 +98,12 @@ def hydra_quote(value: str) -> str:
 @pytest.fixture(scope="session")
 def inference(tmp_path_factory):
     """Two of the run's real inference servers (node ranks 0, 1) and the router, with an
-    API key, serving the tiny model (float32). Shared by every test that generates; tests
-    that change the policy put the base weights back."""
+    API key, serving the tiny model (float32), started ready to receive weights by
+    broadcast too (`weights.transport=broadcast`: they still load from disk). Shared by
+    every test that generates; tests that change the policy put the base weights back."""
     from tests.inference_util import start_inference
 
-    inf = start_inference(tmp_path_factory.mktemp("inference"), nodes=2)
+    inf = start_inference(tmp_path_factory.mktemp("inference"), nodes=2, overrides=["weights.transport=broadcast"])
     try:
         yield inf
     finally:

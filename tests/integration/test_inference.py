@@ -99,6 +99,21 @@ def test_the_plugin_makes_vllm_queue_readers_sleep_instead_of_polling(monkeypatc
 
 
 @pytest.mark.vllm
+def test_the_plugin_registers_the_gloo_weight_transfer_engine_once():
+    """By module path (vLLM imports the engine when a worker creates it), and calling
+    `register` again (vLLM loads plugins in each process, tests call it too) is harmless."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from prime_hpc.inference import vllm_plugin
+
+    vllm_plugin.register()
+    vllm_plugin.register()
+    from prime_hpc.inference.transfer import GlooWeightTransferEngine
+
+    assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
+
+
+@pytest.mark.vllm
 def test_endpoints_are_published_with_real_addresses(inference):
     recs = inference.endpoints.server_records
     assert [r["node"] for r in recs] == [0, 1]
@@ -319,6 +334,70 @@ def test_an_update_in_flight_keeps_the_requests_and_they_finish_under_the_new_po
         assert after["policy_step_end"] == 2 and max(abs(a - b) for a, b in zip(served(after), old(after))) > 0.1
     finally:
         asyncio.run(admin.reload_base())
+
+
+def _served_and_reference(inf, server: str, model_dir: Path) -> tuple[list[float], list[float], dict]:
+    """A generation's served logprobs and the same tokens' logprobs under `model_dir` (transformers)."""
+    out = _chat(server, _auth(inf), temperature=1.0, logprobs=True, return_token_ids=True, max_tokens=6)
+    served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
+    return served, _transformers_logprobs(model_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"]), out
+
+
+@pytest.mark.vllm
+def test_weights_by_broadcast_serve_the_new_policy_exactly(inference, tmp_path):
+    """The test process is the trainer (`weights.transport=broadcast`): it joins each
+    server's weight group (one per server, rank 0 on loopback) and sends a policy from
+    memory; both servers serve it, and a generation's logprobs are those of the new
+    weights. A second policy goes over the same groups; a receive before any join is
+    refused in one line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prime_hpc.core.net import LOOPBACK
+    from prime_hpc.inference.broadcast import Broadcaster, announcement
+    from prime_hpc.model import build_tiny_model, resolve_model
+
+    base_dir, new_dir = Path(resolve_model("tiny")), tmp_path / "new"
+    build_tiny_model(new_dir, seed=7)
+
+    def tensors(d: Path) -> list:
+        model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, local_files_only=True)
+        return list(model.state_dict().items())  # checkpoint names, as the trainer's model has them
+
+    new, base = tensors(new_dir), tensors(base_dir)
+    servers = inference.endpoints.servers
+    one = {"step": 5, "names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}
+    r = httpx.post(servers[0] + "/weights/receive", json=one, headers=_auth(inference), timeout=60)
+    assert r.status_code == 409 and r.json()["error"].endswith("(POST /weights/join first)"), r.text
+    senders = [Broadcaster(s, host=LOOPBACK, key=inference.key, timeout_s=120) for s in servers]
+    admin = inference.admin()
+    try:
+        assert [b.join()["world_size"] for b in senders] == [2, 2]  # the sender and the server's one worker
+        replies = [b.send(10, new) for b in senders]
+        assert [r["policy_step"] for r in replies] == [10, 10] and replies[0]["bytes"] > 0
+        policies = asyncio.run(admin.policies())
+        assert [(p["policy_step"], p["weight_dir"], p["weights_joined"]) for p in policies] == [(10, None, True)] * 2
+        assert all(
+            json.loads(p.read_text())["policy_step"] == 10
+            for p in sorted(inference.run.endpoints_dir.glob("inference_*.json"))
+        )
+        for server in servers:
+            served, reference, out = _served_and_reference(inference, server, new_dir)
+            assert out["policy_step"] == 10 and max(abs(a - b) for a, b in zip(served, reference)) < TOLERANCE
+            old = _transformers_logprobs(base_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"])
+            assert max(abs(a - b) for a, b in zip(served, old)) > 100 * TOLERANCE  # really other weights
+        # a second policy over the same groups, from a generator announced up front
+        replies = [b.send(11, (item for item in base), announcement(base)) for b in senders]
+        assert [r["policy_step"] for r in replies] == [11, 11]
+        for server in servers:
+            served, reference, out = _served_and_reference(inference, server, base_dir)
+            assert out["policy_step"] == 11 and max(abs(a - b) for a, b in zip(served, reference)) < TOLERANCE
+    finally:
+        for b in senders:
+            b.close()
+        results = asyncio.run(admin.reload_base())
+    assert [r["policy_step"] for r in results] == [0, 0]
+    assert not any(p["weights_joined"] for p in asyncio.run(admin.policies()))
 
 
 @pytest.mark.vllm

@@ -178,6 +178,19 @@ def test_a_receive_announces_the_tensors_in_order():
     assert why is None and step == 3 and info == {k: v for k, v in RECEIVE.items() if k != "step"}
 
 
+def test_the_plugin_and_the_sender_import_no_vllm():
+    """The trainer imports the sender; vLLM imports the plugin in each of its processes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, prime_hpc.inference.vllm_plugin, prime_hpc.inference.broadcast; "
+        "print(sorted(m for m in ('vllm', 'torch', 'httpx') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_a_server_started_without_broadcast_refuses_the_weight_group_in_one_line(tmp_path):
     cfg = _cfg()
     cfg["output_dir"] = str(tmp_path)
