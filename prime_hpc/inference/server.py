@@ -82,6 +82,7 @@ UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generati
 # flight): within SLURM's KillWait (30 s by default) after a cancel's SIGTERM.
 DRAIN_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.5  # no request in flight for this long: nothing is on its way any more
+HALF_LOADED_RC = 75  # exit code of a server whose weights failed to arrive midway (see exit_half_loaded)
 TIED_ON_CPU = (
     "this model ties its input and output embeddings: in-place updates are wrong "
     "on CPU vLLM; use a model with tie_word_embeddings=false"
@@ -459,8 +460,11 @@ class Server:
 
         async def load():
             await self.engine.start_weight_update()
-            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-            await self.engine.finish_weight_update(weight_version=str(step))
+            try:
+                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+                await self.engine.finish_weight_update(weight_version=str(step))
+            except Exception as e:  # the layers are half loaded (vLLM's layerwise reload): never serve them
+                self.exit_half_loaded(step, e)
 
         async with self.transfer_lock:
             try:
@@ -469,6 +473,20 @@ class Server:
                 self.joined = None
                 print(f"prime-hpc inference: {self.slot} did not receive policy {step}: {_one_line(e)}", flush=True)
                 return _error(500, f"policy {step} not received: {_one_line(e)}; join again")
+
+    def exit_half_loaded(self, step: int, e: BaseException) -> None:
+        """A policy that failed to arrive midway leaves the model's layers partly loaded
+        (or on the meta device): generation is still paused, and must not resume on them.
+        The server exits at once (its requests fail over to the other servers); its
+        supervisor restarts it in its slot, and it joins again and gets the current policy
+        before it serves."""
+        print(
+            f"prime-hpc inference: {self.slot} stops: policy {step} failed midway ({_one_line(e)}) and its "
+            f"weights are half loaded; exiting {HALF_LOADED_RC} without serving them (restarted in its slot)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(HALF_LOADED_RC)
 
     async def leave_weights(self) -> Any:
         if not self.broadcast:

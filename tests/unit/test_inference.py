@@ -507,3 +507,47 @@ def test_an_update_that_cannot_drain_gives_up_and_changes_nothing():
         await stuck
 
     asyncio.run(main())
+
+
+def test_a_policy_that_fails_midway_is_never_served_the_server_exits(tmp_path, monkeypatch, capsys):
+    """Its layers are half loaded once the receive began: generation stays paused and the
+    process exits with one line (its supervisor restarts it), instead of resuming on them."""
+
+    class Exited(BaseException):  # like os._exit, nothing catches it (a `finally` still runs here)
+        pass
+
+    class Engine:
+        calls: list = []
+
+        async def is_paused(self):
+            return False
+
+        async def pause_generation(self, **kw):
+            self.calls.append("pause")
+
+        async def resume_generation(self):
+            self.calls.append("resume")
+
+        async def start_weight_update(self):
+            self.calls.append("start")
+
+        async def update_weights(self, request):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:41234")
+
+        async def finish_weight_update(self, **kw):
+            self.calls.append("finish")
+
+    def exit_(code):
+        raise Exited(code, list(Engine.calls))
+
+    cfg = _cfg()
+    cfg.update(output_dir=str(tmp_path), weights={"transport": "broadcast"})
+    server = srv.Server(_typed(cfg), "m", "127.0.0.1")
+    server.engine, server.joined = Engine(), dict(JOIN)
+    monkeypatch.setattr(srv.os, "_exit", exit_)
+    with pytest.raises(Exited) as exited:
+        asyncio.run(server.receive_weights(RECEIVE))
+    # it exits before anything resumes generation on the half-loaded layers
+    assert exited.value.args == (srv.HALF_LOADED_RC, ["pause", "start"])
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "policy 3 failed midway (RuntimeError: Connection closed by peer" in err, err
