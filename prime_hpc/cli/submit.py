@@ -110,7 +110,7 @@ def show(a: argparse.Namespace) -> int:
     """--cfg / --info: what the overrides compose to, printed; nothing written or submitted."""
     from prime_hpc.config.compose import compose, finish
     from prime_hpc.config.dump import to_yaml
-    from prime_hpc.config.pipeline import compose_stages, warmup_config
+    from prime_hpc.config.pipeline import compose_stages, model_overrides, warmup_config
 
     if a.info == "defaults":
         from prime_hpc.config.compose import defaults_choices
@@ -124,7 +124,7 @@ def show(a: argparse.Namespace) -> int:
         run_cfg = compose(a.overrides, resolve=False)
         stages = [run_cfg]
         if a.cfg == "all":
-            warm = warmup_config(finish(copy.deepcopy(run_cfg)))
+            warm = warmup_config(finish(copy.deepcopy(run_cfg)), model_overrides(a.overrides))
             stages = ([warm] if warm is not None else []) + stages
     if a.cfg == "job":
         stages = stages[-1:]

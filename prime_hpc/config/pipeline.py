@@ -3,8 +3,10 @@ warm-up's final weights, submitted together and chained (SLURM `afterok`; locall
 after the other).
 
 `warmup.experiment` names an SFT experiment of `conf/experiment/`. It is composed with
-`warmup.overrides`, the run's `cluster` section, `output_dir=<output_dir>/warmup` and
-`name=<name>_warmup`; the run itself is composed again with `model.name=<output_dir>/warmup`,
+`warmup.overrides`, then the model the command line chose (`model=`, `model.*=`: the
+pipeline's model, which the warm-up trains first), the run's `cluster` section,
+`output_dir=<output_dir>/warmup` and `name=<name>_warmup`; the run itself is composed again
+with `model.name=<output_dir>/warmup`,
 a run directory, which stands for its latest weights (`prime_hpc.model.resolve_model`): the
 warm-up's final weights, whenever it stopped (at max_steps, or early at
 `trainer.val.stop_below`).
@@ -26,8 +28,9 @@ from prime_hpc.core.errors import ConfigError
 WARMUP_DIR = "warmup"
 
 
-def warmup_config(cfg: DictConfig) -> Optional[DictConfig]:
-    """The composed warm-up run of `cfg`, or None when it has none."""
+def warmup_config(cfg: DictConfig, model: Sequence[str] = ()) -> Optional[DictConfig]:
+    """The composed warm-up run of `cfg` (of the command line's `model` overrides), or None
+    when it has none."""
     w = cfg.warmup
     if not w.experiment:
         return None
@@ -35,7 +38,7 @@ def warmup_config(cfg: DictConfig) -> Optional[DictConfig]:
     try:
         wcfg = compose(
             [
-                *warmup_overrides(cfg),
+                *warmup_overrides(cfg, model),
                 override("output_dir", out),
                 override("name", f"{cfg.name}_{WARMUP_DIR}"),
                 "warmup.experiment=null",
@@ -53,33 +56,25 @@ def warmup_config(cfg: DictConfig) -> Optional[DictConfig]:
     return wcfg
 
 
-def warmup_overrides(cfg: DictConfig) -> list[str]:
-    """What the warm-up is composed from (recorded in its job.json)."""
-    return [f"+experiment={cfg.warmup.experiment}", *cfg.warmup.overrides]
+def warmup_overrides(cfg: DictConfig, model: Sequence[str] = ()) -> list[str]:
+    """What the warm-up is composed from (recorded in its job.json): its experiment, its
+    overrides, then the pipeline's model (`model_overrides` of the command line)."""
+    return [f"+experiment={cfg.warmup.experiment}", *cfg.warmup.overrides, *model]
+
+
+def model_overrides(overrides: Sequence[str]) -> list[str]:
+    """The command line's choice of model (`model=`, `model.name=`, `model.<field>=`): with a
+    warm-up, the model the warm-up trains and the run continues from."""
+    return [o for o in overrides if o.partition("=")[0].lstrip("+~").split(".")[0] == "model"]
 
 
 def compose_stages(overrides: Sequence[str]) -> list[DictConfig]:
-    """The runs one submission makes: [run], or [warm-up, run starting from its weights]."""
+    """The runs one submission makes: [run], or [warm-up, run starting from its weights]. A
+    model given on the command line is the warm-up's, and so, trained, the run's."""
     raw = compose(overrides, resolve=False)
     cfg = finish(copy.deepcopy(raw))
-    if cfg.warmup.experiment:
-        check_model_not_replaced(overrides, cfg)
-    wcfg = warmup_config(cfg)
+    wcfg = warmup_config(cfg, model_overrides(overrides))
     if wcfg is None:
         return [cfg]
     raw.model.name = str(wcfg.output_dir)  # as `model.name=<warm-up dir>` would, without composing again
     return [wcfg, finish(raw)]
-
-
-def check_model_not_replaced(overrides: Sequence[str], cfg: DictConfig) -> None:
-    """A run with a warm-up starts from the warm-up's weights: a model given on the command
-    line would be dropped without a word, so it is refused with the two ways to say what
-    was meant."""
-    for o in overrides:
-        if o.partition("=")[0].lstrip("+~") in ("model", "model.name"):
-            raise ConfigError(
-                "model.name",
-                f"{o} would be replaced by the weights of this run's warm-up "
-                f"({cfg.warmup.experiment}): add warmup.experiment=null to start from "
-                f"that model, or add '{o}' to warmup.overrides to warm it up first",
-            )

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from prime_hpc.config.cluster import cache_root
 from prime_hpc.config.component import write_component_config
 from prime_hpc.config.dump import to_yaml
-from prime_hpc.config.pipeline import warmup_overrides
+from prime_hpc.config.pipeline import model_overrides, warmup_overrides
 from prime_hpc.config.validate import minutes, validate
 from prime_hpc.core.errors import ConfigError, LaunchError
 from prime_hpc.core.jobenv import API_KEY_VAR
@@ -333,7 +333,9 @@ def submit_stages(
         run.wipe()
         cfg = cfg.copy()
         cfg.clean_output_dir = False
-    warm = submit(warm_cfg, warmup_overrides(cfg), after=after, pipeline={"run": str(run.root)})
+    warm = submit(
+        warm_cfg, warmup_overrides(cfg, model_overrides(overrides)), after=after, pipeline={"run": str(run.root)}
+    )
     try:
         main = submit(
             cfg,

@@ -156,16 +156,18 @@ def test_commands_on_an_unknown_job_name_it(command, tmp_path, capsys, monkeypat
 
 
 @pytest.mark.parametrize("model", ["model.name=/models/mine", "model=qwen3_0_6b"])
-def test_a_model_the_warm_up_would_replace_is_refused(model, tmp_path, capsys):
+def test_a_model_on_the_command_line_is_the_warm_ups_and_the_run_continues_from_it(model, tmp_path):
     """A run with a warm-up starts from the warm-up's weights: a model on the command line
-    is not dropped silently; the error names both ways to say what was meant."""
-    out = tmp_path / "run"
-    line = _reject(["submit", "+experiment=reverse_text", f"output_dir={out}", model], capsys)
-    assert "model.name" in line and "warmup.experiment=null" in line and f"'{model}' to warmup.overrides" in line
-    assert not out.exists()
-    from prime_hpc.config.pipeline import compose_stages
+    is not dropped, it is the model the warm-up trains (after the experiment's own warm-up
+    overrides), and recorded as such in the warm-up's job.json."""
+    from prime_hpc.config.pipeline import compose_stages, model_overrides, warmup_overrides
 
-    warm, run = compose_stages(
-        ["+experiment=reverse_text", f"output_dir={out}", "warmup.overrides=['model.name=tiny']"]
-    )
-    assert warm.model.name == "tiny" and run.model.name == str(out / "warmup")
+    out = tmp_path / "run"
+    overrides = ["+experiment=reverse_text", f"output_dir={out}", model, "max_steps=7"]
+    warm, run = compose_stages(overrides)
+    name = "Qwen/Qwen3-0.6B" if model.startswith("model=") else "/models/mine"
+    assert warm.model.name == name and warm.trainer.type == "sft" and run.model.name == str(out / "warmup")
+    assert warm.trainer.val.stop_below == 1.3 and run.max_steps == 7  # the recipe's warm-up, the run's own
+    assert model_overrides(overrides) == [model]
+    assert warmup_overrides(run, [model])[-1] == model
+    assert not out.exists()

@@ -32,7 +32,8 @@ def test_reference_defaults(tmp_path):
     assert cfg.orchestrator.max_off_policy_steps == 8
     assert cfg.orchestrator.eval.interval == 100
     assert cfg.trainer.model.optimization_dtype == "float32" and cfg.trainer.model.reduce_dtype == "float32"
-    assert cfg.inference.dtype == "auto"
+    assert cfg.inference.dtype == "float32"  # the default model's (tiny, float32: vLLM's "auto" would halve it)
+    assert compose([f"output_dir={tmp_path}", "model=qwen3_0_6b"]).inference.dtype == "auto"  # the reference's
     assert cfg.ckpt.interval is None and cfg.ckpt.keep_last is None  # checkpointing off by default
     assert cfg.wandb.enabled is False
     assert cfg.log.level == "info"

@@ -3,12 +3,14 @@ run names and paths (the values reach the shell and sbatch exactly as given)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
 import pytest
 
 from prime_hpc.config.compose import compose
+from prime_hpc.inference import server as srv
 from prime_hpc.launcher.plan import After, make_plan, slurm_job_name
 from prime_hpc.launcher.render import render_local, render_sbatch, sbatch_quote
 from tests.conftest import HOSTILE, REPO, hydra_quote
@@ -68,12 +70,6 @@ def test_sbatch_matches_golden_file(plan_fn, golden):
         f"the rendering of {golden.name} changed; review the difference, then write the goldens anew with "
         "`python -m tests.unit.test_render`"
     )
-
-
-if __name__ == "__main__":  # write the goldens from today's rendering (after reviewing the change)
-    for plan_fn, golden in GOLDENS:
-        golden.write_text(render_sbatch(plan_fn()))
-        print(f"wrote {golden}")
 
 
 @pytest.mark.parametrize("cache", ["empty", "kept", "unwritable"])
@@ -192,3 +188,72 @@ def test_sbatch_quote_roundtrip(value):
             assert inq or not ch.isspace()
             out.append(ch)
     assert "".join(out) == value
+
+
+# ----------------------------------------------------------------------------- on GPUs
+GPU_OVERRIDES = [  # the 0.6B reverse-text recipe on a GPU cluster: warm-up (SFT) then RL
+    "+experiment=reverse_text",
+    "model=qwen3_0_6b",
+    "cluster=slurm",
+    "cluster.device=cuda",
+    "output_dir=/shared/runs/rt06",
+    "cluster.cache_dir=/shared/cache",
+]
+GOLDEN_GPU = REPO / "tests" / "golden" / "rl_gpu.sbatch"
+GOLDEN_GPU_WARMUP = REPO / "tests" / "golden" / "sft_gpu.sbatch"
+
+
+def gpu_plans(transport: str = "filesystem"):
+    """(warm-up plan, run plan) of the GPU recipe, and (warm-up config, run config)."""
+    from prime_hpc.config.pipeline import compose_stages
+
+    warm, run = compose_stages([*GPU_OVERRIDES, f"weights.transport={transport}"])
+    plans = [make_plan(c, python="/opt/venv/bin/python") for c in (warm, run)]
+    plans[1].head_argv = [plans[1].python, "-u", "-m", "submitit.core._submit", str(plans[1].run.submitit_dir)]
+    plans[1].after = [After(job_id="41", output_dir=str(warm.output_dir))]
+    return plans, (warm, run)
+
+
+@pytest.mark.parametrize("transport", ["filesystem", "broadcast"])
+def test_the_gpu_recipe_renders_gpu_placement_nccl_and_cuda_vllm(transport, monkeypatch):
+    """`+experiment=reverse_text model=qwen3_0_6b cluster=slurm cluster.device=cuda`, line by
+    line, for both weight transports: the warm-up trains the 0.6B model on a GPU node; the
+    RL job places 8 GPUs per inference and trainer node (none on the head), runs torchrun
+    with one rank per GPU over NCCL, and the servers start CUDA vLLM in bf16 ("auto": the
+    model's dtype) with one engine per GPU, the broadcast servers with vLLM's NCCL weight
+    transfer. The scripts do not depend on the transport (it is in the components' configs)."""
+    from prime_hpc.config.component import InferenceRunConfig, component_config, typed
+    from prime_hpc.core.device import dist_backend
+
+    (warm_plan, run_plan), (warm, run) = gpu_plans(transport)
+    warm_script, run_script = render_sbatch(warm_plan), render_sbatch(run_plan)
+    assert warm_script == GOLDEN_GPU_WARMUP.read_text() and run_script == GOLDEN_GPU.read_text(), (
+        "the GPU rendering changed; review the difference, then write the goldens anew with "
+        "`python -m tests.unit.test_render`"
+    )
+    lines = run_script.splitlines()
+    assert lines.count("#SBATCH --gpus-per-node=8") == 2  # inference and trainer groups; the head has none
+    assert "export PRIME_HPC_DEVICE=cuda" in lines and "--nproc-per-node=8" in run_script
+    assert "#SBATCH --dependency=afterok:41" in lines  # after its warm-up
+    assert warm.model.name == "Qwen/Qwen3-0.6B" and "#SBATCH --gpus-per-node=8" in warm_script
+    assert run.model.name == "/shared/runs/rt06/warmup" and dist_backend(run.cluster.device) == "nccl"
+    # the servers: CUDA vLLM, bf16 from the model, data parallel over the node's GPUs
+    inf = typed(InferenceRunConfig, component_config(run, "inference"), "inference")
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    argv = srv.vllm_args(inf, "/shared/runs/rt06/warmup/weights/step_9", "10.0.0.5")
+    assert argv[argv.index("--dtype") + 1] == "auto" and argv[argv.index("--data-parallel-size") + 1] == "8"
+    assert argv[argv.index("--host") + 1] == "10.0.0.5"
+    transfer = [argv[i + 1] for i, a in enumerate(argv) if a == "--weight-transfer-config"]
+    assert transfer == ([json.dumps({"backend": "nccl"})] if transport == "broadcast" else [])
+    env = srv.engine_env(inf)
+    assert not [k for k in env if k.startswith("VLLM_CPU")], env  # nothing of the CPU build
+
+
+if __name__ == "__main__":  # write the goldens from today's rendering (after reviewing the change)
+    for plan_fn, golden in GOLDENS:
+        golden.write_text(render_sbatch(plan_fn()))
+        print(f"wrote {golden}")
+    (_warm, _run), _cfgs = gpu_plans()
+    for _plan, golden in ((_warm, GOLDEN_GPU_WARMUP), (_run, GOLDEN_GPU)):
+        golden.write_text(render_sbatch(_plan))
+        print(f"wrote {golden}")
