@@ -240,7 +240,9 @@ def test_update_weights_serves_the_new_policy_exactly(inference, tmp_path):
             new = _transformers_logprobs(step_dir, out["prompt_token_ids"], ids)
             old = _transformers_logprobs(base_dir, out["prompt_token_ids"], ids)
             assert max(abs(a - b) for a, b in zip(served, new)) < TOLERANCE
-            assert max(abs(a - b) for a, b in zip(served, old)) > 100 * TOLERANCE  # really other weights
+            # really other weights: ten times the served-vs-reference noise (two random tiny
+            # models differ by ~0.05-0.15 at their most on a short completion)
+            assert max(abs(a - b) for a, b in zip(served, old)) > 10 * TOLERANCE
     finally:
         results = asyncio.run(admin.reload_base())
     assert [r["policy_step"] for r in results] == [0, 0]
@@ -299,8 +301,12 @@ def test_an_update_in_flight_keeps_the_requests_and_they_finish_under_the_new_po
                 asyncio.create_task(client.post(inference.endpoints.router + "/v1/chat/completions", json=body))
                 for _ in range(32)
             ]
-            while sum(p["in_flight"] for p in await admin.policies()) < 32:
+            # many in flight (all 32, unless the first ones already finished on a busy machine)
+            deadline = time.monotonic() + 120
+            while (n := sum(p["in_flight"] for p in await admin.policies())) < 32 and not any(r.done() for r in reqs):
+                assert time.monotonic() < deadline, f"only {n} of 32 requests in flight after 120 s"
                 await asyncio.sleep(0.01)
+            assert n >= 16, f"only {n} of 32 requests were in flight together"
             await asyncio.sleep(0.1)  # a few tokens into them
             updated = await admin.update_weights(step_dir, 2)
             after = await client.post(inference.endpoints.router + "/v1/chat/completions", json=body)
@@ -385,7 +391,9 @@ def test_weights_by_broadcast_serve_the_new_policy_exactly(inference, tmp_path):
             served, reference, out = _served_and_reference(inference, server, new_dir)
             assert out["policy_step"] == 10 and max(abs(a - b) for a, b in zip(served, reference)) < TOLERANCE
             old = _transformers_logprobs(base_dir, out["prompt_token_ids"], out["choices"][0]["token_ids"])
-            assert max(abs(a - b) for a, b in zip(served, old)) > 100 * TOLERANCE  # really other weights
+            # really other weights: ten times the served-vs-reference noise (two random tiny
+            # models differ by ~0.05-0.15 at their most on a short completion)
+            assert max(abs(a - b) for a, b in zip(served, old)) > 10 * TOLERANCE
         # a second policy over the same groups, from a generator announced up front
         replies = [b.send(11, (item for item in base), announcement(base)) for b in senders]
         assert [r["policy_step"] for r in replies] == [11, 11]
