@@ -120,7 +120,7 @@ class Broadcaster:
     def _post(self, path: str, body: dict) -> dict:
         import httpx
 
-        from prime_hpc.inference.client import headers
+        from prime_hpc.inference.client import error_detail, headers
 
         try:
             r = httpx.post(
@@ -129,11 +129,7 @@ class Broadcaster:
         except httpx.HTTPError as e:
             raise BroadcastError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
-            try:
-                detail = r.json().get("error", r.text)
-            except ValueError:
-                detail = r.text
-            raise BroadcastError(f"{self.url}{path}: HTTP {r.status_code}: {str(detail)[:300]}")
+            raise BroadcastError(f"{self.url}{path}: HTTP {r.status_code}: {error_detail(r)}")
         return r.json()
 
     def _workers(self) -> int:

@@ -33,6 +33,18 @@ def headers(key: Optional[str] = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def error_detail(r: Any) -> str:
+    """What a server's error answer says (its JSON `error`, or vLLM's `error.message`, or
+    the body), cut to 300 characters for a one-line message."""
+    try:
+        detail = r.json().get("error", r.text)
+    except ValueError:
+        detail = r.text
+    if isinstance(detail, dict):
+        detail = detail.get("message", detail)
+    return str(detail)[:300]
+
+
 @dataclass
 class Endpoints:
     router: str  # base URL (no /v1)
@@ -193,13 +205,7 @@ class Admin:
                     return {"lost": why}
                 raise InferenceError(f"{base}{path}: {why}") from None
             if r.status_code != 200:
-                try:
-                    detail = r.json().get("error", r.text)
-                except ValueError:
-                    detail = r.text
-                if isinstance(detail, dict):
-                    detail = detail.get("message", detail)
-                raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {str(detail)[:300]}")
+                raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {error_detail(r)}")
             return r.json()
 
         live = self.live if to is None else list(to)

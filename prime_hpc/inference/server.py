@@ -82,6 +82,7 @@ UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generati
 # flight): within SLURM's KillWait (30 s by default) after a cancel's SIGTERM.
 DRAIN_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.5  # no request in flight for this long: nothing is on its way any more
+NO_WEIGHT_GROUP = "this server was started without a weight group (set weights.transport=broadcast)"
 HALF_LOADED_RC = 75  # exit code of a server whose weights failed to arrive midway (see exit_half_loaded)
 TIED_ON_CPU = (
     "this model ties its input and output embeddings: in-place updates are wrong "
@@ -412,7 +413,7 @@ class Server:
     # ------------------------------------------------------------------ weights by broadcast
     def _refuse_transfer(self) -> Any:
         if not self.broadcast:
-            return _error(409, "this server was started without a weight group (set weights.transport=broadcast)")
+            return _error(409, NO_WEIGHT_GROUP)
         if self.tied_on_cpu:
             return _error(409, TIED_ON_CPU)
         return None
@@ -490,7 +491,7 @@ class Server:
 
     async def leave_weights(self) -> Any:
         if not self.broadcast:
-            return _error(409, "this server was started without a weight group (set weights.transport=broadcast)")
+            return _error(409, NO_WEIGHT_GROUP)
         async with self.transfer_lock:
             if self.joined is not None:
                 self.joined = None
