@@ -56,6 +56,7 @@ class Endpoints:
         return self.router + "/v1"
 
 
+LEAVING_STATUS = 410  # a server's answer to an update once it is on its way out (the run drops it: it left)
 OWN_SETTLE_S = 20.0  # the run's own inference job: how long its first server waits for the others
 
 
@@ -126,7 +127,8 @@ class Admin:
     """Admin calls to every live server of a run, concurrently. A server that no longer
     answers at all (connection refused or cut, no `/health`) is lost: it is dropped from
     this and every later call (`lost` says which and why, `on_lost` is told) and the run
-    goes on with the others (with none, a call reaches no server and returns []). Any other failure
+    goes on with the others (with none, a call reaches no server and returns []); so is one
+    that answers it is on its way out (`LEAVING_STATUS`). Any other failure
     (a server that answers with an error) raises one `InferenceError` naming it. Servers
     join (`add`, after they loaded the current policy: `to=[url]`) and leave (`remove`)
     while the run goes on."""
@@ -204,6 +206,8 @@ class Admin:
                 ):
                     return {"lost": why}
                 raise InferenceError(f"{base}{path}: {why}") from None
+            if r.status_code == LEAVING_STATUS:  # on its way out: as good as lost, not a failed update
+                return {"lost": error_detail(r)}
             if r.status_code != 200:
                 raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {error_detail(r)}")
             return r.json()

@@ -71,7 +71,7 @@ from prime_hpc.core import device as devices
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.net import address_env, node_address, url
-from prime_hpc.inference.client import api_key
+from prime_hpc.inference.client import LEAVING_STATUS, api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, read_json, server_slot
@@ -83,6 +83,7 @@ UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generati
 DRAIN_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.5  # no request in flight for this long: nothing is on its way any more
 NO_WEIGHT_GROUP = "this server was started without a weight group (set weights.transport=broadcast)"
+ENGINE_STOPPING = "Server shutting down"  # vLLM's engine's refusal of any call once it was signalled to stop
 HALF_LOADED_RC = 75  # exit code of a server whose weights failed to arrive midway (see exit_half_loaded)
 TIED_ON_CPU = (
     "this model ties its input and output embeddings: in-place updates are wrong "
@@ -183,6 +184,7 @@ class Server:
         self.extra_job = extra_job  # the id of the extra inference job this server belongs to (None: the run's)
         self.slot = jobenv.slot() or server_slot(self.node, extra_job)
         self.draining: Optional[str] = None  # why it leaves, once it does
+        self.engine_stopping = False  # vLLM's engine refused a call: it was signalled to stop
         self.run = RunDir(cfg.output_dir)
         self.gate = PolicyGate(step=0, weight_dir=None)
         self.engine: Any = None
@@ -328,6 +330,8 @@ class Server:
         engine to pause) and the load itself (`load_s`)."""
         t0 = time.monotonic()
         in_flight = self.cfg.inference.weight_update == "in_flight"
+        if self.draining:
+            return self._leaving_answer(step)
         try:
             async with self.gate.updating() if in_flight else self.gate.exclusive(UPDATE_DRAIN_TIMEOUT_S):
                 if await self.engine.is_paused():
@@ -342,10 +346,14 @@ class Server:
                     self.gate.step, self.gate.weight_dir = step, weight_dir
                     self.updates += 1
                 finally:
-                    if in_flight:
+                    if in_flight and not self.stopping(sys.exc_info()[1]):
                         await self.engine.resume_generation()
         except UpdateTimeout as e:
             return _error(503, f"update not applied: {e}")
+        except Exception as e:
+            if self.stopping(e):
+                return self._leaving_answer(step)
+            raise
         self.publish()
         print(
             f"prime-hpc inference: {self.slot} serves policy {step} (update {self.updates}, "
@@ -359,6 +367,20 @@ class Server:
             "drain_s": round(waited, 4),
             "load_s": round(time.monotonic() - t0 - waited, 4),
         }
+
+    def stopping(self, e: Optional[BaseException] = None) -> bool:
+        """Is this server on its way out (leaving the run, or its engine stopping: SLURM
+        signals vLLM's engine process too, which then refuses every call)?"""
+        if e is not None and ENGINE_STOPPING in str(e):
+            self.engine_stopping = True
+        return bool(self.draining) or self.engine_stopping or bool(self.engine.errored)
+
+    def _leaving_answer(self, step: int) -> Any:
+        """A server on its way out takes no update: 410, which the run reads as this server
+        having left (not as a failed update)."""
+        why = self.draining or "its engine is shutting down"
+        print(f"prime-hpc inference: {self.slot} takes no policy {step}: it is leaving ({why})", flush=True)
+        return _error(LEAVING_STATUS, f"{self.slot} is leaving the run ({why}): policy {step} not applied")
 
     async def update_weights(self, body: dict) -> Any:
         weight_dir = body.get("weight_dir") or body.get("weights_path")
@@ -465,6 +487,8 @@ class Server:
                 await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
                 await self.engine.finish_weight_update(weight_version=str(step))
             except Exception as e:  # the layers are half loaded (vLLM's layerwise reload): never serve them
+                if self.stopping(e):  # it never serves again anyway
+                    raise
                 self.exit_half_loaded(step, e)
 
         async with self.transfer_lock:

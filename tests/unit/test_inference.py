@@ -518,6 +518,7 @@ def test_a_policy_that_fails_midway_is_never_served_the_server_exits(tmp_path, m
 
     class Engine:
         calls: list = []
+        errored = False
 
         async def is_paused(self):
             return False
@@ -551,3 +552,79 @@ def test_a_policy_that_fails_midway_is_never_served_the_server_exits(tmp_path, m
     assert exited.value.args == (srv.HALF_LOADED_RC, ["pause", "start"])
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "policy 3 failed midway (RuntimeError: Connection closed by peer" in err, err
+
+
+def test_a_server_on_its_way_out_takes_no_update_and_the_run_drops_it_instead_of_failing(tmp_path):
+    """A lost node: SLURM signals the server and vLLM's engine process at once, and the
+    engine refuses every call from then on. An update reaching such a server (or one that
+    left the run, its endpoint already gone) is answered 410, and the run's admin client
+    drops that server as it drops one that no longer answers; the others take the update."""
+    import httpx
+    from fastapi import FastAPI
+
+    from prime_hpc.inference.client import LEAVING_STATUS, Admin, InferenceError, headers
+
+    class Engine:
+        errored = False  # vLLM's AsyncLLM: True once the engine died
+
+        def __init__(self, refuse: bool) -> None:
+            self.refuse, self.loaded = refuse, []
+
+        async def is_paused(self):
+            return False
+
+        async def pause_generation(self, **kw):
+            self._call()
+
+        async def resume_generation(self):
+            self._call()
+
+        async def reset_prefix_cache(self):
+            pass
+
+        def _call(self):
+            if self.refuse:
+                raise Exception(srv.ENGINE_STOPPING)  # as vLLM's engine core answers once signalled
+
+        async def collective_rpc(self, method, kwargs=None):
+            self._call()
+            self.loaded.append(kwargs["weights_path"])
+
+    weights = tmp_path / "weights" / "step_3"
+    weights.mkdir(parents=True)
+    (weights / "model.safetensors").write_bytes(b"")
+    cfg = _cfg()
+    cfg.update(output_dir=str(tmp_path))
+    servers, apps = {}, {}
+    for n, (name, refuse) in enumerate((("a", False), ("b", True))):
+        server = srv.Server(_typed(cfg), "m", "127.0.0.1")
+        server.engine, server.slot = Engine(refuse), f"inference_{n}"
+        apps[name] = FastAPI()
+        srv.add_routes(apps[name], server)
+        servers[f"http://{name}"] = server
+
+    async def main():
+        admin = Admin(list(servers), key=KEY)
+        admin._client = httpx.AsyncClient(
+            headers=headers(KEY), mounts={f"http://{n}": httpx.ASGITransport(app=app) for n, app in apps.items()}
+        )
+        admin._loop = asyncio.get_running_loop()
+        answers = await admin.update_weights(weights, 3)
+        assert [a["policy_step"] for a in answers] == [3]  # a took it; b's refusal failed nothing
+        assert servers["http://a"].engine.loaded == [str(weights)] and servers["http://a"].gate.step == 3
+        assert list(admin.lost) == ["http://b"] and servers["http://b"].gate.step == 0
+        assert (
+            "inference_1 is leaving the run (its engine is shutting down): policy 3 not applied"
+            in admin.lost["http://b"]
+        )
+        servers["http://a"].draining = "SIGTERM"  # left the run: refused before its engine is asked
+        assert await admin.update_weights(weights, 4) == [] and set(admin.lost) == set(servers)
+        assert servers["http://a"].engine.loaded == [str(weights)]
+        # a caller naming the server itself (a joiner being synced) is told, not silently dropped
+        with pytest.raises(InferenceError, match="leaving the run"):
+            await admin.update_weights(weights, 4, to=["http://a"])
+        r = await admin.client().post("http://a/update_weights", json={"weight_dir": str(weights), "step": 5})
+        assert r.status_code == LEAVING_STATUS
+        await admin.aclose()
+
+    asyncio.run(main())
