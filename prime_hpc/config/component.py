@@ -96,6 +96,9 @@ class TrainingRunConfig(ComponentRunConfig):
     wandb: WandbConfig = src("wandb", WandbConfig)
     bench: BenchConfig = src(bench_section, BenchConfig)
     """`mode` set: a bench run (`prime_hpc.trainer.bench`, `prime_hpc.orchestrator.bench`)."""
+    weights: WeightsConfig = src("weights", WeightsConfig)
+    """`transport=broadcast`: the trainer sends each policy to the servers and writes only a
+    marker to weights/step_N between checkpoints; the orchestrator waits for the servers."""
 
 
 @dataclass

@@ -406,8 +406,9 @@ class WeightsConfig:
     transport: str = one_of("filesystem", *WEIGHT_TRANSPORTS)
     """how a new policy reaches the inference servers. filesystem: the trainer writes
     weights/step_N and each server loads it; broadcast: the trainer sends it straight to
-    each server's workers over a process group of their own (NCCL on GPUs, gloo on CPU);
-    the servers still load from disk what is on disk (checkpoints, a resume)"""
+    each server's workers over a process group of their own (NCCL on GPUs, gloo on CPU),
+    and weights/step_N holds the full weights only at checkpoints and the last step (a
+    marker otherwise); the servers still load from disk what is on disk (a resume)"""
 
 
 @dataclass

@@ -376,6 +376,16 @@ def check_trainer(cfg: DictConfig) -> None:
 def check_ckpt(cfg: DictConfig) -> None:
     if cfg.wandb.enabled and not cfg.wandb.project:
         raise ConfigError("wandb.project", "set a project name when wandb.enabled=true")
+    if (
+        cfg.weights.transport == "broadcast"
+        and cfg.trainer.model.lora.enabled
+        and cfg.ckpt.weights.save_adapter_separately
+    ):
+        raise ConfigError(
+            "ckpt.weights.save_adapter_separately",
+            "the servers load adapters only from disk; with weights.transport=broadcast they get the merged "
+            "weights: set it to false, or weights.transport=filesystem",
+        )
 
 
 def check_bench(cfg: DictConfig) -> None:

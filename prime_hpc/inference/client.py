@@ -19,6 +19,8 @@ from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.core.net import IDLE_CONNECTION_S
 from prime_hpc.rundir import RunDir, read_json, wait_for
 
+POLICY_TIMEOUT_S = 10.0  # a `GET /policy` answers at once, even while the server loads weights
+
 
 class InferenceError(RuntimeError):
     """An admin call failed; the message names the server and what it answered."""
@@ -190,13 +192,25 @@ class Admin:
 
     async def _post_all(self, path: str, body: Optional[dict], to: Optional[list[str]] = None) -> list[dict]:
         """POST to every live server (`to`: only these, which need not be members yet)."""
+        return [answer for _, answer in await self._call_all("POST", path, body or {}, to)]
+
+    async def _call_all(
+        self,
+        method: str,
+        path: str,
+        body: Optional[dict],
+        to: Optional[list[str]] = None,
+        timeout_s: Optional[float] = None,
+    ) -> list[tuple[str, dict]]:
+        """`method` `path` on every live server (`to`: only these): (server, answer) of each
+        that answered (a lost one is left out; see the class)."""
         import httpx
 
         client = self.client()
 
         async def one(base: str) -> dict:
             try:
-                r = await client.post(base + path, json=body or {})
+                r = await client.request(method, base + path, json=body, timeout=timeout_s or self.timeout_s)
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
                 if (
@@ -224,7 +238,7 @@ class Admin:
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise InferenceError("; ".join(errors))
-        return [r for r in results if not (isinstance(r, dict) and set(r) == {"lost"})]  # type: ignore[misc]
+        return [(b, r) for b, r in zip(live, results) if not (isinstance(r, dict) and set(r) == {"lost"})]  # type: ignore[misc]
 
     async def update_weights(
         self, weight_dir: os.PathLike | str, step: int, to: Optional[list[str]] = None
@@ -242,6 +256,11 @@ class Admin:
         return await self._post_all(
             "/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "step": int(step)}, to
         )
+
+    async def policy_of(self, to: Optional[list[str]] = None) -> dict[str, dict]:
+        """{server: its `GET /policy`} of every live server (`to`: these); a server that no
+        longer answers is lost, as in any call."""
+        return dict(await self._call_all("GET", "/policy", None, to, timeout_s=POLICY_TIMEOUT_S))
 
     async def policies(self) -> list[dict]:
         rs = await asyncio.gather(*(self.client().get(s + "/policy", timeout=30) for s in self.live))

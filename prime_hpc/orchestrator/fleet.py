@@ -7,8 +7,12 @@ it when it leaves; a supervisor removes the file of a server that died), polled 
 `POLL_S`, and the admin client's losses (a server that stopped answering during an
 update). Produces: a joining server first loaded with the relay's current policy (`load`,
 to that server alone), then added to the router (`/add_worker`), then a member of every
-later update (`Admin.add`); a server whose endpoint file is gone or was replaced, or that
-stopped answering, taken out of the router and of later updates; the relay's view of every
+later update (`Admin.add`); with `weights.transport=broadcast`, where the trainer sends a
+joining server the current policy, `load` only says whether it has arrived (None: not yet)
+and the server stays `loading weights` until it has (one line in the log after
+`JOIN_TIMEOUT_S`; it goes on waiting); a server whose endpoint file is gone or was
+replaced, or that stopped answering, taken out of the router and of later updates; the
+relay's view of every
 slot in `fleet/membership.json` (`rundir.fleet`: loading weights, serving, removed), which
 `status` reads and a restarted router serves from.
 """
@@ -36,15 +40,16 @@ class Membership:
         run: RunDir,
         admin: Any,
         router: str,
-        load: Callable[[str, dict], Awaitable[int]],
+        load: Callable[[str, dict], Awaitable[Optional[int]]],
     ) -> None:
         self.run = run
         self.admin = admin
         self.router = router
-        self.load = load  # load(url, endpoint record) -> the policy step it now serves
+        self.load = load  # load(url, endpoint record) -> the policy step it now serves (None: not yet)
         self.members: dict[str, dict] = {}  # slot -> the relay's record (rundir.fleet)
         self.failed_at: dict[str, float] = {}  # url -> when it last failed to join
         self.gone: set[str] = set()  # urls that left: a server never comes back at its old address
+        self.warned: set[str] = set()  # urls named in the log for waiting long for their policy
         self.polled = float("-inf")
         self.tasks: set[asyncio.Task] = set()
 
@@ -74,7 +79,7 @@ class Membership:
                 self.leave(slot, "a new server took its slot")
         for slot, record in published.items():
             member = self.members.get(slot)
-            if member is not None and member["state"] != REMOVED and member["url"] == record.get("url"):
+            if member is not None and member["state"] == SERVING and member["url"] == record.get("url"):
                 continue
             if record.get("url") in self.gone:  # its endpoint outlived it: its supervisor removes it
                 continue
@@ -84,10 +89,15 @@ class Membership:
 
     async def join(self, slot: str, record: dict) -> None:
         url = str(record["url"])
-        self.members[slot] = self._record(record, LOADING, record.get("policy_step"))
-        self.write()
+        member = self.members.get(slot)
+        if member is None or member["url"] != url or member["state"] != LOADING:
+            self.members[slot] = self._record(record, LOADING, record.get("policy_step"))
+            self.write()
         try:
             step = await asyncio.wait_for(self.load(url, record), JOIN_TIMEOUT_S)
+            if step is None:  # its policy is on its way (broadcast): asked again at the next poll
+                self.still_loading(slot, url)
+                return
             await add_worker(self.router, url)
         except (InferenceError, asyncio.TimeoutError) as e:
             self.failed_at[url] = time.monotonic()
@@ -99,6 +109,16 @@ class Membership:
         self.members[slot].update(state=SERVING, since=time.time(), policy_step=step)
         self.write()
         logger.info(f"inference server {slot} ({url}) joined at policy {step}; {self.serving()} serving")
+
+    def still_loading(self, slot: str, url: str) -> None:
+        """`slot` waits for the current policy: one line once it has waited `JOIN_TIMEOUT_S`."""
+        waited = time.time() - float(self.members[slot].get("since", time.time()))
+        if waited > JOIN_TIMEOUT_S and url not in self.warned:
+            self.warned.add(url)
+            logger.warning(
+                f"inference server {slot} ({url}) has not got the current policy after {waited:.0f}s; "
+                "it is not routed until it has (the trainer sends it)"
+            )
 
     def leave(self, slot: str, why: str) -> None:
         """`slot`'s server takes no more requests or updates (the router is told, best effort:

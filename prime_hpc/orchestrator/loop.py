@@ -77,7 +77,12 @@ class Orchestrator:
         `router` whose membership the relay keeps (None: a fixed set of servers)."""
         o, cfg = self.ocfg, self.cfg
         self.relay = relay = WeightRelay(
-            self.run, admin, model or cfg.model.name, on_policy=self.progress, router=router
+            self.run,
+            admin,
+            model or cfg.model.name,
+            on_policy=self.progress,
+            router=router,
+            transport=cfg.weights.transport,
         )
         self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = EnvSampler(train, cfg.seed, 1 if self.max_steps is None else None)  # null: the data once
@@ -144,7 +149,7 @@ class Orchestrator:
             self.wire(*self.policy_client(ep), admin, metrics, train, evals, router=ep.router)
             if saved is not None:
                 self.restore(saved)
-            if start is not None and self.run.weights_step(start).exists():
+            if start is not None and self.run.has_weights(start):
                 await self.relay.serve(start)
             if self.relay.members is not None:
                 self.relay.members.start_with(ep.server_records, self.relay.policy)

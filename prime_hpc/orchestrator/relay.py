@@ -12,6 +12,17 @@ the source's admission and the sink's policy-lag rules; one record per update in
 it the slowest server's drain and load), reported by `gauges`; and a call to `on_policy`
 after each update (a step trained is progress for the heartbeat).
 
+With `weights.transport=broadcast` the trainer sends each policy to the servers itself and
+`weights/step_<m>` is mostly a marker (the full weights only at checkpoints): a new step m
+means the trainer is sending policy m. The relay then calls no server; it waits until
+every serving server's `GET /policy` shows m or later (or the server is lost; one that
+lags `BROADCAST_WAIT_S`, by which time the trainer has given up on it, is taken out), then
+moves `policy` on as above, with the handoff and the wait as the update's times. A joining
+server is routed only once it serves the current policy or a later one (the trainer sends
+it the newest on its own); until then it stays `loading weights`, with one line in the log
+if that takes longer than `fleet.JOIN_TIMEOUT_S`. A resumed run's servers still load the
+checkpoint's weights from disk (`serve`).
+
 The relay owns the fleet's membership (`fleet.Membership`, polled between updates): a
 server that joins (a restarted one, another job's) is loaded with the current policy
 before the router sends it anything, and takes part in every later update; one that
@@ -29,11 +40,24 @@ from typing import Any, Callable, Optional
 
 from loguru import logger
 
+from prime_hpc.inference.client import InferenceError
 from prime_hpc.orchestrator.fleet import Membership
 from prime_hpc.rundir import STABLE, RunDir, read_json, stable_time
 
 LORA_NAME = "policy"  # served name of the run's adapter when only adapters are written
 POLL_S = 0.02  # how often weights/ is looked at: on-policy generation waits for each new policy
+RECEIVED_POLL_S = 0.05  # broadcast: how often the servers' policies are asked while one is on its way
+RECEIVED_WARN_S = 60.0  # broadcast: a server still without the new policy after this is named in the log
+BROADCAST_WAIT_S = 660.0  # broadcast: the sender's own timeout and its margin (inference.broadcast)
+UNJOINED_WAIT_S = 30.0  # broadcast: ...or this, for a server in no weight group (the trainer gave up on it)
+
+
+def lags(answer: dict, step: int) -> bool:
+    """Does a server's `GET /policy` answer show a policy older than `step`?"""
+    try:
+        return int(answer.get("policy_step", -1)) < step
+    except (TypeError, ValueError):
+        return True
 
 
 class WeightRelay:
@@ -44,8 +68,10 @@ class WeightRelay:
         model: str,
         on_policy: Callable[[], None] = lambda: None,
         router: Optional[str] = None,
+        transport: str = "filesystem",
     ) -> None:
         self.run = run
+        self.broadcast = transport == "broadcast"  # the trainer sends the policies; see the module docstring
         self.admin = admin
         self.model = model  # the name generation asks for
         self.on_policy = on_policy
@@ -53,7 +79,9 @@ class WeightRelay:
         self.loaded: Optional[tuple[str, str]] = None  # what the servers hold: ("full" | "adapter", path)
         self.updates: list[dict] = []
         self.task: Optional[asyncio.Task] = None
-        self.members = Membership(run, admin, router, self.load_into) if router else None
+        self.members = (
+            Membership(run, admin, router, self.synced if self.broadcast else self.load_into) if router else None
+        )
 
     async def serve(self, step: int) -> None:
         """Load `weights/step_<step>` into every server now (a resumed run's policy)."""
@@ -72,6 +100,12 @@ class WeightRelay:
         elif endpoint.get("policy_step") != self.policy or endpoint.get("weight_dir") != path:
             await self.admin.update_weights(path, self.policy, to=[server])
         return self.policy
+
+    async def synced(self, server: str, endpoint: dict) -> Optional[int]:
+        """Broadcast: the policy a joining `server` serves when it is the current one or a
+        later one (the trainer sends it the newest by itself); None while it is older."""
+        answer = (await self.admin.policy_of(to=[server]))[server]
+        return None if lags(answer, self.policy) else int(answer["policy_step"])
 
     async def watch(self) -> None:
         """Keep the membership current and load every new `weights/step_m` into all
@@ -92,7 +126,9 @@ class WeightRelay:
             serve = read_json(d / STABLE).get("serve")  # the marker holds the weights' metadata
         except (OSError, ValueError):
             serve = None
-        if serve == "adapter" or (
+        if self.broadcast:
+            answers = await self.received(step)
+        elif serve == "adapter" or (
             serve is None and not any(d.glob("*.safetensors")) and self.run.weights_adapter(step).is_dir()
         ):
             # LoRA with save_adapter_separately: the servers keep the base model and load the adapter
@@ -121,6 +157,48 @@ class WeightRelay:
             else f"policy {step}: no server serving now; every server that joins loads it"
         )
         self.on_policy()  # a step trained: a wait for the trainer's weights ends
+
+    async def received(self, step: int) -> list[dict]:
+        """Broadcast: wait until every serving server serves policy `step` or a later one
+        (keeping the membership current meanwhile: a server that is lost or leaves is not
+        waited for); their `GET /policy` answers. A server that lags `BROADCAST_WAIT_S`, or
+        `UNJOINED_WAIT_S` while it is in no weight group (`weights_joined` false: the trainer's
+        join or send failed), leaves the fleet: the trainer gave up on it."""
+        t0, warned = time.monotonic(), False
+        unjoined: dict[str, float] = {}  # server -> since when it is in no weight group
+        while True:
+            if self.members is not None:
+                await self.members.poll()
+            try:
+                answers = await self.admin.policy_of()
+            except InferenceError as e:  # a server answered with an error: ask again
+                answers, behind = {}, {"?": f"no answer ({e})"}
+            else:
+                behind = {s: f"serves {a.get('policy_step')}" for s, a in answers.items() if lags(a, step)}
+            if not behind:
+                return list(answers.values())
+            waited = time.monotonic() - t0
+            for server in [s for s in behind if s in answers and answers[s].get("weights_joined") is False]:
+                if time.monotonic() - unjoined.setdefault(server, time.monotonic()) > UNJOINED_WAIT_S:
+                    self.drop(server, f"policy {step} did not reach it: it is in no weight group (it {behind[server]})")
+            if waited > BROADCAST_WAIT_S:
+                for server in [s for s in behind if s in answers and s in self.admin.live]:
+                    self.drop(server, f"policy {step} did not reach it in {waited:.0f}s (it {behind[server]})")
+            elif waited > RECEIVED_WARN_S and not warned:
+                warned = True
+                logger.warning(
+                    f"policy {step}: {len(behind)} server(s) still without it after {waited:.0f}s "
+                    f"({'; '.join(f'{s} {why}' for s, why in behind.items())}); waiting for the trainer's send"
+                )
+            await asyncio.sleep(RECEIVED_POLL_S)
+
+    def drop(self, server: str, why: str) -> None:
+        """Take `server` out of the fleet (the router and later updates) although it answers."""
+        if self.members is not None:
+            self.members.lost(server, why)
+        else:
+            self.admin.remove(server)
+            logger.warning(f"inference server {server} is left out: {why}")
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.watch())

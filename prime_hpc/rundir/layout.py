@@ -344,8 +344,25 @@ class RunDir:
         return self.weights_step(step) / "adapter"
 
     def weight_steps(self, stable_only: bool = True) -> list[int]:
-        """Steps with weights (by default only complete, `STABLE` ones), ascending."""
+        """Steps with a weights directory (by default only complete, `STABLE` ones),
+        ascending. With `weights.transport=broadcast` most of them are markers only (the
+        policy went to the servers over the network): `saved_weight_steps` are the ones a
+        reader can load."""
         return _steps_in(self.weights_dir, require_stable=stable_only)
+
+    def has_weights(self, step: int) -> bool:
+        """Does `weights/step_<step>` hold loadable weights (complete, with safetensors)?
+        False for a broadcast marker (`prime_hpc_weights.json` and `STABLE` only)."""
+        d = self.weights_step(step)
+        try:
+            return is_stable(d) and any(n.endswith(".safetensors") for n in os.listdir(d))
+        except OSError:
+            return False
+
+    def saved_weight_steps(self) -> list[int]:
+        """Complete steps whose weights are on disk (`has_weights`), ascending: what eval,
+        a resume's servers and `model.name=<run dir>` load."""
+        return [s for s in self.weight_steps() if self.has_weights(s)]
 
     @property
     def eval_dir(self) -> Path:

@@ -19,6 +19,10 @@ A LoRA run writes the adapter next to the merged full weights every time. With
 adapter (`/v1/load_lora_adapter`) instead of the merged weights. The `STABLE` marker says
 what is there and what to serve: `{"step": n, "merged": true, "adapter": "adapter" | null,
 "serve": "merged" | "adapter"}`.
+
+With `weights.transport=broadcast` most steps get a marker instead (`write_marker`: only
+`prime_hpc_weights.json` and `STABLE`, `"transport": "broadcast"`): the policy went to the
+servers over the network (`prime_hpc.trainer.publish`).
 """
 
 from __future__ import annotations
@@ -219,12 +223,19 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {clean_key(k): cast(torch.Tensor, v) for k, v in sd.items()}
 
 
-def _hf_weights(pol: Policy, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_weights(pol: Policy, sd: dict[str, torch.Tensor], own: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors the servers load, by HF name, in the exported dtype: LoRA merged, a tied
+    `lm_head` left out. `own`: none of them shares memory with the model (a single rank's
+    state dict is its live parameters, which the next optimizer step changes)."""
     if pol.lora_scaling is not None:
         sd = lora_mod.merge_lora(sd, pol.lora_scaling)
     if getattr(pol.hf_config, "tie_word_embeddings", False):
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-    return {k: v.detach().to(pol.save_dtype).contiguous() for k, v in sd.items()}
+    out = {k: v.detach().to(pol.save_dtype).contiguous() for k, v in sd.items()}
+    if own:
+        live = {t.untyped_storage().data_ptr() for t in (*pol.model.parameters(), *pol.model.buffers())}
+        out = {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in out.items()}
+    return out
 
 
 def _write_tokenizer(pol: Policy, out: Path) -> None:
@@ -247,11 +258,13 @@ def write_weights(
     sd: dict[str, torch.Tensor],
     serve_adapter: bool = False,
     info: Optional[dict] = None,
+    hf: Optional[dict[str, torch.Tensor]] = None,
 ) -> Path:
     """Rank 0: write `weights/step_<step>/` from a full state dict (see the module
     docstring for the layout) in a staging dir, move it into place, `STABLE` last. A LoRA
     run writes the adapter next to the merged weights; `serve_adapter` records that the
-    servers should load the adapter rather than the merged weights."""
+    servers should load the adapter rather than the merged weights. `hf`: `hf_weights(pol,
+    sd)` when the caller made them already."""
     from safetensors.torch import save_file
 
     final = run.weights_step(step)
@@ -260,7 +273,9 @@ def write_weights(
         if pol.lora_config is not None:
             lora_mod.write_adapter(tmp / run.weights_adapter(step).relative_to(final), sd, pol.lora_config)
         # the merged (or full) weights, always; the serving path chooses which to load
-        save_file(_hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            hf if hf is not None else hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+        )
         cfg = pol.hf_config
         old_dtype, old_cache = getattr(cfg, "dtype", None), getattr(cfg, "use_cache", None)
         cfg.dtype, cfg.use_cache = pol.save_dtype, True
@@ -279,6 +294,22 @@ def write_weights(
             "serve": "adapter" if lora and serve_adapter else "merged",
             **(info or {}),
         }
+        (tmp / "prime_hpc_weights.json").write_text(json.dumps(meta, indent=2) + "\n")
+        return publish_dir(tmp, final, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_marker(run: RunDir, step: int, info: Optional[dict] = None) -> Path:
+    """Rank 0, `weights.transport=broadcast` between checkpoints: `weights/step_<step>/`
+    with only `prime_hpc_weights.json` and `STABLE` (`{"step", "transport": "broadcast",
+    "weights": false}`): the policy of `step` is being sent to the servers, and nothing of
+    it is on disk."""
+    final = run.weights_step(step)
+    tmp = staging_dir(final)
+    try:
+        meta = {"step": step, "transport": "broadcast", "weights": False, **(info or {})}
         (tmp / "prime_hpc_weights.json").write_text(json.dumps(meta, indent=2) + "\n")
         return publish_dir(tmp, final, meta)
     except BaseException:

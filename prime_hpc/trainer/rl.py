@@ -10,8 +10,11 @@ Step n (n = 1, 2, ...; policy 0 is the base model, resume from N continues at N+
    the step's loss tokens over all ranks; clip the gradient norm; optimizer and LR-schedule
    step. Logits are divided by `temperature` from the step's info (default 1: vLLM
    returns raw, untempered logprobs unless asked for processed ones);
-3. rank 0 writes `weights/step_n` (HF safetensors + config + tokenizer, `STABLE` last),
-   then, once every rank has read its file, removes `rollouts/step_n`;
+3. rank 0 writes `weights/step_n` (HF safetensors + config + tokenizer, `STABLE` last;
+   with `weights.transport=broadcast` it sends the policy to every server in the
+   background instead, and the directory is a marker but at checkpoints and the last step:
+   `prime_hpc.trainer.publish`), then, once every rank has read its file, removes
+   `rollouts/step_n`;
 4. checkpoint when due (`prime_hpc.trainer.ckpt`); drop weights the orchestrator no
    longer needs (`runner.prune_weights`); one metrics line; heartbeat.
 
@@ -21,13 +24,15 @@ the heartbeat of every rank says `{"step": n, "done": true}`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, is_stable, read_json, stable_time, wait_for
 from prime_hpc.trainer import runner
+from prime_hpc.trainer.publish import Publisher
 from prime_hpc.trainer.runner import Session
 
 if TYPE_CHECKING:
@@ -142,9 +147,9 @@ def train(cfg: TrainerRunConfig) -> None:
     wait for the batch, read it, train on it, publish the weights, checkpoint, log."""
     from loguru import logger
 
-    from prime_hpc.runtime.stopping import CONTINUE, Stop
+    from prime_hpc.runtime.stopping import CHECKPOINT, CONTINUE, Stop
 
-    with runner.session(cfg, CHECKPOINT_PARTS) as s:
+    with runner.session(cfg, CHECKPOINT_PARTS) as s, _publisher(s) as pub:
         stop = Stop(s.run)
         step = s.start_step
         progress = dict((s.resumed or {}).get("progress", {"num_tokens": 0, "num_samples": 0}))
@@ -156,6 +161,8 @@ def train(cfg: TrainerRunConfig) -> None:
             got = _wait_for_batch(s, stop, step + 1, producer_log)
             code, finished = runner.agreed_stop(s, stop, not_ready=got != "ready")
             if code != CONTINUE:
+                if code == CHECKPOINT:
+                    pub.ensure_full(s, step)
                 runner.stop_here(s, step, code, {"progress": progress})
                 return
             if finished:
@@ -165,12 +172,22 @@ def train(cfg: TrainerRunConfig) -> None:
             data, timers = _read_batch(s, step, producer_log, waiting_since)
             t_wait = time.perf_counter() - t0
             result = _train_on(s, data, step, reference)
-            t_weights = _publish(s, step)
+            timers.update(_publish(s, pub, step))
             t_ckpt = _checkpoint_and_prune(s, step, result, progress)
-            _log_step(s, step, result, time.perf_counter() - t0, t_wait, t_weights, t_ckpt, progress, timers)
+            _log_step(s, step, result, time.perf_counter() - t0, t_wait, t_ckpt, progress, timers)
             runner.beat(s, step)
-        _finish(s, step, progress)
+        _finish(s, pub, step, progress)
         logger.info(f"done at step {step}")
+
+
+@contextlib.contextmanager
+def _publisher(s: Session) -> Iterator[Publisher]:
+    """How each policy reaches inference (`weights.transport`); its sender stopped on every path."""
+    pub = Publisher(s)
+    try:
+        yield pub
+    finally:
+        pub.close()
 
 
 def _reference_policy(cfg: TrainerRunConfig, env: DistEnv) -> Optional[nn.Module]:
@@ -222,17 +239,17 @@ def _train_on(s: Session, data: RolloutBatch, step: int, reference: Optional[nn.
     return s.engine.train_step(data.micro_batches, loss_fn, temperature=temperature)
 
 
-def _publish(s: Session, step: int) -> float:
-    """Write `weights/step_<step>`; once every rank has read its rollouts, rank 0 removes
-    them. Seconds spent writing the weights."""
+def _publish(s: Session, pub: Publisher, step: int) -> dict[str, float]:
+    """Write `weights/step_<step>` (or send the policy and write its marker); once every
+    rank has read its rollouts, rank 0 removes them. The timers of the hand-off."""
     from prime_hpc.rundir import batch as rollout_batch
     from prime_hpc.trainer.dist import barrier
 
-    t_weights = runner.save_weights(s, step)
+    timers = pub.publish(s, step, final=s.cfg.max_steps is not None and step == s.cfg.max_steps)
     barrier()  # every rank has read its rollout file
     if s.env.is_main:
         rollout_batch.remove_step(s.run, step)
-    return t_weights
+    return timers
 
 
 def _checkpoint_and_prune(s: Session, step: int, result: StepResult, progress: dict) -> float:
@@ -247,11 +264,13 @@ def _checkpoint_and_prune(s: Session, step: int, result: StepResult, progress: d
     return t_ckpt
 
 
-def _finish(s: Session, step: int, progress: dict) -> None:
-    """After the last step: its checkpoint if the data ended early, background saves done,
-    weights pruned, the heartbeat says done."""
+def _finish(s: Session, pub: Publisher, step: int, progress: dict) -> None:
+    """After the last step: its full weights and its checkpoint if the data ended early,
+    the last policy sent, background saves done, weights pruned, the heartbeat says done."""
+    pub.ensure_full(s, step)  # the last step's weights stay on disk whatever the transport
     if step > s.start_step and s.cfg.ckpt.enabled and step not in s.ckpt.requested:
         s.ckpt.save(step, s.engine, {"progress": progress})  # stopped early at rollouts/DONE
+    pub.wait()
     s.ckpt.wait()
     if s.env.is_main:  # a background save may have rotated a checkpoint away just now
         runner.prune_weights(s.run, step, s.cfg.async_level)
@@ -264,7 +283,6 @@ def _log_step(
     result: StepResult,
     t_step: float,
     t_wait: float,
-    t_weights: float,
     t_ckpt: float,
     progress: dict,
     timers: dict,
@@ -291,7 +309,6 @@ def _log_step(
     m.update(
         {
             "off_policy_steps/mean": sums["off_policy_steps"] / max(sums["num_samples"], 1.0),
-            "time/save_weights": t_weights,
             "time/save_ckpt": t_ckpt,
             "progress/num_tokens": progress["num_tokens"],
             "progress/num_samples": progress["num_samples"],

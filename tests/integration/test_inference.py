@@ -409,6 +409,48 @@ def test_weights_by_broadcast_serve_the_new_policy_exactly(inference, tmp_path):
 
 
 @pytest.mark.vllm
+def test_the_trainers_sender_brings_every_published_server_to_its_policy(inference, tmp_path, monkeypatch):
+    """Trainer rank 0's background sender (`prime_hpc.trainer.sender`) against the real
+    servers: it joins every server published in a run's `endpoints/` by itself, sends a
+    policy to all of them at once while the caller goes on, and keeps it: a server that
+    appears in a slot later gets it without another publish."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prime_hpc.core.net import LOOPBACK
+    from prime_hpc.inference.broadcast import Broadcaster
+    from prime_hpc.model import build_tiny_model
+    from prime_hpc.rundir import RunDir, atomic_write_json
+    from prime_hpc.trainer.sender import WeightSender
+
+    new_dir = tmp_path / "new"
+    build_tiny_model(new_dir, seed=11)
+    model = AutoModelForCausalLM.from_pretrained(new_dir, torch_dtype=torch.float32, local_files_only=True)
+    new = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    first, second = inference.endpoints.servers
+    run = RunDir(tmp_path / "run")
+    atomic_write_json(run.inference_endpoint(0), {"url": first})
+    sender = WeightSender(run, make=lambda url: Broadcaster(url, host=LOOPBACK, key=inference.key, timeout_s=120))
+    admin = inference.admin()
+    try:
+        sender.publish(21, new)
+        sender.wait()
+        assert sender.stats()["servers"] == 1 and sender.stats()["step"] == 21
+        atomic_write_json(run.inference_endpoint(1), {"url": second})  # a server joins: it gets policy 21 alone
+        deadline = time.monotonic() + 120
+        while [p["policy_step"] for p in asyncio.run(admin.policies())] != [21, 21]:
+            assert time.monotonic() < deadline, asyncio.run(admin.policies())
+            time.sleep(0.2)
+        for server in (first, second):
+            served, reference, out = _served_and_reference(inference, server, new_dir)
+            assert out["policy_step"] == 21 and max(abs(a - b) for a, b in zip(served, reference)) < TOLERANCE
+    finally:
+        sender.close()
+        results = asyncio.run(admin.reload_base())
+    assert [r["policy_step"] for r in results] == [0, 0]
+
+
+@pytest.mark.vllm
 def test_the_router_spreads_requests_over_the_servers(inference):
     """Round robin through the run's router: each server takes its share. (Failing over
     from a dead server: tests/unit/test_router.py, and a server killed mid-run in

@@ -12,7 +12,14 @@ is restarted in its slot, loads the run's current policy before it serves, and t
 later update; then server 0's engine is frozen (SIGSTOP): with requests in flight and none
 finished for `inference.stall_timeout_s` it is hung, taken out, killed and restarted, its
 requests retried on server 1. The run completes in the same attempt, both servers serving;
-nothing of a killed server is left behind."""
+nothing of a killed server is left behind.
+
+The run sends its weights by broadcast (`weights.transport=broadcast`; the filesystem path
+is covered by the other runs on the dev cluster): the trainer sends each policy straight to
+both servers and `weights/step_n` holds the full weights only at checkpoints (every 10
+steps) and at the end, loadable there; every restarted server gets the current policy from
+the trainer before it is routed; the mismatch KL of on-policy steps is as small as with the
+filesystem."""
 
 from __future__ import annotations
 
@@ -94,6 +101,16 @@ def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
     assert len(policies) == 2 and policies[slot] >= after["policy_step"], policies
 
 
+def _restarted(run: RunDir, slot: str, old_url: str, timeout_s: float = 300) -> dict:
+    """`slot`'s endpoint once a new server published it (its vLLM is up)."""
+    return _wait(
+        lambda: (e := run.server_endpoints().get(slot, {})).get("url") not in (None, old_url) and e,
+        timeout_s,
+        f"a new server in {slot}",
+        run,
+    )
+
+
 def _trainer(logs) -> list[int]:
     """The trainer's ranks (torchrun's workers: TORCHELASTIC_RUN_ID in their environment)."""
     ranks = procs.with_env("TORCHELASTIC_RUN_ID=", run_processes(logs), prefix=True)
@@ -124,6 +141,8 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
             "orchestrator.eval.interval=0",
             "inference.stall_timeout_s=20",
             "watchdog.stall_timeout_s=300",
+            "weights.transport=broadcast",
+            "ckpt.interval=10",
         ]
     )
     sub = launch.submit(cfg, [])
@@ -172,16 +191,19 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         assert sorted(again["workers"]) == sorted(s["url"] for s in servers)  # the relay's members
 
         # 1. server 1 dies: restarted in its slot, synced before it serves, in every later update. While a
-        # server restarts, the trainer is paused (SIGSTOP): on 2 cores a vLLM start beside training and
-        # generation takes minutes, alone ~40 s; the run then only waits for its weights.
+        # server restarts, the trainer is paused (SIGSTOP) until the new server is up: on 2 cores a vLLM
+        # start beside training and generation takes minutes, alone ~40 s. The trainer then sends it the
+        # current policy, and only then does the relay route to it.
         wait_for_step(run, 5)
         t_kill = time.time()
         gone = _server_processes(logs, servers[1]["pid"])
         os.kill(servers[1]["pid"], signal.SIGKILL)
         paused = _trainer(logs)
         _signal_all(paused, signal.SIGSTOP)
-        member1 = _rejoined(run, "inference_1", servers[1]["url"])
+        _restarted(run, "inference_1", servers[1]["url"])
         _signal_all(paused, signal.SIGCONT)
+        member1 = _rejoined(run, "inference_1", servers[1]["url"])
+        assert member1["policy_step"] >= 3, member1  # restarted with the base model: the trainer's policy came first
         row = fleet_row(run, "inference_1")
         assert (row["state"], row["restarts"], row["log"]) == ("serving", 1, str(logs / "inference" / "node_1.log"))
         _synced_at_next_update(run, "inference_1", member1)
@@ -198,9 +220,11 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         # the others still served), then pauses while the server restarts
         wait_fleet(run, "inference_0", lambda r: r["restarts"] == 1, "server 0 found hung and restarted", 120)
         _signal_all(paused, signal.SIGSTOP)
-        member0 = _rejoined(run, "inference_0", servers[0]["url"])
+        _restarted(run, "inference_0", servers[0]["url"])
         _signal_all(paused, signal.SIGCONT)
         paused = []
+        member0 = _rejoined(run, "inference_0", servers[0]["url"])
+        assert member0["policy_step"] > member1["policy_step"], (member0, member1)
         print(f"server 0 frozen -> serving again in {time.time() - t_stop:.0f}s")
         assert fleet_row(run, "inference_0")["restarts"] == 1
         _synced_at_next_update(run, "inference_0", member0)
@@ -215,9 +239,27 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
                 pass
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
     assert is_stable(run.weights_step(steps))  # the final policy, loadable by vLLM and transformers
+    # broadcast: full weights at the checkpoints and the last step, a marker at the other steps still kept
+    assert run.saved_weight_steps() == [10, 20, 30, 40], run.weight_steps()
+    markers = [s for s in run.weight_steps() if not run.has_weights(s)]
+    assert markers and max(markers) == steps - 1, run.weight_steps()
+    for s in markers:
+        assert sorted(p.name for p in run.weights_step(s).iterdir()) == ["STABLE", "prime_hpc_weights.json"]
+        assert json.loads((run.weights_step(s) / "prime_hpc_weights.json").read_text())["transport"] == "broadcast"
+    from transformers import AutoModelForCausalLM
+
+    for s in run.saved_weight_steps():
+        AutoModelForCausalLM.from_pretrained(run.weights_step(s))
     orch = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     trainer = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     assert [r["step"] for r in orch] == list(range(1, steps + 1)) == [r["step"] for r in trainer]
+    # as with weights from the filesystem: on-policy steps have the same logprobs in vLLM and the trainer
+    on_policy = [(r["step"], r["mismatch_kl/mean"]) for r in trainer if r["off_policy_steps/mean"] == 0]
+    print(f"on-policy steps (step, mismatch KL): {on_policy}")
+    assert trainer[0]["off_policy_steps/mean"] == 0 and max(kl for _, kl in on_policy) < 1e-6, on_policy
+    sent = [r for r in trainer if "time/weight_broadcast" in r]
+    assert len(sent) >= steps - 1 and sent[-1]["weights/broadcast_servers"] == 2, trainer[-1]
+    assert all(r["time/weight_update"] >= 0 for r in orch)
     assert orch[0]["inference/servers"] == 2 and orch[-1]["inference/servers"] == 2
     assert 1 in [r["inference/servers"] for r in orch[5:]]
     job = jobs.read_job(run)
@@ -234,6 +276,11 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         and "joined at policy" in (logs / "orchestrator.log").read_text()
     )
     assert "restarting it on the same socket" in (logs / "inference" / "router_0.log").read_text()
+    trainer_log = (logs / "trainer" / "node_0.log").read_text()
+    for slot in ("inference_0", "inference_1"):  # at the start and once more after its restart
+        assert trainer_log.count(f"joined the weight group of {slot} ") == 2, trainer_log[-3000:]
+        log = (logs / "inference" / f"node_{slot[-1]}.log").read_text()
+        assert log.count(f"{slot} joined the weight group of 127.0.0.1:") == 2, log[-3000:]
     out = cli("status", str(run.root)).stdout
     assert "lost: inference_1" in out and "node_1.log" in out and "restarted in its slot" in out, out
     assert "SERVER" in out and "RESTARTS" in out, out

@@ -103,6 +103,15 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         ),
         (["cluster.orchestrator.nodes=2"], "cluster.orchestrator.nodes", "exactly one node"),
         (["cluster.trainer.mem_gb=8"], "cluster.orchestrator.mem_gb", "every group or for none"),
+        (
+            [
+                "weights.transport=broadcast",
+                "trainer.model.lora.enabled=true",
+                "ckpt.weights.save_adapter_separately=true",
+            ],
+            "ckpt.weights.save_adapter_separately",
+            "weights.transport=filesystem",
+        ),
     ],
 )
 def test_validation_rule(tmp_path, overrides, key, fix):

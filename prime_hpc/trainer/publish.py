@@ -1,0 +1,110 @@
+"""How the RL trainer hands each new policy to inference (`weights.transport`).
+
+- `filesystem`: rank 0 writes the full weights to `weights/step_<n>` every step; the
+  orchestrator's relay loads them into every server.
+- `broadcast`: rank 0 sends them to every server itself (`prime_hpc.trainer.sender`, in
+  the background while the next step trains) and writes `weights/step_<n>` as a marker
+  only (`model.write_marker`: it tells the orchestrator that policy n is on its way), with
+  the full weights at the checkpointed steps and the last one
+  (`rundir.checkpoints.full_weights_due`), and at any step a checkpoint is saved at
+  otherwise (`ensure_full`: a stop on request, an early end), so eval, a resume and uploads
+  always find weights on disk next to a checkpoint.
+
+Every rank calls `publish` (gathering the full state dict is a collective); the decision
+of what to write depends only on the config and the step, so the ranks agree.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+from prime_hpc.rundir.checkpoints import full_weights_due
+
+if TYPE_CHECKING:
+    from prime_hpc.trainer.runner import Session
+    from prime_hpc.trainer.sender import WeightSender
+
+BROADCAST_INFO = {"transport": "broadcast"}
+
+
+class Publisher:
+    def __init__(self, s: "Session") -> None:
+        self.transport = s.cfg.weights.transport
+        self.start = s.start_step
+        self.full: set[int] = set()  # steps whose full weights this run wrote
+        self.sender: Optional[WeightSender] = None
+        if self.transport == "broadcast" and s.env.is_main:
+            from prime_hpc.core.errors import UserError
+            from prime_hpc.inference.client import API_KEY_VAR, api_key
+            from prime_hpc.trainer.sender import WeightSender
+
+            if not api_key():
+                raise UserError(
+                    f"weights.transport=broadcast: {API_KEY_VAR} is not set: the servers take weights only with it"
+                )
+
+            self.sender = WeightSender(s.run)
+
+    def publish(self, s: "Session", step: int, final: bool) -> dict[str, float]:
+        """Hand policy `step` on; the step's timers (`time/save_weights`: the gather and
+        what was written; with broadcast also the wait for the previous send and its
+        numbers)."""
+        from prime_hpc.trainer import runner
+
+        full = full_weights_due(step, final, s.cfg.ckpt, self.transport)
+        if self.transport != "broadcast":
+            self.full.add(step)
+            return {"time/save_weights": runner.save_weights(s, step)}
+        from prime_hpc.trainer.model import full_state_dict, hf_weights, write_marker, write_weights
+
+        t0 = time.perf_counter()
+        sd = full_state_dict(s.policy.model)
+        timers: dict[str, float] = {}
+        waited = 0.0
+        if self.sender is not None:
+            hf = hf_weights(s.policy, sd, own=True)
+            waited = self.sender.wait()  # the previous policy has reached every server it could
+            timers.update(send_metrics(self.sender.stats()))
+            timers["time/wait_for_broadcast"] = waited
+            if full:
+                serve_adapter = bool(s.cfg.ckpt.weights.save_adapter_separately)
+                write_weights(s.run, step, s.policy, sd, serve_adapter=serve_adapter, info=BROADCAST_INFO, hf=hf)
+            else:
+                write_marker(s.run, step)
+            del sd
+            self.sender.publish(step, hf)
+        if full:
+            self.full.add(step)
+        timers["time/save_weights"] = time.perf_counter() - t0 - waited
+        return timers
+
+    def ensure_full(self, s: "Session", step: int) -> None:
+        """A checkpoint is (being) saved at `step`: its full weights must be on disk too."""
+        if self.transport == "broadcast" and step > self.start and step not in self.full:
+            from prime_hpc.trainer import runner
+
+            runner.save_weights(s, step, info=BROADCAST_INFO)
+            self.full.add(step)
+
+    def wait(self) -> None:
+        """The newest policy has reached every server it could (before the trainer ends:
+        a server whose sender vanishes midway has half its weights)."""
+        if self.sender is not None:
+            self.sender.wait()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+def send_metrics(last: dict) -> dict[str, float]:
+    """The newest send's numbers as metrics (of the policy before the step's own)."""
+    if not last:
+        return {}
+    return {
+        "time/weight_broadcast": float(last.get("seconds", 0.0)),
+        "time/weight_broadcast_drain": float(last.get("drain", 0.0)),
+        "time/weight_broadcast_load": float(last.get("load", 0.0)),
+        "weights/broadcast_servers": float(last.get("servers", 0)),
+    }

@@ -1,0 +1,287 @@
+"""`weights.transport=broadcast` without servers: which steps keep full weights and which
+get a marker, the run directory's view of both, the trainer's background sender (against
+stand-in Broadcasters) and the orchestrator's relay waiting for the servers (against a
+stand-in admin client)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+from loguru import logger
+
+from prime_hpc.config.component import component_config
+from prime_hpc.config.compose import compose
+from prime_hpc.rundir import RunDir, atomic_write_json, is_stable, mark_stable
+from prime_hpc.rundir.checkpoints import full_weights_due
+
+
+# ----------------------------------------------------------------------------- what is written
+@pytest.mark.parametrize(
+    "transport, interval, enabled, expected",
+    [
+        ("filesystem", None, False, [1, 2, 3, 4, 5, 6, 7]),  # every step, as always
+        ("broadcast", 3, False, [3, 6, 7]),  # checkpoints and the last step
+        ("broadcast", None, True, [7]),  # a checkpoint at the end only
+        ("broadcast", None, False, [7]),  # no checkpoints: still the last step
+    ],
+)
+def test_full_weights_at_checkpoints_and_the_last_step_with_broadcast(transport, interval, enabled, expected):
+    ckpt = NS(interval=interval, enabled=enabled)
+    assert [s for s in range(1, 8) if full_weights_due(s, s == 7, ckpt, transport)] == expected
+
+
+def test_the_trainer_and_the_orchestrator_are_told_the_transport(tmp_path):
+    cfg = compose(["+experiment=reverse_text", f"output_dir={tmp_path}/run", "weights.transport=broadcast"])
+    for component in ("trainer", "orchestrator", "inference"):
+        assert component_config(cfg, component)["weights"] == {"transport": "broadcast"}, component
+
+
+def _full(run: RunDir, step: int) -> None:
+    d = run.weights_step(step)
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"x")
+    mark_stable(d, {"step": step})
+
+
+def test_a_marker_is_a_complete_step_without_weights_and_readers_skip_it(tmp_path):
+    from prime_hpc.model import resolve_model
+    from prime_hpc.trainer.model import write_marker
+    from prime_hpc.trainer.runner import prune_weights
+
+    run = RunDir(tmp_path)
+    (tmp_path / "config.yaml").write_text("{}\n")
+    for step in range(1, 9):
+        if step in (3, 6):
+            _full(run, step)
+        else:
+            write_marker(run, step)
+    d = run.weights_step(5)
+    assert sorted(p.name for p in d.iterdir()) == ["STABLE", "prime_hpc_weights.json"]
+    meta = json.loads((d / "prime_hpc_weights.json").read_text())
+    assert meta == {"step": 5, "transport": "broadcast", "weights": False}
+    assert json.loads((d / "STABLE").read_text())["transport"] == "broadcast"
+    assert run.weight_steps() == list(range(1, 9))  # the relay sees every policy
+    assert [s for s in range(1, 9) if run.has_weights(s)] == [3, 6]
+    assert run.saved_weight_steps() == [3, 6]
+    half = run.weights_step(9)
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"x")  # not marked yet
+    assert not run.has_weights(9) and run.saved_weight_steps() == [3, 6]
+    assert resolve_model(str(tmp_path)) == str(run.weights_step(6))  # the newest weights, not step 8's marker
+    # retention treats markers like weights: after step 8 at async_level 2 policies >= 5 stay, and step 3
+    # stays with its checkpoint
+    (run.checkpoint_part(3, "trainer")).mkdir(parents=True)
+    assert prune_weights(run, 8, async_level=2) == [1, 2, 4]
+    assert run.weight_steps() == [3, 5, 6, 7, 8] and run.saved_weight_steps() == [3, 6]
+
+
+def test_the_policy_handed_to_the_sender_is_a_copy_of_the_live_parameters():
+    from prime_hpc.trainer.model import Policy, full_state_dict, hf_weights
+
+    model = torch.nn.Linear(3, 2)
+    pol = Policy(model, None, "x", NS(tie_word_embeddings=False), None, torch.float32)
+    sd = full_state_dict(model)
+    assert sd["weight"].data_ptr() == model.weight.data_ptr()  # one rank: the state dict is the parameters
+    own = hf_weights(pol, sd, own=True)
+    assert own["weight"].data_ptr() != model.weight.data_ptr() and torch.equal(own["weight"], model.weight)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next optimizer step
+    assert not torch.equal(own["weight"], model.weight)
+
+
+# ----------------------------------------------------------------------------- the trainer's sender
+class FakeBroadcaster:
+    """Records joins and sends; `fail` holds the URLs whose next send fails."""
+
+    def __init__(self, url: str, log: list, fail: set) -> None:
+        self.url, self.log, self.fail = url, log, fail
+
+    def join(self) -> dict:
+        self.log.append(("join", self.url))
+        return {}
+
+    def send(self, step, named, announced) -> dict:
+        assert [n for n, _ in named] == announced["names"]
+        self.log.append(("send", self.url, step))
+        if self.url in self.fail:
+            raise RuntimeError(f"{self.url}: the group timed out")
+        time.sleep(0.05)
+        return {"bytes": 24, "drain_s": 0.01, "load_s": 0.02}
+
+    def close(self, leave: bool = True) -> None:
+        self.log.append(("close", self.url))
+
+
+def _until(pred, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_sender_joins_every_server_sends_each_policy_and_syncs_a_replaced_one(tmp_path):
+    from prime_hpc.trainer.sender import WeightSender
+
+    run = RunDir(tmp_path)
+    log: list = []
+    fail: set = set()
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+    atomic_write_json(run.inference_endpoint(0), {"url": "http://a"})
+    atomic_write_json(run.inference_endpoint(1), {"url": "http://b"})
+    sender = WeightSender(run, make=lambda url: FakeBroadcaster(url, log, fail), poll_s=0.02)
+    try:
+        _until(lambda: {("join", "http://a"), ("join", "http://b")} <= set(log))  # joined before any policy
+        w = {"w": torch.ones(2)}
+        sender.publish(1, w)
+        assert sender.wait() >= 0 and {("send", "http://a", 1), ("send", "http://b", 1)} <= set(log)
+        sender.publish(2, w)  # returns at once: sent in the background
+        assert ("send", "http://a", 2) not in log
+        sender.wait()
+        assert sender.stats() == pytest.approx(
+            {"step": 2, "seconds": sender.stats()["seconds"], "servers": 2, "bytes": 24, "drain": 0.01, "load": 0.02}
+        )
+        assert 0.04 < sender.stats()["seconds"] < 5  # the two servers at once
+        fail.add("http://b")  # server 1 fails a send: left out, the trainer goes on
+        sender.publish(3, w)
+        sender.wait()
+        assert sender.stats()["servers"] == 1
+        sender.publish(4, w)
+        sender.wait()
+        assert ("send", "http://b", 4) not in log and ("send", "http://a", 4) in log
+        assert sum("left out: policy 3 failed" in line for line in lines) == 1
+        # a new server takes slot 1 (its supervisor restarted it): joined and sent the current policy at once
+        atomic_write_json(run.inference_endpoint(1), {"url": "http://c"})
+        _until(lambda: ("send", "http://c", 4) in log)
+        assert log.index(("join", "http://c")) < log.index(("send", "http://c", 4)) and ("close", "http://b") in log
+        run.inference_endpoint(0).unlink()  # server 0 left
+        _until(lambda: ("close", "http://a") in log)
+        sender.wait()
+        sender.publish(5, w)
+        sender.wait()
+        assert ("send", "http://c", 5) in log and ("send", "http://a", 5) not in log
+    finally:
+        sender.close()
+        logger.remove(sink)
+
+
+# ----------------------------------------------------------------------------- the relay
+class FakeAdmin:
+    """The admin client's membership and `GET /policy`, from a dict url -> policy step."""
+
+    def __init__(self, policies: dict) -> None:
+        self.policies = policies
+        self.servers = list(policies)
+        self.lost: dict = {}
+        self.unjoined: set = set()  # servers in no weight group
+        self.asked = 0
+
+    @property
+    def live(self) -> list:
+        return [s for s in self.servers if s not in self.lost]
+
+    def add(self, server: str) -> None:
+        if server not in self.servers:
+            self.servers.append(server)
+
+    def remove(self, server: str) -> None:
+        if server in self.servers:
+            self.servers.remove(server)
+
+    async def policy_of(self, to=None) -> dict:
+        self.asked += 1
+        return {
+            s: {"policy_step": self.policies[s], "weights_joined": s not in self.unjoined}
+            for s in (self.live if to is None else to)
+        }
+
+
+def test_the_relay_moves_on_once_every_server_received_the_broadcast_policy(tmp_path, monkeypatch):
+    from prime_hpc.orchestrator import relay as relay_mod
+    from prime_hpc.trainer.model import write_marker
+
+    run = RunDir(tmp_path)
+    admin = FakeAdmin({"http://a": 1, "http://b": 1})
+    relay = relay_mod.WeightRelay(run, admin, "m", transport="broadcast")
+    relay.policy = 1
+    write_marker(run, 2)
+
+    async def go() -> None:
+        task = asyncio.create_task(relay.update(2))  # calls no server: a FakeAdmin has no update_weights
+        await asyncio.sleep(0.2)
+        assert not task.done() and relay.policy == 1  # the servers still serve policy 1
+        admin.policies["http://a"] = 2
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        admin.policies["http://b"] = 3  # a later one is as good
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    assert relay.policy == 2 and relay.updates[-1]["step"] == 2 and relay.updates[-1]["seconds"] >= 0.4
+    assert relay.gauges()["time/weight_update"] == relay.updates[-1]["seconds"]
+
+    # a server the policy never reaches is waited for BROADCAST_WAIT_S, then left out
+    monkeypatch.setattr(relay_mod, "BROADCAST_WAIT_S", 0.3)
+    write_marker(run, 4)
+    admin.policies["http://a"] = 4
+    asyncio.run(asyncio.wait_for(relay.update(4), 5))
+    assert relay.policy == 4 and admin.live == ["http://a"]
+
+    # a server in no weight group (the trainer's send to it failed) is waited for UNJOINED_WAIT_S only
+    monkeypatch.setattr(relay_mod, "BROADCAST_WAIT_S", 60)
+    monkeypatch.setattr(relay_mod, "UNJOINED_WAIT_S", 0.2)
+    admin.add("http://c")
+    admin.policies["http://c"] = 4
+    admin.unjoined.add("http://c")
+    write_marker(run, 5)
+    admin.policies["http://a"] = 5
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(relay.update(5), 5))
+    assert relay.policy == 5 and admin.live == ["http://a"] and time.monotonic() - t0 < 2
+
+
+def test_a_joining_server_is_routed_only_once_the_trainer_sent_it_the_current_policy(tmp_path, monkeypatch):
+    from prime_hpc.orchestrator import fleet as fleet_mod
+    from prime_hpc.orchestrator.relay import WeightRelay
+    from prime_hpc.rundir.fleet import read_membership
+
+    added: list = []
+
+    async def add_worker(router, url):
+        added.append(url)
+
+    monkeypatch.setattr(fleet_mod, "add_worker", add_worker)
+    monkeypatch.setattr(fleet_mod, "JOIN_TIMEOUT_S", 0.2)
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
+    run = RunDir(tmp_path)
+    admin = FakeAdmin({"http://a": 3, "http://new": 0})
+    admin.servers = ["http://a"]
+    relay = WeightRelay(run, admin, "m", router="http://router", transport="broadcast")
+    relay.policy = 3
+    relay.members.start_with([{"url": "http://a", "node": 0}], 3)
+    atomic_write_json(run.inference_endpoint(1), {"url": "http://new", "node": 1, "policy_step": 0})
+
+    async def go() -> None:
+        for _ in range(3):  # restarted with the base model: it waits for the trainer's send
+            await relay.members.poll(force=True)
+            assert read_membership(run)["inference_1"]["state"] == "loading weights"
+            await asyncio.sleep(0.15)
+        assert added == [] and "http://new" not in admin.live
+        admin.policies["http://new"] = 4  # the trainer sent it its newest policy
+        await relay.members.poll(force=True)
+
+    try:
+        asyncio.run(go())
+    finally:
+        logger.remove(sink)
+    assert added == ["http://new"] and "http://new" in admin.live
+    member = read_membership(run)["inference_1"]
+    assert (member["state"], member["policy_step"]) == ("serving", 4)
+    assert sum("has not got the current policy" in line for line in lines) == 1, lines
+    assert is_stable(run.weights_step(3)) is False  # nothing was loaded from disk
