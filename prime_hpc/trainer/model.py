@@ -226,13 +226,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def hf_weights(pol: Policy, sd: dict[str, torch.Tensor], own: bool = False) -> dict[str, torch.Tensor]:
     """The tensors the servers load, by HF name, in the exported dtype: LoRA merged, a tied
     `lm_head` left out. `own`: none of them shares memory with the model (a single rank's
-    state dict is its live parameters, which the next optimizer step changes)."""
+    state dict is its live parameters, which the next optimizer step changes; a sharded
+    model's is gathered into new tensors)."""
     if pol.lora_scaling is not None:
         sd = lora_mod.merge_lora(sd, pol.lora_scaling)
     if getattr(pol.hf_config, "tie_word_embeddings", False):
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     out = {k: v.detach().to(pol.save_dtype).contiguous() for k, v in sd.items()}
-    if own:
+    if own and not pol.sharded:
         live = {t.untyped_storage().data_ptr() for t in (*pol.model.parameters(), *pol.model.buffers())}
         out = {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in out.items()}
     return out

@@ -84,7 +84,7 @@ def test_the_policy_handed_to_the_sender_is_a_copy_of_the_live_parameters():
     from prime_hpc.trainer.model import Policy, full_state_dict, hf_weights
 
     model = torch.nn.Linear(3, 2)
-    pol = Policy(model, None, "x", NS(tie_word_embeddings=False), None, torch.float32)
+    pol = Policy(model, None, "x", NS(tie_word_embeddings=False), None, torch.float32, sharded=False)
     sd = full_state_dict(model)
     assert sd["weight"].data_ptr() == model.weight.data_ptr()  # one rank: the state dict is the parameters
     own = hf_weights(pol, sd, own=True)
