@@ -126,6 +126,35 @@ def _signal_all(pids, sig) -> None:
             pass
 
 
+def _sending(run: RunDir) -> bool:
+    """Is a policy on its way to a serving server? (The trainer writes a policy's marker
+    just before it sends it; a server that has it serves it.)"""
+    newest = max(run.weight_steps(), default=0)
+    for m in _members(run).values():
+        if m["state"] != "serving":
+            continue
+        try:
+            if _policy(m["url"]) < newest:
+                return True
+        except httpx.HTTPError:  # a server that just died
+            continue
+    return False
+
+
+def _pause_trainer(run: RunDir, logs) -> list[int]:
+    """SIGSTOP the trainer's ranks between two sends: a server paused for a policy that
+    stops arriving midway would be hung for inference.stall_timeout_s."""
+    deadline = time.monotonic() + 120
+    while True:
+        ranks = _trainer(logs)
+        _signal_all(ranks, signal.SIGSTOP)
+        if not _sending(run):
+            return ranks
+        _signal_all(ranks, signal.SIGCONT)
+        assert time.monotonic() < deadline, "the trainer was always sending"
+        time.sleep(0.05)
+
+
 def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
@@ -198,8 +227,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         t_kill = time.time()
         gone = _server_processes(logs, servers[1]["pid"])
         os.kill(servers[1]["pid"], signal.SIGKILL)
-        paused = _trainer(logs)
-        _signal_all(paused, signal.SIGSTOP)
+        paused = _pause_trainer(run, logs)
         _restarted(run, "inference_1", servers[1]["url"])
         _signal_all(paused, signal.SIGCONT)
         member1 = _rejoined(run, "inference_1", servers[1]["url"])
@@ -219,7 +247,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         # the trainer keeps going until the hang is found (its requests in flight on the frozen server,
         # the others still served), then pauses while the server restarts
         wait_fleet(run, "inference_0", lambda r: r["restarts"] == 1, "server 0 found hung and restarted", 120)
-        _signal_all(paused, signal.SIGSTOP)
+        paused = _pause_trainer(run, logs)
         _restarted(run, "inference_0", servers[0]["url"])
         _signal_all(paused, signal.SIGCONT)
         paused = []
