@@ -351,12 +351,15 @@ class RunDir:
         return _steps_in(self.weights_dir, require_stable=stable_only)
 
     def has_weights(self, step: int) -> bool:
-        """Does `weights/step_<step>` hold loadable weights (complete, with safetensors)?
-        False for a broadcast marker (`prime_hpc_weights.json` and `STABLE` only)."""
+        """Does `weights/step_<step>` hold loadable weights? It is complete and not a
+        broadcast marker (whose `STABLE` says `"weights": false`: only
+        `prime_hpc_weights.json` and `STABLE` are there)."""
         d = self.weights_step(step)
+        if not is_stable(d):
+            return False
         try:
-            return is_stable(d) and any(n.endswith(".safetensors") for n in os.listdir(d))
-        except OSError:
+            return json.loads((d / STABLE).read_text()).get("weights", True) is not False
+        except (OSError, ValueError, AttributeError):
             return False
 
     def saved_weight_steps(self) -> list[int]:
