@@ -17,7 +17,7 @@ of what to write depends only on the config and the step, so the ranks agree.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.rundir.checkpoints import full_weights_due
 
@@ -28,9 +28,26 @@ if TYPE_CHECKING:
 BROADCAST_INFO = {"transport": "broadcast"}
 
 
+def refusal(transport: str, device: str, hf_config: Any) -> Optional[str]:
+    """Why this run cannot send its policies by broadcast (one line), or None. A model that
+    ties its input and output embeddings cannot be updated in place by CPU vLLM: its
+    servers refuse every policy, and the run would go on with none of them serving."""
+    if transport == "broadcast" and device == "cpu" and getattr(hf_config, "tie_word_embeddings", False):
+        return (
+            "weights.transport=broadcast: this model ties its input and output embeddings, which CPU vLLM "
+            "cannot update in place; use a model with tie_word_embeddings=false"
+        )
+    return None
+
+
 class Publisher:
     def __init__(self, s: "Session") -> None:
         self.transport = s.cfg.weights.transport
+        why = refusal(self.transport, s.cfg.device, s.policy.hf_config)
+        if why is not None:
+            from prime_hpc.core.errors import UserError
+
+            raise UserError(why)
         self.start = s.start_step
         self.full: set[int] = set()  # steps whose full weights this run wrote
         self.sender: Optional[WeightSender] = None

@@ -285,3 +285,18 @@ def test_a_joining_server_is_routed_only_once_the_trainer_sent_it_the_current_po
     assert (member["state"], member["policy_step"]) == ("serving", 4)
     assert sum("has not got the current policy" in line for line in lines) == 1, lines
     assert is_stable(run.weights_step(3)) is False  # nothing was loaded from disk
+
+
+def test_a_tied_model_on_cpu_is_refused_broadcast_up_front():
+    """CPU vLLM refuses in-place updates of tied embeddings: the trainer says so in one line
+    at its start instead of sending policies every server refuses."""
+    from types import SimpleNamespace
+
+    from prime_hpc.trainer.publish import refusal
+
+    tied, untied = SimpleNamespace(tie_word_embeddings=True), SimpleNamespace(tie_word_embeddings=False)
+    why = refusal("broadcast", "cpu", tied)
+    assert why is not None and "tie_word_embeddings=false" in why and "\n" not in why
+    assert refusal("broadcast", "cpu", untied) is None
+    assert refusal("broadcast", "cuda", tied) is None  # CUDA vLLM reloads tied weights in place
+    assert refusal("filesystem", "cpu", tied) is None  # the servers refuse it themselves (409, the relay stops)
