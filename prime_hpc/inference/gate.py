@@ -130,6 +130,11 @@ class PolicyGate:
                 self.progress_at = time.time()  # an update is work: its own progress is its end
 
     @property
+    def update_under_way(self) -> bool:
+        """A weight update is under way (loading, or waiting to load)."""
+        return self._writer or self._updating
+
+    @property
     def busy(self) -> bool:
         """Generations in flight or an update under way: work that must make progress (an
         engine that hangs holds them)."""

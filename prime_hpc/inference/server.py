@@ -237,6 +237,7 @@ class Server:
             slurm_step=jobenv.slurm_step(),
             policy_step=gate.step,
             in_flight=gate.active,
+            updating=gate.update_under_way,
             progress_at=gate.progress_at,
             waiting_on=None if gate.busy else "orchestrator",
         )

@@ -76,7 +76,8 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bo
 def hung_servers(beats: dict[str, dict], timeout_s: float, now: float) -> dict[str, Optional[str]]:
     """{slot: None if the server can serve, else why it is hung} for every inference
     server's heartbeat: silent for `timeout_s`, or requests in flight and none finished
-    for `timeout_s` (0: never hung)."""
+    for `timeout_s`, or a weight update under way for `timeout_s` (an engine frozen in an
+    update takes no request: nothing else would show it; 0: never hung)."""
     out: dict[str, Optional[str]] = {}
     for name, b in beats.items():
         if not parse_slot(name) or b.get("done") or not isinstance(b.get("time"), (int, float)):
@@ -86,6 +87,8 @@ def hung_servers(beats: dict[str, dict], timeout_s: float, now: float) -> dict[s
             out[name] = f"no heartbeat for {int(silent)}s"
         elif timeout_s > 0 and int(b.get("in_flight") or 0) > 0 and idle > timeout_s:
             out[name] = f"alive, but no progress for {int(idle)}s with {b['in_flight']} request(s) in flight"
+        elif timeout_s > 0 and b.get("updating") and idle > timeout_s:
+            out[name] = f"alive, but no progress for {int(idle)}s in a weight update"
         else:
             out[name] = None
     return out

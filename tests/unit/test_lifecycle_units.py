@@ -389,6 +389,11 @@ def test_a_hung_server_is_found_by_its_own_timeout_and_excuses_the_orchestrator_
     assert stalled(beats, 60, now) is None  # the orchestrator waits for what inference_0 holds
     beats["inference_0"]["progress_at"] = now - 5  # the server works on (long rollouts): a wait, no stall
     assert hung_servers(beats, 60, now)["inference_0"] is None and stalled(beats, 60, now) is None
+    beats["inference_0"].update(in_flight=0, updating=True, progress_at=now - 70)  # frozen in an update
+    assert hung_servers(beats, 60, now)["inference_0"] == "alive, but no progress for 70s in a weight update"
+    beats["inference_0"]["progress_at"] = now - 5  # an update begun 5 s ago: not hung yet
+    assert hung_servers(beats, 60, now)["inference_0"] is None
+    beats["inference_0"].update(in_flight=8, updating=False)
     beats["inference_0"]["time"] = now - 61  # its loop froze
     assert hung_servers(beats, 60, now)["inference_0"] == "no heartbeat for 61s"
     beats["inference_0"].update(time=now - 1, waiting_on="orchestrator", in_flight=0)  # every server idle
