@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from prime_hpc.trainer.sender import WeightSender
 
 BROADCAST_INFO = {"transport": "broadcast"}
+FINAL_SEND_S = 120.0  # longest the trainer's end waits for its last policy to reach the servers
 
 
 def refusal(transport: str, device: str, hf_config: Any) -> Optional[str]:
@@ -78,12 +79,10 @@ class Publisher:
         t0 = time.perf_counter()
         sd = full_state_dict(s.policy.model)
         timers: dict[str, float] = {}
-        waited = 0.0
         if self.sender is not None:
             hf = hf_weights(s.policy, sd, own=True)
-            waited = self.sender.wait()  # the previous policy has reached every server it could
             timers.update(send_metrics(self.sender.stats()))
-            timers["time/wait_for_broadcast"] = waited
+            timers["weights/broadcast_behind"] = float(len(self.sender.behind()))
             if full:
                 serve_adapter = bool(s.cfg.ckpt.weights.save_adapter_separately)
                 write_weights(s.run, step, s.policy, sd, serve_adapter=serve_adapter, info=BROADCAST_INFO, hf=hf)
@@ -93,7 +92,7 @@ class Publisher:
             self.sender.publish(step, hf)
         if full:
             self.full.add(step)
-        timers["time/save_weights"] = time.perf_counter() - t0 - waited
+        timers["time/save_weights"] = time.perf_counter() - t0
         return timers
 
     def ensure_full(self, s: "Session", step: int) -> None:
@@ -105,10 +104,16 @@ class Publisher:
             self.full.add(step)
 
     def wait(self) -> None:
-        """The newest policy has reached every server it could (before the trainer ends:
-        a server whose sender vanishes midway has half its weights)."""
-        if self.sender is not None:
-            self.sender.wait()
+        """Before the trainer ends: the newest policy reaches every server it can, for at
+        most `FINAL_SEND_S` (a server whose sender vanishes midway has half its weights,
+        and restarts)."""
+        if self.sender is not None and not self.sender.wait(FINAL_SEND_S):
+            from loguru import logger
+
+            logger.warning(
+                f"weights: the last policy had not reached {', '.join(self.sender.behind())} after "
+                f"{FINAL_SEND_S:g}s; the trainer ends without waiting longer"
+            )
 
     def close(self) -> None:
         if self.sender is not None:
@@ -116,7 +121,8 @@ class Publisher:
 
 
 def send_metrics(last: dict) -> dict[str, float]:
-    """The newest send's numbers as metrics (of the policy before the step's own)."""
+    """The newest delivery's numbers as metrics (of a policy before the step's own:
+    seconds from its publish to the last server that got it, and how many did)."""
     if not last:
         return {}
     return {

@@ -1,19 +1,20 @@
 """Trainer rank 0's side of `weights.transport=broadcast`: every new policy sent straight to
 every inference server of the run, in the background while the next step trains.
 
-Consumes: `endpoints/<slot>.json` (each server's URL, polled every `POLL_S` and at each
-publish) and the policies `publish(step, named)` hands over (HF-named CPU tensors, what
-`weights/step_<n>` would hold). Produces: each server serving the newest policy, through
-one `prime_hpc.inference.broadcast.Broadcaster` per slot (its own weight group; joined as
-soon as the server is published, joined again when the slot's URL changes: a restarted
-server or one of an extra job); `stats()`, the newest policy's send.
+Consumes: `endpoints/<slot>.json` (each server's URL, polled every `POLL_S`) and the
+policies `publish(step, named)` hands over (HF-named CPU tensors, what `weights/step_<n>`
+would hold). Produces: each server serving the newest policy, through one
+`prime_hpc.inference.broadcast.Broadcaster` per slot (its own weight group; joined as soon
+as the server is published, joined again when the slot's URL changes: a restarted server
+or one of an extra job); `stats()`, the newest policy's delivery.
 
-At most one exchange is under way: `publish` first waits for the previous one (the
-overlap of the filesystem path: step n+1 trains while policy n travels). The newest
-policy is kept, so a server that joins later (found between two publishes too) gets the
-current one before the orchestrator routes to it. A server whose join or send fails is
-logged in one line and left out until its endpoint changes (its supervisor restarts it;
-a server that fails midway exits by itself); the trainer never fails for one server.
+Each server has a thread of its own, and `publish` never waits for any of them: a server
+still busy with an older policy (slow, or frozen until the watchdog restarts it) gets the
+newest one once it is free, skipping those in between, and delays no other server and not
+the trainer. Only the newest policy is kept, so a server that joins later gets the current
+one before the orchestrator routes to it. A server whose join or send fails is logged in
+one line and left out until its endpoint changes (its supervisor restarts it; a server
+that fails midway exits by itself); the trainer never fails for one server.
 """
 
 from __future__ import annotations
@@ -27,20 +28,32 @@ from loguru import logger
 
 from prime_hpc.rundir import RunDir
 
-POLL_S = 1.0  # how often endpoints/ is read between two publishes
+POLL_S = 1.0  # how often endpoints/ is read
+KEPT_STEPS = 4  # deliveries remembered for stats(), newest first
 
 
 @dataclass
 class Link:
-    """One server's weight group, as this side knows it."""
+    """One server's weight group, as this side knows it; only its own thread touches
+    `sender`."""
 
     slot: str
     url: str
     sender: Any  # a Broadcaster
     joined: bool = False
     sent: Optional[int] = None  # the newest policy it got from here
+    busy: bool = False  # a join or send under way
     dropped: Optional[str] = None  # why it is left out (until its slot's URL changes)
-    answer: dict = field(default_factory=dict)  # the server's answer to the newest send
+    closed: bool = False  # its slot is gone or taken by another server: the thread closes the group and ends
+    thread: Optional[threading.Thread] = field(default=None, repr=False)
+
+
+@dataclass
+class Policy:
+    step: int
+    named: list  # [(name, tensor)]
+    announced: dict
+    at: float  # when it was published (time.monotonic)
 
 
 class WeightSender:
@@ -55,119 +68,124 @@ class WeightSender:
         self.make = make
         self.poll_s = poll_s
         self.links: dict[str, Link] = {}
-        self.latest: Optional[tuple[int, list, dict]] = None  # (step, [(name, tensor)], announcement)
-        self.last: dict = {}  # the newest policy's send: step, seconds, servers, bytes, drain, load
-        self._pending: Optional[tuple[int, list]] = None
-        self._busy = False
+        self.latest: Optional[Policy] = None
+        self.delivered: dict[int, list[tuple[float, dict]]] = {}  # step -> [(seconds after publish, answer)]
         self._closed = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="prime-hpc-weight-sender", daemon=True)
-        self._thread.start()
+        self._poller = threading.Thread(target=self._poll, name="prime-hpc-weight-endpoints", daemon=True)
+        self._poller.start()
 
     # ------------------------------------------------------------------ the trainer's side
     def publish(self, step: int, named: dict[str, Any]) -> None:
         """Send policy `step` (`named`: HF name -> CPU tensor, owned by this sender from now
-        on) to every server, in the background. Call `wait` first."""
+        on) to every server, in the background; returns at once."""
+        from prime_hpc.inference.broadcast import announcement
+
+        items = list(named.items())
+        policy = Policy(int(step), items, announcement(items), time.monotonic())
         with self._cv:
-            self._cv.wait_for(self._idle)
-            self._pending = (int(step), list(named.items()))
+            self.latest = policy
             self._cv.notify_all()
 
-    def wait(self) -> float:
-        """Wait until nothing is being sent; the seconds waited."""
-        t0 = time.perf_counter()
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every server that is not left out has the newest policy (at most
+        `timeout_s`); whether they all do."""
         with self._cv:
-            self._cv.wait_for(self._idle)
-        return time.perf_counter() - t0
+            return self._cv.wait_for(self._all_synced, timeout_s)
+
+    def behind(self) -> list[str]:
+        """The slots that still lack the newest policy (and are not left out)."""
+        with self._cv:
+            return [link.slot for link in self.links.values() if self._wanted(link) or link.busy]
 
     def stats(self) -> dict:
-        return dict(self.last)
+        """The newest policy delivered to any server: step, seconds from its publish to the
+        last server that got it, servers, bytes, and the longest drain and load."""
+        with self._cv:
+            if not self.delivered:
+                return {}
+            step = max(self.delivered)
+            got = self.delivered[step]
+        return {
+            "step": step,
+            "seconds": max(s for s, _ in got),
+            "servers": len(got),
+            "bytes": max(int(a.get("bytes", 0)) for _, a in got),
+            "drain": max(float(a.get("drain_s", 0.0)) for _, a in got),
+            "load": max(float(a.get("load_s", 0.0)) for _, a in got),
+        }
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the background thread (after the exchange under way) and drop the groups."""
+        """Stop every thread (after the exchange each has under way, at most `timeout_s`
+        in all) and drop the groups."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            for link in self.links.values():
-                _shut(link)
+        deadline = time.monotonic() + timeout_s
+        self._poller.join(max(0.0, deadline - time.monotonic()))
+        for link in list(self.links.values()):
+            if link.thread is not None:
+                link.thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _idle(self) -> bool:
-        return self._pending is None and not self._busy
-
-    # ------------------------------------------------------------------ the background thread
-    def _run(self) -> None:
+    # ------------------------------------------------------------------ membership
+    def _poll(self) -> None:
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._closed or self._pending is not None, timeout=self.poll_s)
-                if self._closed:
-                    return
-                job, self._pending = self._pending, None
-                self._busy = True
             try:
-                if job is not None:
-                    from prime_hpc.inference.broadcast import announcement
-
-                    self.latest = (job[0], job[1], announcement(job[1]))
-                self.sync(fresh=job is not None)
-            except Exception as e:  # the thread must live on: the next publish waits for it
-                logger.warning(f"weights: sending failed: {type(e).__name__}: {e}")
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+                self.refresh()
+            except Exception as e:  # endpoints/ unreadable for a moment: the next poll reads it again
+                logger.warning(f"weights: reading the servers' endpoints failed: {type(e).__name__}: {e}")
+            with self._cv:
+                if self._cv.wait_for(lambda: self._closed, self.poll_s):
+                    return
 
     def refresh(self) -> None:
-        """Links as `endpoints/` says: a new slot or a new URL in a slot gets a fresh one;
-        a slot whose endpoint is gone loses its link."""
+        """Links as `endpoints/` says: a new slot or a new URL in a slot gets a fresh one
+        (and its thread); a slot whose endpoint is gone loses its link."""
         published = self.run.server_endpoints()
-        for slot in [s for s in self.links if s not in published]:
-            _shut(self.links.pop(slot))
-        for slot, record in published.items():
-            url = record.get("url")
-            if not url:
-                continue
-            link = self.links.get(slot)
-            if link is not None and link.url == url:
-                continue
-            if link is not None:
-                _shut(link)
-            self.links[slot] = Link(slot, str(url), self.make(str(url)))
+        with self._cv:
+            if self._closed:
+                return
+            for slot, link in list(self.links.items()):
+                url = published.get(slot, {}).get("url")
+                if url != link.url:
+                    link.closed = True
+                    del self.links[slot]
+            for slot, record in published.items():
+                url = record.get("url")
+                if url and slot not in self.links:
+                    link = Link(slot, str(url), self.make(str(url)))
+                    link.thread = threading.Thread(
+                        target=self._serve_link, args=(link,), name=f"prime-hpc-weights-{slot}", daemon=True
+                    )
+                    self.links[slot] = link
+                    link.thread.start()
+            self._cv.notify_all()
 
-    def sync(self, fresh: bool = False) -> None:
-        """Join every new server and send the newest policy to every server that lacks it,
-        all servers at once (`fresh`: a new policy, recorded in `last`)."""
-        self.refresh()
-        step = self.latest[0] if self.latest is not None else None
-        todo = [
-            link
-            for link in self.links.values()
-            if link.dropped is None and (not link.joined or (step is not None and link.sent != step))
-        ]
-        if not todo:
-            if fresh:
-                self.last = {"step": step, "seconds": 0.0, "servers": 0, "bytes": 0, "drain": 0.0, "load": 0.0}
-            return
-        t0 = time.monotonic()
-        threads = [threading.Thread(target=self._serve, args=(link,), daemon=True) for link in todo]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if fresh:
-            got = [link for link in self.links.values() if link.sent == step and link.answer]
-            self.last = {
-                "step": step,
-                "seconds": time.monotonic() - t0,
-                "servers": len(got),
-                "bytes": max((int(link.answer.get("bytes", 0)) for link in got), default=0),
-                "drain": max((float(link.answer.get("drain_s", 0)) for link in got), default=0.0),
-                "load": max((float(link.answer.get("load_s", 0)) for link in got), default=0.0),
-            }
+    # ------------------------------------------------------------------ one server's thread
+    def _wanted(self, link: Link) -> bool:
+        return link.dropped is None and (not link.joined or (self.latest is not None and link.sent != self.latest.step))
 
-    def _serve(self, link: Link) -> None:
-        """Join `link`'s server if needed, then send it the newest policy; a failure drops it."""
+    def _all_synced(self) -> bool:
+        return not any(self._wanted(link) or (link.busy and link.dropped is None) for link in self.links.values())
+
+    def _serve_link(self, link: Link) -> None:
+        """Join `link`'s server, then send it each newest policy as long as its slot is
+        this server's; a failure leaves it out."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or link.closed or self._wanted(link))
+                if self._closed or link.closed:
+                    break
+                policy, link.busy = self.latest, True
+            try:
+                self._exchange(link, policy)
+            finally:
+                with self._cv:
+                    link.busy = False
+                    self._cv.notify_all()
+        _shut(link)
+
+    def _exchange(self, link: Link, policy: Optional[Policy]) -> None:
         what = "join"
         try:
             if not link.joined:
@@ -177,19 +195,23 @@ class WeightSender:
                 logger.info(
                     f"weights: joined the weight group of {link.slot} ({link.url}) in {time.monotonic() - t0:.2f}s"
                 )
-            if self.latest is not None:
-                step, named, announced = self.latest
-                what = f"policy {step}"
-                link.answer = {}
-                link.answer = link.sender.send(step, named, announced)
-                link.sent = step
+            if policy is not None:
+                what = f"policy {policy.step}"
+                answer = link.sender.send(policy.step, policy.named, policy.announced)
+                with self._cv:
+                    link.sent = policy.step
+                    self.delivered.setdefault(policy.step, []).append((time.monotonic() - policy.at, dict(answer)))
+                    for old in sorted(self.delivered)[:-KEPT_STEPS]:
+                        del self.delivered[old]
         except Exception as e:
-            link.dropped = f"{type(e).__name__}: {e}"
-            link.joined = False
-            logger.warning(
-                f"weights: {link.slot} ({link.url}) left out: {what} failed ({str(e).splitlines()[0][:300]}); "
-                "it gets the current policy once a new server takes its slot"
-            )
+            with self._cv:
+                link.dropped = f"{type(e).__name__}: {e}"
+                link.joined = False
+            if not link.closed:
+                logger.warning(
+                    f"weights: {link.slot} ({link.url}) left out: {what} failed ({(str(e).splitlines() or [''])[0][:300]}); "
+                    "it gets the current policy once a new server takes its slot"
+                )
 
 
 def _shut(link: Link) -> None:

@@ -96,10 +96,11 @@ def test_the_policy_handed_to_the_sender_is_a_copy_of_the_live_parameters():
 
 # ----------------------------------------------------------------------------- the trainer's sender
 class FakeBroadcaster:
-    """Records joins and sends; `fail` holds the URLs whose next send fails."""
+    """Records joins and sends; `fail` holds the URLs whose next send fails, `hold` the
+    URLs whose sends wait until their event is set (a frozen server)."""
 
-    def __init__(self, url: str, log: list, fail: set) -> None:
-        self.url, self.log, self.fail = url, log, fail
+    def __init__(self, url: str, log: list, fail: set, hold: dict) -> None:
+        self.url, self.log, self.fail, self.hold = url, log, fail, hold
 
     def join(self) -> dict:
         self.log.append(("join", self.url))
@@ -110,6 +111,8 @@ class FakeBroadcaster:
         self.log.append(("send", self.url, step))
         if self.url in self.fail:
             raise RuntimeError(f"{self.url}: the group timed out")
+        if self.url in self.hold:
+            assert self.hold[self.url].wait(30)
         time.sleep(0.05)
         return {"bytes": 24, "drain_s": 0.01, "load_s": 0.02}
 
@@ -134,40 +137,70 @@ def test_the_sender_joins_every_server_sends_each_policy_and_syncs_a_replaced_on
     sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
     atomic_write_json(run.inference_endpoint(0), {"url": "http://a"})
     atomic_write_json(run.inference_endpoint(1), {"url": "http://b"})
-    sender = WeightSender(run, make=lambda url: FakeBroadcaster(url, log, fail), poll_s=0.02)
+    sender = WeightSender(run, make=lambda url: FakeBroadcaster(url, log, fail, {}), poll_s=0.02)
     try:
         _until(lambda: {("join", "http://a"), ("join", "http://b")} <= set(log))  # joined before any policy
         w = {"w": torch.ones(2)}
         sender.publish(1, w)
-        assert sender.wait() >= 0 and {("send", "http://a", 1), ("send", "http://b", 1)} <= set(log)
-        sender.publish(2, w)  # returns at once: sent in the background
-        assert ("send", "http://a", 2) not in log
-        sender.wait()
+        assert sender.wait(10) and {("send", "http://a", 1), ("send", "http://b", 1)} <= set(log)
+        sender.publish(2, w)
+        assert sender.wait(10)
         assert sender.stats() == pytest.approx(
             {"step": 2, "seconds": sender.stats()["seconds"], "servers": 2, "bytes": 24, "drain": 0.01, "load": 0.02}
         )
-        assert 0.04 < sender.stats()["seconds"] < 5  # the two servers at once
+        assert sender.stats()["seconds"] >= 0.05  # from the publish to the end of the slower send
         fail.add("http://b")  # server 1 fails a send: left out, the trainer goes on
         sender.publish(3, w)
-        sender.wait()
-        assert sender.stats()["servers"] == 1
+        assert sender.wait(10) and sender.stats()["servers"] == 1 and sender.behind() == []
         sender.publish(4, w)
-        sender.wait()
+        sender.wait(10)
         assert ("send", "http://b", 4) not in log and ("send", "http://a", 4) in log
         assert sum("left out: policy 3 failed" in line for line in lines) == 1
         # a new server takes slot 1 (its supervisor restarted it): joined and sent the current policy at once
         atomic_write_json(run.inference_endpoint(1), {"url": "http://c"})
         _until(lambda: ("send", "http://c", 4) in log)
-        assert log.index(("join", "http://c")) < log.index(("send", "http://c", 4)) and ("close", "http://b") in log
+        assert log.index(("join", "http://c")) < log.index(("send", "http://c", 4))
+        _until(lambda: ("close", "http://b") in log)
         run.inference_endpoint(0).unlink()  # server 0 left
         _until(lambda: ("close", "http://a") in log)
-        sender.wait()
         sender.publish(5, w)
-        sender.wait()
+        assert sender.wait(10)
         assert ("send", "http://c", 5) in log and ("send", "http://a", 5) not in log
     finally:
         sender.close()
         logger.remove(sink)
+
+
+def test_a_frozen_server_holds_back_neither_the_trainer_nor_the_others_and_gets_the_newest_policy_next(tmp_path):
+    """A server stuck in a send (its engine frozen until the watchdog restarts it) keeps
+    only its own thread: publish returns at once, the other server gets every policy, and
+    once free the stuck one gets the newest policy, skipping those in between."""
+    import threading
+
+    from prime_hpc.trainer.sender import WeightSender
+
+    run = RunDir(tmp_path)
+    log: list = []
+    frozen = threading.Event()
+    atomic_write_json(run.inference_endpoint(0), {"url": "http://a"})
+    atomic_write_json(run.inference_endpoint(1), {"url": "http://b"})
+    sender = WeightSender(run, make=lambda url: FakeBroadcaster(url, log, set(), {"http://b": frozen}), poll_s=0.02)
+    try:
+        w = {"w": torch.ones(2)}
+        sender.publish(1, w)
+        _until(lambda: ("send", "http://b", 1) in log)  # b is stuck in policy 1
+        for step in (2, 3, 4):  # were publish to wait for b, this would hang: b is freed only below
+            sender.publish(step, w)
+            _until(lambda s=step: ("send", "http://a", s) in log)
+        assert not sender.wait(0.3) and sender.behind() == ["inference_1"]
+        assert sender.stats()["step"] == 4 and sender.stats()["servers"] == 1
+        frozen.set()  # b is free again: the newest policy next, not 2 and 3
+        assert sender.wait(10)
+        assert [e[2] for e in log if e[:2] == ("send", "http://b")] == [1, 4]
+        assert sender.stats()["servers"] == 2 and sender.behind() == []
+    finally:
+        frozen.set()
+        sender.close()
 
 
 # ----------------------------------------------------------------------------- the relay
