@@ -287,7 +287,6 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     assert trainer[0]["off_policy_steps/mean"] == 0 and max(kl for _, kl in on_policy) < 1e-6, on_policy
     sent = [r for r in trainer if "time/weight_broadcast" in r]
     assert len(sent) >= steps - 1 and 2 in [r["weights/broadcast_servers"] for r in sent[-5:]], trainer[-5:]
-    assert all(r["weights/broadcast_behind"] <= 2 for r in trainer), trainer  # (metric present on every step)
     assert all(r["time/weight_update"] >= 0 for r in orch)
     assert orch[0]["inference/servers"] == 2 and orch[-1]["inference/servers"] == 2
     assert 1 in [r["inference/servers"] for r in orch[5:]]
