@@ -42,12 +42,9 @@ def resolve_model(name: str, seed: int = 0) -> str:
     if path.is_dir() and not (path / "config.json").exists() and RunDir(path).weights_dir.is_dir():
         from prime_hpc.core.errors import UserError
 
-        steps = RunDir(path).saved_weight_steps()  # a broadcast run's markers hold no weights
+        steps = RunDir(path).weight_steps()
         if not steps:
-            raise UserError(
-                f"model.name={name}: a run directory without complete weights on disk (weights/step_<n>/STABLE "
-                "with *.safetensors)"
-            )
+            raise UserError(f"model.name={name}: a run directory without complete weights (weights/step_<n>/STABLE)")
         return str(RunDir(path).weights_step(steps[-1]))
     return name
 

@@ -186,7 +186,7 @@ def run_eval(target: str, args: list[str], trust_run_code: bool = False) -> int:
     overrides = [a for a in args if not a.startswith("steps=")]
     if not run.config_yaml.exists():
         raise UserError(f"{run.config_yaml} is missing: not a prime-hpc run directory")
-    available = run.saved_weight_steps()  # with weights.transport=broadcast: checkpoints and the last step
+    available = run.weight_steps()
     steps = parse_steps(steps_arg[-1][6:]) if steps_arg else ([one_step] if one_step is not None else available)
     missing = [s for s in steps if s not in available]
     if missing or not steps:

@@ -13,8 +13,8 @@ it the slowest server's drain and load), reported by `gauges`; and a call to `on
 after each update (a step trained is progress for the heartbeat).
 
 With `weights.transport=broadcast` the trainer sends each policy to the servers itself and
-`weights/step_<m>` is mostly a marker (the full weights only at checkpoints): a new step m
-means the trainer is sending policy m. The relay then calls no server; it waits until
+writes `sent/step_<m>.json` (`weights/step_<m>` only at checkpoints and the last step): a
+new step m in either means the trainer is sending policy m. The relay then calls no server; it waits until
 every serving server's `GET /policy` shows m or later (or the server is lost; one that
 lags `BROADCAST_WAIT_S`, by which time the trainer has given up on it, is taken out), then
 moves `policy` on as above, with the handoff and the wait as the update's times. A joining
@@ -113,7 +113,7 @@ class WeightRelay:
         while True:
             if self.members is not None:
                 await self.members.poll()
-            steps = self.run.weight_steps()
+            steps = self.run.policy_steps() if self.broadcast else self.run.weight_steps()
             if steps and steps[-1] > self.policy:
                 await self.update(steps[-1])
             await asyncio.sleep(POLL_S)
@@ -121,7 +121,13 @@ class WeightRelay:
     async def update(self, step: int) -> None:
         t0 = time.monotonic()
         d = self.run.weights_step(step)
-        handoff = max(0.0, time.time() - stable_time(d))  # written -> seen here
+        written = stable_time(d)
+        if self.broadcast and not self.run.has_weights(step):
+            try:
+                written = float(read_json(self.run.sent_step(step))["sent_at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        handoff = max(0.0, time.time() - written)  # written -> seen here
         try:
             serve = read_json(d / STABLE).get("serve")  # the marker holds the weights' metadata
         except (OSError, ValueError):

@@ -57,7 +57,7 @@ def is_due(step: int, final: bool, cfg: Any) -> bool:
 def full_weights_due(step: int, final: bool, cfg: Any, transport: str) -> bool:
     """Write the full weights of `step` to `weights/step_<step>`? Always with
     `weights.transport=filesystem` (the servers load them from there); with `broadcast`
-    (the policy goes to the servers over the network, the directory is only a marker) at
+    (the policy goes to the servers over the network; `sent/step_<n>.json` says so) at
     the steps that are checkpointed (`is_due`, `cfg`: the run's `ckpt` section) and at the
     last step, so eval, a resume and uploads find weights on disk."""
     return transport != "broadcast" or final or is_due(step, final, cfg)

@@ -344,28 +344,38 @@ class RunDir:
         return self.weights_step(step) / "adapter"
 
     def weight_steps(self, stable_only: bool = True) -> list[int]:
-        """Steps with a weights directory (by default only complete, `STABLE` ones),
-        ascending. With `weights.transport=broadcast` most of them are markers only (the
-        policy went to the servers over the network): `saved_weight_steps` are the ones a
-        reader can load."""
+        """Steps with weights on disk (by default only complete, `STABLE` ones), ascending.
+        With `weights.transport=broadcast` only the checkpointed steps and the last one have
+        them; `policy_steps` are all the policies the trainer made."""
         return _steps_in(self.weights_dir, require_stable=stable_only)
 
     def has_weights(self, step: int) -> bool:
-        """Does `weights/step_<step>` hold loadable weights? It is complete and not a
-        broadcast marker (whose `STABLE` says `"weights": false`: only
-        `prime_hpc_weights.json` and `STABLE` are there)."""
-        d = self.weights_step(step)
-        if not is_stable(d):
-            return False
-        try:
-            return json.loads((d / STABLE).read_text()).get("weights", True) is not False
-        except (OSError, ValueError, AttributeError):
-            return False
+        """Are the weights of `step` complete on disk (`weights/step_<step>/STABLE`)?"""
+        return is_stable(self.weights_step(step))
 
-    def saved_weight_steps(self) -> list[int]:
-        """Complete steps whose weights are on disk (`has_weights`), ascending: what eval,
-        a resume's servers and `model.name=<run dir>` load."""
-        return [s for s in self.weight_steps() if self.has_weights(s)]
+    @property
+    def sent_dir(self) -> Path:
+        """`weights.transport=broadcast`: `sent/step_<n>.json`, one per policy the trainer
+        sent to the servers over the network (none of it on disk)."""
+        return self.root / "sent"
+
+    def sent_step(self, step: int) -> Path:
+        return self.sent_dir / f"step_{int(step)}.json"
+
+    def sent_steps(self) -> list[int]:
+        """Steps whose policy the trainer announced as sent by broadcast, ascending."""
+        try:
+            names = os.listdir(self.sent_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            int(n[5:-5]) for n in names if n.startswith("step_") and n.endswith(".json") and n[5:-5].isdigit()
+        )
+
+    def policy_steps(self) -> list[int]:
+        """Every policy the trainer made that is still listed: weights on disk or sent by
+        broadcast, ascending (what the orchestrator's relay follows)."""
+        return sorted(set(self.weight_steps()) | set(self.sent_steps()))
 
     @property
     def eval_dir(self) -> Path:
@@ -571,8 +581,8 @@ class RunDir:
             return True
 
     def clear_after(self, step: int) -> list[Path]:
-        """Before a resume from `step` (0: from scratch): remove rollouts, weights and
-        checkpoints of later steps, `rollouts/DONE` and the control requests, and drop the
+        """Before a resume from `step` (0: from scratch): remove rollouts, weights (and
+        markers of policies sent, `sent/`) and checkpoints of later steps, `rollouts/DONE` and the control requests, and drop the
         metrics rows of later steps, so a restarted run never consumes stale state and its
         metrics hold each step once. Returns what was removed or rewritten."""
         removed = []
@@ -585,6 +595,10 @@ class RunDir:
                 if s > step:
                     remove_marked(_step_dir(parent, s))
                     removed.append(_step_dir(parent, s))
+        for s in self.sent_steps():  # policies sent by broadcast: the relay would wait for them
+            if s > step:
+                self.sent_step(s).unlink(missing_ok=True)
+                removed.append(self.sent_step(s))
         for path in sorted(self.metrics_dir.glob("*.jsonl")) if self.metrics_dir.is_dir() else []:
             # from scratch, step 0's rows (the eval or validation before the first step) go too
             if truncate_jsonl(path, lambda row: step > 0 and int(row.get("step", 0)) <= step):

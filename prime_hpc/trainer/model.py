@@ -20,15 +20,16 @@ adapter (`/v1/load_lora_adapter`) instead of the merged weights. The `STABLE` ma
 what is there and what to serve: `{"step": n, "merged": true, "adapter": "adapter" | null,
 "serve": "merged" | "adapter"}`.
 
-With `weights.transport=broadcast` most steps get a marker instead (`write_marker`: only
-`prime_hpc_weights.json` and `STABLE`, `"transport": "broadcast"`): the policy went to the
-servers over the network (`prime_hpc.trainer.publish`).
+With `weights.transport=broadcast` most steps get no directory here, only a marker
+`sent/step_<n>.json` (`write_marker`): the policy went to the servers over the network
+(`prime_hpc.trainer.publish`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -38,7 +39,7 @@ from torch import nn
 
 from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, publish_dir, staging_dir
+from prime_hpc.rundir import RunDir, atomic_write_json, publish_dir, staging_dir
 from prime_hpc.trainer import lora as lora_mod
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -302,17 +303,11 @@ def write_weights(
         raise
 
 
-def write_marker(run: RunDir, step: int, info: Optional[dict] = None) -> Path:
-    """Rank 0, `weights.transport=broadcast` between checkpoints: `weights/step_<step>/`
-    with only `prime_hpc_weights.json` and `STABLE` (`{"step", "transport": "broadcast",
-    "weights": false}`): the policy of `step` is being sent to the servers, and nothing of
-    it is on disk."""
-    final = run.weights_step(step)
-    tmp = staging_dir(final)
-    try:
-        meta = {"step": step, "transport": "broadcast", "weights": False, **(info or {})}
-        (tmp / "prime_hpc_weights.json").write_text(json.dumps(meta, indent=2) + "\n")
-        return publish_dir(tmp, final, meta)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def write_marker(run: RunDir, step: int) -> Path:
+    """Rank 0, `weights.transport=broadcast`: `sent/step_<step>.json` (`{"step", "sent_at"}`):
+    the policy of `step` is on its way to the servers over the network, and nothing of it
+    is on disk (the orchestrator's relay follows these as it follows `weights/`)."""
+    path = run.sent_step(step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"step": int(step), "sent_at": time.time()})
+    return path

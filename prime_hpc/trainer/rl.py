@@ -12,8 +12,8 @@ Step n (n = 1, 2, ...; policy 0 is the base model, resume from N continues at N+
    returns raw, untempered logprobs unless asked for processed ones);
 3. rank 0 writes `weights/step_n` (HF safetensors + config + tokenizer, `STABLE` last;
    with `weights.transport=broadcast` it sends the policy to every server in the
-   background instead, and the directory is a marker but at checkpoints and the last step:
-   `prime_hpc.trainer.publish`), then, once every rank has read its file, removes
+   background instead and writes `sent/step_n.json`, the weights only at checkpoints and
+   the last step: `prime_hpc.trainer.publish`), then, once every rank has read its file, removes
    `rollouts/step_n`;
 4. checkpoint when due (`prime_hpc.trainer.ckpt`); drop weights the orchestrator no
    longer needs (`runner.prune_weights`); one metrics line; heartbeat.

@@ -159,13 +159,17 @@ def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
 def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
     """Rank 0, after writing `weights/step_<step>`: remove the weights no step can use any
     more (`window.prunable`) unless their step has a trainer checkpoint (checkpointed
-    policies stay for resume and serving)."""
+    policies stay for resume and serving), and the markers of such policies sent by
+    broadcast (`sent/`). The weight steps removed."""
     keep = set(run.checkpoint_steps("trainer"))
     removed = []
     for k in run.weight_steps(stable_only=False):
         if prunable(k, step, async_level) and k not in keep:
             remove_marked(run.weights_step(k))
             removed.append(k)
+    for k in run.sent_steps():  # weights.transport=broadcast: the markers of policies sent
+        if prunable(k, step, async_level):
+            run.sent_step(k).unlink(missing_ok=True)
     return removed
 
 

@@ -267,16 +267,14 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
                 pass
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
     assert is_stable(run.weights_step(steps))  # the final policy, loadable by vLLM and transformers
-    # broadcast: full weights at the checkpoints and the last step, a marker at the other steps still kept
-    assert run.saved_weight_steps() == [10, 20, 30, 40], run.weight_steps()
-    markers = [s for s in run.weight_steps() if not run.has_weights(s)]
-    assert markers and max(markers) == steps - 1, run.weight_steps()
-    for s in markers:
-        assert sorted(p.name for p in run.weights_step(s).iterdir()) == ["STABLE", "prime_hpc_weights.json"]
-        assert json.loads((run.weights_step(s) / "prime_hpc_weights.json").read_text())["transport"] == "broadcast"
+    # broadcast: weights/ at the checkpoints and the last step only; a marker in sent/ for the later other steps
+    assert sorted(p.name for p in run.weights_dir.iterdir()) == [f"step_{s}" for s in (10, 20, 30, 40)]
+    markers = run.sent_steps()
+    assert markers and max(markers) == steps - 1 and not set(markers) & {10, 20, 30, 40}, markers
+    assert json.loads(run.sent_step(steps - 1).read_text())["step"] == steps - 1
     from transformers import AutoModelForCausalLM
 
-    for s in run.saved_weight_steps():
+    for s in run.weight_steps():
         AutoModelForCausalLM.from_pretrained(run.weights_step(s))
     orch = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
     trainer = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]

@@ -187,11 +187,15 @@ def test_latest_checkpoint_needs_every_marker_and_clear_after(tmp_path):
                 mark_stable(run.checkpoint_part(step, part))
         run.weights_step(step).mkdir(parents=True)
         run.rollout_step(step).mkdir(parents=True)
+    run.sent_dir.mkdir()
+    for step in (3, 5):  # policies sent by broadcast (weights.transport=broadcast)
+        run.sent_step(step).write_text("{}")
     assert run.complete_checkpoint_steps() == [2, 4]
     assert run.latest_checkpoint_step() == 4
     run.clear_after(4)
     assert not run.weights_step(6).exists() and not run.rollout_step(6).exists()
     assert run.weights_step(4).exists()
+    assert run.sent_steps() == [3]  # a resumed relay never waits for a policy of the lost future
 
 
 def test_fresh_rules(tmp_path):

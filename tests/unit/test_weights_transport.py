@@ -48,7 +48,7 @@ def _full(run: RunDir, step: int) -> None:
     mark_stable(d, {"step": step})
 
 
-def test_a_marker_is_a_complete_step_without_weights_and_readers_skip_it(tmp_path):
+def test_a_policy_sent_by_broadcast_leaves_a_marker_and_no_weights_and_readers_find_the_saved_ones(tmp_path):
     from prime_hpc.model import resolve_model
     from prime_hpc.trainer.model import write_marker
     from prime_hpc.trainer.runner import prune_weights
@@ -60,24 +60,21 @@ def test_a_marker_is_a_complete_step_without_weights_and_readers_skip_it(tmp_pat
             _full(run, step)
         else:
             write_marker(run, step)
-    d = run.weights_step(5)
-    assert sorted(p.name for p in d.iterdir()) == ["STABLE", "prime_hpc_weights.json"]
-    meta = json.loads((d / "prime_hpc_weights.json").read_text())
-    assert meta == {"step": 5, "transport": "broadcast", "weights": False}
-    assert json.loads((d / "STABLE").read_text())["transport"] == "broadcast"
-    assert run.weight_steps() == list(range(1, 9))  # the relay sees every policy
+    assert run.weight_steps() == [3, 6]  # no weights/step_<n> between checkpoints
+    assert sorted(p.name for p in run.weights_dir.iterdir()) == ["step_3", "step_6"]
+    assert json.loads(run.sent_step(5).read_text())["step"] == 5
+    assert run.sent_steps() == [1, 2, 4, 5, 7, 8]
+    assert run.policy_steps() == list(range(1, 9))  # the relay sees every policy
     assert [s for s in range(1, 9) if run.has_weights(s)] == [3, 6]
-    assert run.saved_weight_steps() == [3, 6]
     half = run.weights_step(9)
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"x")  # not marked yet
-    assert not run.has_weights(9) and run.saved_weight_steps() == [3, 6]
+    assert not run.has_weights(9) and run.weight_steps() == [3, 6]
     assert resolve_model(str(tmp_path)) == str(run.weights_step(6))  # the newest weights, not step 8's marker
-    # retention treats markers like weights: after step 8 at async_level 2 policies >= 5 stay, and step 3
-    # stays with its checkpoint
+    # retention: after step 8 at async_level 2 policies >= 5 stay, and step 3 stays with its checkpoint
     (run.checkpoint_part(3, "trainer")).mkdir(parents=True)
-    assert prune_weights(run, 8, async_level=2) == [1, 2, 4]
-    assert run.weight_steps() == [3, 5, 6, 7, 8] and run.saved_weight_steps() == [3, 6]
+    prune_weights(run, 8, async_level=2)
+    assert run.weight_steps() == [3, 6] and run.sent_steps() == [5, 7, 8]
 
 
 def test_the_policy_handed_to_the_sender_is_a_copy_of_the_live_parameters():
