@@ -10,8 +10,11 @@ component's memory:
 * the weight sync by the filesystem: the trainer's publish (`weights/step_n` written and
   marked) + the servers' update call, against a plain copy + fsync of the same bytes on
   the same filesystem (goal <= 2x), and of the update, the servers' load;
-* the raw gloo broadcast of the same bytes between two processes on this host (the
-  anchor of the broadcast transport);
+* the weight sync by broadcast (a second run of the size with `weights.transport=broadcast`):
+  the trainer's send of a policy to every server (`time/weight_broadcast`: from its
+  publish to the last server serving it) against the raw gloo broadcast of the same bytes
+  between two processes on this host (goal <= 1.5x), and the trainer's own share of it
+  (`time/save_weights`: the gather and the marker, what the step waits for);
 * checkpoint save (`time/save_ckpt`) and load (`time/load_ckpt`, the resumed step), against
   writing (with fsync) and reading the same bytes (goal: save <= 2x);
 * the peak resident memory of each component (the process and everything it started:
@@ -185,9 +188,8 @@ def dir_bytes(d: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- one size
-def measure(size: str, workdir: Path, steps: int, ckpt_every: int) -> dict[str, float]:
-    run = workdir / size
-    overrides = [
+def _overrides(size: str, steps: int, ckpt_every: int) -> list[str]:
+    return [
         "+experiment=reverse_text",
         "cluster=local",
         "warmup.experiment=null",
@@ -203,6 +205,26 @@ def measure(size: str, workdir: Path, steps: int, ckpt_every: int) -> dict[str, 
         "inference.dtype=auto",  # the model's own (float32 for the small ones, bfloat16 for 0.6b)
         "inference.cpu_kvcache_space_gb=2",
     ]
+
+
+def measure_broadcast(size: str, workdir: Path, steps: int) -> dict[str, float]:
+    """The same run with `weights.transport=broadcast` (weights on disk only at its end)."""
+    run = workdir / f"{size}-broadcast"
+    overrides = [*_overrides(size, steps, steps), "weights.transport=broadcast"]
+    print(f"[sizes] {size} by broadcast: {' '.join(overrides)}", flush=True)
+    submit_and_wait(run, overrides, f"{size} broadcast", steps)
+    trainer = [r for r in read_jsonl(run / "metrics" / "trainer.jsonl") if "loss/mean" in r]
+    sent = [r for r in trainer if r.get("weights/broadcast_servers")]  # a send that reached the servers
+    return {
+        "broadcast s": median(sent, "time/weight_broadcast"),
+        "broadcast load s": median(sent, "time/weight_broadcast_load"),
+        "broadcast publish s": median([r for r in trainer if r["step"] > 1], "time/save_weights"),
+    }
+
+
+def measure(size: str, workdir: Path, steps: int, ckpt_every: int) -> dict[str, float]:
+    run = workdir / size
+    overrides = _overrides(size, steps, ckpt_every)
     print(f"[sizes] {size}: {' '.join(overrides)}", flush=True)
     with MemorySampler(run) as memory:
         submit_and_wait(run, overrides, size, steps)
@@ -282,7 +304,12 @@ def report(results: dict[str, dict[str, float]], steps: int) -> None:
     row("  of the update, the servers' load (s)", lambda r: f"{r['server load s']:.3f}")
     row("  copy + fsync, same bytes (s)", lambda r: f"{r['copy + fsync s']:.3f}")
     row("  ratio (goal <= 2x)", lambda r: f"{(r['publish s'] + r['update call s']) / r['copy + fsync s']:.2f}x")
-    row("raw gloo broadcast, same bytes (s)", lambda r: f"{r['gloo broadcast s']:.3f}")
+    row("broadcast: publish -> every server (s)", lambda r: f"{r['broadcast s']:.3f}")
+    row("  of it, the servers' load (s)", lambda r: f"{r['broadcast load s']:.3f}")
+    row("  raw gloo broadcast, same bytes (s)", lambda r: f"{r['gloo broadcast s']:.3f}")
+    row("  ratio (goal <= 1.5x)", lambda r: f"{r['broadcast s'] / r['gloo broadcast s']:.2f}x")
+    row("  the trainer's share: gather + marker (s)", lambda r: f"{r['broadcast publish s']:.3f}")
+    row("broadcast vs fs sync", lambda r: f"{r['broadcast s'] / (r['publish s'] + r['update call s']):.2f}x")
     row("checkpoint (MiB)", lambda r: f"{r['checkpoint bytes'] / 2**20:.0f}")
     row("ckpt save (s)", lambda r: f"{r['ckpt save s']:.3f}")
     row("  write + fsync, same bytes (s)", lambda r: f"{r['write + fsync s']:.3f}")
@@ -306,6 +333,7 @@ def main() -> int:
     results = {}
     for size in a.sizes.split(","):
         results[size] = measure(size, workdir, a.steps, a.ckpt_every)
+        results[size].update(measure_broadcast(size, workdir, a.steps))
         report(results, a.steps)  # so far: a long ladder shows its first rungs early
     return 0
 

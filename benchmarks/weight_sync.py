@@ -17,7 +17,7 @@ load it (`/update_weights`: drain, vLLM's reload, policy n). Side by side:
 
 From the repository root:
 
-    .venv/bin/python benchmarks/weight_sync.py [--sizes tiny,34M,200M] [--repeats 5] [--workdir DIR]
+    .venv/bin/python benchmarks/weight_sync.py [--sizes tiny,tiny-35m,tiny-150m] [--repeats 5] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -40,21 +40,8 @@ from overhead import copy_fsync_s  # noqa: E402
 from vllm_start import launch_server  # noqa: E402
 from vs_trl import machine, project_versions  # noqa: E402
 
-# name -> tiny-model builder parameters (char-level vocabulary, Qwen3 layout, untied)
-SIZES: dict[str, dict] = {
-    "tiny": {},  # the recipe's model, ~0.8M parameters
-    "34M": dict(
-        hidden_size=512, num_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=64, intermediate_size=2048
-    ),
-    "200M": dict(
-        hidden_size=1024,
-        num_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=64,
-        intermediate_size=4096,
-    ),
-}
+from prime_hpc.model.tiny import SIZES  # noqa: E402  (the offline builder's size ladder)
+
 KEY = "bench-weight-sync"  # this benchmark's own servers, on loopback
 
 
@@ -154,7 +141,7 @@ def measure(root: Path, model: Path, url: str, repeats: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--sizes", default="tiny,tiny-35m,tiny-150m", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workdir", type=Path, default=Path("outputs/bench-weight-sync"))
     ap.add_argument("--startup-timeout-s", type=float, default=900)
