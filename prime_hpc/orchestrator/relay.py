@@ -102,10 +102,27 @@ class WeightRelay:
         return self.policy
 
     async def synced(self, server: str, endpoint: dict) -> Optional[int]:
-        """Broadcast: the policy a joining `server` serves when it is the current one or a
-        later one (the trainer sends it the newest by itself); None while it is older."""
+        """Broadcast: the policy a joining `server` serves once it may be routed, None while
+        it may not. It may when it serves the current policy, or a later one this run made
+        (still listed in `weights/` or `sent/`: a resume clears the policies of the future it
+        discarded, which a server that outlived the requeue may still serve). Otherwise,
+        when the current policy is the base model or its weights are on disk (a
+        checkpoint, the start of a resumed run) it loads them from there now; else the
+        trainer sends it the newest by itself, and it is asked again at the next poll."""
         answer = (await self.admin.policy_of(to=[server]))[server]
-        return None if lags(answer, self.policy) else int(answer["policy_step"])
+        try:
+            step = int(answer.get("policy_step", -1))
+        except (TypeError, ValueError):
+            step = -1
+        if step == self.policy or (step > self.policy and step in self.run.policy_steps()):
+            return step
+        if self.policy == 0:  # the base model: from its own files
+            await self.admin.reload_base(to=[server])
+            return 0
+        if self.run.has_weights(self.policy):
+            await self.admin.update_weights(self.run.weights_step(self.policy), self.policy, to=[server])
+            return self.policy
+        return None
 
     async def watch(self) -> None:
         """Keep the membership current and load every new `weights/step_m` into all

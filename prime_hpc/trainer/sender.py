@@ -13,8 +13,10 @@ still busy with an older policy (slow, or frozen until the watchdog restarts it)
 newest one once it is free, skipping those in between, and delays no other server and not
 the trainer. Only the newest policy is kept, so a server that joins later gets the current
 one before the orchestrator routes to it. A server whose join or send fails is logged in
-one line and left out until its endpoint changes (its supervisor restarts it; a server
-that fails midway exits by itself); the trainer never fails for one server.
+one line and left out for `RETRY_S` (15 s, then 60 s, then every 5 min), then joined
+again and sent the newest policy, or at once when its endpoint changes (its supervisor
+restarted it; a server that fails midway exits by itself); the trainer never fails for
+one server.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from loguru import logger
 from prime_hpc.rundir import RunDir
 
 POLL_S = 1.0  # how often endpoints/ is read
+RETRY_S = (15.0, 60.0, 300.0)  # a server left out is joined again after these (then every last one)
 KEPT_STEPS = 4  # deliveries remembered for stats(), newest first
 
 
@@ -43,7 +46,9 @@ class Link:
     joined: bool = False
     sent: Optional[int] = None  # the newest policy it got from here
     busy: bool = False  # a join or send under way
-    dropped: Optional[str] = None  # why it is left out (until its slot's URL changes)
+    dropped: Optional[str] = None  # why it is left out (until `retry_at`, or its slot's URL changes)
+    failures: int = 0  # joins or sends failed in a row
+    retry_at: float = 0.0  # when a server left out is joined again (time.monotonic)
     closed: bool = False  # its slot is gone or taken by another server: the thread closes the group and ends
     thread: Optional[threading.Thread] = field(default=None, repr=False)
 
@@ -96,7 +101,11 @@ class WeightSender:
     def behind(self) -> list[str]:
         """The slots that still lack the newest policy (and are not left out)."""
         with self._cv:
-            return [link.slot for link in self.links.values() if self._wanted(link) or link.busy]
+            return [
+                link.slot
+                for link in self.links.values()
+                if not self._left_out(link) and (self._wanted(link) or link.busy)
+            ]
 
     def stats(self) -> dict:
         """The newest policy delivered to any server: step, seconds from its publish to the
@@ -163,17 +172,24 @@ class WeightSender:
 
     # ------------------------------------------------------------------ one server's thread
     def _wanted(self, link: Link) -> bool:
-        return link.dropped is None and (not link.joined or (self.latest is not None and link.sent != self.latest.step))
+        if link.dropped is not None:
+            return time.monotonic() >= link.retry_at  # it is joined again (and sent the newest)
+        return not link.joined or (self.latest is not None and link.sent != self.latest.step)
+
+    def _left_out(self, link: Link) -> bool:
+        return link.dropped is not None and time.monotonic() < link.retry_at
 
     def _all_synced(self) -> bool:
-        return not any(self._wanted(link) or (link.busy and link.dropped is None) for link in self.links.values())
+        return not any(not self._left_out(link) and (self._wanted(link) or link.busy) for link in self.links.values())
 
     def _serve_link(self, link: Link) -> None:
         """Join `link`'s server, then send it each newest policy as long as its slot is
         this server's; a failure leaves it out."""
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or link.closed or self._wanted(link))
+                # timed: a server left out becomes wanted again by the clock alone
+                while not (self._closed or link.closed or self._wanted(link)):
+                    self._cv.wait(self.poll_s)
                 if self._closed or link.closed:
                     break
                 policy, link.busy = self.latest, True
@@ -188,6 +204,10 @@ class WeightSender:
     def _exchange(self, link: Link, policy: Optional[Policy]) -> None:
         what = "join"
         try:
+            if link.dropped is not None:  # a retry: a fresh group (the old one is unusable)
+                _shut(link)
+                link.sender = self.make(link.url)
+                link.dropped = None
             if not link.joined:
                 t0 = time.monotonic()
                 link.sender.join()
@@ -199,18 +219,21 @@ class WeightSender:
                 what = f"policy {policy.step}"
                 answer = link.sender.send(policy.step, policy.named, policy.announced)
                 with self._cv:
-                    link.sent = policy.step
+                    link.sent, link.failures = policy.step, 0
                     self.delivered.setdefault(policy.step, []).append((time.monotonic() - policy.at, dict(answer)))
                     for old in sorted(self.delivered)[:-KEPT_STEPS]:
                         del self.delivered[old]
         except Exception as e:
             with self._cv:
-                link.dropped = f"{type(e).__name__}: {e}"
-                link.joined = False
+                wait = RETRY_S[min(link.failures, len(RETRY_S) - 1)]
+                link.dropped, link.joined = f"{type(e).__name__}: {e}", False
+                link.failures += 1
+                link.retry_at = time.monotonic() + wait
             if not link.closed:
                 logger.warning(
-                    f"weights: {link.slot} ({link.url}) left out: {what} failed ({(str(e).splitlines() or [''])[0][:300]}); "
-                    "it gets the current policy once a new server takes its slot"
+                    f"weights: {link.slot} ({link.url}) left out: {what} failed "
+                    f"({(str(e).splitlines() or [''])[0][:300]}); joined again in {wait:g}s, "
+                    "or at once if a new server takes its slot"
                 )
 
 

@@ -129,7 +129,7 @@ def _signal_all(pids, sig) -> None:
 def _sending(run: RunDir) -> bool:
     """Is a policy on its way to a serving server? (The trainer writes a policy's marker
     just before it sends it; a server that has it serves it.)"""
-    newest = max(run.weight_steps(), default=0)
+    newest = max(run.policy_steps(), default=0)
     for m in _members(run).values():
         if m["state"] != "serving":
             continue

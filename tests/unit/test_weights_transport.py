@@ -16,7 +16,7 @@ from loguru import logger
 
 from prime_hpc.config.component import component_config
 from prime_hpc.config.compose import compose
-from prime_hpc.rundir import RunDir, atomic_write_json, is_stable, mark_stable
+from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable
 from prime_hpc.rundir.checkpoints import full_weights_due
 
 
@@ -200,6 +200,31 @@ def test_a_frozen_server_holds_back_neither_the_trainer_nor_the_others_and_gets_
         sender.close()
 
 
+def test_a_server_left_out_after_a_failure_that_did_not_end_it_is_joined_again_later(tmp_path, monkeypatch):
+    """A send refused by a server that lives on (its drain timed out, say) does not leave it
+    without policies for the rest of the run: after the back-off it gets a fresh group and
+    the newest policy."""
+    from prime_hpc.trainer import sender as sender_mod
+
+    monkeypatch.setattr(sender_mod, "RETRY_S", (1.0, 1.0))
+    run = RunDir(tmp_path)
+    log: list = []
+    fail = {"http://a"}
+    atomic_write_json(run.inference_endpoint(0), {"url": "http://a"})
+    sender = sender_mod.WeightSender(run, make=lambda url: FakeBroadcaster(url, log, fail, {}), poll_s=0.02)
+    try:
+        sender.publish(1, {"w": torch.ones(2)})
+        _until(lambda: ("send", "http://a", 1) in log and sender.behind() == [])  # left out: not waited for
+        assert sender.wait(0.05)
+        fail.clear()  # the server is fine again
+        sender.publish(2, {"w": torch.ones(2)})
+        _until(lambda: ("send", "http://a", 2) in log)
+        assert log.count(("join", "http://a")) == 2 and ("close", "http://a") in log  # a fresh group
+        assert sender.wait(5) and sender.stats()["step"] == 2
+    finally:
+        sender.close()
+
+
 # ----------------------------------------------------------------------------- the relay
 class FakeAdmin:
     """The admin client's membership and `GET /policy`, from a dict url -> policy step."""
@@ -209,6 +234,7 @@ class FakeAdmin:
         self.servers = list(policies)
         self.lost: dict = {}
         self.unjoined: set = set()  # servers in no weight group
+        self.loads: list = []  # (path, step, servers) of every load from disk
         self.asked = 0
 
     @property
@@ -222,6 +248,12 @@ class FakeAdmin:
     def remove(self, server: str) -> None:
         if server in self.servers:
             self.servers.remove(server)
+
+    async def update_weights(self, path, step, to=None) -> list:
+        self.loads.append((str(path), step, list(to or self.live)))
+        for server in to or self.live:
+            self.policies[server] = step
+        return [{"policy_step": step}]
 
     async def policy_of(self, to=None) -> dict:
         self.asked += 1
@@ -279,6 +311,7 @@ def test_a_joining_server_is_routed_only_once_the_trainer_sent_it_the_current_po
     from prime_hpc.orchestrator import fleet as fleet_mod
     from prime_hpc.orchestrator.relay import WeightRelay
     from prime_hpc.rundir.fleet import read_membership
+    from prime_hpc.trainer.model import write_marker
 
     added: list = []
 
@@ -303,6 +336,7 @@ def test_a_joining_server_is_routed_only_once_the_trainer_sent_it_the_current_po
             assert read_membership(run)["inference_1"]["state"] == "loading weights"
             await asyncio.sleep(0.15)
         assert added == [] and "http://new" not in admin.live
+        write_marker(run, 4)
         admin.policies["http://new"] = 4  # the trainer sent it its newest policy
         await relay.members.poll(force=True)
 
@@ -314,7 +348,38 @@ def test_a_joining_server_is_routed_only_once_the_trainer_sent_it_the_current_po
     member = read_membership(run)["inference_1"]
     assert (member["state"], member["policy_step"]) == ("serving", 4)
     assert sum("has not got the current policy" in line for line in lines) == 1, lines
-    assert is_stable(run.weights_step(3)) is False  # nothing was loaded from disk
+    assert admin.loads == []  # nothing was loaded from disk: policy 3 has no weights there
+
+
+def test_after_a_resume_a_server_serving_a_discarded_policy_loads_the_current_one_from_disk(tmp_path, monkeypatch):
+    """A server of another job outlives a requeue serving policy 9 of the discarded future
+    (its marker cleared by the resume): it is not routed as if it had policy 9 or 3, but
+    loads the resumed policy 3 from its checkpointed weights first; a server at a later
+    policy this run did make is routed as it is."""
+    from prime_hpc.orchestrator import fleet as fleet_mod
+    from prime_hpc.orchestrator.relay import WeightRelay
+    from prime_hpc.rundir.fleet import read_membership
+    from prime_hpc.trainer.model import write_marker
+
+    async def add_worker(router, url):
+        pass
+
+    monkeypatch.setattr(fleet_mod, "add_worker", add_worker)
+    run = RunDir(tmp_path)
+    _full(run, 3)
+    write_marker(run, 4)
+    admin = FakeAdmin({"http://a": 3, "http://old": 9, "http://ahead": 4})
+    admin.servers = ["http://a"]
+    relay = WeightRelay(run, admin, "m", router="http://router", transport="broadcast")
+    relay.policy = 3
+    relay.members.start_with([{"url": "http://a", "node": 0}], 3)
+    atomic_write_json(run.inference_endpoint(1), {"url": "http://old", "node": 1, "policy_step": 9})
+    atomic_write_json(run.inference_endpoint(2), {"url": "http://ahead", "node": 2, "policy_step": 4})
+    asyncio.run(relay.members.poll(force=True))
+    assert admin.loads == [(str(run.weights_step(3)), 3, ["http://old"])]
+    members = read_membership(run)
+    assert (members["inference_1"]["state"], members["inference_1"]["policy_step"]) == ("serving", 3)
+    assert (members["inference_2"]["state"], members["inference_2"]["policy_step"]) == ("serving", 4)
 
 
 def test_a_tied_model_on_cpu_is_refused_broadcast_up_front():
