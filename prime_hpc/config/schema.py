@@ -361,8 +361,9 @@ class InferenceConfig:
     max_restarts: int = ruled(3, ge=0)
     """a server that dies (or hangs) is restarted in its slot at most this often per attempt"""
     stall_timeout_s: float = ruled(600, ge=0)
-    """a server with requests in flight that finishes none for this long is hung: taken out,
-    killed and restarted (the watchdog's check; 0 = off); set above the longest generation"""
+    """a server with requests in flight that finishes none for this long, or that is this
+    long in one weight update, is hung: taken out, killed and restarted (the watchdog's
+    check; 0 = off); set above the longest generation and the longest weight update"""
     weight_update: str = one_of("in_flight", *WEIGHT_UPDATES)
     """in_flight: an update pauses generation keeping the requests in flight and their KV
     cache, loads the weights and resumes (a completion may span policies); drain: it waits

@@ -117,19 +117,11 @@ class Fleet:
         return self.serving_at is not None and not any(why is None for why in verdicts.values())
 
     def request_restart(self, slot: str, beat: dict, why: str, now: float) -> None:
+        from prime_hpc.rundir.fleet import request_restart
+
         log = RunDir.log_of(self.logs, slot)
         reason = f"hung: {why} (inference.stall_timeout_s={self.server_timeout_s:g})"
-        atomic_write_json(
-            self.run.restart_request(slot),
-            {
-                "slot": slot,
-                "pid": beat.get("pid"),
-                "slurm_step": beat.get("slurm_step"),
-                "reason": reason,
-                "log": str(log),
-                "at": now,
-            },
-        )
+        request_restart(self.run, slot, reason, log, beat)
         print(f"prime-hpc watchdog: {slot} {reason}; asking for its restart; see {log}", file=sys.stderr, flush=True)
 
     def stall(self, now: float) -> Optional[dict[str, Any]]:

@@ -192,20 +192,16 @@ class WeightRelay:
         while True:
             if self.members is not None:
                 await self.members.poll()
-            try:
-                answers = await self.admin.policy_of()
-            except InferenceError as e:  # a server answered with an error: ask again
-                answers, behind = {}, {"?": f"no answer ({e})"}
-            else:
-                behind = {s: f"serves {a.get('policy_step')}" for s, a in answers.items() if lags(a, step)}
+            answers, behind = await self._policies()
+            behind.update({s: f"serves {a.get('policy_step')}" for s, a in answers.items() if lags(a, step)})
             if not behind:
                 return list(answers.values())
             waited = time.monotonic() - t0
             for server in [s for s in behind if s in answers and answers[s].get("weights_joined") is False]:
                 if time.monotonic() - unjoined.setdefault(server, time.monotonic()) > UNJOINED_WAIT_S:
                     self.drop(server, f"policy {step} did not reach it: it is in no weight group (it {behind[server]})")
-            if waited > BROADCAST_WAIT_S:
-                for server in [s for s in behind if s in answers and s in self.admin.live]:
+            if waited > BROADCAST_WAIT_S:  # a server that answers with errors all along too
+                for server in [s for s in behind if s in self.admin.live]:
                     self.drop(server, f"policy {step} did not reach it in {waited:.0f}s (it {behind[server]})")
             elif waited > RECEIVED_WARN_S and not warned:
                 warned = True
@@ -215,13 +211,40 @@ class WeightRelay:
                 )
             await asyncio.sleep(RECEIVED_POLL_S)
 
+    async def _policies(self) -> tuple[dict[str, dict], dict[str, str]]:
+        """Every live server's `GET /policy`, and why for those that did not answer it (an
+        error from one server spoils none of the others' answers)."""
+        try:
+            return await self.admin.policy_of(), {}
+        except InferenceError:
+            pass
+        live = list(self.admin.live)
+        results = await asyncio.gather(*(self.admin.policy_of(to=[s]) for s in live), return_exceptions=True)
+        answers: dict[str, dict] = {}
+        errors: dict[str, str] = {}
+        for server, r in zip(live, results):
+            if isinstance(r, BaseException):
+                errors[server] = f"gives no policy ({r})"
+            else:
+                answers.update(r)
+        return answers, errors
+
     def drop(self, server: str, why: str) -> None:
-        """Take `server` out of the fleet (the router and later updates) although it answers."""
-        if self.members is not None:
-            self.members.lost(server, why)
-        else:
+        """Take `server` out of the fleet (the router and later updates) although it answers,
+        and ask its supervisor to restart it (a fresh server rejoins in its slot and gets the
+        current policy; one left alive would sit idle for the rest of the run)."""
+        if self.members is None:
             self.admin.remove(server)
             logger.warning(f"inference server {server} is left out: {why}")
+            return
+        slot = self.members.slot_of(server)
+        self.members.lost(server, why)
+        if slot is not None:
+            from prime_hpc.rundir.fleet import read_process, request_restart
+
+            log = read_process(self.run, slot).get("log") or "its job's inference log"
+            request_restart(self.run, slot, f"left out by the orchestrator: {why}", log)
+            logger.warning(f"inference server {slot} ({server}): asked its supervisor to restart it; see {log}")
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.watch())

@@ -48,6 +48,27 @@ def write_process(run: RunDir, slot: str, state: str, **info: Any) -> dict[str, 
     return record
 
 
+def request_restart(run: RunDir, slot: str, reason: str, log: Any, beat: Optional[dict] = None) -> dict[str, Any]:
+    """Ask the supervisor of `slot`'s job to kill and restart that server now
+    (`control/restart_<slot>.json`; `beat`: its heartbeat, None: read now). Returns the
+    request written."""
+    if beat is None:
+        try:
+            beat = read_json(run.server_heartbeat(slot))
+        except (OSError, ValueError):
+            beat = {}
+    request = {
+        "slot": slot,
+        "pid": (beat or {}).get("pid"),
+        "slurm_step": (beat or {}).get("slurm_step"),
+        "reason": reason,
+        "log": str(log),
+        "at": time.time(),
+    }
+    atomic_write_json(run.restart_request(slot), request)
+    return request
+
+
 def read_membership(run: RunDir) -> dict[str, dict]:
     """{slot: the relay's record} ({} before the relay wrote any)."""
     try:

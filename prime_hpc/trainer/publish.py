@@ -31,9 +31,16 @@ FINAL_SEND_S = 120.0  # longest the trainer's end waits for its last policy to r
 
 
 def refusal(transport: str, device: str, hf_config: Any) -> Optional[str]:
-    """Why this run cannot send its policies by broadcast (one line), or None. A model that
-    ties its input and output embeddings cannot be updated in place by CPU vLLM: its
-    servers refuse every policy, and the run would go on with none of them serving."""
+    """Why this run cannot send its policies by broadcast (one line), or None. The trainer's
+    sender speaks gloo only, while GPU servers join vLLM's NCCL engine: every join would
+    fail and no server would ever get a policy. A model that ties its input and output
+    embeddings cannot be updated in place by CPU vLLM: its servers refuse every policy,
+    and the run would go on with none of them serving."""
+    if transport == "broadcast" and device != "cpu":
+        return (
+            f"weights.transport=broadcast with cluster.device={device}: the trainer's NCCL sender does not "
+            "exist yet (only gloo, for CPU servers); use weights.transport=filesystem"
+        )
     if transport == "broadcast" and device == "cpu" and getattr(hf_config, "tie_word_embeddings", False):
         return (
             "weights.transport=broadcast: this model ties its input and output embeddings, which CPU vLLM "

@@ -235,6 +235,7 @@ class FakeAdmin:
         self.lost: dict = {}
         self.unjoined: set = set()  # servers in no weight group
         self.loads: list = []  # (path, step, servers) of every load from disk
+        self.errors: set = set()  # servers whose GET /policy answers an error
         self.asked = 0
 
     @property
@@ -256,7 +257,11 @@ class FakeAdmin:
         return [{"policy_step": step}]
 
     async def policy_of(self, to=None) -> dict:
+        from prime_hpc.inference.client import InferenceError
+
         self.asked += 1
+        if self.errors & set(self.live if to is None else to):
+            raise InferenceError(f"{sorted(self.errors)[0]}/policy: HTTP 500: engine error")
         return {
             s: {"policy_step": self.policies[s], "weights_joined": s not in self.unjoined}
             for s in (self.live if to is None else to)
@@ -274,7 +279,7 @@ def test_the_relay_moves_on_once_every_server_received_the_broadcast_policy(tmp_
     write_marker(run, 2)
 
     async def go() -> None:
-        task = asyncio.create_task(relay.update(2))  # calls no server: a FakeAdmin has no update_weights
+        task = asyncio.create_task(relay.update(2))  # loads nothing: it only asks the servers' policies
         await asyncio.sleep(0.2)
         assert not task.done() and relay.policy == 1  # the servers still serve policy 1
         admin.policies["http://a"] = 2
@@ -285,6 +290,7 @@ def test_the_relay_moves_on_once_every_server_received_the_broadcast_policy(tmp_
 
     asyncio.run(go())
     assert relay.policy == 2 and relay.updates[-1]["step"] == 2 and relay.updates[-1]["seconds"] >= 0.4
+    assert admin.loads == []
     assert relay.gauges()["time/weight_update"] == relay.updates[-1]["seconds"]
 
     # a server the policy never reaches is waited for BROADCAST_WAIT_S, then left out
@@ -302,9 +308,46 @@ def test_the_relay_moves_on_once_every_server_received_the_broadcast_policy(tmp_
     admin.unjoined.add("http://c")
     write_marker(run, 5)
     admin.policies["http://a"] = 5
-    t0 = time.monotonic()
-    asyncio.run(asyncio.wait_for(relay.update(5), 5))
-    assert relay.policy == 5 and admin.live == ["http://a"] and time.monotonic() - t0 < 2
+    asyncio.run(asyncio.wait_for(relay.update(5), 5))  # not BROADCAST_WAIT_S
+    assert relay.policy == 5 and admin.live == ["http://a"]
+
+
+def test_a_server_that_only_answers_errors_spoils_no_other_answer_and_is_restarted(tmp_path, monkeypatch):
+    """One server's `GET /policy` failing does not hide the others': the policy moves on
+    once they have it and that server is left out after BROADCAST_WAIT_S, and since it still
+    answers, its supervisor is asked to restart it (a server left alive would sit idle)."""
+    from prime_hpc.orchestrator import fleet as fleet_mod
+    from prime_hpc.orchestrator import relay as relay_mod
+    from prime_hpc.trainer.model import write_marker
+
+    async def router_call(router, url):
+        pass
+
+    monkeypatch.setattr(fleet_mod, "add_worker", router_call)
+    monkeypatch.setattr(fleet_mod, "forget_worker", router_call)
+    monkeypatch.setattr(relay_mod, "BROADCAST_WAIT_S", 0.3)
+    run = RunDir(tmp_path)
+    admin = FakeAdmin({"http://a": 1, "http://b": 1})
+    admin.errors.add("http://b")
+    relay = relay_mod.WeightRelay(run, admin, "m", router="http://router", transport="broadcast")
+    relay.policy = 1
+    relay.members.start_with([{"url": "http://a", "node": 0}, {"url": "http://b", "node": 1}], 1)
+    for node, url in enumerate(("http://a", "http://b")):
+        atomic_write_json(run.inference_endpoint(node), {"url": url, "node": node, "policy_step": 1})
+    atomic_write_json(run.server_heartbeat("inference_1"), {"pid": 4242, "slurm_step": "7.1"})
+    write_marker(run, 2)
+    admin.policies["http://a"] = 2
+
+    async def go() -> None:
+        await asyncio.wait_for(relay.update(2), 5)
+        await asyncio.gather(*relay.members.tasks)
+
+    asyncio.run(go())
+    assert relay.policy == 2 and admin.live == ["http://a"]
+    request = json.loads(run.restart_request("inference_1").read_text())
+    assert (request["slot"], request["pid"], request["slurm_step"]) == ("inference_1", 4242, "7.1")
+    assert request["reason"].startswith("left out by the orchestrator: policy 2 did not reach it"), request
+    assert "gives no policy" in request["reason"], request
 
 
 def test_a_joining_server_is_routed_only_once_the_trainer_sent_it_the_current_policy(tmp_path, monkeypatch):
@@ -382,9 +425,10 @@ def test_after_a_resume_a_server_serving_a_discarded_policy_loads_the_current_on
     assert (members["inference_2"]["state"], members["inference_2"]["policy_step"]) == ("serving", 4)
 
 
-def test_a_tied_model_on_cpu_is_refused_broadcast_up_front():
-    """CPU vLLM refuses in-place updates of tied embeddings: the trainer says so in one line
-    at its start instead of sending policies every server refuses."""
+def test_a_tied_model_on_cpu_and_gpus_are_refused_broadcast_up_front():
+    """CPU vLLM refuses in-place updates of tied embeddings, and GPU servers take NCCL
+    where the trainer sends by gloo: the trainer says so in one line at its start instead
+    of sending policies every server refuses."""
     from types import SimpleNamespace
 
     from prime_hpc.trainer.publish import refusal
@@ -393,5 +437,7 @@ def test_a_tied_model_on_cpu_is_refused_broadcast_up_front():
     why = refusal("broadcast", "cpu", tied)
     assert why is not None and "tie_word_embeddings=false" in why and "\n" not in why
     assert refusal("broadcast", "cpu", untied) is None
-    assert refusal("broadcast", "cuda", tied) is None  # CUDA vLLM reloads tied weights in place
+    why = refusal("broadcast", "cuda", untied)  # GPU servers join NCCL; the trainer sends by gloo only
+    assert why is not None and "use weights.transport=filesystem" in why and "\n" not in why
+    assert refusal("filesystem", "cuda", tied) is None
     assert refusal("filesystem", "cpu", tied) is None  # the servers refuse it themselves (409, the relay stops)
