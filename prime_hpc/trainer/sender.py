@@ -77,6 +77,7 @@ class WeightSender:
         self.delivered: dict[int, list[tuple[float, dict]]] = {}  # step -> [(seconds after publish, answer)]
         self._closed = False
         self._cv = threading.Condition()
+        self._refreshing = threading.Lock()
         self._poller = threading.Thread(target=self._poll, name="prime-hpc-weight-endpoints", daemon=True)
         self._poller.start()
 
@@ -93,8 +94,9 @@ class WeightSender:
             self._cv.notify_all()
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait until every server that is not left out has the newest policy (at most
-        `timeout_s`); whether they all do."""
+        """Wait until every server published now that is not left out has the newest
+        policy (at most `timeout_s`); whether they all do."""
+        self.refresh()
         with self._cv:
             return self._cv.wait_for(self._all_synced, timeout_s)
 
@@ -150,6 +152,10 @@ class WeightSender:
     def refresh(self) -> None:
         """Links as `endpoints/` says: a new slot or a new URL in a slot gets a fresh one
         (and its thread); a slot whose endpoint is gone loses its link."""
+        with self._refreshing:  # one reading at a time: an older one never undoes a newer one
+            self._refresh()
+
+    def _refresh(self) -> None:
         published = self.run.server_endpoints()
         with self._cv:
             if self._closed:
