@@ -52,12 +52,17 @@ BROADCAST_WAIT_S = 660.0  # broadcast: the sender's own timeout and its margin (
 UNJOINED_WAIT_S = 30.0  # broadcast: ...or this, for a server in no weight group (the trainer gave up on it)
 
 
+def served_step(answer: dict) -> int:
+    """The policy a server's `GET /policy` answer shows (-1: none readable)."""
+    try:
+        return int(answer.get("policy_step", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
 def lags(answer: dict, step: int) -> bool:
     """Does a server's `GET /policy` answer show a policy older than `step`?"""
-    try:
-        return int(answer.get("policy_step", -1)) < step
-    except (TypeError, ValueError):
-        return True
+    return served_step(answer) < step
 
 
 class WeightRelay:
@@ -109,11 +114,7 @@ class WeightRelay:
         when the current policy is the base model or its weights are on disk (a
         checkpoint, the start of a resumed run) it loads them from there now; else the
         trainer sends it the newest by itself, and it is asked again at the next poll."""
-        answer = (await self.admin.policy_of(to=[server]))[server]
-        try:
-            step = int(answer.get("policy_step", -1))
-        except (TypeError, ValueError):
-            step = -1
+        step = served_step((await self.admin.policy_of(to=[server]))[server])
         if step == self.policy or (step > self.policy and step in self.run.policy_steps()):
             return step
         if self.policy == 0:  # the base model: from its own files

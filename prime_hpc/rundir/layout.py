@@ -65,6 +65,16 @@ def _steps_in(parent: Path, require_stable: bool) -> list[int]:
     return sorted(steps)
 
 
+def _numbered(parent: Path, prefix: str, suffix: str = "") -> list[int]:
+    """The n of every `<prefix><n><suffix>` entry of `parent`, ascending."""
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    numbers = (n[len(prefix) : len(n) - len(suffix)] for n in names if n.startswith(prefix) and n.endswith(suffix))
+    return sorted(int(k) for k in numbers if k.isdigit())
+
+
 def _slot_name(slot: "str | int") -> str:
     if isinstance(slot, int):
         return server_slot(slot)
@@ -364,13 +374,7 @@ class RunDir:
 
     def sent_steps(self) -> list[int]:
         """Steps whose policy the trainer announced as sent by broadcast, ascending."""
-        try:
-            names = os.listdir(self.sent_dir)
-        except FileNotFoundError:
-            return []
-        return sorted(
-            int(n[5:-5]) for n in names if n.startswith("step_") and n.endswith(".json") and n[5:-5].isdigit()
-        )
+        return _numbered(self.sent_dir, "step_", ".json")
 
     def policy_steps(self) -> list[int]:
         """Every policy the trainer made that is still listed: weights on disk or sent by
@@ -454,11 +458,7 @@ class RunDir:
         return self.logs_root / f"attempt_{int(attempt)}"
 
     def attempts(self) -> list[int]:
-        try:
-            names = os.listdir(self.logs_root)
-        except FileNotFoundError:
-            return []
-        return sorted(int(n[8:]) for n in names if n.startswith("attempt_") and n[8:].isdigit())
+        return _numbered(self.logs_root, "attempt_")
 
     def new_attempt(self) -> tuple[int, Path]:
         """Create the next `logs/attempt_<k>/` (never reusing one, even under races) and

@@ -103,11 +103,7 @@ class WeightSender:
     def behind(self) -> list[str]:
         """The slots that still lack the newest policy (and are not left out)."""
         with self._cv:
-            return [
-                link.slot
-                for link in self.links.values()
-                if not self._left_out(link) and (self._wanted(link) or link.busy)
-            ]
+            return [link.slot for link in self.links.values() if self._behind(link)]
 
     def stats(self) -> dict:
         """The newest policy delivered to any server: step, seconds from its publish to the
@@ -185,8 +181,12 @@ class WeightSender:
     def _left_out(self, link: Link) -> bool:
         return link.dropped is not None and time.monotonic() < link.retry_at
 
+    def _behind(self, link: Link) -> bool:
+        """Still busy with or lacking the newest policy, and not left out."""
+        return not self._left_out(link) and (self._wanted(link) or link.busy)
+
     def _all_synced(self) -> bool:
-        return not any(not self._left_out(link) and (self._wanted(link) or link.busy) for link in self.links.values())
+        return not any(self._behind(link) for link in self.links.values())
 
     def _serve_link(self, link: Link) -> None:
         """Join `link`'s server, then send it each newest policy as long as its slot is
