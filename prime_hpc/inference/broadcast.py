@@ -1,30 +1,35 @@
-"""The sender's side of `weights.transport=broadcast` on CPU: rank 0 of one inference
-server's weight group, which sends it each policy straight from memory.
+"""The sender's side of `weights.transport=broadcast`: rank 0 of one inference server's
+weight group, which sends it each policy straight from memory (`Broadcaster`: gloo, to
+CPU servers; `NcclBroadcaster`: NCCL, to GPU servers; `broadcaster_for` picks by device).
 
-One group per server: the sender (rank 0, and the master of the group's TCP store, on a
-port of its own) and that server's W vLLM workers (ranks 1..W), `world_size = 1 + W`. A
-server that joins or leaves the fleet then touches no other server's group, and a slow
-server delays only its own update.
+One group per server: the sender (rank 0) and that server's W vLLM workers (ranks
+1..W), `world_size = 1 + W`. A server that joins or leaves the fleet then touches no
+other server's group, and a slow server delays only its own update. gloo's rendezvous is
+the sender's TCP store, on a port of its own; NCCL's is a unique id the sender mints and
+hands over in the join's body (no store listens).
 
 Each exchange pairs a call to the server's routes (the control plane) with the collective
 it triggers there (the data plane), run at the same time; the first failure of either is
 raised at once:
 
-  join   POST /weights/join {"master_address", "master_port", "world_size", "rank_offset",
-         "timeout_s"}; meanwhile open the store and the group as rank 0
+  join   POST /weights/join {"world_size", "rank_offset", and the rendezvous: gloo's
+         "master_address", "master_port", "timeout_s", or NCCL's "nccl_unique_id_b64"};
+         meanwhile open this side's end of the group as rank 0
   send   POST /weights/receive {"step", "names", "dtype_names", "shapes"}; meanwhile
          broadcast each tensor, in exactly the announced order; the server applies it as
          it applies a filesystem update (paused, one at a time) and serves policy `step`
   leave  POST /weights/leave; then close the group
 
-A failed join or send leaves the group unusable (a gloo collective cannot be cancelled:
-the one under way ends at the group's timeout): join again.
+A failed join or send leaves the group unusable (a collective cannot be cancelled: the
+one under way ends at the group's timeout): join again.
 
-Imports no vLLM (torch and httpx, inside the calls): the trainer imports it.
+Imports no vLLM at import time (torch and httpx inside the calls; NCCL's communicator
+is vLLM's, imported by the NCCL sender when it opens a group): the trainer imports it.
 """
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import queue
 import threading
@@ -144,6 +149,16 @@ class Broadcaster:
         return self.workers
 
     # ------------------------------------------------------------------ data plane
+    def _rendezvous(self, world_size: int) -> tuple[dict, Callable[[], Any], Callable[[], None]]:
+        """What the join's body says of the group, the opening of this side's end (run
+        while the server joins), and what undoes a failed join: gloo's rendezvous is a TCP
+        store on a port of this side's, whose address and port the body carries."""
+        sock = bound_socket(self.host)
+        sock.listen()
+        self.port = sock.getsockname()[1]
+        body = {"master_address": self.host, "master_port": self.port, "timeout_s": self.timeout_s}
+        return body, lambda: self._open(sock, world_size), sock.close
+
     def _open(self, sock: Any, world_size: int) -> Any:
         """The group as rank 0: the store's master on `sock` (bound to this side's
         address), waiting for every worker to join, then gloo on the same address."""
@@ -167,12 +182,24 @@ class Broadcaster:
         options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
         return ProcessGroupGloo(PrefixStore(store_prefix(self.host, port), store), 0, world_size, options)
 
-    def _broadcast(self, named: Iterable[tuple[str, Any]], announced: dict[str, list]) -> int:
-        """Send each tensor of `named`, checked against what was announced; bytes sent."""
+    def _send_tensor(self, tensor: Any) -> int:
+        """Broadcast one tensor from here (rank 0); its bytes."""
         from torch.distributed import BroadcastOptions
 
         options = BroadcastOptions()
         options.rootRank = 0
+        t = tensor.detach().cpu().contiguous()
+        self.group.broadcast([t], options).wait()
+        return t.numel() * t.element_size()
+
+    def _sent(self) -> None:
+        """Every tensor handed to `_send_tensor` has left (gloo: once each `wait` returned)."""
+
+    def _drop(self, group: Any) -> None:
+        group.shutdown()
+
+    def _broadcast(self, named: Iterable[tuple[str, Any]], announced: dict[str, list]) -> int:
+        """Send each tensor of `named`, checked against what was announced; bytes sent."""
         sent, n, total = 0, 0, len(announced["names"])
         for n, (name, tensor) in enumerate(named, 1):
             if n > total:
@@ -181,11 +208,10 @@ class Broadcaster:
             have = (name, dtype_name(tensor), list(tensor.shape))
             if have != want:
                 raise BroadcastError(f"{self.url}: tensor {n - 1} is {have}, announced {want}")
-            t = tensor.detach().cpu().contiguous()
-            self.group.broadcast([t], options).wait()
-            sent += t.numel() * t.element_size()
+            sent += self._send_tensor(tensor)
         if n != total:
             raise BroadcastError(f"{self.url}: {n} tensors sent, {total} announced")
+        self._sent()
         return sent
 
     # ------------------------------------------------------------------ lifecycle
@@ -193,20 +219,12 @@ class Broadcaster:
         """Open the group with the server's workers (replacing any earlier one)."""
         self.close(leave=False)
         world_size = 1 + self._workers()
-        sock = bound_socket(self.host)
-        sock.listen()
-        self.port = sock.getsockname()[1]
-        body = {
-            "master_address": self.host,
-            "master_port": self.port,
-            "world_size": world_size,
-            "rank_offset": 1,
-            "timeout_s": self.timeout_s,
-        }
+        rendezvous, open_group, undo = self._rendezvous(world_size)
+        body = {**rendezvous, "world_size": world_size, "rank_offset": 1}
         try:
-            reply, self.group = together(lambda: self._post(JOIN_PATH, body), lambda: self._open(sock, world_size))
+            reply, self.group = together(lambda: self._post(JOIN_PATH, body), open_group)
         except BaseException:
-            sock.close()
+            undo()
             raise
         return reply
 
@@ -238,4 +256,98 @@ class Broadcaster:
             if leave:
                 self._post(LEAVE_PATH, {})
         finally:
-            group.shutdown()
+            self._drop(group)
+
+
+NCCL_UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+
+
+class NcclBroadcaster(Broadcaster):
+    """Rank 0 of a GPU server's weight group: vLLM's own NCCL engine on the servers' side
+    (`cluster.device=cuda`), reached by NCCL's unique-id rendezvous. This side mints the
+    id and hands it to the server in the join's body, over its keyed route: no TCP store
+    listens for anyone to join, and only a holder of the API key learns where to. Each
+    tensor goes to `device` (this rank's GPU) on a stream of its own, then out by
+    `ncclBroadcast`; the workers receive one tensor at a time (vLLM's unpacked mode).
+
+    `communicator(uid, rank, world_size, device)` and `mint()` are vLLM's
+    `PyNcclCommunicator.from_unique_id_bytes` and `ncclGetUniqueId` unless given (the
+    communicator runs vLLM's warm-up handshake, the one the workers expect)."""
+
+    def __init__(
+        self,
+        url: str,
+        device: Any = None,
+        workers: Optional[int] = None,
+        host: Optional[str] = None,
+        key: Optional[str] = None,
+        timeout_s: float = TIMEOUT_S,
+        communicator: Optional[Callable[[bytes, int, int, Any], Any]] = None,
+        mint: Optional[Callable[[], bytes]] = None,
+    ) -> None:
+        super().__init__(url, workers=workers, host=host, key=key, timeout_s=timeout_s)
+        import torch
+
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.communicator = communicator or _vllm_communicator
+        self.mint = mint or _vllm_unique_id
+        self.stream: Any = None
+
+    def _on_device(self) -> None:
+        """Each exchange runs in threads of its own: they compute on this rank's GPU."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(self.device)
+
+    def _rendezvous(self, world_size: int) -> tuple[dict, Callable[[], Any], Callable[[], None]]:
+        uid = self.mint()
+        if len(uid) != NCCL_UNIQUE_ID_BYTES:
+            raise BroadcastError(f"an NCCL unique id is {NCCL_UNIQUE_ID_BYTES} bytes, minted {len(uid)}")
+
+        def open_group() -> Any:
+            self._on_device()
+            return self.communicator(uid, 0, world_size, self.device)
+
+        return {"nccl_unique_id_b64": base64.b64encode(uid).decode("ascii")}, open_group, lambda: None
+
+    def _send_tensor(self, tensor: Any) -> int:
+        import torch
+
+        self._on_device()
+        with torch.cuda.stream(self.stream):  # no stream (a CPU device): the calling thread's
+            t = tensor.detach().to(self.device).contiguous()
+            self.group.broadcast(t, src=0, stream=self.stream)
+        return t.numel() * t.element_size()
+
+    def _sent(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def _drop(self, group: Any) -> None:
+        group.destroy()
+
+
+def _vllm_communicator(uid: bytes, rank: int, world_size: int, device: Any) -> Any:
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    return PyNcclCommunicator.from_unique_id_bytes(uid, rank=rank, world_size=world_size, device=device)
+
+
+def _vllm_unique_id() -> bytes:
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+    return bytes(NCCLLibrary().ncclGetUniqueId().internal)
+
+
+def broadcaster_for(device: str, rank_device: Any = None) -> Callable[[str], Broadcaster]:
+    """What the trainer's sender opens a server's weight group with on `cluster.device`:
+    NCCL from `rank_device` (this rank's GPU) to GPU servers, gloo to CPU ones
+    (`core.device.weight_transfer_backend`)."""
+    from prime_hpc.core.device import weight_transfer_backend
+
+    if weight_transfer_backend(device) == "nccl":
+        return lambda url: NcclBroadcaster(url, device=rank_device)
+    return Broadcaster

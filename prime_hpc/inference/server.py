@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import re
@@ -71,6 +72,7 @@ from prime_hpc.core import device as devices
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.net import address_env, node_address, url
+from prime_hpc.inference.broadcast import NCCL_UNIQUE_ID_BYTES
 from prime_hpc.inference.client import LEAVING_STATUS, api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
@@ -462,9 +464,9 @@ class Server:
             except Exception as e:
                 return _error(500, f"did not join the weight group: {_one_line(e)}")
             self.joined = info
+        sender = f"{info['master_address']}:{info['master_port']}" if "master_address" in info else "its NCCL unique id"
         print(
-            f"prime-hpc inference: {self.slot} joined the weight group of {info['master_address']}:"
-            f"{info['master_port']} (ranks {info['rank_offset']}..{info['rank_offset'] + self.workers - 1} "
+            f"prime-hpc inference: {self.slot} joined the weight group of {sender} (ranks {info['rank_offset']}..{info['rank_offset'] + self.workers - 1} "
             f"of {info['world_size']}, {time.monotonic() - t0:.2f}s)",
             flush=True,
         )
@@ -526,25 +528,43 @@ class Server:
 
 def join_info(body: dict, workers: int, backend: str) -> tuple[dict, Optional[str]]:
     """The workers' init info for `POST /weights/join`'s body, or what is wrong with it
-    (one line). `timeout_s` is for prime-hpc's gloo engine only (vLLM's NCCL one takes none)."""
-    address, port = body.get("master_address"), body.get("master_port")
+    (one line). The rendezvous is by backend: gloo's (CPU) is the sender's TCP store,
+    `master_address` and `master_port` (and `timeout_s`, which vLLM's NCCL engine takes
+    none of); NCCL's (GPU) is only the unique id the sender minted,
+    `nccl_unique_id_b64`: a store would let anyone who reaches its port into the group,
+    while the id comes through this keyed route."""
     world, offset = body.get("world_size"), body.get("rank_offset", 1)
-    if not isinstance(address, str) or not address:
-        return {}, "body needs 'master_address': the sender's address"
-    if not _is_int(port) or not 0 < port < 65536:
-        return {}, "body needs 'master_port': the sender's port (1..65535)"
     if not _is_int(world) or not _is_int(offset) or offset < 1 or offset + workers > world:
         return {}, (
             f"'world_size' and 'rank_offset' must hold this server's {workers} worker(s) after the sender "
             f"(rank_offset >= 1, rank_offset + {workers} <= world_size; got {world!r}, {offset!r})"
         )
-    info: dict = {"master_address": address, "master_port": port, "world_size": world, "rank_offset": offset}
+    info: dict = {"world_size": world, "rank_offset": offset}
+    if backend == "nccl":
+        uid = body.get("nccl_unique_id_b64")
+        if "master_address" in body or "master_port" in body:
+            return {}, "a GPU server joins by the sender's NCCL unique id ('nccl_unique_id_b64'), not a TCP store"
+        try:
+            raw = base64.b64decode(uid, validate=True) if isinstance(uid, str) else b""
+        except ValueError:
+            raw = b""
+        if len(raw) != NCCL_UNIQUE_ID_BYTES:
+            return (
+                {},
+                f"body needs 'nccl_unique_id_b64': the sender's NCCL unique id ({NCCL_UNIQUE_ID_BYTES} bytes, base64)",
+            )
+        return {**info, "nccl_unique_id_b64": uid}, None
+    address, port = body.get("master_address"), body.get("master_port")
+    if not isinstance(address, str) or not address:
+        return {}, "body needs 'master_address': the sender's address"
+    if not _is_int(port) or not 0 < port < 65536:
+        return {}, "body needs 'master_port': the sender's port (1..65535)"
+    info.update(master_address=address, master_port=port)
     timeout = body.get("timeout_s")
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             return {}, f"'timeout_s' must be a positive number of seconds (got {timeout!r})"
-        if backend == "gloo":
-            info["timeout_s"] = float(timeout)
+        info["timeout_s"] = float(timeout)
     return info, None
 
 

@@ -31,16 +31,9 @@ FINAL_SEND_S = 120.0  # longest the trainer's end waits for its last policy to r
 
 
 def refusal(transport: str, device: str, hf_config: Any) -> Optional[str]:
-    """Why this run cannot send its policies by broadcast (one line), or None. The trainer's
-    sender speaks gloo only, while GPU servers join vLLM's NCCL engine: every join would
-    fail and no server would ever get a policy. A model that ties its input and output
-    embeddings cannot be updated in place by CPU vLLM: its servers refuse every policy,
-    and the run would go on with none of them serving."""
-    if transport == "broadcast" and device != "cpu":
-        return (
-            f"weights.transport=broadcast with cluster.device={device}: the trainer's NCCL sender does not "
-            "exist yet (only gloo, for CPU servers); use weights.transport=filesystem"
-        )
+    """Why this run cannot send its policies by broadcast (one line), or None. A model that
+    ties its input and output embeddings cannot be updated in place by CPU vLLM: its
+    servers refuse every policy, and the run would go on with none of them serving."""
     if transport == "broadcast" and device == "cpu" and getattr(hf_config, "tie_word_embeddings", False):
         return (
             "weights.transport=broadcast: this model ties its input and output embeddings, which CPU vLLM "
@@ -62,6 +55,7 @@ class Publisher:
         self.sender: Optional[WeightSender] = None
         if self.transport == "broadcast" and s.env.is_main:
             from prime_hpc.core.errors import UserError
+            from prime_hpc.inference.broadcast import broadcaster_for
             from prime_hpc.inference.client import API_KEY_VAR, api_key
             from prime_hpc.trainer.sender import WeightSender
 
@@ -70,7 +64,7 @@ class Publisher:
                     f"weights.transport=broadcast: {API_KEY_VAR} is not set: the servers take weights only with it"
                 )
 
-            self.sender = WeightSender(s.run)
+            self.sender = WeightSender(s.run, make=broadcaster_for(s.cfg.device, s.env.device))
 
     def publish(self, s: "Session", step: int, final: bool) -> dict[str, float]:
         """Hand policy `step` on; the step's timers (`time/save_weights`: the gather and

@@ -4,6 +4,7 @@ policy gate and API key, driven through the ASGI layer directly."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 
@@ -148,9 +149,28 @@ def test_a_bad_join_names_the_field(body, problem):
 def test_a_join_gives_the_workers_their_place_and_gloo_its_timeout():
     info, why = srv.join_info({**JOIN, "timeout_s": 30}, 1, "gloo")
     assert why is None and info == {**JOIN, "timeout_s": 30.0}
-    info, why = srv.join_info({**JOIN, "world_size": 5, "timeout_s": 30}, 4, "nccl")  # vLLM's NCCL takes no timeout
-    assert why is None and info == {**JOIN, "world_size": 5}
     assert srv.join_info({**JOIN, "world_size": 4}, 4, "gloo")[1] is not None  # 1 + 4 ranks do not fit in 4
+
+
+UID = base64.b64encode(bytes(range(128))).decode()
+
+
+def test_a_gpu_server_joins_only_by_the_senders_nccl_unique_id():
+    """vLLM's NCCL engine on GPU servers: the join carries the unique id the sender minted
+    (128 bytes, base64) and the workers' place, and nothing of a TCP store, which anyone
+    who reaches its port could join."""
+    body = {"nccl_unique_id_b64": UID, "world_size": 5, "rank_offset": 1, "timeout_s": 30}
+    info, why = srv.join_info(body, 4, "nccl")  # vLLM's NCCL engine takes no timeout
+    assert why is None and info == {"nccl_unique_id_b64": UID, "world_size": 5, "rank_offset": 1}
+    for bad, problem in [
+        ({**body, "master_address": "127.0.0.1", "master_port": 29500}, "not a TCP store"),
+        ({k: v for k, v in body.items() if k != "nccl_unique_id_b64"}, "nccl_unique_id_b64"),
+        ({**body, "nccl_unique_id_b64": base64.b64encode(bytes(64)).decode()}, "128 bytes"),
+        ({**body, "nccl_unique_id_b64": "not base64!"}, "128 bytes"),
+        ({**body, "world_size": 4}, "world_size"),
+    ]:
+        info, why = srv.join_info(bad, 4, "nccl")
+        assert why is not None and problem in why and "\n" not in why, (bad, why)
 
 
 RECEIVE = {"step": 3, "names": ["a.weight", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[2, 3], []]}

@@ -6,6 +6,7 @@ stand-in admin client)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from types import SimpleNamespace as NS
@@ -425,10 +426,9 @@ def test_after_a_resume_a_server_serving_a_discarded_policy_loads_the_current_on
     assert (members["inference_2"]["state"], members["inference_2"]["policy_step"]) == ("serving", 4)
 
 
-def test_a_tied_model_on_cpu_and_gpus_are_refused_broadcast_up_front():
-    """CPU vLLM refuses in-place updates of tied embeddings, and GPU servers take NCCL
-    where the trainer sends by gloo: the trainer says so in one line at its start instead
-    of sending policies every server refuses."""
+def test_a_tied_model_on_cpu_is_refused_broadcast_up_front():
+    """CPU vLLM refuses in-place updates of tied embeddings: the trainer says so in one line
+    at its start instead of sending policies every server refuses. GPU servers take them."""
     from types import SimpleNamespace
 
     from prime_hpc.trainer.publish import refusal
@@ -437,7 +437,114 @@ def test_a_tied_model_on_cpu_and_gpus_are_refused_broadcast_up_front():
     why = refusal("broadcast", "cpu", tied)
     assert why is not None and "tie_word_embeddings=false" in why and "\n" not in why
     assert refusal("broadcast", "cpu", untied) is None
-    why = refusal("broadcast", "cuda", untied)  # GPU servers join NCCL; the trainer sends by gloo only
-    assert why is not None and "use weights.transport=filesystem" in why and "\n" not in why
+    assert refusal("broadcast", "cuda", tied) is None
     assert refusal("filesystem", "cuda", tied) is None
     assert refusal("filesystem", "cpu", tied) is None  # the servers refuse it themselves (409, the relay stops)
+
+
+class FakeGpuServer:
+    """A GPU server's routes as the NCCL sender meets them (vLLM's NCCL engine behind them
+    needs a GPU): `/policy` names its workers; `/weights/join` answers once the sender's
+    end of the group is open (NCCL's unique-id rendezvous has every rank enter at once);
+    `/weights/receive` once every announced tensor was broadcast."""
+
+    def __init__(self, workers: int) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.workers, self.bodies, self.comms = workers, [], []
+        self.opened = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer({"workers": fake.workers, "policy_step": 0})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.bodies.append((self.path, body, self.headers.get("Authorization")))
+                if self.path == "/weights/join":
+                    assert fake.opened.wait(10), "the sender did not open its end while the server joined"
+                elif self.path == "/weights/receive":
+                    comm = fake.comms[-1]
+                    deadline = time.monotonic() + 10
+                    while len(comm.sent) < len(body["names"]) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert len(comm.sent) == len(body["names"]), "the tensors did not come while the server received"
+                self._answer({"status": "ok", "policy_step": body.get("step")})
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def communicator(self, uid: bytes, rank: int, world_size: int, device) -> "FakeComm":
+        comm = FakeComm(uid, rank, world_size, device)
+        self.comms.append(comm)
+        self.opened.set()
+        return comm
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+class FakeComm:
+    def __init__(self, uid: bytes, rank: int, world_size: int, device) -> None:
+        self.uid, self.rank, self.world_size, self.device = uid, rank, world_size, device
+        self.sent: list = []
+        self.destroyed = False
+
+    def broadcast(self, tensor, src: int, stream=None) -> None:
+        assert src == 0 and tensor.device == self.device
+        self.sent.append(tensor.clone())
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+def test_the_nccl_sender_hands_its_unique_id_through_the_keyed_join_and_sends_in_the_announced_order(monkeypatch):
+    """The trainer's side of broadcast to GPU servers (what runs there, but for the GPU:
+    NCCL's communicator is replaced, and the device is the CPU): the join's body carries
+    the minted unique id and the workers' place, sent with the API key while this side
+    opens its end as rank 0 of 1 + workers; a send announces the tensors and broadcasts
+    each, in that order, from this side's device; close leaves the group and destroys the
+    communicator. `broadcaster_for` picks it for cuda, gloo's for cpu."""
+    from prime_hpc.inference.broadcast import Broadcaster, NcclBroadcaster, announcement, broadcaster_for
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    server = FakeGpuServer(workers=2)
+    uid = bytes(range(128))
+    try:
+        sender = NcclBroadcaster(server.url, device="cpu", communicator=server.communicator, mint=lambda: uid)
+        sender.join()
+        path, body, auth = server.bodies[-1]
+        assert path == "/weights/join" and auth == "Bearer k3y"
+        assert body == {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "world_size": 3, "rank_offset": 1}
+        comm = server.comms[-1]
+        assert (comm.uid, comm.rank, comm.world_size) == (uid, 0, 3)
+
+        named = [("model.embed_tokens.weight", torch.randn(5, 4)), ("lm_head.weight", torch.randn(5, 4).bfloat16())]
+        answer = sender.send(7, named)
+        path, body, _ = server.bodies[-1]
+        assert path == "/weights/receive" and body == {"step": 7, **announcement(named)}
+        assert [t.dtype for t in comm.sent] == [torch.float32, torch.bfloat16]
+        assert all(torch.equal(a, b) for a, b in zip(comm.sent, [t for _, t in named]))
+        assert answer["bytes"] == 5 * 4 * 4 + 5 * 4 * 2 and answer["policy_step"] == 7
+
+        sender.close()
+        assert server.bodies[-1][0] == "/weights/leave" and comm.destroyed
+    finally:
+        server.close()
+    assert isinstance(broadcaster_for("cuda", torch.device("cuda", 0))("http://127.0.0.1:1"), NcclBroadcaster)
+    assert type(broadcaster_for("cpu")("http://127.0.0.1:1")) is Broadcaster
