@@ -24,10 +24,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "env ids that are paths, model.trust_remote_code=true, inference.extra_args)",
     )
     e.add_argument(
+        "--here",
+        action="store_true",
+        help="serve and score on this machine (the default with cluster=local); on a SLURM cluster eval "
+        "is otherwise a job: the run's inference nodes with the eval runner beside them",
+    )
+    e.add_argument(
+        "--no-base",
+        action="store_true",
+        help="a run: score only its saved steps, not the base model too (step 0, by default scored first)",
+    )
+    e.add_argument(
         "args",
         nargs="*",
-        help="steps=N,M (default: every saved step) and overrides of the run config; "
-        "without a run: env=, rollouts=K, examples=N, client.model=, out=DIR",
+        help="steps=N,M (default: the base model, 0, and every saved step) and overrides of the run "
+        "config; without a run: env=, args.<env>.<arg>=VALUE, rollouts=K, examples=N, client.model=, out=DIR",
     )
     return e
 
@@ -36,5 +47,5 @@ def run(a: argparse.Namespace) -> int:
     from prime_hpc.orchestrator.evaluate import is_standalone, run_eval, run_standalone
 
     if is_standalone(a.target):
-        return run_standalone([a.target, *a.args])
-    return run_eval(a.target, a.args, trust_run_code=a.trust_run_code)
+        return run_standalone([a.target, *a.args], here=a.here)
+    return run_eval(a.target, a.args, trust_run_code=a.trust_run_code, base=not a.no_base, here=a.here)

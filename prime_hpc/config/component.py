@@ -26,6 +26,7 @@ from prime_hpc.config.schema import (
     MISSING,
     BenchConfig,
     CkptConfig,
+    EvalJobConfig,
     InferenceConfig,
     LogConfig,
     ModelConfig,
@@ -103,6 +104,8 @@ class TrainingRunConfig(ComponentRunConfig):
 
 @dataclass
 class OrchestratorRunConfig(TrainingRunConfig):
+    eval_job: EvalJobConfig = src("eval_job", EvalJobConfig)
+    """`steps` set: an eval job; the orchestrator's place runs the eval runner instead."""
     trainer_ranks: int = src(trainer_ranks)
     """One rollout file per trainer rank."""
     micro_batch_size: int = src("trainer.micro_batch_size")

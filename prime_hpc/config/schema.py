@@ -394,6 +394,21 @@ class BenchConfig:
     half of seq_len when that is null too"""
 
 
+@dataclass
+class EvalJobConfig:
+    """An eval job (`prime-hpc eval` on a cluster; set by the command, not by hand): the
+    job's inference servers, and on the head the eval runner, which scores each step on
+    `orchestrator.eval.env` and writes `<results>/step_<n>.json` and
+    `step_<n>.samples.jsonl`."""
+
+    steps: List[int] = field(default_factory=list)
+    """the policy steps to score, in order; 0 = the base model; empty = not an eval job"""
+    run: Optional[str] = None
+    """the run whose `weights/step_<n>` are scored (null: the model as it is, step 0 only)"""
+    results: Optional[str] = None
+    """where the results go (null: the job's output_dir)"""
+
+
 # ----------------------------------------------------------------------------- run-level
 @dataclass
 class WeightsCkptConfig:
@@ -555,3 +570,4 @@ class RunConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    eval_job: EvalJobConfig = field(default_factory=EvalJobConfig)

@@ -136,7 +136,10 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
     """The components a run has, in het-group order: an RL run all three; an SFT run only
     the trainer; a preflight the run's groups plus the head that collects the reports; a
     bench (`bench.mode`) the groups it measures. Its job runs them all but the servers of an
-    inference fleet in a job of its own (`job_groups`)."""
+    inference fleet in a job of its own (`job_groups`). An eval job (`eval_job.steps`) runs
+    the eval runner in the orchestrator's place, beside the servers."""
+    if mode == "run" and is_eval_job(cfg):
+        return ["orchestrator", "inference"]
     if cfg.trainer.type == "sft":
         return ["orchestrator", "trainer"] if mode == "doctor" else ["trainer"]
     bench = cfg.bench.mode if mode == "run" else None  # a bench runs only what it measures
@@ -145,6 +148,15 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
     if bench == "inference":
         return ["orchestrator", "inference"]
     return list(COMPONENTS)
+
+
+def is_eval_job(cfg: DictConfig) -> bool:
+    return bool(cfg.get("eval_job") and cfg.eval_job.steps)
+
+
+def job_kind(cfg: DictConfig) -> str:
+    """What the job does: rl | sft (it trains: `trainer.type`) | eval (`prime-hpc eval`)."""
+    return "eval" if is_eval_job(cfg) else str(cfg.trainer.type)
 
 
 def own_fleet(cfg: DictConfig, mode: str = "run") -> bool:
@@ -176,9 +188,10 @@ def one_host_cores(cores: list[int], groups: list[str], take_turns: bool = False
     0.83 s per step against 1.10 s with a split; docs/benchmarks.md). Otherwise they run at
     the same time and get cores of their own: the trainer the upper half (at least one
     core), inference the rest, and the orchestrator (and the router), which mostly wait on
-    I/O, share the inference cores. Without inference (SFT) the trainer gets every core;
-    with a single core everything shares it."""
-    if len(cores) < 2 or "inference" not in groups or take_turns:
+    I/O, share the inference cores. Without inference (SFT) the trainer gets every core,
+    without a trainer (an eval job, an inference bench) inference does; with a single core
+    everything shares it."""
+    if len(cores) < 2 or "inference" not in groups or "trainer" not in groups or take_turns:
         return {name: list(cores) for name in groups}
     split = len(cores) - len(cores) // 2
     share = {"orchestrator": cores[:split], "inference": cores[:split], "trainer": cores[split:]}
@@ -358,7 +371,7 @@ def make_plan(
     in_job = len(job_groups(cfg, mode))
     return Plan(
         mode=mode,
-        kind=str(cfg.trainer.type),
+        kind=job_kind(cfg) if mode == "run" else str(cfg.trainer.type),
         name=name,
         job_name=slurm_job_name(name),
         output_dir=out,

@@ -43,6 +43,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from prime_hpc.orchestrator.loop import Orchestrator
 
     try:
+        if cfg.eval_job.steps:  # an eval job: the eval runner beside the job's servers
+            from prime_hpc.orchestrator.evaluate import run_job
+
+            return run_job(cfg)
         if cfg.bench.mode is not None:  # a bench run: fixed prompts, no environment
             from prime_hpc.orchestrator import bench
 

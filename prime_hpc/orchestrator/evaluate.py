@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from typing import Any, Iterator, Optional
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, atomic_write_json, with_umask
+from prime_hpc.rundir import RunDir, atomic_write_json, jobs, read_json, with_umask
 
 
 def target_run(target: str) -> tuple[RunDir, Optional[int]]:
@@ -177,7 +178,7 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
             pass
 
 
-def run_eval(target: str, args: list[str], trust_run_code: bool = False) -> int:
+def run_eval(target: str, args: list[str], trust_run_code: bool = False, base: bool = True, here: bool = False) -> int:
     from prime_hpc.config.cluster import cache_root
     from prime_hpc.core import usercache
 
@@ -186,60 +187,256 @@ def run_eval(target: str, args: list[str], trust_run_code: bool = False) -> int:
     overrides = [a for a in args if not a.startswith("steps=")]
     if not run.config_yaml.exists():
         raise UserError(f"{run.config_yaml} is missing: not a prime-hpc run directory")
-    available = run.weight_steps()
-    steps = parse_steps(steps_arg[-1][6:]) if steps_arg else ([one_step] if one_step is not None else available)
-    missing = [s for s in steps if s not in available]
-    if missing or not steps:
-        raise UserError(
-            f"no complete weights for step(s) {missing or steps} in {run.weights_dir}; available: {available or 'none'}"
-        )
+    steps = eval_steps(run, parse_steps(steps_arg[-1][6:]) if steps_arg else None, one_step, base)
     cfg, owner = recorded_run(run, overrides)
     if not cfg.orchestrator.eval.env:
         raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
     check_foreign_run(run, owner, cfg, overrides, trust_run_code)
+    if not (here or runs_here(cfg)):
+        job_cfg = eval_job_config(cfg, steps, run.eval_dir, run)
+        rc = submit_and_follow(job_cfg, overrides)
+        if rc == 0:
+            for step in steps:
+                row = read_json(run.eval_result(step))
+                print_row(step, {k: v for k, v in row.items() if k.startswith("eval/")})
+            print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json (and .samples.jsonl) for steps {steps}")
+        return rc
     cache = cache_root(cfg)  # the run's cache: its built models (and the user's compile cache there) are reused
     usercache.compile_dir(cache, create=False)
     with with_umask(cfg.cluster.umask), eval_server(cfg, RunDir(run.eval_dir), cache) as (url, key):
         score_steps(run, cfg, steps, url, key)
-    print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json for steps {steps}")
+    print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json (and .samples.jsonl) for steps {steps}")
     return 0
 
 
+EVAL_JOB_DIR = "job"  # an eval job's own files (configs, logs, job.json) under its results directory
+
+
+def runs_here(cfg: Any) -> bool:
+    """Eval serves and scores on this machine when the run's cluster is this machine
+    (`cluster=local`); on a SLURM cluster it is a job (`--here` forces this machine)."""
+    from prime_hpc.sched.registry import choose
+
+    return bool(choose(cfg.cluster.backend).one_machine)
+
+
+def eval_job_config(cfg: Any, steps: list[int], results: Path, run: Optional[RunDir]) -> Any:
+    """The config of the job that scores `steps` of `run` (None: the model as it is):
+    the run's own (model, eval envs, sampling, inference, cluster) with `eval_job` set,
+    in `<results>/job` (an earlier eval job's files there are replaced, its results kept),
+    named `<name>-eval`; nothing of training (no warm-up, checkpoints or W&B)."""
+    cfg.eval_job.steps = [int(s) for s in steps]
+    cfg.eval_job.run = str(run.root) if run is not None else None
+    cfg.eval_job.results = str(Path(results).resolve())
+    cfg.output_dir = str(Path(results).resolve() / EVAL_JOB_DIR)
+    cfg.name = f"{cfg.name}-eval"
+    cfg.warmup.experiment = None
+    cfg.wandb.enabled = False
+    cfg.ckpt.enabled = False
+    cfg.ckpt.interval = None
+    cfg.ckpt.step = None
+    cfg.bench.mode = None
+    job = RunDir(cfg.output_dir)
+    cfg.clean_output_dir = job.job_json.exists() or job.config_yaml.exists()  # an earlier eval job's
+    return cfg
+
+
+def submit_and_follow(cfg: Any, overrides: list[str]) -> int:
+    """Submit the eval job, follow its logs until it ends (as `submit -f`); 0 when it
+    completed, else one line naming its state and where to look."""
+    from prime_hpc.cli.tail import follow_ref
+    from prime_hpc.launcher import launch
+
+    sub = launch.submit(cfg, overrides)
+    ref = sub.ref
+    steps = ", ".join("base" if s == 0 else str(s) for s in cfg.eval_job.steps)
+    print(
+        f"submitted eval job {ref.job_id} ({ref.name}: {', '.join(sub.plan.group_names)}, {ref.backend}): "
+        f"step(s) {steps}",
+        flush=True,
+    )
+    print(f"  output dir: {ref.output_dir}    results: {cfg.eval_job.results}", flush=True)
+    try:
+        rc = follow_ref(ref)
+    except KeyboardInterrupt:
+        print(
+            f"\nstopped following; the eval goes on (prime-hpc status {ref.job_id}); results: {cfg.eval_job.results}",
+            file=sys.stderr,
+        )
+        return 130
+    if rc != 0:
+        from prime_hpc.rundir import jobs
+
+        state = jobs.read_job(ref.run).get("state", "UNKNOWN")
+        raise UserError(
+            f"eval job {ref.job_id} ended {state}; see prime-hpc tail {ref.job_id} --no-follow "
+            f"(logs: {ref.run.latest_logs})"
+        )
+    return 0
+
+
+def eval_steps(run: RunDir, asked: Optional[list[int]], one_step: Optional[int], base: bool) -> list[int]:
+    """The steps to score, ascending: those asked (`steps=`; 0 is the base model), else the
+    one a weights dir names, else every saved one; the base model first unless `base` is
+    off or steps were asked. A step without complete weights fails in one line."""
+    available = run.weight_steps()
+    if asked is not None:
+        steps = asked
+    elif one_step is not None:
+        steps = [one_step]
+    else:
+        steps = ([0] if base else []) + available
+    missing = [s for s in steps if s != 0 and s not in available]
+    if missing or not steps:
+        raise UserError(
+            f"no complete weights for step(s) {missing or steps} in {run.weights_dir}; available: "
+            f"{available or 'none'} (and 0, the base model)"
+        )
+    return sorted(set(steps))
+
+
 def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str) -> None:
-    """Load each step's weights into the server at `url`, run the eval envs, write
-    `<run>/eval/step_<n>.json` and print a row."""
+    """Load each step's weights into the server at `url` (step 0: the base model, what it
+    started with), run the eval envs, write `<run>/eval/step_<n>.json` and every rollout
+    to `step_<n>.samples.jsonl`, and print a row."""
     from prime_hpc.inference.client import Admin
     from prime_hpc.orchestrator.client import make_client
 
     evaluator = run_evaluator(cfg, make_client(url + "/v1", key), cfg.model.name)
-    admin = Admin([url], key=key)
 
     async def all_steps() -> None:
-        for step in steps:
-            await admin.update_weights(run.weights_step(step), step)
-            t0 = time.monotonic()
-            metrics = await evaluator.evaluate(step)
-            row = {"step": step, **metrics, "time/eval": time.monotonic() - t0}
-            atomic_write_json(run.eval_result(step), row)
-            print("  ".join([f"step {step:>5}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
-        await admin.aclose()
+        admin = Admin([url], key=key)
+        try:
+            for step in steps:
+                await score_step(admin, evaluator, run, step, run.eval_dir)
+        finally:
+            await admin.aclose()
 
     asyncio.run(all_steps())
 
 
-def run_evaluator(cfg: Any, client: Any, model: str) -> Any:
+async def score_step(admin: Any, evaluator: Any, run: Optional[RunDir], step: int, results: Path) -> dict:
+    """Make every server of `admin` serve policy `step` of `run` (0: the base model, unless
+    the run saved weights for step 0; no run: the model as it is), evaluate, write
+    `<results>/step_<n>.json` and `step_<n>.samples.jsonl`, print a row; the row."""
+    if run is not None:
+        if step == 0 and 0 not in run.weight_steps():
+            await admin.reload_base()
+        else:
+            await admin.update_weights(run.weights_step(step), step)
+    t0 = time.monotonic()
+    samples: list[dict] = []
+    metrics = await evaluator.evaluate(step, samples)
+    row = {"step": step, **metrics, "time/eval": time.monotonic() - t0}
+    write_samples(results / f"step_{int(step)}.samples.jsonl", samples)
+    atomic_write_json(results / f"step_{int(step)}.json", row)
+    print_row(step, metrics)
+    return row
+
+
+def print_row(step: int, metrics: dict) -> None:
+    label = "base" if step == 0 else f"step {step}"
+    print("  ".join([f"{label:>10}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
+
+
+def run_job(cfg: Any) -> dict:
+    """The head of an eval job (`eval_job.steps`): waits for the job's servers, then scores
+    each step through the router (every server loads it first) and writes its results to
+    `eval_job.results`; beats the orchestrator's heartbeat while it works (each finished
+    group is progress)."""
+    from prime_hpc.inference.client import Admin, api_key, discover
+    from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
+    from prime_hpc.rundir import BEAT_S
+
+    job_dir = RunDir(cfg.output_dir)
+    ej = cfg.eval_job
+    results = Path(ej.results or cfg.output_dir)
+    source = RunDir(ej.run) if ej.run else None
+    ep = discover(job_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=jobenv.logs_dir())
+    key = api_key()
+    state = {"step": int(ej.steps[0]), "progress_at": time.time()}
+
+    def progressed() -> None:
+        state["progress_at"] = time.time()
+
+    evaluator = run_evaluator(cfg, make_client(ep.openai_base_url, key), cfg.model.name, on_group=progressed)
+
+    async def beat() -> None:
+        while True:
+            job_dir.beat("orchestrator", 0, **state)
+            await asyncio.sleep(BEAT_S)
+
+    async def all_steps() -> list[dict]:
+        beating = asyncio.create_task(beat())
+        admin = Admin(ep.servers, key=key)
+        rows = []
+        try:
+            for step in ej.steps:
+                state["step"] = int(step)
+                progressed()
+                rows.append(await score_step(admin, evaluator, source, int(step), results))
+        finally:
+            beating.cancel()
+            await admin.aclose()
+        return rows
+
+    results.mkdir(parents=True, exist_ok=True)
+    rows = asyncio.run(all_steps())
+    print(f"prime-hpc eval: wrote {results}/step_<n>.json (and .samples.jsonl) for steps {list(ej.steps)}", flush=True)
+    return {"steps": rows}
+
+
+def write_samples(path: Path, samples: list[dict]) -> Path:
+    """Per-sample results, one JSON object a line (written whole, then renamed)."""
+    from prime_hpc.rundir import atomic_write_text
+
+    return atomic_write_text(path, "".join(json.dumps(s, default=str) + "\n" for s in samples))
+
+
+def run_evaluator(cfg: Any, client: Any, model: str, on_group: Any = None) -> Any:
     """The orchestrator's evaluator (`orchestrator.evaluator`) of the eval envs of `cfg` (a
-    run's composed config), generating through `client` as `model`."""
+    run's composed config, or the orchestrator's own), generating through `client` as
+    `model`; `on_group`: called after each group."""
     from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
     from prime_hpc.orchestrator.envs import load_slots
     from prime_hpc.orchestrator.evaluator import Evaluator
     from prime_hpc.orchestrator.generate import Generator
 
-    rcfg = typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
+    rcfg = (
+        cfg
+        if isinstance(cfg, OrchestratorRunConfig)
+        else typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
+    )
     o = rcfg.orchestrator
     return Evaluator(
-        o.eval, load_slots(o.eval.env, "eval", o.eval.num_examples), Generator(o, rcfg.seq_len, client, lambda: model)
+        o.eval,
+        load_slots(o.eval.env, "eval", o.eval.num_examples),
+        Generator(o, rcfg.seq_len, client, lambda: model),
+        on_group=on_group or (lambda: None),
     )
+
+
+ENV_ARGS_PREFIX = "args."
+
+
+def parse_env_args(given: list[str], envs: list[str]) -> dict[str, dict[str, Any]]:
+    """`args.<env>.<arg>=<value>` (the value read as YAML: 5, true, [a, b], text) -> {env id:
+    {arg: value}} for `load_environment`; an env not among `envs` fails in one line."""
+    import yaml
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in given:
+        key, _, value = item.partition("=")
+        env, _, arg = key[len(ENV_ARGS_PREFIX) :].rpartition(".")
+        if not env or not arg:
+            raise UserError(f"{item}: expected args.<env>.<arg>=<value>, e.g. args.{envs[0]}.num_examples=20")
+        if env not in envs:
+            raise UserError(f"{item}: {env!r} is not among env={','.join(envs)}")
+        try:
+            out.setdefault(env, {})[arg] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            out.setdefault(env, {})[arg] = value
+    return out
 
 
 STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model")
@@ -250,11 +447,13 @@ def is_standalone(target: str) -> bool:
     return "=" in target and target.split("=", 1)[0] in STANDALONE_KEYS and not Path(target).exists()
 
 
-def run_standalone(args: list[str]) -> int:
-    """`prime-hpc eval model=<name|path> env=<id>[,<id>...] [rollouts=K] [examples=N]
-    [client.base_url=URL [client.model=NAME]] [out=DIR] [overrides]`: any model (a server
-    is started for it) or any running OpenAI-compatible endpoint, on any env ids. Writes
-    `<out>/eval.json` and prints one row per env: avg@k and pass@k."""
+def run_standalone(args: list[str], here: bool = False) -> int:
+    """`prime-hpc eval model=<name|path> env=<id>[,<id>...] [args.<id>.<arg>=V ...]
+    [rollouts=K] [examples=N] [client.base_url=URL [client.model=NAME]] [out=DIR]
+    [overrides]`: any model (a server is started for it) or any running OpenAI-compatible
+    endpoint (with the key in `$INFERENCE_SERVER_API_KEY`, when it wants one), on any env
+    ids, each with its own `load_environment` arguments. Writes `<out>/eval.json`, every
+    rollout to `<out>/samples.jsonl`, and prints one row per env: avg@k and pass@k."""
     from prime_hpc.config.cluster import cache_root
     from prime_hpc.config.compose import compose
     from prime_hpc.config.schema import EnvEntry
@@ -264,10 +463,12 @@ def run_standalone(args: list[str]) -> int:
     from prime_hpc.orchestrator.envs import env_name
 
     opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in STANDALONE_KEYS)
-    overrides = [a for a in args if a.split("=", 1)[0] not in STANDALONE_KEYS]
+    given_args = [a for a in args if a.startswith(ENV_ARGS_PREFIX)]
+    overrides = [a for a in args if a.split("=", 1)[0] not in STANDALONE_KEYS and a not in given_args]
     envs = [e for e in opts.get("env", "").split(",") if e]
     if not envs:
         raise UserError("env=<id>[,<id>...] is required: the environments to evaluate on")
+    env_args = parse_env_args(given_args, envs)
     if "model" not in opts and "client.base_url" not in opts:
         raise UserError("give model=<name|path> (a server is started for it) or client.base_url=<endpoint>")
     try:
@@ -279,13 +480,15 @@ def run_standalone(args: list[str]) -> int:
     name = opts.get("model") or opts.get("client.model") or "served"
     out = Path(opts.get("out") or Path("outputs") / "eval" / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = compose([f"model.name={name}" if "model" in opts else "model.name=tiny", f"output_dir={out}", *overrides])
-    cfg.orchestrator.eval.env = [EnvEntry(id=e) for e in envs]
+    cfg.orchestrator.eval.env = [EnvEntry(id=e, args=env_args.get(e, {})) for e in envs]
     cfg.orchestrator.eval.rollouts_per_example, cfg.orchestrator.eval.num_examples = k, n
     edir = RunDir(out)
     t0 = time.monotonic()
 
+    samples: list[dict] = []
+
     def evaluate(url: str, model: str, key: Optional[str]) -> dict:
-        return asyncio.run(run_evaluator(cfg, make_client(url, key), model).evaluate(0))
+        return asyncio.run(run_evaluator(cfg, make_client(url, key), model).evaluate(0, samples))
 
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts:
@@ -294,12 +497,23 @@ def run_standalone(args: list[str]) -> int:
                 base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, api_key()
             )
             where = base
-        else:
+        elif here or runs_here(cfg):
             usercache.compile_dir(cache_root(cfg), create=False)
             edir.root.mkdir(parents=True, exist_ok=True)
             with eval_server(cfg, edir, cache_root(cfg)) as (url, key):
                 metrics = evaluate(url + "/v1", cfg.model.name, key)
             where = "a server started for it"
+        else:
+            job_cfg = eval_job_config(cfg, [0], out, None)
+            rc = submit_and_follow(job_cfg, overrides)
+            if rc:
+                return rc
+            row = read_json(out / "step_0.json")
+            metrics = {key: v for key, v in row.items() if key.startswith("eval/")}
+            samples = [json.loads(line) for line in (out / "step_0.samples.jsonl").read_text().splitlines() if line]
+            for done in ("step_0.json", "step_0.samples.jsonl"):  # the job's, as eval.json and samples.jsonl
+                (out / done).unlink()
+            where = f"eval job {jobs.read_job(RunDir(job_cfg.output_dir)).get('job_ids', ['?'])[-1]}"
         result = {
             "model": name,
             "endpoint": where,
@@ -310,6 +524,7 @@ def run_standalone(args: list[str]) -> int:
             "time_s": round(time.monotonic() - t0, 1),
             "at": time.time(),
         }
+        write_samples(out / "samples.jsonl", samples)
         path = atomic_write_json(out / "eval.json", result)
     print(f"{'ENV':24} {f'AVG@{k}':>8} {f'PASS@{k}':>8}")
     for e in (env_name(EnvEntry(id=e)) for e in envs):
@@ -317,5 +532,5 @@ def run_standalone(args: list[str]) -> int:
             f"{e:24} {metrics.get(f'eval/{e}/avg@{k}', float('nan')):8.3f} "
             f"{metrics.get(f'eval/{e}/pass@{k}', float('nan')):8.3f}"
         )
-    print(f"prime-hpc eval: {name} on {', '.join(envs)} ({where}); wrote {path}")
+    print(f"prime-hpc eval: {name} on {', '.join(envs)} ({where}); wrote {path} and {out / 'samples.jsonl'}")
     return 0

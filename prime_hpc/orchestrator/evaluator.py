@@ -31,6 +31,24 @@ from prime_hpc.orchestrator.generate import Generator
 from prime_hpc.orchestrator.rollouts import Rollout, pass_at_k
 
 
+def sample_record(step: int, r: Rollout, i: int) -> dict:
+    """One eval rollout as a person reads it and a script loads it (a line of
+    `eval/step_<n>.samples.jsonl`): the policy step, env, example, which of its k
+    rollouts, the prompt (its last message), the completion, the reward, the
+    environment's metrics, and the error when it failed."""
+    return {
+        "step": step,
+        "env": r.env,
+        "example_id": r.example_id,
+        "rollout": i,
+        "prompt": r.prompt_text,
+        "completion": r.completion_text,
+        "reward": r.reward,
+        "metrics": r.metrics,
+        "error": r.error,
+    }
+
+
 class Evaluator:
     def __init__(
         self,
@@ -48,12 +66,15 @@ class Evaluator:
         self.on_group = on_group
         self.pending: Optional[asyncio.Task] = None
 
-    async def evaluate(self, step: int) -> dict:
-        """avg@k and pass@k of every eval env under the policy served now."""
+    async def evaluate(self, step: int, samples: Optional[list[dict]] = None) -> dict:
+        """avg@k and pass@k of every eval env under the policy served now; with `samples`,
+        every rollout is appended to it too (`sample_record`)."""
         out: dict = {}
         sem = asyncio.Semaphore(self.generator.max_groups)
         for slot in self.slots:
             groups = await asyncio.gather(*(self.group(slot, row, sem) for row in slot.rows))
+            if samples is not None:
+                samples += [sample_record(step, r, i) for g in groups for i, r in enumerate(g)]
             rewards = [[r.reward for r in g] for g in groups]
             out[f"eval/{slot.name}/avg@{self.k}"] = mean(mean(x) for x in rewards) if rewards else 0.0
             out[f"eval/{slot.name}/pass@{self.k}"] = mean(pass_at_k(x) for x in rewards) if rewards else 0.0

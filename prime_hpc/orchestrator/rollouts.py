@@ -65,6 +65,7 @@ class Rollout:
     teacher_logprobs: Optional[list[float]] = None
     prompt_text: str = ""  # the last prompt message (for sample tables)
     completion_text: str = ""  # what the model answered, every turn
+    metrics: dict = field(default_factory=dict)  # the environment's own per-rollout metrics (its reward functions)
     branches: list[Branch] = field(default_factory=list)  # samples after the first (branching)
 
     @property
@@ -188,9 +189,21 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
         branches=seqs[1:],
         prompt_text=_text(out.get("prompt"), last_only=True),
         completion_text=_text(out.get("completion")),
+        metrics=_numbers(out.get("metrics")),
     )
     r.empty = r.completion_tokens == 0
     return r
+
+
+def _numbers(metrics: Any) -> dict:
+    """An environment's per-rollout metrics, as plain floats (what is not a number is left out)."""
+    out = {}
+    for k, v in dict(metrics or {}).items():
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def _text(messages: Any, last_only: bool = False) -> str:

@@ -389,6 +389,10 @@ class RunDir:
     def eval_result(self, step: int) -> Path:
         return self.eval_dir / f"step_{int(step)}.json"
 
+    def eval_samples(self, step: int) -> Path:
+        """Every rollout of `eval_result(step)`, one JSON object a line (step 0: the base model)."""
+        return self.eval_dir / f"step_{int(step)}.samples.jsonl"
+
     @property
     def bench_json(self) -> Path:
         """A bench run's results (`prime_hpc.rundir.bench`): every benched part, merged."""
