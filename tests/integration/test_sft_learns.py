@@ -3,9 +3,10 @@ cluster with a time limit shorter than the run: at the warning before the time l
 trainer checkpoints, the same job goes back to the queue and the next attempt continues
 where it stopped; no step or sample is lost or trained twice. (Once the job is back in the
 queue its limit is raised, as an admin could, so that the second attempt finishes: two
-attempts prove the hand-over, a third would only cost time.) Then `prime-hpc eval` of the
-final weights, greedy, on held-out strings: the offline tiny model learned to reverse
-them."""
+attempts prove the hand-over, a third would only cost time.) Then `prime-hpc eval`, a job
+of the dev cluster, of the base model and every saved step, greedy, on held-out strings:
+the offline tiny model learned to reverse them; and of a model named on the command line,
+with env arguments."""
 
 from __future__ import annotations
 
@@ -74,16 +75,60 @@ def test_reverse_text_sft_outlives_its_time_limit_and_reaches_80_of_100_exact_re
     # no sample trained twice or skipped: the data position continues across attempts
     samples = [r["progress/num_samples"] for r in rows]
     assert all(b > a for a, b in zip(samples, samples[1:]))
-    # greedy: pass@1 is the share of exact reversals, avg@1 the mean LCS ratio
+    # `prime-hpc eval` of a dev-cluster run is a job of its own: the run's inference node and
+    # the eval runner, its files in <run>/eval/job; the base model is scored first (greedy:
+    # pass@1 is the share of exact reversals, avg@1 the mean LCS ratio)
     e = cli(
         "eval",
         str(out),
-        f"steps={final}",
         "orchestrator.sampling.temperature=0",
         "orchestrator.eval.rollouts_per_example=1",
         timeout=900,
     )
     assert e.returncode == 0, e.stdout + e.stderr
+    assert "submitted eval job" in e.stdout
+    eval_job = RunDir(run.eval_dir / "job")
+    record = jobs.read_job(eval_job)
+    assert (record["kind"], record["state"], record["groups"]) == ("eval", "COMPLETED", ["orchestrator", "inference"])
+    assert not list(eval_job.endpoints_dir.glob("*.json")), "the eval job's servers are gone"
+    status = cli("status", str(record["job_ids"][-1]))
+    assert status.returncode == 0 and "eval" in status.stdout, status.stdout + status.stderr
+    base = json.loads(run.eval_result(0).read_text())
     result = json.loads(run.eval_result(final).read_text())
     assert result["eval/reverse_text/pass@1"] >= 0.80, result
     assert result["eval/reverse_text/avg@1"] >= 0.90, result
+    assert base["eval/reverse_text/pass@1"] <= 0.05 < result["eval/reverse_text/pass@1"], base
+    assert sorted(int(p.name.split("_")[1].split(".")[0]) for p in run.eval_dir.glob("step_*.json")) == sorted(
+        {0, *run.weight_steps()}
+    )
+    # every rollout, as a person reads it: the greedy completion of an exact reversal is the prompt reversed
+    samples = [json.loads(line) for line in run.eval_samples(final).read_text().splitlines()]
+    assert len(samples) == 100 and {s["step"] for s in samples} == {final}
+    exact = [s for s in samples if s["reward"] == 1.0]
+    assert len(exact) / len(samples) == pytest.approx(result["eval/reverse_text/pass@1"])
+    assert all(s["prompt"][::-1] in s["completion"] for s in exact), exact[:3]
+    assert all(s["error"] is None and 0.0 <= s["reward"] <= 1.0 for s in samples)
+
+    # any model on any env, as a job of the cluster named on the command line, each env with
+    # its own arguments: eval strings of at most 4 letters
+    standalone = tmp_path / "standalone"
+    e = cli(
+        "eval",
+        f"model={run.weights_step(final)}",
+        "env=reverse-text",
+        "args.reverse-text.max_len=4",
+        "examples=5",
+        "cluster=dev",
+        "orchestrator.sampling.temperature=0",
+        f"out={standalone}",
+        timeout=900,
+    )
+    assert e.returncode == 0, e.stdout + e.stderr
+    assert "submitted eval job" in e.stdout and "ENV" in e.stdout
+    summary = json.loads((standalone / "eval.json").read_text())
+    assert summary["endpoint"].startswith("eval job ") and set(summary["metrics"]) == {
+        "eval/reverse-text/avg@1",
+        "eval/reverse-text/pass@1",
+    }
+    samples = [json.loads(line) for line in (standalone / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 5 and all(3 <= len(s["prompt"]) <= 4 for s in samples), samples
