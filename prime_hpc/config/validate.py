@@ -297,9 +297,20 @@ def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None =
     if cfg.bench.mode is not None:  # a bench generates from fixed prompts: no env is loaded
         return
     o = cfg.orchestrator
-    if cfg.trainer.type == "rl" and not o.env:
+    evaluating = bool(cfg.eval_job.steps)  # an eval job loads only the eval envs
+    if cfg.trainer.type == "rl" and not o.env and not evaluating:
         raise ConfigError("orchestrator.env", "no training environment; add env=<name> or +experiment=<name>")
-    for where, entries in (("orchestrator.env", o.env), ("orchestrator.eval.env", o.eval.env)):
+    if evaluating and not o.eval.env:
+        raise ConfigError("orchestrator.eval.env", "an eval job needs eval environments")
+    checked = (
+        (("orchestrator.eval.env", o.eval.env),)
+        if evaluating
+        else (
+            ("orchestrator.env", o.env),
+            ("orchestrator.eval.env", o.eval.env),
+        )
+    )
+    for where, entries in checked:
         for i, e in enumerate(entries):
             err = importable(e.id)
             if err:

@@ -120,6 +120,8 @@ def test_reverse_text_sft_outlives_its_time_limit_and_reaches_80_of_100_exact_re
         "examples=5",
         "cluster=dev",
         "orchestrator.sampling.temperature=0",
+        "orchestrator.sampling.max_tokens=16",
+        "seq_len=80",
         f"out={standalone}",
         timeout=900,
     )

@@ -64,6 +64,20 @@ def test_on_a_slurm_cluster_eval_is_a_job_of_the_runs_servers_with_the_eval_runn
     assert (run.eval_dir / "step_4.json").exists()
 
 
+def test_a_model_named_on_the_command_line_is_an_eval_job_without_a_training_env(tmp_path):
+    """`eval model=... env=... cluster=dev`: the default config with only eval envs (no
+    training env is needed or loaded); step 0, the model as it is; results in `out`."""
+    from prime_hpc.config.schema import EnvEntry
+
+    cfg = compose(["model.name=tiny", "cluster=dev", f"output_dir={tmp_path / 'out'}"])
+    cfg.orchestrator.eval.env = [EnvEntry(id="reverse-text", args={"max_len": 4})]
+    job_cfg = evaluate.eval_job_config(cfg, [0], tmp_path / "out", None)
+    job, plan = launch.prepare(job_cfg, "run", dry_run=True)
+    orch = yaml.safe_load(job.component_config("orchestrator").read_text())
+    assert orch["eval_job"] == {"steps": [0], "run": None, "results": str(tmp_path / "out")}
+    assert orch["orchestrator"]["eval"]["env"][0]["args"] == {"max_len": 4} and plan.kind == "eval"
+
+
 def test_here_keeps_eval_on_this_machine_on_a_slurm_cluster(tmp_path, monkeypatch, capsys):
     run, _ = _run(tmp_path / "run", "cluster=dev")
     seen = []
