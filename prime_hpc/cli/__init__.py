@@ -12,8 +12,21 @@ import importlib
 import sys
 from typing import Optional
 
-COMMANDS = ("submit", "resume", "scale", "status", "list", "tail", "cancel", "plot", "eval", "doctor", "completion")
-TAKES_OVERRIDES = ("submit", "doctor", "resume", "scale")  # extra words are overrides
+COMMANDS = (
+    "submit",
+    "resume",
+    "scale",
+    "status",
+    "list",
+    "tail",
+    "cancel",
+    "plot",
+    "eval",
+    "serve",
+    "doctor",
+    "completion",
+)
+TAKES_OVERRIDES = ("submit", "doctor", "resume", "scale", "serve")  # extra words are overrides
 
 USAGE_EXAMPLES = """examples:
   prime-hpc submit +experiment=reverse_text                 compose with Hydra, submit (here: SFT warm-up, then RL)
@@ -24,6 +37,7 @@ USAGE_EXAMPLES = """examples:
   prime-hpc scale JOB inference=+2 partition=preempt        two more inference nodes for a running run (-2: remove them)
   prime-hpc status JOB --watch        prime-hpc plot JOB... -o curves.png       prime-hpc tail JOB
   prime-hpc list      prime-hpc cancel JOB      prime-hpc eval JOB steps=10,20
+  prime-hpc serve model=tiny cluster=dev                    serve a model as a job (eval serve=JOB env=...)
   prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster
   prime-hpc submit +experiment=reverse_text --bench         benchmark the run's trainer and inference (bench.json)
   eval "$(prime-hpc completion bash)"                        TAB-complete commands, options, groups and keys

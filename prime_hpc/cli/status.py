@@ -41,6 +41,7 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
+    from prime_hpc.orchestrator.serve import served
     from prime_hpc.rundir import jobs
     from prime_hpc.rundir.fleet import fleet
     from prime_hpc.sched.registry import choose
@@ -74,6 +75,7 @@ def job_status(ref: Any) -> dict[str, Any]:
         "sweep": job.get("sweep"),
         "pipeline": job.get("pipeline"),
         "vitals": vitals(ref.run, _max_steps(ref.run), ended=overall in jobs.FINAL_STATES),
+        "served": served(ref.run) if job.get("kind") == "serve" else None,
     }
 
 
@@ -98,6 +100,9 @@ def format_job(s: dict[str, Any]) -> list[str]:
         f"{', preflight' if s['mode'] == 'doctor' else ''}, attempt {len(attempts) or '-'}{requeues})",
         f"output dir: {s['output_dir']}",
     ]
+    if s.get("served"):
+        found = s["served"]
+        out.append(f"serving {found['model']} at {found['url']} (key: ${found['key_var']})")
     if s["slurm_note"]:
         out.append(s["slurm_note"])
     rows = [("GROUP", "STATE", "HEARTBEAT")]

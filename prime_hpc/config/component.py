@@ -31,6 +31,7 @@ from prime_hpc.config.schema import (
     LogConfig,
     ModelConfig,
     OrchestratorConfig,
+    ServeConfig,
     TrainerConfig,
     WandbConfig,
     WeightsConfig,
@@ -106,6 +107,8 @@ class TrainingRunConfig(ComponentRunConfig):
 class OrchestratorRunConfig(TrainingRunConfig):
     eval_job: EvalJobConfig = src("eval_job", EvalJobConfig)
     """`steps` set: an eval job; the orchestrator's place runs the eval runner instead."""
+    serve: ServeConfig = src("serve", ServeConfig)
+    """`enabled`: a serve job; the orchestrator's place publishes the servers' URL instead."""
     trainer_ranks: int = src(trainer_ranks)
     """One rollout file per trainer rank."""
     micro_batch_size: int = src("trainer.micro_batch_size")

@@ -409,6 +409,15 @@ class EvalJobConfig:
     """where the results go (null: the job's output_dir)"""
 
 
+@dataclass
+class ServeConfig:
+    """A serve job (`prime-hpc serve`; set by the command): the inference servers behind the
+    router, and on the head a process that publishes their URL in `<output_dir>/serve.json`
+    and keeps the job up until it is cancelled or reaches its time limit."""
+
+    enabled: bool = False
+
+
 # ----------------------------------------------------------------------------- run-level
 @dataclass
 class WeightsCkptConfig:
@@ -571,3 +580,4 @@ class RunConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     eval_job: EvalJobConfig = field(default_factory=EvalJobConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)

@@ -294,7 +294,7 @@ def check_models(cfg: DictConfig) -> None:
 def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None = None) -> None:
     """Every env id must be importable (installed package, or a module on the path)."""
     importable = importable or env_import_error
-    if cfg.bench.mode is not None:  # a bench generates from fixed prompts: no env is loaded
+    if cfg.bench.mode is not None or cfg.serve.enabled:  # a bench, a serve job: no env is loaded
         return
     o = cfg.orchestrator
     evaluating = bool(cfg.eval_job.steps)  # an eval job loads only the eval envs

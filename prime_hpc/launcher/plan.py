@@ -137,8 +137,9 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
     the trainer; a preflight the run's groups plus the head that collects the reports; a
     bench (`bench.mode`) the groups it measures. Its job runs them all but the servers of an
     inference fleet in a job of its own (`job_groups`). An eval job (`eval_job.steps`) runs
-    the eval runner in the orchestrator's place, beside the servers."""
-    if mode == "run" and is_eval_job(cfg):
+    the eval runner in the orchestrator's place, beside the servers; a serve job
+    (`serve.enabled`) the process that publishes their URL."""
+    if mode == "run" and job_kind(cfg) in ("eval", "serve"):
         return ["orchestrator", "inference"]
     if cfg.trainer.type == "sft":
         return ["orchestrator", "trainer"] if mode == "doctor" else ["trainer"]
@@ -155,8 +156,13 @@ def is_eval_job(cfg: DictConfig) -> bool:
 
 
 def job_kind(cfg: DictConfig) -> str:
-    """What the job does: rl | sft (it trains: `trainer.type`) | eval (`prime-hpc eval`)."""
-    return "eval" if is_eval_job(cfg) else str(cfg.trainer.type)
+    """What the job does: rl | sft (it trains: `trainer.type`) | eval (`prime-hpc eval`) |
+    serve (`prime-hpc serve`)."""
+    if is_eval_job(cfg):
+        return "eval"
+    if cfg.get("serve") and cfg.serve.enabled:
+        return "serve"
+    return str(cfg.trainer.type)
 
 
 def own_fleet(cfg: DictConfig, mode: str = "run") -> bool:

@@ -9,12 +9,13 @@ and raises SystemExit with one line naming the cause (and where to look) on fail
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Optional
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
+    import asyncio  # here, not at the top: `status` reads `orchestrator.serve` and stays light
+
     from loguru import logger
 
     from prime_hpc.config.component import OrchestratorRunConfig, load
@@ -43,6 +44,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from prime_hpc.orchestrator.loop import Orchestrator
 
     try:
+        if cfg.serve.enabled:  # a serve job: the servers' URL published until the job ends
+            from prime_hpc.orchestrator.serve import run as serve
+
+            return serve(cfg)
         if cfg.eval_job.steps:  # an eval job: the eval runner beside the job's servers
             from prime_hpc.orchestrator.evaluate import run_job
 

@@ -416,6 +416,22 @@ def run_evaluator(cfg: Any, client: Any, model: str, on_group: Any = None) -> An
     )
 
 
+def serving_endpoint(job: str) -> dict[str, str]:
+    """`serve=<job>`: the `client.base_url` and `client.model` of a serve job that serves
+    now; one line when it does not, or when its key's variable is not set here."""
+    from prime_hpc.orchestrator.serve import served
+
+    ref = jobs.resolve(job)
+    found = served(ref.run)
+    if found is None:
+        raise UserError(
+            f"serve job {ref.job_id} ({ref.output_dir}) does not serve now; see prime-hpc status {ref.job_id}"
+        )
+    if not os.environ.get(found["key_var"]):
+        raise UserError(f"serve job {ref.job_id} answers only with its key: set ${found['key_var']} here")
+    return {"client.base_url": found["url"], "client.model": found["model"]}
+
+
 ENV_ARGS_PREFIX = "args."
 
 
@@ -439,7 +455,7 @@ def parse_env_args(given: list[str], envs: list[str]) -> dict[str, dict[str, Any
     return out
 
 
-STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model")
+STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model", "serve")
 
 
 def is_standalone(target: str) -> bool:
@@ -469,8 +485,12 @@ def run_standalone(args: list[str], here: bool = False) -> int:
     if not envs:
         raise UserError("env=<id>[,<id>...] is required: the environments to evaluate on")
     env_args = parse_env_args(given_args, envs)
+    if "serve" in opts:
+        opts.update(serving_endpoint(opts.pop("serve")))
     if "model" not in opts and "client.base_url" not in opts:
-        raise UserError("give model=<name|path> (a server is started for it) or client.base_url=<endpoint>")
+        raise UserError(
+            "give model=<name|path> (a server is started for it), serve=<job> or client.base_url=<endpoint>"
+        )
     try:
         k, n = int(opts.get("rollouts", 1)), int(opts.get("examples", 0)) or None
     except ValueError:

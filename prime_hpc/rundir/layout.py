@@ -394,6 +394,12 @@ class RunDir:
         return self.eval_dir / f"step_{int(step)}.samples.jsonl"
 
     @property
+    def serve_json(self) -> Path:
+        """A serve job's endpoint while it serves (`prime_hpc.orchestrator.serve`): the
+        router's OpenAI URL, the model, the variable holding the key; gone once it stops."""
+        return self.root / "serve.json"
+
+    @property
     def bench_json(self) -> Path:
         """A bench run's results (`prime_hpc.rundir.bench`): every benched part, merged."""
         return self.root / "bench.json"
