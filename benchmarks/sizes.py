@@ -328,6 +328,8 @@ def main() -> int:
     ap.add_argument("--ckpt-every", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("outputs/bench-sizes"))
     a = ap.parse_args()
+    if a.steps < 4:  # at async_level 2 the first steps' rollouts need no update: nothing to measure
+        ap.error("--steps must be at least 4 (the servers' first weight update comes at step 3 or later)")
     workdir = a.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     results = {}
