@@ -1,6 +1,6 @@
 """`prime-hpc serve` on the dev cluster: the tiny model on two servers behind the router as
 a job of its own, with the user's key. Its URL is in `serve.json` and in `status`; `eval
-serve=<job>` scores through it; a server killed is restarted in its slot and rejoins the
+serve=<job>` scores through it (with an argument of the env's own); a server killed is restarted in its slot and rejoins the
 router; `cancel` ends the job, leaves no process and removes `serve.json`. Without a key
 it is refused in one line, before anything is submitted."""
 
@@ -52,6 +52,7 @@ def test_serve_is_a_job_that_eval_names_heals_its_fleet_and_ends_at_cancel(tmp_p
             "eval",
             f"serve={job_id}",
             "env=reverse-text",
+            "args.reverse-text.max_len=4",  # the env's own argument: eval strings of at most 4 letters
             "examples=3",
             "orchestrator.sampling.max_tokens=8",
             f"out={tmp_path / 'ev'}",
@@ -61,7 +62,8 @@ def test_serve_is_a_job_that_eval_names_heals_its_fleet_and_ends_at_cancel(tmp_p
         assert e.returncode == 0, e.stdout + e.stderr
         result = json.loads((tmp_path / "ev" / "eval.json").read_text())
         assert result["endpoint"] == served["url"] and result["model"] == "tiny"
-        assert len((tmp_path / "ev" / "samples.jsonl").read_text().splitlines()) == 3
+        samples = [json.loads(line) for line in (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()]
+        assert len(samples) == 3 and all(3 <= len(s["prompt"]) <= 4 for s in samples), samples
 
         # a server killed is restarted in its slot and serves again behind the router
         server1 = json.loads(run.inference_endpoint(1).read_text())

@@ -5,8 +5,7 @@ where it stopped; no step or sample is lost or trained twice. (Once the job is b
 queue its limit is raised, as an admin could, so that the second attempt finishes: two
 attempts prove the hand-over, a third would only cost time.) Then `prime-hpc eval`, a job
 of the dev cluster, of the base model and every saved step, greedy, on held-out strings:
-the offline tiny model learned to reverse them; and of a model named on the command line,
-with env arguments."""
+the offline tiny model learned to reverse them."""
 
 from __future__ import annotations
 
@@ -108,29 +107,3 @@ def test_reverse_text_sft_outlives_its_time_limit_and_reaches_80_of_100_exact_re
     assert len(exact) / len(samples) == pytest.approx(result["eval/reverse_text/pass@1"])
     assert all(s["prompt"][::-1] in s["completion"] for s in exact), exact[:3]
     assert all(s["error"] is None and 0.0 <= s["reward"] <= 1.0 for s in samples)
-
-    # any model on any env, as a job of the cluster named on the command line, each env with
-    # its own arguments: eval strings of at most 4 letters
-    standalone = tmp_path / "standalone"
-    e = cli(
-        "eval",
-        f"model={run.weights_step(final)}",
-        "env=reverse-text",
-        "args.reverse-text.max_len=4",
-        "examples=5",
-        "cluster=dev",
-        "orchestrator.sampling.temperature=0",
-        "orchestrator.sampling.max_tokens=16",
-        "seq_len=80",
-        f"out={standalone}",
-        timeout=900,
-    )
-    assert e.returncode == 0, e.stdout + e.stderr
-    assert "submitted eval job" in e.stdout and "ENV" in e.stdout
-    summary = json.loads((standalone / "eval.json").read_text())
-    assert summary["endpoint"].startswith("eval job ") and set(summary["metrics"]) == {
-        "eval/reverse-text/avg@1",
-        "eval/reverse-text/pass@1",
-    }
-    samples = [json.loads(line) for line in (standalone / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 5 and all(3 <= len(s["prompt"]) <= 4 for s in samples), samples
