@@ -120,6 +120,7 @@ class Broadcaster:
         self.timeout_s = timeout_s
         self.group: Any = None
         self.port: Optional[int] = None
+        self.dtype: Optional[str] = None  # the server's weights' dtype (its `/policy`), learnt at the join
 
     # ------------------------------------------------------------------ control plane
     def _post(self, path: str, body: dict) -> dict:
@@ -138,6 +139,7 @@ class Broadcaster:
         return r.json()
 
     def _workers(self) -> int:
+        """The server's workers (and the dtype it holds its weights in), from its `/policy`."""
         if self.workers is None:
             import httpx
 
@@ -145,8 +147,27 @@ class Broadcaster:
 
             r = httpx.get(self.url + "/policy", headers=headers(self.key), timeout=30)
             r.raise_for_status()
-            self.workers = int(r.json()["workers"])
+            answer = r.json()
+            self.workers = int(answer["workers"])
+            self.dtype = self.dtype or answer.get("dtype")
         return self.workers
+
+    def _served(self, tensor: Any) -> Any:
+        """`tensor` in the dtype the server holds its weights in (a float32 policy to a
+        bfloat16 server goes as bfloat16: half the bytes, and no conversion on its side,
+        rounded as its own load would round it); integer tensors as they are."""
+        import torch
+
+        if self.dtype and tensor.is_floating_point() and dtype_name(tensor) != self.dtype:
+            return tensor.to(getattr(torch, self.dtype))
+        return tensor
+
+    def _announced(self, announced: dict[str, list]) -> dict[str, list]:
+        """An announcement of the policy as `_served` will send it."""
+        if not self.dtype:
+            return announced
+        floats = ("float16", "bfloat16", "float32", "float64")
+        return {**announced, "dtype_names": [self.dtype if d in floats else d for d in announced["dtype_names"]]}
 
     # ------------------------------------------------------------------ data plane
     def _rendezvous(self, world_size: int) -> tuple[dict, Callable[[], Any], Callable[[], None]]:
@@ -204,6 +225,7 @@ class Broadcaster:
         for n, (name, tensor) in enumerate(named, 1):
             if n > total:
                 raise BroadcastError(f"{self.url}: more tensors than announced ({total}), from {name!r} on")
+            tensor = self._served(tensor)
             want = (announced["names"][n - 1], announced["dtype_names"][n - 1], list(announced["shapes"][n - 1]))
             have = (name, dtype_name(tensor), list(tensor.shape))
             if have != want:
@@ -238,6 +260,7 @@ class Broadcaster:
         if announced is None:
             named = list(named)
             announced = announcement(named)
+        announced = self._announced(announced)
         body = {"step": int(step), **announced}
         items = named
         try:

@@ -9,7 +9,7 @@ module adds what is missing for RL:
                            load the full HF safetensors weights the trainer wrote, in place
   POST /reload_weights     back to the base model (policy step 0)
   POST /load_lora_adapter  {"lora_name", "lora_path", "step"?}: load/replace an adapter
-  GET  /policy             {"policy_step", "weight_dir", "in_flight", "workers", ...}
+  GET  /policy             {"policy_step", "weight_dir", "in_flight", "workers", "dtype", ...}
 
 With `weights.transport=broadcast` vLLM is started with a weight-transfer backend (gloo on
 CPU, NCCL on GPUs) and the trainer sends each policy over a process group of its own, one
@@ -196,6 +196,7 @@ class Server:
         self.tied_on_cpu = False
         self.updates = 0
         self.workers = 1  # vLLM workers (ranks of a weight group), once the engine is up
+        self.dtype: Optional[str] = None  # the dtype the engine holds the weights in ("bfloat16"), once it is up
         self.broadcast = cfg.weights.transport == "broadcast"
         self.joined: Optional[dict] = None  # the weight group joined (broadcast), as the sender gave it
         self.transfer_lock = asyncio.Lock()  # one join, leave or receive at a time
@@ -646,6 +647,7 @@ def add_routes(app: Any, server: Server) -> None:
             "served": server.gate.served,
             "updates": server.updates,
             "workers": server.workers,
+            "dtype": server.dtype,
             "transport": server.cfg.weights.transport,
             "weights_joined": server.joined is not None,
         }
@@ -747,6 +749,7 @@ async def serve(cfg: InferenceRunConfig, log: str, extra_job: Optional[str] = No
             hf = engine.model_config.hf_config
             server.tied_on_cpu = cfg.device == "cpu" and bool(getattr(hf, "tie_word_embeddings", False))
             server.workers = engine.vllm_config.parallel_config.world_size_across_dp
+            server.dtype = str(engine.model_config.dtype).removeprefix("torch.")
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
             server.app = app

@@ -448,11 +448,11 @@ class FakeGpuServer:
     end of the group is open (NCCL's unique-id rendezvous has every rank enter at once);
     `/weights/receive` once every announced tensor was broadcast."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, dtype=None) -> None:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        self.workers, self.bodies, self.comms = workers, [], []
+        self.workers, self.dtype, self.bodies, self.comms = workers, dtype, [], []
         self.opened = threading.Event()
         fake = self
 
@@ -469,7 +469,7 @@ class FakeGpuServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._answer({"workers": fake.workers, "policy_step": 0})
+                self._answer({"workers": fake.workers, "dtype": fake.dtype, "policy_step": 0})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -548,3 +548,25 @@ def test_the_nccl_sender_hands_its_unique_id_through_the_keyed_join_and_sends_in
         server.close()
     assert isinstance(broadcaster_for("cuda", torch.device("cuda", 0))("http://127.0.0.1:1"), NcclBroadcaster)
     assert type(broadcaster_for("cpu")("http://127.0.0.1:1")) is Broadcaster
+
+
+def test_a_policy_goes_in_the_dtype_the_server_holds_its_weights_in(monkeypatch):
+    """A float32 policy to a server that holds bfloat16 weights (its `/policy` says so) is
+    announced and sent as bfloat16: half the bytes, rounded as the server's own load would
+    round it; integer tensors go as they are."""
+    from prime_hpc.inference.broadcast import NcclBroadcaster
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    server = FakeGpuServer(workers=1, dtype="bfloat16")
+    try:
+        sender = NcclBroadcaster(server.url, device="cpu", communicator=server.communicator, mint=lambda: bytes(128))
+        sender.join()
+        weight, ids = torch.randn(4, 8), torch.arange(6)
+        answer = sender.send(2, [("w", weight), ("position_ids", ids)])
+        body = server.bodies[-1][1]
+        assert body["dtype_names"] == ["bfloat16", "int64"] and body["shapes"] == [[4, 8], [6]]
+        sent = server.comms[-1].sent
+        assert sent[0].dtype == torch.bfloat16 and torch.equal(sent[0], weight.to(torch.bfloat16))
+        assert torch.equal(sent[1], ids) and answer["bytes"] == 4 * 8 * 2 + 6 * 8
+    finally:
+        server.close()
