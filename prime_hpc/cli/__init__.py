@@ -23,6 +23,7 @@ COMMANDS = (
     "plot",
     "eval",
     "serve",
+    "synthesize",
     "doctor",
     "completion",
 )
@@ -38,6 +39,7 @@ USAGE_EXAMPLES = """examples:
   prime-hpc status JOB --watch        prime-hpc plot JOB... -o curves.png       prime-hpc tail JOB
   prime-hpc list      prime-hpc cancel JOB      prime-hpc eval JOB steps=10,20
   prime-hpc serve model=tiny cluster=dev                    serve a model as a job (eval serve=JOB env=...)
+  prime-hpc synthesize model=M env=reverse-text rollouts=4 min_reward=1 out=DIR   an SFT dataset from an env
   prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster
   prime-hpc submit +experiment=reverse_text --bench         benchmark the run's trainer and inference (bench.json)
   eval "$(prime-hpc completion bash)"                        TAB-complete commands, options, groups and keys

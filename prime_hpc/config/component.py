@@ -32,6 +32,7 @@ from prime_hpc.config.schema import (
     ModelConfig,
     OrchestratorConfig,
     ServeConfig,
+    SynthesizeConfig,
     TrainerConfig,
     WandbConfig,
     WeightsConfig,
@@ -109,6 +110,8 @@ class OrchestratorRunConfig(TrainingRunConfig):
     """`steps` set: an eval job; the orchestrator's place runs the eval runner instead."""
     serve: ServeConfig = src("serve", ServeConfig)
     """`enabled`: a serve job; the orchestrator's place publishes the servers' URL instead."""
+    synthesize: SynthesizeConfig = src("synthesize", SynthesizeConfig)
+    """`out` set: a synthesize job; the orchestrator's place writes an SFT dataset instead."""
     trainer_ranks: int = src(trainer_ranks)
     """One rollout file per trainer rank."""
     micro_batch_size: int = src("trainer.micro_batch_size")

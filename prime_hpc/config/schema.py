@@ -418,6 +418,22 @@ class ServeConfig:
     enabled: bool = False
 
 
+@dataclass
+class SynthesizeConfig:
+    """A synthesize job (`prime-hpc synthesize`; set by the command): the model's inference
+    servers, and on the head a runner that plays `orchestrator.env` against them and writes
+    the rollouts that pass as an SFT dataset (`<out>/data.jsonl`, the `messages` layout)."""
+
+    out: Optional[str] = None
+    """the directory data.jsonl and summary.json go to; null = not a synthesize job"""
+    rollouts: int = ruled(1, ge=1)
+    """rollouts per example"""
+    examples: Optional[int] = ruled(None, ge=1)
+    """examples of each env's training set, from its start; null = all of them"""
+    min_reward: Optional[float] = None
+    """keep only rollouts with at least this reward; null = every rollout that did not fail"""
+
+
 # ----------------------------------------------------------------------------- run-level
 @dataclass
 class WeightsCkptConfig:
@@ -581,3 +597,4 @@ class RunConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     eval_job: EvalJobConfig = field(default_factory=EvalJobConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    synthesize: SynthesizeConfig = field(default_factory=SynthesizeConfig)

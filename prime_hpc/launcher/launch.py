@@ -118,7 +118,7 @@ def job_api_key() -> Iterator[None]:
 def config_components(plan: Plan) -> list[str]:
     """The components that get configs/<component>.yaml: those the job runs (an SFT
     preflight's head is no orchestrator), and the servers of its own inference job."""
-    names = [c for c in plan.group_names if c != "orchestrator" or plan.kind in ("rl", "eval", "serve")]
+    names = [c for c in plan.group_names if c != "orchestrator" or plan.kind in ("rl", "eval", "serve", "synthesize")]
     return [*names, "inference"] if plan.fleet_nodes else names  # the servers' own job and the router read it
 
 

@@ -138,8 +138,9 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
     bench (`bench.mode`) the groups it measures. Its job runs them all but the servers of an
     inference fleet in a job of its own (`job_groups`). An eval job (`eval_job.steps`) runs
     the eval runner in the orchestrator's place, beside the servers; a serve job
-    (`serve.enabled`) the process that publishes their URL."""
-    if mode == "run" and job_kind(cfg) in ("eval", "serve"):
+    (`serve.enabled`) the process that publishes their URL; a synthesize job
+    (`synthesize.out`) the runner that writes the dataset."""
+    if mode == "run" and job_kind(cfg) in ("eval", "serve", "synthesize"):
         return ["orchestrator", "inference"]
     if cfg.trainer.type == "sft":
         return ["orchestrator", "trainer"] if mode == "doctor" else ["trainer"]
@@ -157,11 +158,13 @@ def is_eval_job(cfg: DictConfig) -> bool:
 
 def job_kind(cfg: DictConfig) -> str:
     """What the job does: rl | sft (it trains: `trainer.type`) | eval (`prime-hpc eval`) |
-    serve (`prime-hpc serve`)."""
+    serve (`prime-hpc serve`) | synthesize (`prime-hpc synthesize`)."""
     if is_eval_job(cfg):
         return "eval"
     if cfg.get("serve") and cfg.serve.enabled:
         return "serve"
+    if cfg.get("synthesize") and cfg.synthesize.out:
+        return "synthesize"
     return str(cfg.trainer.type)
 
 

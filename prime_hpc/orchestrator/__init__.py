@@ -44,6 +44,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from prime_hpc.orchestrator.loop import Orchestrator
 
     try:
+        if cfg.synthesize.out:  # a synthesize job: the envs played, the rollouts that pass written
+            from prime_hpc.orchestrator.synthesize import run_job as synthesize
+
+            return synthesize(cfg)
         if cfg.serve.enabled:  # a serve job: the servers' URL published until the job ends
             from prime_hpc.orchestrator.serve import run as serve
 

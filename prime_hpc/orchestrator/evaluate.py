@@ -225,9 +225,10 @@ def eval_job_config(cfg: Any, steps: list[int], results: Path, run: Optional[Run
     the run's own (model, eval envs, sampling, inference, cluster) with `eval_job` set,
     in `<results>/job` (an earlier eval job's files there are replaced, its results kept),
     named `<name>-eval`; nothing of training (no warm-up, checkpoints or W&B)."""
-    cfg.eval_job.steps = [int(s) for s in steps]
-    cfg.eval_job.run = str(run.root) if run is not None else None
-    cfg.eval_job.results = str(Path(results).resolve())
+    if steps:  # none: a job of the same shape that is no eval (synthesize)
+        cfg.eval_job.steps = [int(s) for s in steps]
+        cfg.eval_job.run = str(run.root) if run is not None else None
+        cfg.eval_job.results = str(Path(results).resolve())
     cfg.output_dir = str(Path(results).resolve() / EVAL_JOB_DIR)
     cfg.name = f"{cfg.name}-eval"
     cfg.warmup.experiment = None
@@ -241,35 +242,33 @@ def eval_job_config(cfg: Any, steps: list[int], results: Path, run: Optional[Run
     return cfg
 
 
-def submit_and_follow(cfg: Any, overrides: list[str]) -> int:
-    """Submit the eval job, follow its logs until it ends (as `submit -f`); 0 when it
-    completed, else one line naming its state and where to look."""
+def submit_and_follow(cfg: Any, overrides: list[str], what: Optional[str] = None, results: Optional[str] = None) -> int:
+    """Submit the job (an eval job, or any of `kind` like it), follow its logs until it
+    ends (as `submit -f`); 0 when it completed, else one line naming its state and where
+    to look. `what`: said of the job on submission; `results`: where it writes."""
     from prime_hpc.cli.tail import follow_ref
     from prime_hpc.launcher import launch
 
     sub = launch.submit(cfg, overrides)
     ref = sub.ref
-    steps = ", ".join("base" if s == 0 else str(s) for s in cfg.eval_job.steps)
-    print(
-        f"submitted eval job {ref.job_id} ({ref.name}: {', '.join(sub.plan.group_names)}, {ref.backend}): "
-        f"step(s) {steps}",
-        flush=True,
-    )
-    print(f"  output dir: {ref.output_dir}    results: {cfg.eval_job.results}", flush=True)
+    kind = sub.plan.kind
+    if what is None:
+        what = "step(s) " + ", ".join("base" if s == 0 else str(s) for s in cfg.eval_job.steps)
+    results = results or str(cfg.eval_job.results)
+    print(f"submitted {kind} job {ref.job_id} ({ref.name}: {', '.join(sub.plan.group_names)}, {ref.backend}): {what}")
+    print(f"  output dir: {ref.output_dir}    results: {results}", flush=True)
     try:
         rc = follow_ref(ref)
     except KeyboardInterrupt:
         print(
-            f"\nstopped following; the eval goes on (prime-hpc status {ref.job_id}); results: {cfg.eval_job.results}",
+            f"\nstopped following; the {kind} job goes on (prime-hpc status {ref.job_id}); results: {results}",
             file=sys.stderr,
         )
         return 130
     if rc != 0:
-        from prime_hpc.rundir import jobs
-
         state = jobs.read_job(ref.run).get("state", "UNKNOWN")
         raise UserError(
-            f"eval job {ref.job_id} ended {state}; see prime-hpc tail {ref.job_id} --no-follow "
+            f"{kind} job {ref.job_id} ended {state}; see prime-hpc tail {ref.job_id} --no-follow "
             f"(logs: {ref.run.latest_logs})"
         )
     return 0

@@ -66,6 +66,7 @@ class Rollout:
     prompt_text: str = ""  # the last prompt message (for sample tables)
     completion_text: str = ""  # what the model answered, every turn
     metrics: dict = field(default_factory=dict)  # the environment's own per-rollout metrics (its reward functions)
+    messages: list = field(default_factory=list)  # the whole conversation, prompt then completion, as chat messages
     branches: list[Branch] = field(default_factory=list)  # samples after the first (branching)
 
     @property
@@ -190,9 +191,48 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
         prompt_text=_text(out.get("prompt"), last_only=True),
         completion_text=_text(out.get("completion")),
         metrics=_numbers(out.get("metrics")),
+        messages=chat_messages(out.get("prompt")) + chat_messages(out.get("completion")),
     )
     r.empty = r.completion_tokens == 0
     return r
+
+
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+def chat_messages(messages: Any) -> list[dict]:
+    """Chat messages (dicts or message objects; a plain string is one user message) as
+    plain dicts of what a chat template reads: role, content, and for tool use
+    `tool_calls` (each {id, type, function: {name, arguments}}), `tool_call_id`, `name`."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    out = []
+    for m in list(messages or []):
+        msg: dict = {}
+        for key in MESSAGE_KEYS:
+            value = _get(m, key)
+            if value is None:
+                continue
+            if key == "tool_calls":
+                value = [_plain(c) for c in value] if value else None
+                if not value:
+                    continue
+            msg[key] = value if key != "content" or isinstance(value, (str, list)) else str(value)
+        if "role" in msg:
+            msg.setdefault("content", "")
+            out.append(msg)
+    return out
+
+
+def _plain(obj: Any) -> Any:
+    """A pydantic model, dataclass-like object or dict, as plain JSON-able data."""
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(exclude_none=True)
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
 
 
 def _numbers(metrics: Any) -> dict:

@@ -153,7 +153,7 @@ class JobRef:
     backend: str  # which backend runs it (`prime_hpc.sched.choose`)
     submitted_at: float
     mode: str = "run"  # run | doctor
-    kind: str = "rl"  # rl | sft | eval | serve
+    kind: str = "rl"  # rl | sft | eval | serve | synthesize
     sweep: Optional[str] = None  # the sweep id (`submit -m`) of a sweep point
 
     @property

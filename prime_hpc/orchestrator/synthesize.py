@@ -1,0 +1,256 @@
+"""Synthetic SFT data (`prime-hpc synthesize`): each env of `orchestrator.env` played
+against a model, and the rollouts that pass written as an SFT dataset the trainer reads as
+it is (`trainer.data.name=<out>/data.jsonl`).
+
+Consumes: the envs' training sets (`synthesize.examples` of each, from its start, or all),
+`synthesize.rollouts` rollouts per example through a `Generator` (the run's sampling,
+`orchestrator.max_concurrent`), the servers of the job (or any endpoint). Produces:
+`<out>/data.jsonl`, one rollout a line in the `messages` layout (the whole conversation:
+system and user messages, the model's turns with their `tool_calls`, the `tool`
+messages), with `env`, `example_id`, `reward` and the env's `metrics` beside it; only
+rollouts that did not fail, produced a completion and (`synthesize.min_reward`) reached
+the reward. Written to `data.jsonl.partial` as groups finish and renamed at the end, so
+`data.jsonl` is always whole. `<out>/summary.json`: counts, mean reward, seconds. A line
+every `PROGRESS_S` on progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from prime_hpc.rundir import RunDir, atomic_write_json
+
+PROGRESS_S = 10.0
+DATA = "data.jsonl"
+SUMMARY = "summary.json"
+
+
+def record(r: Any) -> dict:
+    """A kept rollout as a line of the dataset."""
+    return {"messages": r.messages, "env": r.env, "example_id": r.example_id, "reward": r.reward, "metrics": r.metrics}
+
+
+def passes(r: Any, min_reward: Optional[float]) -> bool:
+    return not r.error and not r.empty and bool(r.messages) and (min_reward is None or r.reward >= min_reward)
+
+
+async def synthesize(
+    slots: list,
+    generator: Any,
+    out: Path,
+    rollouts: int,
+    examples: Optional[int],
+    min_reward: Optional[float],
+    on_group: Callable[[], None] = lambda: None,
+    log: Callable[[str], None] = print,
+    max_errored: int = 10,
+) -> dict:
+    """Play every slot's first `examples` rows (all: None), `rollouts` each, at most
+    `generator.max_groups` groups at once; write what passes to `<out>/data.jsonl`; the
+    summary. An env whose groups error `max_errored` times in a row ends it with one line
+    quoting the error (nothing would pass: no spinning through the rest)."""
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.orchestrator.rollouts import group_error
+
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"{DATA}.partial"
+    work = [(slot, row) for slot in slots for row in (slot.rows[:examples] if examples else slot.rows)]
+    t0 = last = time.monotonic()
+    done = kept = failed = 0
+    rewards: list[float] = []
+    streak: dict[str, int] = {}
+    sem = asyncio.Semaphore(generator.max_groups)
+    with open(partial, "w") as f:
+
+        async def one(slot: Any, row: dict) -> None:
+            nonlocal done, kept, failed, last
+            async with sem:
+                group = await generator.group(slot, row, "train", n=rollouts)
+            error = group_error(group)
+            streak[slot.name] = streak.get(slot.name, 0) + 1 if error else 0
+            if error and max_errored and streak[slot.name] >= max_errored:
+                raise UserError(f"env {slot.name!r}: {streak[slot.name]} groups in a row errored: {error}")
+            for r in group:
+                rewards.append(r.reward)
+                failed += bool(r.error)
+                if passes(r, min_reward):
+                    f.write(json.dumps(record(r), default=str) + "\n")
+                    kept += 1
+            f.flush()
+            done += 1
+            on_group()
+            if time.monotonic() - last >= PROGRESS_S or done == len(work):
+                last = time.monotonic()
+                log(
+                    f"synthesize: {done}/{len(work)} examples, {kept}/{len(rewards)} rollouts kept, "
+                    f"mean reward {sum(rewards) / len(rewards):.3f}, {failed} failed, {last - t0:.0f}s"
+                )
+
+        await asyncio.gather(*(one(slot, row) for slot, row in work))
+        os.fsync(f.fileno())
+    os.replace(partial, out / DATA)
+    summary = {
+        "examples": len(work),
+        "rollouts": len(rewards),
+        "kept": kept,
+        "failed": failed,
+        "min_reward": min_reward,
+        "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "envs": [s.name for s in slots],
+        "seconds": round(time.monotonic() - t0, 1),
+        "data": str(out / DATA),
+    }
+    atomic_write_json(out / SUMMARY, summary)
+    return summary
+
+
+def run_job(cfg: Any) -> dict:
+    """The head of a synthesize job: waits for the job's servers, then synthesizes through
+    the router, beating the orchestrator's heartbeat (each finished group is progress)."""
+    from prime_hpc.core import jobenv
+    from prime_hpc.inference.client import api_key, discover
+    from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
+    from prime_hpc.orchestrator.envs import load_slots
+    from prime_hpc.orchestrator.generate import Generator
+    from prime_hpc.rundir import BEAT_S
+
+    job_dir = RunDir(cfg.output_dir)
+    sy = cfg.synthesize
+    ep = discover(job_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=jobenv.logs_dir())
+    o = cfg.orchestrator
+    generator = Generator(o, cfg.seq_len, make_client(ep.openai_base_url, api_key()), lambda: cfg.model.name)
+    slots = load_slots(o.env, "train")
+    state = {"progress_at": time.time()}
+
+    def progressed() -> None:
+        state["progress_at"] = time.time()
+
+    async def main() -> dict:
+        async def beat() -> None:
+            while True:
+                job_dir.beat("orchestrator", 0, **state)
+                await asyncio.sleep(BEAT_S)
+
+        beating = asyncio.create_task(beat())
+        try:
+            return await synthesize(
+                slots,
+                generator,
+                Path(sy.out),
+                int(sy.rollouts),
+                sy.examples,
+                sy.min_reward,
+                on_group=progressed,
+                log=lambda line: print(line, flush=True),
+                max_errored=int(o.max_errored_groups),
+            )
+        finally:
+            beating.cancel()
+
+    summary = asyncio.run(main())
+    print(f"prime-hpc synthesize: wrote {summary['kept']} rollouts to {summary['data']}", flush=True)
+    return summary
+
+
+KEYS = ("model", "env", "rollouts", "examples", "min_reward", "out", "serve", "client.base_url", "client.model")
+
+
+def run_command(args: list[str], here: bool = False) -> int:
+    """`prime-hpc synthesize model=<name|path> env=<id>[,<id>...] [args.<id>.<arg>=V ...]
+    [rollouts=K] [examples=N] [min_reward=R] [out=DIR] [--here] [overrides]` (or
+    `serve=<job>` / `client.base_url=<endpoint>` instead of a model: nothing is started).
+    On a SLURM cluster (the one the overrides name) a job: the model's inference group
+    with the synthesize runner beside it, its files in `<out>/job/`; with `cluster=local`
+    or `--here`, one server on this machine."""
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.schema import EnvEntry
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.inference.client import api_key
+    from prime_hpc.orchestrator import evaluate
+    from prime_hpc.rundir import with_umask
+
+    opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in KEYS)
+    given_args = [a for a in args if a.startswith(evaluate.ENV_ARGS_PREFIX)]
+    overrides = [a for a in args if a.split("=", 1)[0] not in KEYS and a not in given_args]
+    envs = [e for e in opts.get("env", "").split(",") if e]
+    if not envs:
+        raise UserError("env=<id>[,<id>...] is required: the environments to play")
+    env_args = evaluate.parse_env_args(given_args, envs)
+    if "serve" in opts:
+        opts.update(evaluate.serving_endpoint(opts.pop("serve")))
+    if "model" not in opts and "client.base_url" not in opts:
+        raise UserError("give model=<name|path> (served for it), serve=<job> or client.base_url=<endpoint>")
+    try:
+        k = int(opts.get("rollouts", 1))
+        n = int(opts["examples"]) if "examples" in opts else None
+        min_reward = float(opts["min_reward"]) if "min_reward" in opts else None
+    except ValueError:
+        raise UserError("rollouts=K and examples=N take whole numbers, min_reward=R a number") from None
+    if k < 1 or (n is not None and n < 1):
+        raise UserError("rollouts=K and examples=N must be >= 1")
+    name = opts.get("model") or opts.get("client.model") or "served"
+    out = Path(
+        opts.get("out") or Path("outputs") / "synthesize" / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    out = out.expanduser().resolve()
+    if (out / DATA).exists():
+        raise UserError(f"{out / DATA} exists; choose another out=DIR (nothing is overwritten)")
+    cfg = compose([f"model.name={name}" if "model" in opts else "model.name=tiny", f"output_dir={out}", *overrides])
+    cfg.orchestrator.env = [EnvEntry(id=e, args=env_args.get(e, {})) for e in envs]
+    cfg.orchestrator.eval.env = []
+    with with_umask(cfg.cluster.umask):
+        if "client.base_url" in opts or here or evaluate.runs_here(cfg):
+            summary = synthesize_here(cfg, opts, name, out, k, n, min_reward, api_key())
+        else:
+            cfg.synthesize.out, cfg.synthesize.rollouts = str(out), k
+            cfg.synthesize.examples, cfg.synthesize.min_reward = n, min_reward
+            job_cfg = evaluate.eval_job_config(cfg, [], out, None)
+            job_cfg.name = f"{Path(name).name}-synthesize"
+            rc = evaluate.submit_and_follow(
+                job_cfg, overrides, f"{', '.join(envs)}, {k} rollout(s) per example", str(out / DATA)
+            )
+            if rc:
+                return rc
+            from prime_hpc.rundir import read_json
+
+            summary = read_json(out / SUMMARY)
+    print(
+        f"prime-hpc synthesize: {summary['kept']} of {summary['rollouts']} rollouts kept "
+        f"(mean reward {summary['mean_reward']:.3f}, {summary['failed']} failed); wrote {summary['data']} "
+        f"(SFT on it: trainer.data.name={summary['data']})"
+    )
+    return 0
+
+
+def synthesize_here(
+    cfg: Any, opts: dict, name: str, out: Path, k: int, n: Optional[int], min_reward: Optional[float], key: Any
+) -> dict:
+    """Synthesize from this machine: through the endpoint given, or one server started here."""
+    from prime_hpc.config.cluster import cache_root
+    from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
+    from prime_hpc.core import usercache
+    from prime_hpc.orchestrator import evaluate
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.envs import load_slots
+    from prime_hpc.orchestrator.generate import Generator
+
+    rcfg = typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
+    o = rcfg.orchestrator
+    slots = load_slots(o.env, "train")
+
+    def play(url: str, model: str, api_key: Any) -> dict:
+        generator = Generator(o, rcfg.seq_len, make_client(url, api_key), lambda: model)
+        return asyncio.run(synthesize(slots, generator, out, k, n, min_reward, max_errored=int(o.max_errored_groups)))
+
+    if "client.base_url" in opts:
+        base = opts["client.base_url"].rstrip("/")
+        return play(base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, key)
+    usercache.compile_dir(cache_root(cfg), create=False)
+    out.mkdir(parents=True, exist_ok=True)
+    with evaluate.eval_server(cfg, RunDir(out), cache_root(cfg)) as (url, server_key):
+        return play(url + "/v1", cfg.model.name, server_key)
