@@ -304,7 +304,9 @@ def test_eval_scores_saved_weights_of_a_run(tmp_path, monkeypatch, capsys):
             0.75,
             1.0,
         )
-        assert f"step     {step}" in out
+        assert f"    step {step}  eval/reverse_text/avg@1=" in out, out
+        samples = [json.loads(line) for line in run.eval_samples(step).read_text().splitlines()]
+        assert len(samples) == 4 and {s["step"] for s in samples} == {step}  # orchestrator.eval.num_examples=4
     assert not (run.eval_dir / "endpoints" / "inference_0.json").exists()  # its server is gone
     key = seen.pop("the key")
     assert seen == {"none": 401, "wrong": 401, "key": 200} and "INFERENCE_SERVER_API_KEY" not in os.environ
