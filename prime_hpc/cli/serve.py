@@ -46,6 +46,8 @@ def serve_config(overrides: list[str]) -> Any:
     cfg.wandb.enabled = False
     cfg.ckpt.enabled = False
     cfg.ckpt.interval = None
+    if not any(o.split("=", 1)[0].lstrip("+") == "cluster.max_requeues" for o in overrides):
+        cfg.cluster.max_requeues = 0  # it ends at its time limit unless told to come back
     return cfg
 
 

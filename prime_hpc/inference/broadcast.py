@@ -152,22 +152,26 @@ class Broadcaster:
             self.dtype = self.dtype or answer.get("dtype")
         return self.workers
 
+    def _narrowed(self, name: str) -> str:
+        """The dtype a tensor of dtype `name` goes in: the server's when that is a narrower
+        float of the kind it holds (float32 to a bfloat16 server: half the bytes, rounded as
+        its own load would round it); otherwise as it is (never wider: that would only add
+        bytes; integers, fp8 and the like untouched)."""
+        width = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+        if self.dtype in width and name in width and width[self.dtype] < width[name]:
+            return str(self.dtype)
+        return name
+
     def _served(self, tensor: Any) -> Any:
-        """`tensor` in the dtype the server holds its weights in (a float32 policy to a
-        bfloat16 server goes as bfloat16: half the bytes, and no conversion on its side,
-        rounded as its own load would round it); integer tensors as they are."""
+        """`tensor` as it goes to the server (`_narrowed`)."""
         import torch
 
-        if self.dtype and tensor.is_floating_point() and dtype_name(tensor) != self.dtype:
-            return tensor.to(getattr(torch, self.dtype))
-        return tensor
+        to = self._narrowed(dtype_name(tensor))
+        return tensor.to(getattr(torch, to)) if to != dtype_name(tensor) else tensor
 
     def _announced(self, announced: dict[str, list]) -> dict[str, list]:
         """An announcement of the policy as `_served` will send it."""
-        if not self.dtype:
-            return announced
-        floats = ("float16", "bfloat16", "float32", "float64")
-        return {**announced, "dtype_names": [self.dtype if d in floats else d for d in announced["dtype_names"]]}
+        return {**announced, "dtype_names": [self._narrowed(d) for d in announced["dtype_names"]]}
 
     # ------------------------------------------------------------------ data plane
     def _rendezvous(self, world_size: int) -> tuple[dict, Callable[[], Any], Callable[[], None]]:
@@ -219,6 +223,10 @@ class Broadcaster:
     def _drop(self, group: Any) -> None:
         group.shutdown()
 
+    def _abandon(self, group: Any) -> None:
+        """A group whose exchange failed midway: gloo's collective under way cannot be
+        cancelled, it ends at the group's timeout (dropping the reference is all)."""
+
     def _broadcast(self, named: Iterable[tuple[str, Any]], announced: dict[str, list]) -> int:
         """Send each tensor of `named`, checked against what was announced; bytes sent."""
         sent, n, total = 0, 0, len(announced["names"])
@@ -266,7 +274,8 @@ class Broadcaster:
         try:
             reply, sent = together(lambda: self._post(RECEIVE_PATH, body), lambda: self._broadcast(items, announced))
         except BaseException:
-            self.group = None  # a collective may still be under way: unusable
+            group, self.group = self.group, None  # a collective may still be under way: unusable
+            self._abandon(group)
             raise
         return {**reply, "bytes": sent}
 
@@ -351,6 +360,19 @@ class NcclBroadcaster(Broadcaster):
 
     def _drop(self, group: Any) -> None:
         group.destroy()
+
+    def _abandon(self, group: Any) -> None:
+        """NCCL's collective under way would spin on this GPU for ever: the communicator
+        is aborted (`destroy`: ncclCommAbort), best effort, in a thread of its own."""
+        import threading
+
+        def abort() -> None:
+            try:
+                group.destroy()
+            except Exception:
+                pass
+
+        threading.Thread(target=abort, name="prime-hpc-weights-abort", daemon=True).start()
 
 
 def _vllm_communicator(uid: bytes, rank: int, world_size: int, device: Any) -> Any:

@@ -360,6 +360,14 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
     from prime_hpc.rundir.checkpoints import resolve_resume_step
 
     run = ref.run
+    kind = jobs.read_job(run).get("kind", ref.kind)
+    if kind not in ("rl", "sft"):
+        raise ConfigError(
+            "resume",
+            f"{ref.name} (job {ref.job_id}) is {'an' if kind[:1] in 'aeiou' else 'a'} {kind} job, which keeps "
+            "no checkpoint to resume from; "
+            f"run prime-hpc {kind} again",
+        )
     live = active_job(run)
     if live:
         raise ConfigError(

@@ -175,7 +175,14 @@ def check_kind(ref: jobs.JobRef) -> dict[str, Any]:
         raise ScaleError(f"{ref.run.root} holds no run (no job.json)")
     has_servers = "inference" in jobs.job_groups(job) or job.get("fleet_nodes")
     if ref.mode != "run" or job.get("kind") != "rl" or not has_servers:
-        what = "a preflight" if ref.mode != "run" else f"an {job.get('kind', '?').upper()} run without inference"
+        kind = job.get("kind", "?")
+        what = (
+            "a preflight"
+            if ref.mode != "run"
+            else f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} job"
+            if kind not in ("rl", "sft")
+            else f"an {kind.upper()} run without inference"
+        )
         raise ScaleError(f"{ref.name} (job {ref.job_id}) is {what}; only an RL run has inference servers to scale")
     backend = choose(job.get("backend"))
     if not backend.extra_jobs:

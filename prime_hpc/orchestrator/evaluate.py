@@ -192,7 +192,14 @@ def run_eval(target: str, args: list[str], trust_run_code: bool = False, base: b
     if not cfg.orchestrator.eval.env:
         raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
     check_foreign_run(run, owner, cfg, overrides, trust_run_code)
-    if not (here or runs_here(cfg)):
+    foreign = owner != os.getuid() and not trust_run_code
+    if foreign and not (here or runs_here(cfg)):  # a job would run their cluster settings (env_setup ...) as you
+        print(
+            f"prime-hpc eval: {run.root} is not yours: scored on this machine, not in a job with its cluster "
+            "settings (--trust-run-code submits the job)",
+            flush=True,
+        )
+    if not (here or runs_here(cfg) or foreign):
         job_cfg = eval_job_config(cfg, steps, run.eval_dir, run)
         rc = submit_and_follow(job_cfg, overrides)
         if rc == 0:
@@ -237,6 +244,7 @@ def eval_job_config(cfg: Any, steps: list[int], results: Path, run: Optional[Run
     cfg.ckpt.interval = None
     cfg.ckpt.step = None
     cfg.bench.mode = None
+    cfg.cluster.max_requeues = 0  # it keeps no checkpoint: a requeue would start it over
     job = RunDir(cfg.output_dir)
     cfg.clean_output_dir = job.job_json.exists() or job.config_yaml.exists()  # an earlier eval job's
     return cfg
@@ -353,7 +361,8 @@ def run_job(cfg: Any) -> dict:
     source = RunDir(ej.run) if ej.run else None
     ep = discover(job_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=jobenv.logs_dir())
     key = api_key()
-    state = {"step": int(ej.steps[0]), "progress_at": time.time()}
+    # it only waits on the servers (loads, generations): the watchdog excuses it while they work
+    state: dict = {"step": int(ej.steps[0]), "progress_at": time.time(), "waiting_on": "inference"}
 
     def progressed() -> None:
         state["progress_at"] = time.time()

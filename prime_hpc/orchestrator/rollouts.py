@@ -191,7 +191,7 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
         prompt_text=_text(out.get("prompt"), last_only=True),
         completion_text=_text(out.get("completion")),
         metrics=_numbers(out.get("metrics")),
-        messages=chat_messages(out.get("prompt")) + chat_messages(out.get("completion")),
+        messages=chat_messages(out.get("prompt")) + chat_messages(out.get("completion"), "assistant"),
     )
     r.empty = r.completion_tokens == 0
     return r
@@ -200,12 +200,12 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
 MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
-def chat_messages(messages: Any) -> list[dict]:
-    """Chat messages (dicts or message objects; a plain string is one user message) as
+def chat_messages(messages: Any, role: str = "user") -> list[dict]:
+    """Chat messages (dicts or message objects; a plain string is one message of `role`) as
     plain dicts of what a chat template reads: role, content, and for tool use
     `tool_calls` (each {id, type, function: {name, arguments}}), `tool_call_id`, `name`."""
     if isinstance(messages, str):
-        return [{"role": "user", "content": messages}]
+        return [{"role": role, "content": messages}]
     out = []
     for m in list(messages or []):
         msg: dict = {}

@@ -80,9 +80,14 @@ async def keep_serving(job_dir: RunDir, ep: Any) -> None:
 
 
 def served(run: RunDir) -> Optional[dict]:
-    """What a serve job publishes while it serves (`serve.json`), or None."""
+    """What a serve job publishes while it serves (`serve.json`), or None: also when the
+    job has ended (a head killed without its cleanup leaves the file behind)."""
+    from prime_hpc.rundir import jobs
+
     try:
         found = read_json(run.serve_json)
     except (OSError, ValueError):
+        return None
+    if jobs.read_job(run).get("state") in jobs.FINAL_STATES:
         return None
     return found if isinstance(found, dict) and found.get("url") else None

@@ -125,7 +125,8 @@ def run_job(cfg: Any) -> dict:
     o = cfg.orchestrator
     generator = Generator(o, cfg.seq_len, make_client(ep.openai_base_url, api_key()), lambda: cfg.model.name)
     slots = load_slots(o.env, "train")
-    state = {"progress_at": time.time()}
+    # it only waits on the servers: the watchdog excuses it while they work
+    state: dict = {"progress_at": time.time(), "waiting_on": "inference"}
 
     def progressed() -> None:
         state["progress_at"] = time.time()

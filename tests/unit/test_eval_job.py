@@ -50,6 +50,7 @@ def test_on_a_slurm_cluster_eval_is_a_job_of_the_runs_servers_with_the_eval_runn
     job_cfg = evaluate.eval_job_config(cfg, [0, 4], run.eval_dir, run)
     job, plan = launch.prepare(job_cfg, "run", dry_run=True)
     assert job.root == run.eval_dir / "job" and plan.kind == "eval" and job_cfg.name == "reverse_text_sft-eval"
+    assert job_cfg.cluster.max_requeues == 0  # no checkpoint to come back to: a time limit ends it
     assert plan.group_names == ["orchestrator", "inference"] and plan.group("inference").nodes == 1
     orch = yaml.safe_load(job.component_config("orchestrator").read_text())
     assert orch["eval_job"] == {"steps": [0, 4], "run": str(run.root), "results": str(run.eval_dir)}
@@ -131,3 +132,42 @@ def test_a_sample_record_has_what_a_person_reads_and_a_script_loads():
         "metrics": {"lcs_ratio": 1.0},
         "error": None,
     }
+
+
+def test_someone_elses_run_is_scored_here_not_in_a_job_with_their_cluster_settings(tmp_path, monkeypatch, capsys):
+    import os
+
+    run, _ = _run(tmp_path / "run", "cluster=dev")
+    os.chown(run.config_yaml, 65534, 65534)
+    seen = []
+
+    def local_server(*a, **k):
+        seen.append("server")
+        raise SystemExit(3)
+
+    monkeypatch.setattr(evaluate, "eval_server", local_server)
+    monkeypatch.setattr(evaluate, "submit_and_follow", lambda *a, **k: seen.append("job") or 0)
+    try:
+        main(["eval", str(run.root)])
+    except SystemExit as e:
+        assert e.code == 3
+    assert seen == ["server"] and "is not yours: scored on this machine" in capsys.readouterr().out
+
+
+def test_an_eval_job_is_not_resumed_or_scaled(tmp_path, capsys):
+    from prime_hpc.rundir import atomic_write_json
+
+    run, _ = _run(tmp_path / "run", "cluster=dev")
+    job = RunDir(run.eval_dir / "job")
+    job.root.mkdir(parents=True)
+    (job.root / "config.yaml").write_text(run.config_yaml.read_text())
+    atomic_write_json(
+        job.job_json,
+        {"name": "x-eval", "kind": "eval", "backend": "slurm", "job_ids": ["7"], "state": "TIMEOUT", "mode": "run"},
+    )
+    capsys.readouterr()
+    assert main(["resume", str(job.root)]) == 2
+    err = capsys.readouterr().err
+    assert "is an eval job, which keeps no checkpoint to resume from" in err and err.count("\n") == 1, err
+    assert main(["scale", str(job.root), "inference=+1"]) == 2
+    assert "is an eval job" in capsys.readouterr().err

@@ -45,6 +45,16 @@ def test_a_rollout_keeps_the_whole_conversation_with_its_tool_calls():
     assert chat_messages("a plain prompt") == [{"role": "user", "content": "a plain prompt"}]
 
 
+def test_a_completion_env_s_answer_is_the_assistant_s_turn():
+    """An env of plain-text prompts and completions: the prompt is the user's turn, the
+    completion the assistant's (else the SFT data would hold nothing to train)."""
+    from prime_hpc.orchestrator.rollouts import from_output
+
+    out = {"prompt": "abc", "completion": "cba", "reward": 1.0, "trajectory": []}
+    r = from_output(out, "completion-env", 80, "interleaved")
+    assert r.messages == [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}]
+
+
 def _rollout(example_id, reward, error=None, empty=False) -> Rollout:
     r = Rollout(
         env="lookup",

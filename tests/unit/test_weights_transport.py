@@ -570,3 +570,38 @@ def test_a_policy_goes_in_the_dtype_the_server_holds_its_weights_in(monkeypatch)
         assert torch.equal(sent[1], ids) and answer["bytes"] == 4 * 8 * 2 + 6 * 8
     finally:
         server.close()
+    wide = FakeGpuServer(workers=1, dtype="float32")  # never wider: a bfloat16 policy goes as it is
+    try:
+        sender = NcclBroadcaster(wide.url, device="cpu", communicator=wide.communicator, mint=lambda: bytes(128))
+        sender.join()
+        sender.send(3, [("w", torch.randn(2, 2).bfloat16())])
+        assert wide.bodies[-1][1]["dtype_names"] == ["bfloat16"] and wide.comms[-1].sent[0].dtype == torch.bfloat16
+    finally:
+        wide.close()
+
+
+def test_an_nccl_send_that_fails_midway_aborts_its_communicator(monkeypatch):
+    """A server that dies mid-send would leave this side's ncclBroadcast spinning on the GPU:
+    the communicator is aborted (destroyed), and the sender must join again."""
+    from prime_hpc.inference.broadcast import BroadcastError, NcclBroadcaster
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    server = FakeGpuServer(workers=1)
+    try:
+        sender = NcclBroadcaster(server.url, device="cpu", communicator=server.communicator, mint=lambda: bytes(128))
+        sender.join()
+        comm = server.comms[-1]
+        with pytest.raises(BroadcastError):  # announced one tensor, sends two: fails midway
+            sender.send(
+                1,
+                [("a", torch.ones(2)), ("b", torch.ones(2))],
+                {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]]},
+            )
+        deadline = time.monotonic() + 5
+        while not comm.destroyed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert comm.destroyed and sender.group is None
+        with pytest.raises(BroadcastError, match="join first"):
+            sender.send(2, [("a", torch.ones(2))])
+    finally:
+        server.close()
