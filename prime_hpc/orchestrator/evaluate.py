@@ -1,23 +1,28 @@
-"""`prime-hpc eval <job | run dir | weights dir> [steps=N,M,...] [overrides]`: score saved
-`weights/step_N` on the run's eval environments.
+"""`prime-hpc eval <job | run dir | weights dir> [steps=N,M,...] [overrides]`: score the
+base model and saved `weights/step_N` on the run's eval environments.
 
-It starts one inference server for the run's model on this machine (its files under
-`<run>/eval/`: configs, endpoints, logs), loads each requested step into it with
-`/update_weights`, runs every eval env (`orchestrator.eval.*`: `num_examples`,
-`rollouts_per_example`) and writes `<run>/eval/step_<N>.json` with
-`eval/<env>/avg@k` and `eval/<env>/pass@k`. Overrides (`orchestrator.eval.num_examples=20`,
-`inference.dtype=float32`, ...) apply on top of the run's `config.yaml`, typed as `resume`
-applies them (a misspelt key or a wrong type fails in one line naming the key).
+On a SLURM cluster it is a job (`eval_job_config`, `submit_and_follow`): the run's
+inference group with the eval runner (`run_job`) in the orchestrator's place, its files
+in `<run>/eval/job/`. With `cluster=local`, `--here`, or a run of someone else's, it
+starts one inference server on this machine instead (`eval_server`; its files under
+`<run>/eval/`: configs, endpoints, logs). Either way each step is loaded into every server
+(`/update_weights`; the base model by `/reload_weights`), every eval env runs
+(`orchestrator.eval.*`: `num_examples`, `rollouts_per_example`), and `<run>/eval/step_<N>.json`
+(`eval/<env>/avg@k`, `eval/<env>/pass@k`) and `step_<N>.samples.jsonl` (every rollout) are
+written. Overrides (`orchestrator.eval.num_examples=20`, `inference.dtype=float32`, ...)
+apply on top of the run's `config.yaml`, typed as `resume` applies them (a misspelt key or
+a wrong type fails in one line naming the key).
 
-The server demands a key made for it (`INFERENCE_SERVER_API_KEY` in its environment only);
-eval's own calls carry it. Everything eval writes gets the run's `cluster.umask`. A run
-that belongs to someone else is scored with the user's own code only: its eval env ids
-that are paths, `model.trust_remote_code=true` and `inference.extra_args` are refused
-unless the user restates them as overrides or passes `--trust-run-code`.
+The server demands a key (the job's, or one made for the local server and given to it
+only through its environment); eval's own calls carry it. Everything eval writes gets the
+run's `cluster.umask`. A run that belongs to someone else is scored with the user's own
+code only: its eval env ids that are paths, `model.trust_remote_code=true` and
+`inference.extra_args` are refused unless the user restates them as overrides or passes
+`--trust-run-code`.
 
-`prime-hpc eval model=<name|path> env=<id>[,<id>...]` (or `client.base_url=<endpoint>`
-instead of a model) scores any model or running endpoint on any env ids, without a run:
-see `run_standalone`.
+`prime-hpc eval model=<name|path> env=<id>[,<id>...]` (or `serve=<job>`, or
+`client.base_url=<endpoint>` instead of a model) scores any model or running endpoint on
+any env ids, without a run: see `run_standalone`.
 """
 
 from __future__ import annotations
@@ -533,6 +538,7 @@ def run_standalone(args: list[str], here: bool = False) -> int:
             where = "a server started for it"
         else:
             job_cfg = eval_job_config(cfg, [0], out, None)
+            job_cfg.name = f"{Path(name).name}-eval"
             rc = submit_and_follow(job_cfg, overrides)
             if rc:
                 return rc
