@@ -79,9 +79,10 @@ def test_a_model_named_on_the_command_line_is_an_eval_job_without_a_training_env
     assert orch["orchestrator"]["eval"]["env"][0]["args"] == {"max_len": 4} and plan.kind == "eval"
 
 
-def test_here_keeps_eval_on_this_machine_on_a_slurm_cluster(tmp_path, monkeypatch, capsys):
-    run, _ = _run(tmp_path / "run", "cluster=dev")
-    seen = []
+def where_eval_runs(monkeypatch, argv: list[str]) -> list[str]:
+    """What `prime-hpc eval argv` starts: "server" (one on this machine) or "job"; neither
+    is really started."""
+    seen: list[str] = []
 
     def local_server(*a, **k):
         seen.append("server")
@@ -90,10 +91,15 @@ def test_here_keeps_eval_on_this_machine_on_a_slurm_cluster(tmp_path, monkeypatc
     monkeypatch.setattr(evaluate, "eval_server", local_server)
     monkeypatch.setattr(evaluate, "submit_and_follow", lambda *a, **k: seen.append("job") or 0)
     try:
-        main(["eval", str(run.root), "--here"])
+        main(["eval", *argv])
     except SystemExit as e:
         assert e.code == 3
-    assert seen == ["server"]
+    return seen
+
+
+def test_here_keeps_eval_on_this_machine_on_a_slurm_cluster(tmp_path, monkeypatch):
+    run, _ = _run(tmp_path / "run", "cluster=dev")
+    assert where_eval_runs(monkeypatch, [str(run.root), "--here"]) == ["server"]
 
 
 def test_env_arguments_are_given_per_env_and_typed():
@@ -139,19 +145,8 @@ def test_someone_elses_run_is_scored_here_not_in_a_job_with_their_cluster_settin
 
     run, _ = _run(tmp_path / "run", "cluster=dev")
     os.chown(run.config_yaml, 65534, 65534)
-    seen = []
-
-    def local_server(*a, **k):
-        seen.append("server")
-        raise SystemExit(3)
-
-    monkeypatch.setattr(evaluate, "eval_server", local_server)
-    monkeypatch.setattr(evaluate, "submit_and_follow", lambda *a, **k: seen.append("job") or 0)
-    try:
-        main(["eval", str(run.root)])
-    except SystemExit as e:
-        assert e.code == 3
-    assert seen == ["server"] and "is not yours: scored on this machine" in capsys.readouterr().out
+    assert where_eval_runs(monkeypatch, [str(run.root)]) == ["server"]
+    assert "is not yours: scored on this machine" in capsys.readouterr().out
 
 
 def test_an_eval_job_is_not_resumed_or_scaled(tmp_path, capsys):
