@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -235,23 +236,29 @@ def runs_here(cfg: Any) -> bool:
 def eval_job_config(cfg: Any, steps: list[int], results: Path, run: Optional[RunDir]) -> Any:
     """The config of the job that scores `steps` of `run` (None: the model as it is):
     the run's own (model, eval envs, sampling, inference, cluster) with `eval_job` set,
-    in `<results>/job` (an earlier eval job's files there are replaced, its results kept),
-    named `<name>-eval`; nothing of training (no warm-up, checkpoints or W&B)."""
-    if steps:  # none: a job of the same shape that is no eval (synthesize)
-        cfg.eval_job.steps = [int(s) for s in steps]
-        cfg.eval_job.run = str(run.root) if run is not None else None
-        cfg.eval_job.results = str(Path(results).resolve())
+    a `model_job_config` in `<results>/job`, named `<name>-eval`."""
+    cfg.eval_job.steps = [int(s) for s in steps]
+    cfg.eval_job.run = str(run.root) if run is not None else None
+    cfg.eval_job.results = str(Path(results).resolve())
+    return model_job_config(cfg, results, f"{cfg.name}-eval")
+
+
+def model_job_config(cfg: Any, results: Path, name: str) -> Any:
+    """`cfg` as the config of a job that trains nothing (eval, synthesize): in
+    `<results>/job` (an earlier such job's files there are replaced, the results beside
+    them kept), named `name`, without warm-up, checkpoints, W&B or requeues (it keeps no
+    checkpoint: a requeue would start it over)."""
     cfg.output_dir = str(Path(results).resolve() / EVAL_JOB_DIR)
-    cfg.name = f"{cfg.name}-eval"
+    cfg.name = name
     cfg.warmup.experiment = None
     cfg.wandb.enabled = False
     cfg.ckpt.enabled = False
     cfg.ckpt.interval = None
     cfg.ckpt.step = None
     cfg.bench.mode = None
-    cfg.cluster.max_requeues = 0  # it keeps no checkpoint: a requeue would start it over
+    cfg.cluster.max_requeues = 0
     job = RunDir(cfg.output_dir)
-    cfg.clean_output_dir = job.job_json.exists() or job.config_yaml.exists()  # an earlier eval job's
+    cfg.clean_output_dir = job.job_json.exists() or job.config_yaml.exists()  # an earlier job's
     return cfg
 
 
@@ -351,6 +358,23 @@ def print_row(step: int, metrics: dict) -> None:
     print("  ".join([f"{label:>10}"] + [f"{k}={v:.4f}" for k, v in metrics.items()]), flush=True)
 
 
+async def beating(job_dir: RunDir, state: dict, work: Any) -> Any:
+    """Await `work` while the orchestrator's heartbeat beats with `state` every `BEAT_S`
+    (the head of a job that trains nothing: eval, synthesize)."""
+    from prime_hpc.rundir import BEAT_S
+
+    async def beat() -> None:
+        while True:
+            job_dir.beat("orchestrator", 0, **state)
+            await asyncio.sleep(BEAT_S)
+
+    task = asyncio.create_task(beat())
+    try:
+        return await work
+    finally:
+        task.cancel()
+
+
 def run_job(cfg: Any) -> dict:
     """The head of an eval job (`eval_job.steps`): waits for the job's servers, then scores
     each step through the router (every server loads it first) and writes its results to
@@ -358,7 +382,6 @@ def run_job(cfg: Any) -> dict:
     group is progress)."""
     from prime_hpc.inference.client import Admin, api_key, discover
     from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
-    from prime_hpc.rundir import BEAT_S
 
     job_dir = RunDir(cfg.output_dir)
     ej = cfg.eval_job
@@ -374,13 +397,7 @@ def run_job(cfg: Any) -> dict:
 
     evaluator = run_evaluator(cfg, make_client(ep.openai_base_url, key), cfg.model.name, on_group=progressed)
 
-    async def beat() -> None:
-        while True:
-            job_dir.beat("orchestrator", 0, **state)
-            await asyncio.sleep(BEAT_S)
-
     async def all_steps() -> list[dict]:
-        beating = asyncio.create_task(beat())
         admin = Admin(ep.servers, key=key)
         rows = []
         try:
@@ -389,12 +406,11 @@ def run_job(cfg: Any) -> dict:
                 progressed()
                 rows.append(await score_step(admin, evaluator, source, int(step), results))
         finally:
-            beating.cancel()
             await admin.aclose()
         return rows
 
     results.mkdir(parents=True, exist_ok=True)
-    rows = asyncio.run(all_steps())
+    rows = asyncio.run(beating(job_dir, state, all_steps()))
     print(f"prime-hpc eval: wrote {results}/step_<n>.json (and .samples.jsonl) for steps {list(ej.steps)}", flush=True)
     return {"steps": rows}
 
@@ -476,27 +492,43 @@ def is_standalone(target: str) -> bool:
     return "=" in target and target.split("=", 1)[0] in STANDALONE_KEYS and not Path(target).exists()
 
 
-def run_standalone(args: list[str], here: bool = False) -> int:
-    """`prime-hpc eval model=<name|path> env=<id>[,<id>...] [args.<id>.<arg>=V ...]
-    [rollouts=K] [examples=N] [client.base_url=URL [client.model=NAME]] [out=DIR]
-    [overrides]`: any model (a server is started for it) or any running OpenAI-compatible
-    endpoint (with the key in `$INFERENCE_SERVER_API_KEY`, when it wants one), on any env
-    ids, each with its own `load_environment` arguments. Writes `<out>/eval.json`, every
-    rollout to `<out>/samples.jsonl`, and prints one row per env: avg@k and pass@k."""
-    from prime_hpc.config.cluster import cache_root
-    from prime_hpc.config.compose import compose
-    from prime_hpc.config.schema import EnvEntry
-    from prime_hpc.core import usercache
-    from prime_hpc.inference.client import api_key
-    from prime_hpc.orchestrator.client import make_client
-    from prime_hpc.orchestrator.envs import env_name
+@dataclass
+class ModelWords:
+    """What `eval model=...` and `synthesize model=...` are given: the model or endpoint,
+    the envs with their arguments, k and n, the output directory, the overrides."""
 
-    opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in STANDALONE_KEYS)
+    opts: dict[str, str]  # model= or client.base_url= (serve= resolved), client.model=, ...
+    envs: list[str]
+    env_args: dict[str, dict[str, Any]]
+    rollouts: int
+    examples: Optional[int]
+    name: str  # the model, as asked of the server
+    out: Path
+    overrides: list[str]
+
+    def compose(self) -> Any:
+        """The default config with the overrides, for this model, in `out`."""
+        from prime_hpc.config.compose import compose
+
+        model = f"model.name={self.name}" if "model" in self.opts else "model.name=tiny"
+        return compose([model, f"output_dir={self.out}", *self.overrides])
+
+    def entries(self) -> list:
+        from prime_hpc.config.schema import EnvEntry
+
+        return [EnvEntry(id=e, args=self.env_args.get(e, {})) for e in self.envs]
+
+
+def model_words(args: list[str], keys: tuple[str, ...], verb: str) -> ModelWords:
+    """Parse `args` of a command that runs envs against a model (`keys`: its own words;
+    `verb`: "eval" or "synthesize", the default `outputs/<verb>/<model>-<time>`); one line
+    for what is missing or wrong."""
+    opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in keys)
     given_args = [a for a in args if a.startswith(ENV_ARGS_PREFIX)]
-    overrides = [a for a in args if a.split("=", 1)[0] not in STANDALONE_KEYS and a not in given_args]
+    overrides = [a for a in args if a.split("=", 1)[0] not in keys and a not in given_args]
     envs = [e for e in opts.get("env", "").split(",") if e]
     if not envs:
-        raise UserError("env=<id>[,<id>...] is required: the environments to evaluate on")
+        raise UserError("env=<id>[,<id>...] is required: the environments to run the model on")
     env_args = parse_env_args(given_args, envs)
     if "serve" in opts:
         opts.update(serving_endpoint(opts.pop("serve")))
@@ -511,9 +543,28 @@ def run_standalone(args: list[str], here: bool = False) -> int:
     if k < 1 or (n is not None and n < 1):
         raise UserError("rollouts=K and examples=N must be >= 1")
     name = opts.get("model") or opts.get("client.model") or "served"
-    out = Path(opts.get("out") or Path("outputs") / "eval" / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = compose([f"model.name={name}" if "model" in opts else "model.name=tiny", f"output_dir={out}", *overrides])
-    cfg.orchestrator.eval.env = [EnvEntry(id=e, args=env_args.get(e, {})) for e in envs]
+    out = Path(opts.get("out") or Path("outputs") / verb / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return ModelWords(opts, envs, env_args, k, n, name, out.expanduser().resolve(), overrides)
+
+
+def run_standalone(args: list[str], here: bool = False) -> int:
+    """`prime-hpc eval model=<name|path> env=<id>[,<id>...] [args.<id>.<arg>=V ...]
+    [rollouts=K] [examples=N] [client.base_url=URL [client.model=NAME]] [out=DIR]
+    [overrides]`: any model (a server is started for it) or any running OpenAI-compatible
+    endpoint (with the key in `$INFERENCE_SERVER_API_KEY`, when it wants one), on any env
+    ids, each with its own `load_environment` arguments. Writes `<out>/eval.json`, every
+    rollout to `<out>/samples.jsonl`, and prints one row per env: avg@k and pass@k."""
+    from prime_hpc.config.cluster import cache_root
+    from prime_hpc.config.schema import EnvEntry
+    from prime_hpc.core import usercache
+    from prime_hpc.inference.client import api_key
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.envs import env_name
+
+    w = model_words(args, STANDALONE_KEYS, "eval")
+    opts, envs, name, out, k, n = w.opts, w.envs, w.name, w.out, w.rollouts, w.examples
+    cfg = w.compose()
+    cfg.orchestrator.eval.env = w.entries()
     cfg.orchestrator.eval.rollouts_per_example, cfg.orchestrator.eval.num_examples = k, n
     edir = RunDir(out)
     t0 = time.monotonic()
@@ -537,9 +588,9 @@ def run_standalone(args: list[str], here: bool = False) -> int:
                 metrics = evaluate(url + "/v1", cfg.model.name, key)
             where = "a server started for it"
         else:
+            cfg.name = Path(name).name
             job_cfg = eval_job_config(cfg, [0], out, None)
-            job_cfg.name = f"{Path(name).name}-eval"
-            rc = submit_and_follow(job_cfg, overrides)
+            rc = submit_and_follow(job_cfg, w.overrides)
             if rc:
                 return rc
             row = read_json(out / "step_0.json")

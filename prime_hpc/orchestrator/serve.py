@@ -22,8 +22,6 @@ from typing import Any, Optional
 from prime_hpc.core import jobenv
 from prime_hpc.rundir import RunDir, atomic_write_json, read_json
 
-KEY_VAR = "INFERENCE_SERVER_API_KEY"
-
 
 def run(cfg: Any) -> dict:  # never returns: the job's end stops it
     import asyncio
@@ -37,7 +35,7 @@ def run(cfg: Any) -> dict:  # never returns: the job's end stops it
     record = {
         "url": ep.openai_base_url,
         "model": cfg.model.name,
-        "key_var": KEY_VAR,
+        "key_var": jobenv.API_KEY_VAR,
         "servers": len(ep.servers),
         "since": time.time(),
     }

@@ -117,7 +117,6 @@ def run_job(cfg: Any) -> dict:
     from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
     from prime_hpc.orchestrator.envs import load_slots
     from prime_hpc.orchestrator.generate import Generator
-    from prime_hpc.rundir import BEAT_S
 
     job_dir = RunDir(cfg.output_dir)
     sy = cfg.synthesize
@@ -131,29 +130,20 @@ def run_job(cfg: Any) -> dict:
     def progressed() -> None:
         state["progress_at"] = time.time()
 
-    async def main() -> dict:
-        async def beat() -> None:
-            while True:
-                job_dir.beat("orchestrator", 0, **state)
-                await asyncio.sleep(BEAT_S)
+    from prime_hpc.orchestrator.evaluate import beating
 
-        beating = asyncio.create_task(beat())
-        try:
-            return await synthesize(
-                slots,
-                generator,
-                Path(sy.out),
-                int(sy.rollouts),
-                sy.examples,
-                sy.min_reward,
-                on_group=progressed,
-                log=lambda line: print(line, flush=True),
-                max_errored=int(o.max_errored_groups),
-            )
-        finally:
-            beating.cancel()
-
-    summary = asyncio.run(main())
+    work = synthesize(
+        slots,
+        generator,
+        Path(sy.out),
+        int(sy.rollouts),
+        sy.examples,
+        sy.min_reward,
+        on_group=progressed,
+        log=lambda line: print(line, flush=True),
+        max_errored=int(o.max_errored_groups),
+    )
+    summary = asyncio.run(beating(job_dir, state, work))
     print(f"prime-hpc synthesize: wrote {summary['kept']} rollouts to {summary['data']}", flush=True)
     return summary
 
@@ -168,41 +158,21 @@ def run_command(args: list[str], here: bool = False) -> int:
     On a SLURM cluster (the one the overrides name) a job: the model's inference group
     with the synthesize runner beside it, its files in `<out>/job/`; with `cluster=local`
     or `--here`, one server on this machine."""
-    from prime_hpc.config.compose import compose
-    from prime_hpc.config.schema import EnvEntry
     from prime_hpc.core.errors import UserError
     from prime_hpc.inference.client import api_key
     from prime_hpc.orchestrator import evaluate
     from prime_hpc.rundir import with_umask
 
-    opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in KEYS)
-    given_args = [a for a in args if a.startswith(evaluate.ENV_ARGS_PREFIX)]
-    overrides = [a for a in args if a.split("=", 1)[0] not in KEYS and a not in given_args]
-    envs = [e for e in opts.get("env", "").split(",") if e]
-    if not envs:
-        raise UserError("env=<id>[,<id>...] is required: the environments to play")
-    env_args = evaluate.parse_env_args(given_args, envs)
-    if "serve" in opts:
-        opts.update(evaluate.serving_endpoint(opts.pop("serve")))
-    if "model" not in opts and "client.base_url" not in opts:
-        raise UserError("give model=<name|path> (served for it), serve=<job> or client.base_url=<endpoint>")
+    w = evaluate.model_words(args, KEYS, "synthesize")
+    opts, envs, name, out, k, n = w.opts, w.envs, w.name, w.out, w.rollouts, w.examples
     try:
-        k = int(opts.get("rollouts", 1))
-        n = int(opts["examples"]) if "examples" in opts else None
         min_reward = float(opts["min_reward"]) if "min_reward" in opts else None
     except ValueError:
-        raise UserError("rollouts=K and examples=N take whole numbers, min_reward=R a number") from None
-    if k < 1 or (n is not None and n < 1):
-        raise UserError("rollouts=K and examples=N must be >= 1")
-    name = opts.get("model") or opts.get("client.model") or "served"
-    out = Path(
-        opts.get("out") or Path("outputs") / "synthesize" / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-    out = out.expanduser().resolve()
+        raise UserError(f"min_reward={opts['min_reward']}: expected a number") from None
     if (out / DATA).exists():
         raise UserError(f"{out / DATA} exists; choose another out=DIR (nothing is overwritten)")
-    cfg = compose([f"model.name={name}" if "model" in opts else "model.name=tiny", f"output_dir={out}", *overrides])
-    cfg.orchestrator.env = [EnvEntry(id=e, args=env_args.get(e, {})) for e in envs]
+    cfg = w.compose()
+    cfg.orchestrator.env = w.entries()
     cfg.orchestrator.eval.env = []
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts or here or evaluate.runs_here(cfg):
@@ -210,10 +180,9 @@ def run_command(args: list[str], here: bool = False) -> int:
         else:
             cfg.synthesize.out, cfg.synthesize.rollouts = str(out), k
             cfg.synthesize.examples, cfg.synthesize.min_reward = n, min_reward
-            job_cfg = evaluate.eval_job_config(cfg, [], out, None)
-            job_cfg.name = f"{Path(name).name}-synthesize"
+            job_cfg = evaluate.model_job_config(cfg, out, f"{Path(name).name}-synthesize")
             rc = evaluate.submit_and_follow(
-                job_cfg, overrides, f"{', '.join(envs)}, {k} rollout(s) per example", str(out / DATA)
+                job_cfg, w.overrides, f"{', '.join(envs)}, {k} rollout(s) per example", str(out / DATA)
             )
             if rc:
                 return rc
