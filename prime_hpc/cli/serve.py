@@ -76,14 +76,13 @@ def run(a: argparse.Namespace) -> int:
 def wait_until_serving(ref: Any, timeout_s: float) -> int:
     """Until the job publishes its URL (print it) or ends (one line naming its logs)."""
     from prime_hpc.cli.tail import state_fn
-    from prime_hpc.orchestrator.serve import served
     from prime_hpc.rundir import jobs
 
     state = state_fn(ref)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            found = served(ref.run)
+            found = jobs.served(ref.run)
             if found:
                 print(f"serving {found['model']} at {found['url']} (key: ${found['key_var']})", flush=True)
                 return 0

@@ -41,7 +41,6 @@ def heartbeat(run: Any, component: str) -> Optional[dict]:
 
 def job_status(ref: Any) -> dict[str, Any]:
     """Everything `status` shows of one job, as plain data."""
-    from prime_hpc.orchestrator.serve import served
     from prime_hpc.rundir import jobs
     from prime_hpc.rundir.fleet import fleet
     from prime_hpc.sched.registry import choose
@@ -68,14 +67,14 @@ def job_status(ref: Any) -> dict[str, Any]:
         "groups": {g: {"state": st, "heartbeat": beats[g]} for g, st in groups.items()},
         "extra_jobs": extras,
         "extra_note": extra_note,
-        "fleet": fleet(ref.run),
+        "fleet": fleet(ref.run) + fleet(ref.run.of_group("teacher")),  # the run's own teacher's after
         "attempts": job.get("attempts", []),
         "requeues": job.get("requeues", 0),
         "failure": job.get("failure"),
         "sweep": job.get("sweep"),
         "pipeline": job.get("pipeline"),
         "vitals": vitals(ref.run, _max_steps(ref.run), ended=overall in jobs.FINAL_STATES),
-        "served": served(ref.run) if job.get("kind") == "serve" else None,
+        "served": jobs.served(ref.run) if job.get("kind") == "serve" else None,
     }
 
 
@@ -137,7 +136,8 @@ def format_job(s: dict[str, Any]) -> list[str]:
 
 
 def fleet_lines(rows: list[dict], ended: bool = False) -> list[str]:
-    """The inference fleet as a table: one row per server (slot), from the run directory
+    """The inference fleet (and the run's own teacher's servers) as a table: one row per
+    server (slot), from the run directory
     (`rundir.fleet`: the supervisors' and the relay's files, no HTTP)."""
     if not rows:
         return []

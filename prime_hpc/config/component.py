@@ -119,12 +119,21 @@ class OrchestratorRunConfig(TrainingRunConfig):
     """Servers to find in endpoints/."""
     inference_job: str = src("cluster.inference_job")
     """own: the servers are another job's (any slot in endpoints/), het: this job's."""
+    teacher_nodes: int = src("cluster.teacher.nodes")
+    """The run's own teacher's servers to find in endpoints/ (`orchestrator.teacher.model`)."""
     lora: ServedLoRA = src(None, ServedLoRA)
     orchestrator: OrchestratorConfig = src("orchestrator", OrchestratorConfig)
 
 
+def inference_group(cfg: DictConfig) -> str:
+    return "inference"
+
+
 @dataclass
 class InferenceRunConfig(ComponentRunConfig):
+    group: str = src(inference_group)
+    """The servers it is one of: the run's inference fleet, or its own teacher's
+    (`configs/teacher.yaml`: slots teacher_<n>, a router and membership of their own)."""
     nodes: int = src("cluster.inference.nodes")
     """Servers the router waits for."""
     inference_job: str = src("cluster.inference_job")
@@ -147,7 +156,22 @@ CONFIGS: dict[str, type] = {
     "orchestrator": OrchestratorRunConfig,
     "inference": InferenceRunConfig,
     "trainer": TrainerRunConfig,
+    "teacher": InferenceRunConfig,
 }
+
+
+def teacher_view(cfg: DictConfig) -> DictConfig:
+    """The run config as the servers of the run's own teacher see it: the model
+    `orchestrator.teacher.model`, the nodes `cluster.teacher`, never an adapter or a weight
+    update (the teacher is not trained)."""
+    view = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+    teacher = str(cfg.orchestrator.teacher.model)
+    view.model.name = view.inference.model.name = teacher
+    view.cluster.inference = view.cluster.teacher
+    view.cluster.inference_job = "het"
+    view.trainer.model.lora.enabled = False
+    view.weights.transport = "filesystem"
+    return view
 
 
 def project(cls: type, cfg: DictConfig) -> dict:
@@ -171,7 +195,10 @@ def project(cls: type, cfg: DictConfig) -> dict:
 
 def component_config(cfg: DictConfig, component: str) -> dict:
     """What `component` is started with: its config's fields projected from the run config
-    (a component never reads another component's config)."""
+    (a component never reads another component's config); the teacher's servers, an
+    inference config of the teacher's view of it."""
+    if component == "teacher":
+        return {**project(CONFIGS[component], teacher_view(cfg)), "group": "teacher"}
     return project(CONFIGS[component], cfg)
 
 

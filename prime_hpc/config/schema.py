@@ -274,7 +274,17 @@ class ClientConfig:
 
 @dataclass
 class TeacherConfig:
+    """The teacher of `training_mode` opd and sft, one of three: a server anyone runs
+    (`client.base_url`), a `prime-hpc serve` job (`serve`), or servers the run starts
+    itself (`model`: a group of the run's job, `cluster.teacher`)."""
+
     client: ClientConfig = field(default_factory=ClientConfig)
+    model: Optional[str] = None
+    """the run starts its own teacher: servers of this model (a name or a path, like
+    model.name) on `cluster.teacher`'s nodes, behind a router of their own"""
+    serve: Optional[str] = None
+    """a `prime-hpc serve` job (its id or output directory): its URL, its key from the
+    variable it names"""
 
 
 @dataclass
@@ -550,6 +560,8 @@ class ClusterConfig:
     orchestrator: GroupResources = field(default_factory=GroupResources)
     inference: GroupResources = field(default_factory=GroupResources)
     trainer: GroupResources = field(default_factory=GroupResources)
+    teacher: GroupResources = field(default_factory=GroupResources)
+    """the teacher's servers (`orchestrator.teacher.model`), one per node"""
 
 
 @dataclass

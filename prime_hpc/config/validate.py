@@ -6,17 +6,24 @@ Type and unknown-key errors are caught earlier, by the typed schema during compo
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from prime_hpc.config import walk
-from prime_hpc.core.errors import ConfigError
+from prime_hpc.core.errors import ConfigError, UserError
 from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.core.paths import is_local_path
 from prime_hpc.rundir import COMPONENTS
+
+
+def cluster_groups(cfg: DictConfig) -> tuple[str, ...]:
+    """The groups whose `cluster.<group>` resources the run uses: the three components and,
+    with a teacher the run starts itself (`orchestrator.teacher.model`), the teacher's."""
+    return (*COMPONENTS, "teacher") if cfg.orchestrator.teacher.get("model") else COMPONENTS
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -71,7 +78,7 @@ def check_positive(cfg: DictConfig) -> None:
             "async_level",
             f"must be >= 1 (got {cfg.async_level}); 1 is fully on-policy (step n trains on rollouts of policy n-1)",
         )
-    for g in COMPONENTS:
+    for g in cluster_groups(cfg):
         ids = cfg.cluster[g].cpu_ids
         if ids is not None and ids != "auto" and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(ids)):
             raise ConfigError(f"cluster.{g}.cpu_ids", f"{ids!r} is not a core list; use e.g. 0-3,8, auto or null")
@@ -132,7 +139,7 @@ def check_gpu_ids(cfg: DictConfig) -> None:
 
     c = cfg.cluster
     ids: dict[str, set[int]] = {}
-    for name in COMPONENTS:
+    for name in cluster_groups(cfg):
         spec = c[name].gpu_ids
         if spec is None:
             continue
@@ -149,17 +156,18 @@ def check_gpu_ids(cfg: DictConfig) -> None:
                 key, f"{len(got)} GPU(s) but cluster.{name}.gpus_per_node={c[name].gpus_per_node}; make them equal"
             )
         ids[name] = set(got)
-    both = ids.get("inference", set()) & ids.get("trainer", set())
-    if both and not c.share_gpus:
-        raise ConfigError(
-            "cluster.trainer.gpu_ids",
-            f"GPU(s) {sorted(both)} are also inference's; give each its own or set cluster.share_gpus=true",
-        )
+    for a, b in (("inference", "trainer"), ("inference", "teacher"), ("trainer", "teacher")):
+        both = ids.get(a, set()) & ids.get(b, set())
+        if both and not c.share_gpus:
+            raise ConfigError(
+                f"cluster.{b}.gpu_ids",
+                f"GPU(s) {sorted(both)} are also {a}'s; give each its own or set cluster.share_gpus=true",
+            )
 
 
 def check_gpus(cfg: DictConfig) -> None:
     c = cfg.cluster
-    groups = {"orchestrator": c.orchestrator, "inference": c.inference, "trainer": c.trainer}
+    groups = {name: c[name] for name in cluster_groups(cfg)}
     check_gpu_ids(cfg)
     if c.device == "cpu":
         for name, g in groups.items():
@@ -191,6 +199,8 @@ def check_gpus(cfg: DictConfig) -> None:
             f"{nproc} ranks per node but {c.trainer.gpus_per_node} GPUs per node; one rank per GPU "
             f"(set it to {c.trainer.gpus_per_node} or null)",
         )
+    if "teacher" in groups and c.teacher.gpus_per_node < 1:
+        raise ConfigError("cluster.teacher.gpus_per_node", "cluster.device=cuda needs >= 1 GPU per teacher node")
 
 
 def minutes(slurm_time: str) -> Optional[int]:
@@ -261,7 +271,7 @@ def check_sbatch_option(i: int, line: str) -> None:
 def check_memory(cfg: DictConfig) -> None:
     """SLURM copies --mem from one het group to the next, so a group without mem_gb would
     silently inherit another group's limit."""
-    groups = COMPONENTS
+    groups = cluster_groups(cfg)
     unset = [g for g in groups if cfg.cluster[g].mem_gb is None]
     if unset and len(unset) < len(groups):
         given = next(g for g in groups if g not in unset)
@@ -325,24 +335,60 @@ def env_import_error(env_id: str) -> str | None:
     return import_error(env_id)
 
 
+TEACHER_SOURCES = ("client.base_url", "model", "serve")  # orchestrator.teacher.<one of these>
+
+
 def check_training_mode(cfg: DictConfig) -> None:
-    mode = cfg.orchestrator.training_mode
-    teacher = cfg.orchestrator.teacher.client.base_url
-    if mode in ("opd", "sft") and not teacher:
+    """opd and sft need one teacher (a URL, a serve job, or servers the run starts: never
+    two), rl none; a URL's key is its own variable; a serve job must serve now."""
+    mode, t = cfg.orchestrator.training_mode, cfg.orchestrator.teacher
+    given = [k for k in TEACHER_SOURCES if OmegaConf.select(t, k)]
+    if mode in ("opd", "sft") and not given:
         raise ConfigError(
             "orchestrator.teacher.client.base_url",
-            f"training_mode={mode} needs a teacher server; set it to the teacher's OpenAI URL (http://host:port/v1)",
+            f"training_mode={mode} needs a teacher: its OpenAI URL (http://host:port/v1), "
+            "orchestrator.teacher.serve=<a serve job> or orchestrator.teacher.model=<a model the run serves itself>",
         )
-    if mode == "rl" and teacher:
+    if mode == "rl" and given:
         raise ConfigError(
-            "orchestrator.teacher.client.base_url",
+            f"orchestrator.teacher.{given[0]}",
             "a teacher is only used with training_mode=opd or sft; unset it or change the mode",
         )
-    if teacher and cfg.orchestrator.teacher.client.api_key_var == API_KEY_VAR:
+    if len(given) > 1:
+        raise ConfigError(
+            f"orchestrator.teacher.{given[1]}",
+            f"the run has one teacher: orchestrator.teacher.{given[0]} is set too; keep one of them",
+        )
+    if given and given[0] != "model" and t.client.api_key_var == API_KEY_VAR:
         raise ConfigError(
             "orchestrator.teacher.client.api_key_var",
             f"{API_KEY_VAR} is the job's own key, which never leaves the job; name the variable that holds the "
             "teacher's key (default TEACHER_API_KEY)",
+        )
+    if given == ["serve"]:
+        check_teacher_serve(cfg)
+
+
+def check_teacher_serve(cfg: DictConfig) -> None:
+    """`orchestrator.teacher.serve`: a serve job that serves now, whose key this
+    environment holds in the teacher's variable (the run reads it at its start)."""
+    from prime_hpc.rundir import jobs
+
+    t = cfg.orchestrator.teacher
+    try:
+        ref = jobs.resolve(str(t.serve))
+    except UserError as e:
+        raise ConfigError("orchestrator.teacher.serve", str(e)) from None
+    if jobs.served(ref.run) is None:
+        raise ConfigError(
+            "orchestrator.teacher.serve",
+            f"serve job {ref.job_id} ({ref.output_dir}) does not serve now; see prime-hpc status {ref.job_id}",
+        )
+    if not os.environ.get(t.client.api_key_var):
+        raise ConfigError(
+            "orchestrator.teacher.client.api_key_var",
+            f"serve job {ref.job_id} answers only with its key: set ${t.client.api_key_var} to it "
+            f"(the value of its ${API_KEY_VAR})",
         )
 
 

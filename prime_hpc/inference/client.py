@@ -94,8 +94,8 @@ def wait_for_servers(
             path.exists,
             what=str(path),
             timeout_s=timeout_s,
-            producer=f"inference server on node {node}",
-            producer_log=RunDir.node_log(logs, "inference", node) if logs else None,
+            producer=f"{run.group} server on node {node}",
+            producer_log=RunDir.node_log(logs, run.group, node) if logs else None,
             alive=alive,
         )
         records.append(read_json(path))
@@ -117,8 +117,8 @@ def discover(
         lambda: path.exists(),
         what=str(path),
         timeout_s=timeout_s,
-        producer="router",
-        producer_log=RunDir.router_log(logs, 0) if logs else None,
+        producer="router" if run.group == "inference" else f"{run.group} router",
+        producer_log=RunDir.router_log(logs, 0, run.group) if logs else None,
         alive=alive,
     )
     router = read_json(path)

@@ -397,7 +397,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as e:
         print(f"prime-hpc router: {e}", file=sys.stderr, flush=True)
         return 2
-    run = RunDir(cfg.output_dir)
+    run = RunDir(cfg.output_dir, cfg.group)
     if a.serve_fd is not None:
         serve(a.serve_fd, a.workers, run)
         return 0

@@ -184,10 +184,10 @@ class Server:
         self.port = 0
         self.node = jobenv.node_rank()
         self.extra_job = extra_job  # the id of the extra inference job this server belongs to (None: the run's)
-        self.slot = jobenv.slot() or server_slot(self.node, extra_job)
+        self.slot = jobenv.slot() or server_slot(self.node, extra_job, cfg.group)
         self.draining: Optional[str] = None  # why it leaves, once it does
         self.engine_stopping = False  # vLLM's engine refused a call: it was signalled to stop
-        self.run = RunDir(cfg.output_dir)
+        self.run = RunDir(cfg.output_dir, cfg.group)
         self.gate = PolicyGate(step=0, weight_dir=None)
         self.engine: Any = None
         self.app: Any = None

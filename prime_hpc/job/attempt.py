@@ -6,7 +6,7 @@ start       new log tree logs/attempt_<k>/ (+ logs/latest); on a restart (requeu
             resume, pick the checkpoint to continue from and clear what came after it;
             job.json RUNNING; prints the log tree's path
 end         --rc N [--component C] [--reason R] [--state S]: how the attempt ended
-lost        --component C --rc N: an inference server (its slot, inference_<n>) exited;
+lost        --component C --rc N: a server (its slot, inference_<n> or teacher_<n>) exited;
             exit 0 when it is to be restarted in its slot (inference.max_restarts), else 1
             (the run goes on without it while other servers are left)
 hung        --request FILE: the watchdog found a server hung (control/restart_<slot>.json):
@@ -81,13 +81,14 @@ def start(run: RunDir, job_id: str) -> str:
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True, exist_ok=True)
     groups = job_groups(job)
-    if "inference" in groups:
-        start_fleet(run, job_id, logs)
-    for sub in ("inference", "trainer", "envs"):  # inference/: the servers' logs and the router's
-        if sub != "inference" or "inference" in groups or job.get("fleet_nodes"):
+    for group in ("inference", "teacher"):
+        if group in groups:
+            start_fleet(run, job_id, logs, group)
+    for sub in ("inference", "trainer", "envs", "teacher"):  # inference/: the servers' logs and the router's
+        if sub in ("trainer", "envs") or sub in groups or (sub == "inference" and job.get("fleet_nodes")):
             (logs / sub).mkdir(exist_ok=True)
     # top-level names of the reference layout, pointing at node 0's stream
-    for comp in ("trainer", "inference"):
+    for comp in ("trainer", "inference", "teacher"):
         if comp in groups:
             os.symlink(os.path.join(comp, "node_0.log"), run.component_log(logs, comp))
     try:
@@ -175,11 +176,12 @@ def unrecorded_requeue(run: RunDir, job_id: str) -> dict:
         return dict(job)
 
 
-def start_fleet(run: RunDir, job_id: str, logs: Path) -> None:
-    """Every server this job starts is `starting` in its slot, with no restarts yet."""
-    nodes = int((_component_yaml(run, "inference") or {}).get("nodes") or 0)
+def start_fleet(run: RunDir, job_id: str, logs: Path, group: str = "inference") -> None:
+    """Every server of `group` (inference, teacher) this job starts is `starting` in its
+    slot, with no restarts yet."""
+    nodes = int((_component_yaml(run, group) or {}).get("nodes") or 0)
     for node in range(nodes):
-        slot = server_slot(node)
+        slot = server_slot(node, None, group)
         fleet_files.write_process(
             run, slot, fleet_files.STARTING, restarts=0, node=node, job_id=job_id, log=str(RunDir.log_of(logs, slot))
         )
@@ -383,7 +385,7 @@ def where_it_died(logs: Path, component: str) -> dict[str, Any]:
             pass
     elif component not in ("router", "orchestrator"):
         node = None
-    log = RunDir.log_of(logs, component, 0 if component == "inference" else node)
+    log = RunDir.log_of(logs, component, 0 if component in ("inference", "teacher") else node)
     return {"node": node, "log": str(log), **({"host": host} if host else {})}
 
 

@@ -49,7 +49,7 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bo
     only waiting for inference is excused while a server works on requests (a hung one
     included: the watchdog has it restarted), or while the fleet is down (`fleet_down`:
     `Fleet.stall` ends the job if that lasts)."""
-    busy = any(parse_slot(n) and not b.get("waiting_on") and not b.get("done") for n, b in beats.items())
+    busy = any(_inference(n) and not b.get("waiting_on") and not b.get("done") for n, b in beats.items())
     stalls: list[dict[str, Any]] = []
     for name, b in beats.items():
         if parse_slot(name) or b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):
@@ -71,6 +71,13 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bo
                 }
             )
     return max(stalls, key=lambda x: int(x["silent_s"]), default=None)
+
+
+def _inference(name: str) -> bool:
+    """`name` is the heartbeat of an inference server (not of a teacher's, not another
+    component's)."""
+    slot = parse_slot(name)
+    return slot is not None and slot.group == "inference"
 
 
 def hung_servers(beats: dict[str, dict], timeout_s: float, now: float) -> dict[str, Optional[str]]:
@@ -105,16 +112,17 @@ class Fleet:
         self.serving_at: Optional[float] = None  # the last time a server could serve (None: none yet)
 
     def check(self, beats: dict[str, dict], now: float) -> bool:
-        """Ask for the restart of every newly hung server; True while the fleet is down
-        (no server can serve now, after one could)."""
+        """Ask for the restart of every newly hung server (the run's own teacher's too);
+        True while the inference fleet is down (no server can serve now, after one could)."""
         verdicts = hung_servers(beats, self.server_timeout_s, now)
         for slot, why in verdicts.items():
             if why is not None and self.asked.get(slot) != beats[slot].get("pid"):
                 self.asked[slot] = beats[slot].get("pid")
                 self.request_restart(slot, beats[slot], why, now)
-        if any(why is None for why in verdicts.values()):
+        serving = [why is None for slot, why in verdicts.items() if _inference(slot)]
+        if any(serving):
             self.serving_at = now
-        return self.serving_at is not None and not any(why is None for why in verdicts.values())
+        return self.serving_at is not None and not any(serving)
 
     def request_restart(self, slot: str, beat: dict, why: str, now: float) -> None:
         from prime_hpc.rundir.fleet import request_restart

@@ -3,7 +3,9 @@ environment. A pure function of the config, so tests can pin it and the template
 free of logic.
 
 Het group 0 = orchestrator (head node, + the router), 1 = inference servers (one per
-node, each restartable in its slot), 2 = trainer (torchrun, c10d rendezvous on the first trainer node).
+node, each restartable in its slot), 2 = trainer (torchrun, c10d rendezvous on the first trainer node),
+3 = the teacher's servers when the run starts its own (`orchestrator.teacher.model`; their
+router on the head node too).
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ from prime_hpc.config.cluster import cache_root, trainer_nproc_per_node
 from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env, is_loopback
-from prime_hpc.rundir import COMPONENTS, RunDir
+from prime_hpc.rundir import COMPONENTS, GROUPS, RunDir
 from prime_hpc.sched.registry import choose
 
 MODES = ("run", "doctor")
-GROUP_NAMES = COMPONENTS  # het group k runs GROUP_NAMES[k]
+GROUP_NAMES = GROUPS  # het group k runs GROUP_NAMES[k] (of those the job has)
 
 
 @dataclass
 class GroupPlan:
-    index: int  # het group index (0 head, 1 inference, 2 trainer)
-    name: str  # orchestrator | inference | trainer
+    index: int  # het group index (0 head, 1 inference, 2 trainer, 3 teacher)
+    name: str  # orchestrator | inference | trainer | teacher
     nodes: int
     gpus_per_node: int
     cpus_per_task: int
@@ -94,6 +96,7 @@ class Plan:
     address: Optional[str] = None  # cluster.address: every node's bind/publish address (None: its own)
     head_argv: list[str] = field(default_factory=list)  # group 0: submitit's runner (local: replaced)
     router_argv: list[str] = field(default_factory=list)  # on the head node, next to the orchestrator
+    teacher_router_argv: list[str] = field(default_factory=list)  # the teacher's router, on the head node too
     watchdog_argv: list[str] = field(default_factory=list)  # next to the job script; empty: no watchdog
     fleet_group: Optional[GroupPlan] = None  # cluster.inference_job=own: the group its servers' own jobs run
 
@@ -139,7 +142,8 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
     inference fleet in a job of its own (`job_groups`). An eval job (`eval_job.steps`) runs
     the eval runner in the orchestrator's place, beside the servers; a serve job
     (`serve.enabled`) the process that publishes their URL; a synthesize job
-    (`synthesize.out`) the runner that writes the dataset."""
+    (`synthesize.out`) the runner that writes the dataset. An RL run whose teacher it
+    starts itself (`orchestrator.teacher.model`) has the teacher's servers last."""
     if mode == "run" and job_kind(cfg) in ("eval", "serve", "synthesize"):
         return ["orchestrator", "inference"]
     if cfg.trainer.type == "sft":
@@ -149,7 +153,12 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
         return ["trainer"]
     if bench == "inference":
         return ["orchestrator", "inference"]
-    return list(COMPONENTS)
+    return [*COMPONENTS, *(["teacher"] if mode == "run" and own_teacher(cfg) else [])]
+
+
+def own_teacher(cfg: DictConfig) -> bool:
+    """The run starts its teacher's servers itself (`orchestrator.teacher.model`)."""
+    return bool(cfg.orchestrator.teacher.get("model"))
 
 
 def is_eval_job(cfg: DictConfig) -> bool:
@@ -171,7 +180,7 @@ def job_kind(cfg: DictConfig) -> str:
 def own_fleet(cfg: DictConfig, mode: str = "run") -> bool:
     """The run's inference servers run in a plain job of their own, submitted with the run's
     (`cluster.inference_job=own`): an RL run (not a bench, not a preflight)."""
-    return mode == "run" and str(cfg.cluster.inference_job) == "own" and components(cfg, mode) == list(COMPONENTS)
+    return mode == "run" and str(cfg.cluster.inference_job) == "own" and set(COMPONENTS) <= set(components(cfg, mode))
 
 
 def job_groups(cfg: DictConfig, mode: str = "run") -> list[str]:
@@ -199,11 +208,17 @@ def one_host_cores(cores: list[int], groups: list[str], take_turns: bool = False
     core), inference the rest, and the orchestrator (and the router), which mostly wait on
     I/O, share the inference cores. Without inference (SFT) the trainer gets every core,
     without a trainer (an eval job, an inference bench) inference does; with a single core
-    everything shares it."""
+    everything shares it. A teacher's servers share the inference cores (they answer the
+    orchestrator between generations)."""
     if len(cores) < 2 or "inference" not in groups or "trainer" not in groups or take_turns:
         return {name: list(cores) for name in groups}
     split = len(cores) - len(cores) // 2
-    share = {"orchestrator": cores[:split], "inference": cores[:split], "trainer": cores[split:]}
+    share = {
+        "orchestrator": cores[:split],
+        "inference": cores[:split],
+        "teacher": cores[:split],
+        "trainer": cores[split:],
+    }
     return {name: share[name] for name in groups}
 
 
@@ -232,7 +247,7 @@ def group_gpus(cfg: DictConfig, groups: list[str]) -> dict[str, Optional[str]]:
     out = {name: (c[name].gpu_ids if c.device == "cuda" else None) for name in groups}
     if c.device == "cuda" and choose(c.backend).one_machine and all(out[g] is None for g in groups):
         start = 0
-        for name in ("inference", "trainer"):
+        for name in ("inference", "trainer", "teacher"):
             n = int(c[name].gpus_per_node) if name in groups else 0
             if n:
                 out[name] = f"{start}-{start + n - 1}"
@@ -267,10 +282,11 @@ def _argv(python: str, module: str, *args: str) -> list[str]:
 @dataclass
 class Commands:
     """What each group runs: the servers' and trainer's commands, the router's (beside
-    the servers) and the trainer module torchrun starts per rank."""
+    the servers), the teacher's router's, and the trainer module torchrun starts per rank."""
 
     argv: dict[str, list[str]]
     router: list[str]
+    teacher_router: list[str]
     trainer_module: str
     trainer_args: list[str]
 
@@ -280,6 +296,7 @@ def commands(cfg: DictConfig, mode: str, py: str, run: RunDir) -> Commands:
     The head task (group 0) is set by the backend (submitit or the local script)."""
     if mode == "run":
         inference = str(run.component_config("inference"))
+        teacher = str(run.component_config("teacher"))
         # a bench run's trainer: the real step on synthetic batches (its own entry point)
         module = "prime_hpc.trainer.bench" if cfg.bench.mode else f"prime_hpc.trainer.{cfg.trainer.type}"
         return Commands(
@@ -287,8 +304,10 @@ def commands(cfg: DictConfig, mode: str, py: str, run: RunDir) -> Commands:
                 "orchestrator": [],
                 "inference": _argv(py, "prime_hpc.inference", "--config", inference),
                 "trainer": [],
+                "teacher": _argv(py, "prime_hpc.inference", "--config", teacher),
             },
             router=_argv(py, "prime_hpc.inference.router", "--config", inference),
+            teacher_router=_argv(py, "prime_hpc.inference.router", "--config", teacher),
             trainer_module=module,
             trainer_args=["--config", str(run.component_config("trainer"))],
         )
@@ -304,6 +323,7 @@ def commands(cfg: DictConfig, mode: str, py: str, run: RunDir) -> Commands:
             "trainer": [],
         },
         router=_argv(py, "prime_hpc.job.preflight", *probe("router")),
+        teacher_router=[],
         trainer_module="prime_hpc.job.preflight",
         trainer_args=probe("trainer"),
     )
@@ -329,7 +349,7 @@ def group_plans(
             cpus_per_task=int(c[name].cpus_per_task),
             mem_gb=c[name].mem_gb,
             argv=argv[name],
-            service=(mode == "run" and name == "inference"),
+            service=(mode == "run" and name in ("inference", "teacher")),
             cpu_ids=cpus[name],
             env=group_env(name, cpus[name], int(c[name].cpus_per_task), nproc, c.device, gpus[name]),
         )
@@ -402,6 +422,7 @@ def make_plan(
         signal_delay_s=int(c.signal_delay_s),
         address=c.address,
         router_argv=cmd.router,
+        teacher_router_argv=cmd.teacher_router,
         umask=str(c.umask),
         watchdog_argv=watchdog_argv(cfg, mode, py, out, nproc),
         # submitit runs the pickled head task from its folder (the SLURM path)

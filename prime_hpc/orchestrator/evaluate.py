@@ -448,7 +448,7 @@ def run_evaluator(cfg: Any, client: Any, model: str, on_group: Any = None) -> An
 def serving_endpoint(job: str) -> dict[str, str]:
     """`serve=<job>`: the `client.base_url` and `client.model` of a serve job that serves
     now; one line when it does not, or when its key's variable is not set here."""
-    from prime_hpc.orchestrator.serve import served
+    from prime_hpc.rundir.jobs import served
 
     ref = jobs.resolve(job)
     found = served(ref.run)

@@ -166,3 +166,23 @@ class Membership:
             "hostname": endpoint.get("hostname"),
             "pid": endpoint.get("pid"),
         }
+
+
+async def keep_fixed(
+    run: RunDir, ep: Any, key: Optional[str], each: Callable[[Membership], None] = lambda m: None
+) -> None:
+    """Keep the membership of servers that serve one model and are never updated (a serve
+    job's, the run's own teacher's; `run` names their group): every server at its base
+    model, a server restarted in its slot (a new URL) joins the router (`ep.router`) once it
+    answers, one that is gone leaves it. `each(members)` after every poll; until cancelled."""
+    from prime_hpc.inference.client import Admin
+
+    async def base_model(url: str, record: dict) -> int:
+        return 0  # a server starts with the model it serves
+
+    members = Membership(run, Admin(list(ep.servers), key=key), ep.router, base_model)
+    members.start_with(list(run.server_endpoints().values()), 0)
+    while True:
+        each(members)
+        await members.poll()
+        await asyncio.sleep(POLL_S)

@@ -35,12 +35,13 @@ from prime_hpc.orchestrator.checkpointer import Checkpointer
 from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, load_slots, route_env_logs
 from prime_hpc.orchestrator.evaluator import Evaluator
+from prime_hpc.orchestrator.fleet import keep_fixed
 from prime_hpc.orchestrator.generate import Generator
 from prime_hpc.orchestrator.relay import WeightRelay
 from prime_hpc.orchestrator.sink import StepFill, StepSink
 from prime_hpc.orchestrator.source import GroupSource
 from prime_hpc.orchestrator.step_metrics import StepMetrics
-from prime_hpc.orchestrator.teacher import Teacher, teacher_url
+from prime_hpc.orchestrator.teacher import Teacher, TeacherAt, locate
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json
 from prime_hpc.rundir.checkpoints import resolve_resume_step
 
@@ -58,6 +59,7 @@ class Orchestrator:
         self.async_level = 10**9 if self.ocfg.training_mode == "sft" else cfg.async_level
         self.checkpoints = Checkpointer(self.run, cfg.ckpt)
         self.teacher: Optional[Teacher] = None  # opd: the teacher's prompt logprobs (one HTTP client, closed by main)
+        self.teacher_at: Optional[TeacherAt] = None  # opd, sft: where the teacher answers (found by main)
         self.progress_at = time.time()  # a step written, a policy served, an eval group finished (heartbeat)
         self.stop: Any = None  # prime_hpc.runtime.stopping.Stop, installed by main()
         self.stop_code: Optional[int] = None
@@ -93,7 +95,8 @@ class Orchestrator:
             cfg.seed,
             lambda: {**relay.gauges(), **{f"progress/total_{k}": v for k, v in self.totals().items()}},
         )
-        self.teacher = Teacher(o.teacher.client, lambda: relay.model) if o.training_mode == "opd" else None
+        at = self.teacher_at
+        self.teacher = Teacher(at, lambda: relay.model) if o.training_mode == "opd" and at is not None else None
         self.sink = StepSink(
             o,
             self.async_level,
@@ -141,9 +144,15 @@ class Orchestrator:
         start = resolve_resume_step(self.run, cfg.ckpt.step, CHECKPOINT_PARTS)
         saved = self.checkpoints.load(start) if start is not None else None
         env_logs = route_env_logs(self.logs, {"train": train, "eval": evals}, o.log.vf_level) if self.logs else None
-        admin = metrics = None
+        admin = metrics = teacher_fleet = None
         try:
             ep = discover(self.run, cfg.inference_nodes, SERVERS_WAIT_S, self.logs, own_job=cfg.inference_job == "own")
+            if o.training_mode in ("opd", "sft"):
+                self.teacher_at = locate(o.teacher, self.run, cfg.teacher_nodes, SERVERS_WAIT_S, self.logs)
+                if self.teacher_at.fleet is not None:  # the run's own: a restarted server rejoins its router
+                    teacher_fleet = asyncio.create_task(
+                        keep_fixed(self.run.of_group("teacher"), self.teacher_at.fleet, self.teacher_at.key)
+                    )
             admin = Admin(ep.servers, on_lost=lambda server, why: self.relay.server_lost(server, why))
             metrics = MetricsLogger(self.run, "orchestrator", cfg.wandb, run_name=cfg.name, config=asdict(cfg))
             self.wire(*self.policy_client(ep), admin, metrics, train, evals, router=ep.router)
@@ -157,6 +166,11 @@ class Orchestrator:
             logger.info(
                 f"orchestrator: {len(train)} train env(s), {len(evals)} eval env(s), router {ep.router}, "
                 f"{len(ep.servers)} server(s), steps {(start or 0) + 1}..{self.max_steps}"
+                + (
+                    f", teacher {self.teacher_at.model or 'the served model'} at {self.teacher_at.url}"
+                    if self.teacher_at
+                    else ""
+                )
             )
             self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
             await self.loop(start or 0, eval_first=start is None and o.eval.at_start and bool(self.evaluator.interval))
@@ -169,6 +183,8 @@ class Orchestrator:
                 await admin.aclose()
             if self.teacher is not None:
                 await self.teacher.aclose()
+            if teacher_fleet is not None:
+                teacher_fleet.cancel()
             if env_logs is not None:
                 env_logs.close()
         return {"last_step": self.sink.step, "policy": self.relay.policy, **self.totals()}
@@ -176,10 +192,9 @@ class Orchestrator:
     def policy_client(self, ep: Any) -> tuple[Any, Optional[str]]:
         """What generation goes through, and the model name to ask for (None: the run's):
         the router; in sft the teacher (it generates, the student trains on it)."""
-        cfg, teacher = self.cfg, self.ocfg.teacher.client
-        if self.ocfg.training_mode == "sft":
-            key = api_key(teacher.api_key_var)
-            return make_client(teacher_url(teacher), key, max_context=cfg.seq_len), teacher.model
+        cfg, at = self.cfg, self.teacher_at
+        if self.ocfg.training_mode == "sft" and at is not None:
+            return make_client(at.url, at.key, max_context=cfg.seq_len), at.model
         return make_client(ep.openai_base_url, api_key(), max_context=cfg.seq_len), None
 
     async def loop(self, start: int, eval_first: bool = False) -> None:

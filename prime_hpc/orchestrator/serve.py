@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, atomic_write_json, read_json
+from prime_hpc.rundir import RunDir, atomic_write_json
 
 
 def run(cfg: Any) -> dict:  # never returns: the job's end stops it
@@ -53,39 +53,17 @@ def run(cfg: Any) -> dict:  # never returns: the job's end stops it
 
 
 async def keep_serving(job_dir: RunDir, ep: Any) -> None:
-    """The fleet's membership as in a run, every server at the base model: a server
-    restarted in its slot (a new URL) joins the router once it answers, one that is gone
-    leaves it; the heartbeat beats."""
-    import asyncio
-
-    from prime_hpc.inference.client import Admin, api_key
-    from prime_hpc.orchestrator.fleet import POLL_S, Membership
+    """The fleet's membership as in a run, every server at the base model (`fleet.keep_fixed`);
+    the heartbeat beats."""
+    from prime_hpc.inference.client import api_key
+    from prime_hpc.orchestrator.fleet import keep_fixed
     from prime_hpc.rundir import BEAT_S
 
-    async def base_model(url: str, record: dict) -> int:
-        return 0  # a server starts with the model it serves
+    beaten = [0.0]
 
-    admin = Admin(list(ep.servers), key=api_key())
-    members = Membership(job_dir, admin, ep.router, base_model)
-    members.start_with(list(job_dir.server_endpoints().values()), 0)
-    beaten = 0.0
-    while True:
-        if time.monotonic() - beaten >= BEAT_S:
+    def beat(members: Any) -> None:
+        if time.monotonic() - beaten[0] >= BEAT_S:
             job_dir.beat("orchestrator", 0, progress_at=time.time(), serving=members.serving())
-            beaten = time.monotonic()
-        await members.poll()
-        await asyncio.sleep(POLL_S)
+            beaten[0] = time.monotonic()
 
-
-def served(run: RunDir) -> Optional[dict]:
-    """What a serve job publishes while it serves (`serve.json`), or None: also when the
-    job has ended (a head killed without its cleanup leaves the file behind)."""
-    from prime_hpc.rundir import jobs
-
-    try:
-        found = read_json(run.serve_json)
-    except (OSError, ValueError):
-        return None
-    if jobs.read_job(run).get("state") in jobs.FINAL_STATES:
-        return None
-    return found if isinstance(found, dict) and found.get("url") else None
+    await keep_fixed(job_dir, ep, api_key(), beat)

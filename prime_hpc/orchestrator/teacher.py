@@ -1,9 +1,17 @@
-"""The teacher of on-policy distillation (`training_mode: opd`): its log-probability of
-every token the student generated.
+"""The teacher of `training_mode` opd and sft: where it answers (`locate`), and in opd its
+log-probability of every token the student generated (`Teacher`).
 
-Consumes: an accepted group of rollouts; the teacher's endpoint (`orchestrator.teacher.
-client`: a vLLM server's OpenAI-compatible URL, the name of the variable holding its key,
-its model name; without one, the name the student is served under). Produces, on each
+Where: one of three (validation allows exactly one). `orchestrator.teacher.client.base_url`,
+a server anyone runs, its key in the variable `client.api_key_var`; `orchestrator.teacher.
+serve`, a `prime-hpc serve` job, its URL and model from its `serve.json` (read when the
+orchestrator starts), its key in `client.api_key_var` too; `orchestrator.teacher.model`,
+servers the run starts itself (a group of its job, slots `teacher_<n>`, a router of their
+own at `endpoints/teacher_router.json`), asked with the job's own key: the orchestrator
+waits for them like for the inference servers and keeps their membership (`fleet.
+keep_fixed`: a teacher restarted in its slot rejoins its router).
+
+Consumes: an accepted group of rollouts; the teacher's endpoint and its model name (without
+one, the name the student is served under). Produces, on each
 sequence of each rollout (a branched rollout has several): `teacher_logprobs` (0 for the
 first token) and the per-token advantages log p_teacher - log p_student
 (`rollouts.opd_token_advantages`). One `/completions` request per sequence, with the
@@ -13,12 +21,15 @@ kept for the run (opened on first use, closed by `aclose`). A failed request rai
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
-from prime_hpc.config.schema import ClientConfig
+from prime_hpc.config.schema import ClientConfig, TeacherConfig
 from prime_hpc.core.errors import UserError
-from prime_hpc.inference.client import api_key, headers
+from prime_hpc.inference.client import Endpoints, api_key, discover, headers
 from prime_hpc.orchestrator.rollouts import Rollout, opd_token_advantages
+from prime_hpc.rundir import RunDir, jobs
 
 TIMEOUT_S = 600.0  # one prompt_logprobs request
 
@@ -31,11 +42,46 @@ def teacher_url(client: ClientConfig) -> str:
     return client.base_url
 
 
+@dataclass
+class TeacherAt:
+    """Where the teacher answers: its OpenAI base URL (`.../v1`), its key, the model name
+    to ask for (None: the one the student is served under) and, for the run's own teacher,
+    its servers and router."""
+
+    url: str
+    key: Optional[str]
+    model: Optional[str]
+    fleet: Optional[Endpoints] = None
+
+
+def serve_job(name: str) -> RunDir:
+    """The run directory of serve job `name` (a directory, a job id or a run name)."""
+    path = Path(name).expanduser()
+    return RunDir(path) if (path / "job.json").exists() else jobs.resolve(name).run
+
+
+def locate(t: TeacherConfig, run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None) -> TeacherAt:
+    """The teacher of `t` (see the module's doc); the run's own (`t.model`: `nodes`
+    servers) once its servers and router have published their endpoints (at most
+    `timeout_s`). One line when a serve job does not serve."""
+    if t.model:
+        ep = discover(run.of_group("teacher"), nodes, timeout_s, logs)
+        return TeacherAt(ep.openai_base_url, api_key(), t.client.model or t.model, ep)
+    if t.serve:
+        found = jobs.served(serve_job(t.serve))
+        if found is None:
+            raise UserError(
+                f"orchestrator.teacher.serve={t.serve}: the serve job does not serve now; see prime-hpc status {t.serve}"
+            )
+        return TeacherAt(str(found["url"]), api_key(t.client.api_key_var), t.client.model or found.get("model"))
+    return TeacherAt(teacher_url(t.client), api_key(t.client.api_key_var), t.client.model)
+
+
 class Teacher:
-    def __init__(self, client: ClientConfig, default_model: Callable[[], str]) -> None:
-        self.url = teacher_url(client).rstrip("/") + "/completions"
-        self.key_var = client.api_key_var
-        self.model = client.model
+    def __init__(self, at: TeacherAt, default_model: Callable[[], str]) -> None:
+        self.url = at.url.rstrip("/") + "/completions"
+        self.key = at.key
+        self.model = at.model
         self.default_model = default_model
         self._http: Optional[Any] = None
 
@@ -43,7 +89,7 @@ class Teacher:
         if self._http is None:
             import httpx
 
-            self._http = httpx.AsyncClient(timeout=TIMEOUT_S, headers=headers(api_key(self.key_var) or ""))
+            self._http = httpx.AsyncClient(timeout=TIMEOUT_S, headers=headers(self.key or ""))
         return self._http
 
     async def add_logprobs(self, group: list[Rollout]) -> None:

@@ -40,12 +40,22 @@ from prime_hpc.rundir.files import (
     wait_stable,
     with_umask,
 )
-from prime_hpc.rundir.layout import BEAT_S, CHECKPOINT_PARTS, COMPONENTS, RunDir, Slot, parse_slot, server_slot
+from prime_hpc.rundir.layout import (
+    BEAT_S,
+    CHECKPOINT_PARTS,
+    COMPONENTS,
+    GROUPS,
+    RunDir,
+    Slot,
+    parse_slot,
+    server_slot,
+)
 
 __all__ = [
     "BEAT_S",
     "CHECKPOINT_PARTS",
     "COMPONENTS",
+    "GROUPS",
     "STABLE",
     "TMP_PREFIX",
     "MarkerError",

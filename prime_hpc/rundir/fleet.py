@@ -96,14 +96,16 @@ def merged_state(process: dict, member: Optional[dict]) -> str:
 
 
 def fleet(run: RunDir) -> list[dict[str, Any]]:
-    """One row per slot (the run's own job's first): slot, state, restarts, policy_step,
-    node, host, since, log, url."""
+    """One row per slot of the servers of `run.group` (the run's own job's first): slot,
+    state, restarts, policy_step (a teacher's: None, it is not trained), node, host, since,
+    log, url."""
     members = read_membership(run)
     try:
         files = os.listdir(run.fleet_dir)
     except OSError:
         files = []
-    slots = {n[:-5] for n in files if parse_slot(n) is not None} | set(members)
+    parsed = {n[:-5]: parse_slot(n) for n in files}
+    slots = {n for n, s in parsed.items() if s is not None and s.group == run.group} | set(members)
     rows = []
     for slot in sorted(slots, key=_order):
         p, m = read_process(run, slot), members.get(slot)
@@ -113,7 +115,7 @@ def fleet(run: RunDir) -> list[dict[str, Any]]:
                 "slot": slot,
                 "state": merged_state(p, m),
                 "restarts": int(p.get("restarts") or 0),
-                "policy_step": (m or {}).get("policy_step"),
+                "policy_step": (m or {}).get("policy_step") if run.group == "inference" else None,
                 "node": p.get("node", (m or {}).get("node")),
                 "host": (m or {}).get("hostname") or p.get("host"),
                 "since": since,

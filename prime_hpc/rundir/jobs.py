@@ -233,3 +233,15 @@ def start_time(pid: int) -> Optional[str]:
     except (OSError, IndexError):
         return None
     return None if fields[0] == "Z" else fields[19]
+
+
+def served(run: RunDir) -> Optional[dict]:
+    """What a serve job publishes while it serves (`serve.json`), or None: also when the
+    job has ended (a head killed without its cleanup leaves the file behind)."""
+    try:
+        found = read_json(run.serve_json)
+    except (OSError, ValueError):
+        return None
+    if read_job(run).get("state") in FINAL_STATES:
+        return None
+    return found if isinstance(found, dict) and found.get("url") else None

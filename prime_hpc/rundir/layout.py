@@ -15,37 +15,45 @@ from typing import Any, Callable, Optional, Sequence
 from prime_hpc.rundir.files import STABLE, TMP_PREFIX, atomic_write_json, is_stable, remove_marked, truncate_jsonl
 
 COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group order (0, 1, 2)
+GROUPS = (*COMPONENTS, "teacher")  # every group a job may have (3: a teacher the run starts), each with configs/<group>.yaml
 CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
 BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
 DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doctor_marker`
-# An inference server's slot: `inference_<n>` for the server on node n of the run's own job,
-# `inference_<jobid>.<n>` for one on node n of another job of the run (`prime-hpc scale`).
+# A server's slot: `<group>_<n>` for the server on node n of the run's own job,
+# `<group>_<jobid>.<n>` for one on node n of another job of the run (`prime-hpc scale`).
+# The groups of servers: the run's inference fleet, and the teacher it starts itself
+# (`orchestrator.teacher.model`), each with its own router and membership.
 SERVER_GROUP = "inference"
-_SLOT = re.compile(r"inference_(?:(\d+)\.)?(\d+)")
+SERVER_GROUPS = ("inference", "teacher")
+_SLOT = re.compile(r"(inference|teacher)_(?:(\d+)\.)?(\d+)")
 
 
 @dataclass(frozen=True)
 class Slot:
-    """A parsed slot: the job it belongs to (None: the run's own job) and its node there."""
+    """A parsed slot: the job it belongs to (None: the run's own job), its node there and
+    the group of servers it is one of."""
 
     job_id: Optional[str]
     node: int
+    group: str = SERVER_GROUP
 
     @property
     def name(self) -> str:
-        return server_slot(self.node, self.job_id)
+        return server_slot(self.node, self.job_id, self.group)
 
 
-def server_slot(node: int, job_id: Optional[str] = None) -> str:
-    """The slot of the server on `node` (of another job of the run: `job_id`)."""
-    return f"{SERVER_GROUP}_{job_id}.{int(node)}" if job_id else f"{SERVER_GROUP}_{int(node)}"
+def server_slot(node: int, job_id: Optional[str] = None, group: str = SERVER_GROUP) -> str:
+    """The slot of the server of `group` on `node` (of another job of the run: `job_id`)."""
+    if group not in SERVER_GROUPS:
+        raise ValueError(f"{group!r} is not a group of servers ({', '.join(SERVER_GROUPS)})")
+    return f"{group}_{job_id}.{int(node)}" if job_id else f"{group}_{int(node)}"
 
 
 def parse_slot(name: str) -> Optional[Slot]:
-    """`inference_<n>` or `inference_<jobid>.<n>` (a file name's `.json` removed first) as
-    a `Slot`; None for any other name."""
+    """`<group>_<n>` or `<group>_<jobid>.<n>` (a file name's `.json` removed first) as a
+    `Slot`; None for any other name."""
     m = _SLOT.fullmatch(name[:-5] if name.endswith(".json") else name)
-    return Slot(m.group(1), int(m.group(2))) if m else None
+    return Slot(m.group(2), int(m.group(3)), m.group(1)) if m else None
 
 
 def _step_dir(parent: Path, step: int) -> Path:
@@ -75,22 +83,32 @@ def _numbered(parent: Path, prefix: str, suffix: str = "") -> list[int]:
     return sorted(int(k) for k in numbers if k.isdigit())
 
 
-def _slot_name(slot: "str | int") -> str:
+def _slot_name(slot: "str | int", group: str = SERVER_GROUP) -> str:
     if isinstance(slot, int):
-        return server_slot(slot)
+        return server_slot(slot, None, group)
     if parse_slot(slot) is None:
-        raise ValueError(f"{slot!r} is not an inference server's slot (inference_<n> or inference_<jobid>.<n>)")
+        raise ValueError(f"{slot!r} is not a server's slot (<group>_<n> or <group>_<jobid>.<n>)")
     return slot
 
 
 @dataclass(frozen=True)
 class RunDir:
-    """Every path of one run. Construct with the run's `output_dir`."""
+    """Every path of one run. Construct with the run's `output_dir`; `group` names the
+    servers its fleet paths are about (their slots, router and membership): the run's
+    inference servers, or the teacher the run starts itself."""
 
     root: Path
+    group: str = SERVER_GROUP
 
-    def __init__(self, root: os.PathLike | str) -> None:
+    def __init__(self, root: os.PathLike | str, group: str = SERVER_GROUP) -> None:
+        if group not in SERVER_GROUPS:
+            raise ValueError(f"{group!r} is not a group of servers ({', '.join(SERVER_GROUPS)})")
         object.__setattr__(self, "root", Path(root).expanduser().absolute())
+        object.__setattr__(self, "group", group)
+
+    def of_group(self, group: str) -> "RunDir":
+        """The same run, its fleet paths about the servers of `group`."""
+        return RunDir(self.root, group)
 
     # --- launcher-owned
     @property
@@ -171,7 +189,7 @@ class RunDir:
     def inference_endpoint(self, slot: "str | int") -> Path:
         """`endpoints/<slot>.json` (an int: the run's own server on that node), published by
         the server once healthy, removed when it leaves."""
-        return self.endpoints_dir / f"{_slot_name(slot)}.json"
+        return self.endpoints_dir / f"{_slot_name(slot, self.group)}.json"
 
     def server_slots(self) -> list[str]:
         """The slots with a published endpoint, the run's own job's first (by node), then
@@ -180,7 +198,8 @@ class RunDir:
             names = os.listdir(self.endpoints_dir)
         except OSError:
             return []
-        slots = [s for s in (parse_slot(n) for n in names if n.endswith(".json")) if s is not None]
+        parsed = (parse_slot(n) for n in names if n.endswith(".json"))
+        slots = [s for s in parsed if s is not None and s.group == self.group]
         return [s.name for s in sorted(slots, key=lambda s: (s.job_id is not None, int(s.job_id or 0), s.node))]
 
     def server_endpoints(self) -> dict[str, dict]:
@@ -201,25 +220,31 @@ class RunDir:
     def fleet_process(self, slot: "str | int") -> Path:
         """`fleet/<slot>.json`: the server's process as its job's supervisor sees it (state
         starting | hung | lost, restarts, since, log); written by that supervisor only."""
-        return self.fleet_dir / f"{_slot_name(slot)}.json"
+        return self.fleet_dir / f"{_slot_name(slot, self.group)}.json"
 
     @property
     def fleet_membership(self) -> Path:
         """`fleet/membership.json`: which servers the orchestrator's weight relay loads and
         routes to (state loading weights | serving | removed, policy step, since); written
-        by the relay only."""
-        return self.fleet_dir / "membership.json"
+        by the relay only. The teacher's: `fleet/teacher_membership.json` (the orchestrator's,
+        no weights)."""
+        return self.fleet_dir / self._grouped("membership.json")
 
     RESTART_PREFIX = "restart_"
 
     def restart_request(self, slot: "str | int") -> Path:
         """`control/restart_<slot>.json`: the watchdog found the server hung; its
         supervisor kills it (and restarts it as a lost server)."""
-        return self.control_dir / f"{self.RESTART_PREFIX}{_slot_name(slot)}.json"
+        return self.control_dir / f"{self.RESTART_PREFIX}{_slot_name(slot, self.group)}.json"
 
     @property
     def router_endpoint(self) -> Path:
-        return self.endpoints_dir / "router.json"
+        """`endpoints/router.json`, the router in front of the group's servers (the
+        teacher's: `endpoints/teacher_router.json`)."""
+        return self.endpoints_dir / self._grouped("router.json")
+
+    def _grouped(self, name: str) -> str:
+        return name if self.group == SERVER_GROUP else f"{self.group}_{name}"
 
     @property
     def control_dir(self) -> Path:
@@ -284,7 +309,7 @@ class RunDir:
 
     def server_heartbeat(self, slot: "str | int") -> Path:
         """`heartbeats/<slot>` (`inference_<n>` is `heartbeat("inference", n)`)."""
-        return self.heartbeats_dir / _slot_name(slot)
+        return self.heartbeats_dir / _slot_name(slot, self.group)
 
     def beat(self, component: str, rank: int = 0, **info: Any) -> None:
         """Record that `component` rank `rank` is alive (and, e.g., at which step). Written
@@ -503,24 +528,28 @@ class RunDir:
         return Path(logs) / component / f"node_{node}.log"
 
     @staticmethod
-    def router_log(logs: Path | str, index: int = 0) -> Path:
-        return Path(logs) / "inference" / f"router_{int(index)}.log"
+    def router_log(logs: Path | str, index: int = 0, group: str = SERVER_GROUP) -> Path:
+        return Path(logs) / group / f"router_{int(index)}.log"
 
     @staticmethod
     def log_of(logs: Path | str, component: str, node: Optional[int] = None) -> Path:
         """The log to read first for `component` in the attempt's log tree `logs`: one
         server of the fleet (`inference_<n>`, `inference_<jobid>.<n>`) ->
-        `inference/node_<n>.log` (`node_<jobid>.<n>.log`); the router
-        (`router`, `router_<i>`) -> `inference/router_<i>.log`; the trainer or inference on
+        `inference/node_<n>.log` (`node_<jobid>.<n>.log`), a teacher's (`teacher_<n>`) ->
+        `teacher/node_<n>.log`; the router (`router`, `router_<i>`) ->
+        `inference/router_<i>.log`, the teacher's (`teacher_router`) ->
+        `teacher/router_0.log`; the trainer, inference or teacher on
         `node` -> `<component>/node_<node>.log`; else (orchestrator, watchdog, a group
         without a node) -> `<component>.log` (`trainer.log`, `inference.log`: node 0's)."""
         group, _, index = component.rpartition("_")
         slot = parse_slot(component)
         if slot is not None:
-            return RunDir.node_log(logs, "inference", f"{slot.job_id}.{slot.node}" if slot.job_id else slot.node)
+            return RunDir.node_log(logs, slot.group, f"{slot.job_id}.{slot.node}" if slot.job_id else slot.node)
+        if component == "teacher_router":
+            return RunDir.router_log(logs, 0, "teacher")
         if component == "router" or (group == "router" and index.isdigit()):
             return RunDir.router_log(logs, int(index) if group else 0)
-        if node is not None and component in ("trainer", "inference"):
+        if node is not None and component in ("trainer", *SERVER_GROUPS):
             return RunDir.node_log(logs, component, node)
         return RunDir.component_log(logs, component)
 

@@ -9,6 +9,8 @@ Sources (one attempt's tree, `logs/latest -> attempt_<k>`; see docs/run-director
                                         job (`prime-hpc scale`) that had not ended when the
                                         attempt started
     inference/router_<i>.log            router (router[<i>] for i > 0)
+    teacher/node_<i>.log                teacher[<i>]: the run's own teacher's servers
+    teacher/router_0.log                teacher-router
     trainer/node_<i>.log                trainer[<global rank>], and torchrun[<i>] for the
                                         lines of torchrun itself on node i
     envs/<kind>/<env>/env_worker_<w>.log   env:<kind>/<env> (env:<kind>/<env>[<w>] for w > 0)
@@ -44,7 +46,8 @@ from prime_hpc.rundir import RunDir, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 from prime_hpc.sched.registry import of
 
-COMPONENTS = (*RUN_COMPONENTS, "router", "envs")  # what to tail: the components, the router, the env workers
+# what to tail: the components, the router, the env workers, the run's own teacher (servers, router)
+COMPONENTS = (*RUN_COMPONENTS, "router", "envs", "teacher")
 POLL_S = 0.5
 ENDED_GRACE_S = 10.0  # a final state without `ended_at` (nobody left to write it) ends the follow after this
 TAIL_WINDOW = 1 << 20  # bytes read from the end of a file for its last lines
@@ -192,7 +195,7 @@ def _env_sources(logs: Path) -> list[Source]:
 
 def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]:
     """The log files of one attempt's tree `logs` that belong to `components`, in display
-    order (orchestrator, inference nodes, router, trainer nodes, env workers)."""
+    order (orchestrator, inference nodes, router, trainer nodes, env workers, teacher)."""
     found = []
     orchestrator = RunDir.log_of(logs, "orchestrator")
     if "orchestrator" in components and orchestrator.is_file():
@@ -214,6 +217,14 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
         ]
     if "envs" in components:
         found += _env_sources(logs)
+    if "teacher" in components:
+        found += [
+            Source(RunDir.log_of(logs, "teacher", i), f"teacher[{i}]")
+            for i in _indexed(RunDir.group_log_dir(logs, "teacher"), "node_")
+        ]
+        router = RunDir.log_of(logs, "teacher_router")
+        if router.is_file():
+            found.append(Source(router, "teacher-router"))
     return found
 
 
@@ -393,7 +404,7 @@ def follow(
 ) -> int:
     """Print the logs of `run`'s latest attempt and follow them until the job ends.
 
-    components: any of COMPONENTS (orchestrator, inference, router, trainer, envs);
+    components: any of COMPONENTS (orchestrator, inference, router, trainer, envs, teacher);
     default all. rank: the global trainer rank to show, or "all" (default 0). show_all:
     also the per-request noise (`is_noise`). lines: how many last lines of each source to
     print first. once: print those and the job's state, and return. state_fn: () ->

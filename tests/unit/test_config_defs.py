@@ -16,7 +16,7 @@ from prime_hpc.config import walk
 from prime_hpc.config.component import CONFIGS, component_config, typed
 from prime_hpc.config.compose import compose
 from prime_hpc.config.schema import RunConfig
-from prime_hpc.rundir import COMPONENTS
+from prime_hpc.rundir import COMPONENTS, GROUPS
 from tests.conftest import REPO
 
 SCHEMA = {site.key: site for site in walk.schema_fields()}
@@ -37,10 +37,10 @@ def declared(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, 
 
 
 def test_every_component_has_a_config():
-    assert set(CONFIGS) == set(COMPONENTS)
+    assert set(CONFIGS) == set(GROUPS)
 
 
-@pytest.mark.parametrize("component", COMPONENTS)
+@pytest.mark.parametrize("component", GROUPS)
 def test_a_component_field_has_the_type_of_the_schema_key_it_comes_from(component):
     cls = CONFIGS[component]
     fields = declared(cls)
@@ -181,3 +181,30 @@ def test_fields_are_documented_by_docstrings_not_trailing_comments(module):
     ]
     assert len(field_lines) > 100 or "component" in module
     assert not trailing, trailing
+
+
+def test_the_teachers_servers_get_the_inference_config_of_the_teacher_model_on_its_own_nodes(tmp_path):
+    """`configs/teacher.yaml`: what the run's inference servers get, but the teacher's model,
+    the teacher's group and nodes, no adapter and no weight group (it is never updated)."""
+    cfg = compose(
+        [
+            "+experiment=reverse_text",
+            f"output_dir={tmp_path}/run",
+            "orchestrator.training_mode=opd",
+            "orchestrator.teacher.model=tiny-35m",
+            "cluster.inference.nodes=3",
+            "cluster.teacher.nodes=2",
+            "trainer.model.lora.enabled=true",
+            "weights.transport=broadcast",
+        ]
+    )
+    teacher = typed(CONFIGS["teacher"], component_config(cfg, "teacher"), "teacher")
+    inference = typed(CONFIGS["inference"], component_config(cfg, "inference"), "inference")
+    assert (teacher.group, inference.group) == ("teacher", "inference")
+    assert teacher.model.name == teacher.inference.model.name == "tiny-35m"
+    assert inference.model.name == "tiny"
+    assert (teacher.nodes, inference.nodes) == (2, 3)
+    assert teacher.lora.enabled is False and inference.lora.enabled is True
+    assert teacher.weights.transport == "filesystem" and inference.weights.transport == "broadcast"
+    assert teacher.inference.max_restarts == inference.inference.max_restarts
+    assert teacher.output_dir == inference.output_dir and teacher.address == inference.address

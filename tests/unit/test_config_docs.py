@@ -17,7 +17,7 @@ from prime_hpc.config.schema import EnvEntry, RunConfig
 from prime_hpc.config.walk import schema_fields
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-GROUPS = ("orchestrator", "inference", "trainer")  # `cluster.<group>.*`
+GROUPS = ("orchestrator", "inference", "trainer", "teacher")  # `cluster.<group>.*`
 # defaults given in words, where the schema's value is not the whole story
 IN_WORDS = ("from `", "as `", "if set, else")
 MISSING = object()
