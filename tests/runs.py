@@ -3,7 +3,9 @@ never by command line) and its progress."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -88,9 +90,13 @@ def slurm_node(pid: int) -> str:
 
 
 def fleet_row(run: RunDir, slot: str) -> dict:
+    """`status`'s row of the server in `slot` (an inference server's, or a teacher's)."""
+    from prime_hpc.rundir import parse_slot
     from prime_hpc.rundir.fleet import fleet
 
-    return next((r for r in fleet(run) if r["slot"] == slot), {})
+    parsed = parse_slot(slot)
+    group = parsed.group if parsed else "inference"
+    return next((r for r in fleet(run.of_group(group)) if r["slot"] == slot), {})
 
 
 def wait_fleet(run: RunDir, slot: str, pred, what: str, timeout_s: float = 300) -> dict:
@@ -104,3 +110,21 @@ def wait_fleet(run: RunDir, slot: str, pred, what: str, timeout_s: float = 300) 
         assert not job.get("ended_at"), f"the job ended ({job.get('state')}, {job.get('failure')}) before {what}"
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}: {fleet_row(run, slot)}")
+
+
+def release_held(job_id: str) -> bool:
+    """SLURM holds a job it requeued (an `scontrol requeue` from outside) for about two
+    minutes (pending, reason BeginTime) before it may start again; shorten the hold, as an
+    admin could (saves test time). Not to "now": a node refuses a job whose credential it
+    revoked within the same second."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r %S"], capture_output=True, text=True).stdout
+    if "PENDING BeginTime" in out:
+        try:
+            wait_s = (datetime.datetime.fromisoformat(out.split()[2]) - datetime.datetime.now()).total_seconds()
+        except (IndexError, ValueError):  # no begin time shown (it has passed): leave it be
+            wait_s = 0
+        if wait_s > 30:
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], capture_output=True, timeout=60
+            )
+    return False

@@ -163,7 +163,9 @@ CONFIGS: dict[str, type] = {
 def teacher_view(cfg: DictConfig) -> DictConfig:
     """The run config as the servers of the run's own teacher see it: the model
     `orchestrator.teacher.model`, the nodes `cluster.teacher`, never an adapter or a weight
-    update (the teacher is not trained)."""
+    update (the teacher is not trained), and one token more of context than the run's
+    servers: in opd it scores a whole sequence (up to their context) as a prompt that asks
+    for one more token."""
     view = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     teacher = str(cfg.orchestrator.teacher.model)
     view.model.name = view.inference.model.name = teacher
@@ -171,6 +173,7 @@ def teacher_view(cfg: DictConfig) -> DictConfig:
     view.cluster.inference_job = "het"
     view.trainer.model.lora.enabled = False
     view.weights.transport = "filesystem"
+    view.inference.max_model_len = int(view.inference.max_model_len or view.seq_len) + 1
     return view
 
 

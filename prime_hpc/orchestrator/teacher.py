@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from prime_hpc.config.schema import ClientConfig, TeacherConfig
 from prime_hpc.core.errors import UserError
-from prime_hpc.inference.client import Endpoints, api_key, discover, headers
+from prime_hpc.inference.client import Endpoints, api_key, discover, error_detail, headers
 from prime_hpc.orchestrator.rollouts import Rollout, opd_token_advantages
 from prime_hpc.rundir import RunDir, jobs
 
@@ -104,7 +104,11 @@ class Teacher:
                     "temperature": 1.0,
                 },
             )
-            resp.raise_for_status()
+            if resp.status_code != 200:
+                raise UserError(
+                    f"the teacher at {self.url} answered HTTP {resp.status_code} for a sequence of "
+                    f"{len(r.input_ids)} tokens: {error_detail(resp)}"
+                )
             body = resp.json()
             plp = body["choices"][0].get("prompt_logprobs") or body.get("prompt_logprobs")
             r.teacher_logprobs = [0.0] + [

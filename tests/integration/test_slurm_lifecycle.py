@@ -7,7 +7,6 @@ ended. (An SFT run that outlives its time limits: test_sft_learns.py.)"""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import cli
-from tests.runs import run_processes
+from tests.runs import release_held, run_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -43,24 +42,6 @@ def _wait(pred, timeout_s: float, what: str, run: RunDir, poll_s: float = 0.5):
             return value
         time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}; job.json: {jobs.read_job(run)}")
-
-
-def _release_held(job_id: str) -> bool:
-    """SLURM holds a job it requeued (an `scontrol requeue` from outside) for about two
-    minutes (pending, reason BeginTime) before it may start again; shorten the hold, as an
-    admin could (saves test time). Not to "now": a node refuses a job whose credential it
-    revoked within the same second."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r %S"], capture_output=True, text=True).stdout
-    if "PENDING BeginTime" in out:
-        try:
-            wait_s = (datetime.datetime.fromisoformat(out.split()[2]) - datetime.datetime.now()).total_seconds()
-        except (IndexError, ValueError):  # no begin time shown (it has passed): leave it be
-            wait_s = 0
-        if wait_s > 30:
-            subprocess.run(
-                ["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], capture_output=True, timeout=60
-            )
-    return False
 
 
 def _writer_of(log: Path) -> int:
@@ -178,9 +159,7 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
         subprocess.run(["scancel", urgent], check=True, timeout=60)
         gone = time.time()
         # 2. back once the urgent job is gone, from that checkpoint, until the time limit
-        _wait(
-            lambda: _release_held(job_id) or len(_attempts(run)) >= 3, 600, "the end of the time limit", run, poll_s=2
-        )
+        _wait(lambda: release_held(job_id) or len(_attempts(run)) >= 3, 600, "the end of the time limit", run, poll_s=2)
         second = _attempts(run)[1]
         assert second["started_at"] > gone and second["resumed_from"] == saved[0], second
         assert second["end"] == "TIMEOUT" and second.get("stopping") == "TIMEOUT", second
@@ -197,9 +176,7 @@ def test_rl_run_is_preempted_outlives_its_time_limit_and_stops_at_its_requeue_li
         assert "failed: job REQUEUED by SLURM: not continued (cluster.max_requeues=2 reached)" in st.stdout, st.stdout
         saved.append(run.latest_checkpoint_step())
         assert saved[2] > saved[1] and _saved(run, saved[2]), saved
-        _wait(
-            lambda: _release_held(job_id) or not launch.active_job(run), 300, "SLURM to let the job go", run, poll_s=2
-        )
+        _wait(lambda: release_held(job_id) or not launch.active_job(run), 300, "SLURM to let the job go", run, poll_s=2)
         assert (
             len(_attempts(run)) == 3
             and "not continued (continue with: prime-hpc resume" in run.slurm_batch_log(job_id).read_text()

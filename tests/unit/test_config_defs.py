@@ -207,4 +207,5 @@ def test_the_teachers_servers_get_the_inference_config_of_the_teacher_model_on_i
     assert teacher.lora.enabled is False and inference.lora.enabled is True
     assert teacher.weights.transport == "filesystem" and inference.weights.transport == "broadcast"
     assert teacher.inference.max_restarts == inference.inference.max_restarts
+    assert teacher.inference.max_model_len == inference.inference.max_model_len + 1  # a full sequence + 1 token
     assert teacher.output_dir == inference.output_dir and teacher.address == inference.address
