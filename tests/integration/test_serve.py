@@ -1,7 +1,8 @@
 """`prime-hpc serve` on the dev cluster: the tiny model on two servers behind the router as
 a job of its own, with the user's key. Its URL is in `serve.json` and in `status`; `eval
-serve=<job>` scores through it (with an argument of the env's own); a server killed is restarted in its slot and rejoins the
-router; `cancel` ends the job, leaves no process and removes `serve.json`. Without a key
+serve=<job>` scores through it (with an argument of the env's own); a run's teacher named by
+it (`orchestrator.teacher.serve`) is refused without its key and answers the teacher's
+prompt logprobs with it; a server killed is restarted in its slot and rejoins the router; `cancel` ends the job, leaves no process and removes `serve.json`. Without a key
 it is refused in one line, before anything is submitted."""
 
 from __future__ import annotations
@@ -21,6 +22,53 @@ from tests.runs import run_processes, wait_fleet
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 KEY = "serve-test-key"
+
+
+def _teacher_from_the_serve_job(job_id: str, tmp_path) -> None:
+    import asyncio
+
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.validate import validate
+    from prime_hpc.core.errors import ConfigError
+    from prime_hpc.orchestrator.rollouts import Rollout
+    from prime_hpc.orchestrator.teacher import Teacher, locate
+
+    overrides = [
+        "+experiment=reverse_text",
+        "warmup.experiment=null",
+        "orchestrator.training_mode=opd",
+        f"orchestrator.teacher.serve={job_id}",
+        f"output_dir={tmp_path / 'opd'}",
+    ]
+    os.environ.pop("TEACHER_API_KEY", None)
+    with pytest.raises(ConfigError, match=r"answers only with its key: set \$TEACHER_API_KEY"):
+        validate(compose(overrides))
+    os.environ["TEACHER_API_KEY"] = KEY
+    try:
+        cfg = validate(compose(overrides))
+        at = locate(cfg.orchestrator.teacher, RunDir(cfg.output_dir), 1, 10.0)
+        teacher = Teacher(at, lambda: "not-asked")
+        ids = list(range(40, 60))
+        r = Rollout("reverse-text", 0, 0.0, ids, [False] * 10 + [True] * 10, [-1.0] * 20, [0], 1, False)
+
+        async def ask() -> None:
+            try:
+                await teacher.add_logprobs([r])
+            finally:
+                await teacher.aclose()
+
+        asyncio.run(ask())
+    finally:
+        os.environ.pop("TEACHER_API_KEY", None)
+    assert (
+        at.model == "tiny"
+        and at.url == json.loads(RunDir(jobs.resolve(job_id).output_dir).serve_json.read_text())["url"]
+    )
+    assert r.teacher_logprobs[0] == 0.0 and len(r.teacher_logprobs) == 20
+    assert all(lp < 0 for lp in r.teacher_logprobs[1:]), r.teacher_logprobs
+    assert r.token_advantages[:10] == [0.0] * 10 and r.token_advantages[10:] == [
+        lp + 1.0 for lp in r.teacher_logprobs[10:]
+    ]
 
 
 def test_serve_is_a_job_that_eval_names_heals_its_fleet_and_ends_at_cancel(tmp_path):
@@ -64,6 +112,10 @@ def test_serve_is_a_job_that_eval_names_heals_its_fleet_and_ends_at_cancel(tmp_p
         assert result["endpoint"] == served["url"] and result["model"] == "tiny"
         samples = [json.loads(line) for line in (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()]
         assert len(samples) == 3 and all(3 <= len(s["prompt"]) <= 4 for s in samples), samples
+
+        # a run's teacher can be the serve job (orchestrator.teacher.serve): found from its
+        # serve.json, asked with the key given to the run's teacher variable
+        _teacher_from_the_serve_job(job_id, tmp_path)
 
         # a server killed is restarted in its slot and serves again behind the router
         server1 = json.loads(run.inference_endpoint(1).read_text())
