@@ -119,8 +119,9 @@ class OrchestratorRunConfig(TrainingRunConfig):
     """Servers to find in endpoints/."""
     inference_job: str = src("cluster.inference_job")
     """own: the servers are another job's (any slot in endpoints/), het: this job's."""
-    teacher_nodes: int = src("cluster.teacher.nodes")
-    """The run's own teacher's servers to find in endpoints/ (`orchestrator.teacher.model`)."""
+    teacher_nodes: int = field(default=1, metadata={"src": "cluster.teacher.nodes"})
+    """The run's own teacher's servers to find in endpoints/ (`orchestrator.teacher.model`);
+    a default, like `InferenceRunConfig.group`, for a run written before it."""
     lora: ServedLoRA = src(None, ServedLoRA)
     orchestrator: OrchestratorConfig = src("orchestrator", OrchestratorConfig)
 
@@ -131,9 +132,11 @@ def inference_group(cfg: DictConfig) -> str:
 
 @dataclass
 class InferenceRunConfig(ComponentRunConfig):
-    group: str = src(inference_group)
+    group: str = field(default="inference", metadata={"src": inference_group})
     """The servers it is one of: the run's inference fleet, or its own teacher's
-    (`configs/teacher.yaml`: slots teacher_<n>, a router and membership of their own)."""
+    (`configs/teacher.yaml`: slots teacher_<n>, a router and membership of their own). The
+    one field with a default: a run written before it (requeued, resumed) has inference
+    servers only."""
     nodes: int = src("cluster.inference.nodes")
     """Servers the router waits for."""
     inference_job: str = src("cluster.inference_job")
