@@ -15,10 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 from prime_hpc.rundir.files import STABLE, TMP_PREFIX, atomic_write_json, is_stable, remove_marked, truncate_jsonl
 
 COMPONENTS = ("orchestrator", "inference", "trainer")  # also the het group order (0, 1, 2)
-GROUPS = (
-    *COMPONENTS,
-    "teacher",
-)  # every group a job may have (3: a teacher the run starts), each with configs/<group>.yaml
+# every group a job may have (3: a teacher the run starts itself), each with configs/<group>.yaml
+GROUPS = (*COMPONENTS, "teacher")
 CHECKPOINT_PARTS = ("trainer", "orchestrator")  # what a complete RL checkpoint step holds
 BEAT_S = 5.0  # a running component's heartbeat is at most this old (plus one unit of its work)
 DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doctor_marker`
