@@ -166,9 +166,10 @@ CONFIGS: dict[str, type] = {
 def teacher_view(cfg: DictConfig) -> DictConfig:
     """The run config as the servers of the run's own teacher see it: the model
     `orchestrator.teacher.model`, the nodes `cluster.teacher`, never an adapter or a weight
-    update (the teacher is not trained), and one token more of context than the run's
-    servers: in opd it scores a whole sequence (up to their context) as a prompt that asks
-    for one more token."""
+    update (the teacher is not trained), its own engine settings where given
+    (`orchestrator.teacher.tensor_parallel_size` ...: a teacher is often larger than its
+    student), and in opd one token more of context than the run's servers: it scores a
+    whole sequence (up to their context) as a prompt that asks for one more token."""
     view = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     teacher = str(cfg.orchestrator.teacher.model)
     view.model.name = view.inference.model.name = teacher
@@ -176,7 +177,12 @@ def teacher_view(cfg: DictConfig) -> DictConfig:
     view.cluster.inference_job = "het"
     view.trainer.model.lora.enabled = False
     view.weights.transport = "filesystem"
-    view.inference.max_model_len = int(view.inference.max_model_len or view.seq_len) + 1
+    t = cfg.orchestrator.teacher
+    for key in ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "dtype", "extra_args"):
+        if t.get(key) is not None:
+            view.inference[key] = view.orchestrator.teacher[key]
+    if cfg.orchestrator.training_mode == "opd":
+        view.inference.max_model_len = int(view.inference.max_model_len or view.seq_len) + 1
     return view
 
 

@@ -285,6 +285,16 @@ class TeacherConfig:
     serve: Optional[str] = None
     """a `prime-hpc serve` job (its id or output directory): its URL, its key from the
     variable it names"""
+    tensor_parallel_size: Optional[int] = ruled(None, ge=1)
+    """the run's own teacher (`model`): vLLM's per replica; None = inference.tensor_parallel_size"""
+    data_parallel_size: Optional[int] = ruled(None, ge=1)
+    """the run's own teacher: replicas per node; None = cluster.teacher.gpus_per_node / its tensor_parallel_size"""
+    gpu_memory_utilization: Optional[float] = ruled(None, gt=0, le=1)
+    """the run's own teacher: None = inference.gpu_memory_utilization"""
+    dtype: Optional[str] = ruled(None, choices=("auto", "float16", "bfloat16", "float32"))
+    """the run's own teacher: vLLM --dtype; None = inference.dtype"""
+    extra_args: Optional[List[str]] = None
+    """the run's own teacher: passed verbatim to its vLLM servers; None = inference.extra_args"""
 
 
 @dataclass

@@ -178,18 +178,12 @@ def check_gpus(cfg: DictConfig) -> None:
                 )
         return
     inf = cfg.inference
-    tp, dp, gpus = inf.tensor_parallel_size, inf.data_parallel_size, c.inference.gpus_per_node
-    if dp is None and (gpus < tp or gpus % tp):
-        raise ConfigError(
-            "cluster.inference.gpus_per_node",
-            f"{gpus} GPUs per node cannot hold replicas of inference.tensor_parallel_size={tp}; use a multiple of {tp}",
-        )
-    if dp is not None and tp * dp != gpus:
-        raise ConfigError(
-            "cluster.inference.gpus_per_node",
-            f"{gpus} GPUs per node but inference.tensor_parallel_size x data_parallel_size "
-            f"= {tp} x {dp} = {tp * dp}; make them equal",
-        )
+    check_replicas("inference", inf.tensor_parallel_size, inf.data_parallel_size, c.inference.gpus_per_node)
+    if "teacher" in groups:
+        t = cfg.orchestrator.teacher
+        tp = t.tensor_parallel_size or inf.tensor_parallel_size
+        dp = t.data_parallel_size if t.tensor_parallel_size or t.data_parallel_size else inf.data_parallel_size
+        check_replicas("teacher", tp, dp, c.teacher.gpus_per_node, "orchestrator.teacher")
     if c.trainer.gpus_per_node < 1:
         raise ConfigError("cluster.trainer.gpus_per_node", "cluster.device=cuda needs >= 1 GPU per trainer node")
     nproc = c.trainer.nproc_per_node
@@ -201,6 +195,22 @@ def check_gpus(cfg: DictConfig) -> None:
         )
     if "teacher" in groups and c.teacher.gpus_per_node < 1:
         raise ConfigError("cluster.teacher.gpus_per_node", "cluster.device=cuda needs >= 1 GPU per teacher node")
+
+
+def check_replicas(group: str, tp: int, dp: Optional[int], gpus: int, engine: str = "inference") -> None:
+    """A node of `group` holds whole vLLM replicas: its GPUs a multiple of the tensor
+    parallel size, or equal to tp x dp when dp is set (`engine`: where tp and dp are set)."""
+    if dp is None and (gpus < tp or gpus % tp):
+        raise ConfigError(
+            f"cluster.{group}.gpus_per_node",
+            f"{gpus} GPUs per node cannot hold replicas of {engine}.tensor_parallel_size={tp}; use a multiple of {tp}",
+        )
+    if dp is not None and tp * dp != gpus:
+        raise ConfigError(
+            f"cluster.{group}.gpus_per_node",
+            f"{gpus} GPUs per node but {engine}.tensor_parallel_size x data_parallel_size "
+            f"= {tp} x {dp} = {tp * dp}; make them equal",
+        )
 
 
 def minutes(slurm_time: str) -> Optional[int]:
@@ -367,6 +377,18 @@ def check_training_mode(cfg: DictConfig) -> None:
         )
     if given == ["serve"]:
         check_teacher_serve(cfg)
+    if given == ["model"] and t.client.model:
+        raise ConfigError(
+            "orchestrator.teacher.client.model",
+            f"the run's own teacher serves {t.model} under that name; unset client.model",
+        )
+    engine = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "dtype", "extra_args")
+    if given != ["model"] and any(t.get(k) is not None for k in engine):
+        key = next(k for k in engine if t.get(k) is not None)
+        raise ConfigError(
+            f"orchestrator.teacher.{key}",
+            "sets the engine of a teacher the run starts itself (orchestrator.teacher.model); unset it",
+        )
 
 
 def check_teacher_serve(cfg: DictConfig) -> None:

@@ -49,7 +49,8 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bo
     only waiting for inference is excused while a server works on requests (a hung one
     included: the watchdog has it restarted), or while the fleet is down (`fleet_down`:
     `Fleet.stall` ends the job if that lasts)."""
-    busy = any(_inference(n) and not b.get("waiting_on") and not b.get("done") for n, b in beats.items())
+    # a server at work (a teacher's too: in opd it scores, in sft it generates) excuses the wait
+    busy = any(parse_slot(n) and not b.get("waiting_on") and not b.get("done") for n, b in beats.items())
     stalls: list[dict[str, Any]] = []
     for name, b in beats.items():
         if parse_slot(name) or b.get("done") or b.get("stopped") or not isinstance(b.get("time"), (int, float)):

@@ -153,7 +153,7 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
         return ["trainer"]
     if bench == "inference":
         return ["orchestrator", "inference"]
-    return [*COMPONENTS, *(["teacher"] if mode == "run" and own_teacher(cfg) else [])]
+    return [*COMPONENTS, *(["teacher"] if mode == "run" and bench is None and own_teacher(cfg) else [])]
 
 
 def own_teacher(cfg: DictConfig) -> bool:

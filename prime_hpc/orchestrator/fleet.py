@@ -174,15 +174,24 @@ async def keep_fixed(
     """Keep the membership of servers that serve one model and are never updated (a serve
     job's, the run's own teacher's; `run` names their group): every server at its base
     model, a server restarted in its slot (a new URL) joins the router (`ep.router`) once it
-    answers, one that is gone leaves it. `each(members)` after every poll; until cancelled."""
+    answers, one that is gone leaves it. `each(members)` after every poll; until cancelled.
+    A poll that fails (a file being replaced on a shared filesystem, a router restarting)
+    is logged and tried again at the next."""
     from prime_hpc.inference.client import Admin
 
     async def base_model(url: str, record: dict) -> int:
         return 0  # a server starts with the model it serves
 
-    members = Membership(run, Admin(list(ep.servers), key=key), ep.router, base_model)
-    members.start_with(list(run.server_endpoints().values()), 0)
-    while True:
-        each(members)
-        await members.poll()
-        await asyncio.sleep(POLL_S)
+    admin = Admin(list(ep.servers), key=key)
+    members = Membership(run, admin, ep.router, base_model)
+    try:
+        members.start_with(list(run.server_endpoints().values()), 0)
+        while True:
+            each(members)
+            try:
+                await members.poll()
+            except (OSError, ValueError, InferenceError) as e:
+                logger.warning(f"{run.group} servers: their membership could not be updated ({e}); trying again")
+            await asyncio.sleep(POLL_S)
+    finally:
+        await admin.aclose()

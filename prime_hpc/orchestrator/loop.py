@@ -183,8 +183,9 @@ class Orchestrator:
                 await admin.aclose()
             if self.teacher is not None:
                 await self.teacher.aclose()
-            if teacher_fleet is not None:
+            if teacher_fleet is not None:  # keeps the teacher's membership until the run ends
                 teacher_fleet.cancel()
+                await asyncio.gather(teacher_fleet, return_exceptions=True)
             if env_logs is not None:
                 env_logs.close()
         return {"last_step": self.sink.step, "policy": self.relay.policy, **self.totals()}

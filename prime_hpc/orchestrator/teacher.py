@@ -32,6 +32,7 @@ from prime_hpc.orchestrator.rollouts import Rollout, opd_token_advantages
 from prime_hpc.rundir import RunDir, jobs
 
 TIMEOUT_S = 600.0  # one prompt_logprobs request
+CONCURRENCY = 32  # prompt_logprobs requests of one group in flight at once
 
 
 def teacher_url(client: ClientConfig) -> str:
@@ -93,7 +94,23 @@ class Teacher:
         return self._http
 
     async def add_logprobs(self, group: list[Rollout]) -> None:
-        for r in (seq for rollout in group for seq in rollout.sequences()):
+        """Every sequence of the group at once (at most `CONCURRENCY` in flight: a teacher
+        of several servers behind its router answers them side by side)."""
+        import asyncio
+
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(r: Any) -> None:
+            async with gate:
+                await self.score(r)
+
+        await asyncio.gather(*(one(seq) for rollout in group for seq in rollout.sequences()))
+
+    async def score(self, r: Any) -> None:
+        """One sequence's teacher logprobs and per-token advantages."""
+        import httpx
+
+        try:
             resp = await self.http().post(
                 self.url,
                 json={
@@ -104,17 +121,17 @@ class Teacher:
                     "temperature": 1.0,
                 },
             )
-            if resp.status_code != 200:
-                raise UserError(
-                    f"the teacher at {self.url} answered HTTP {resp.status_code} for a sequence of "
-                    f"{len(r.input_ids)} tokens: {error_detail(resp)}"
-                )
-            body = resp.json()
-            plp = body["choices"][0].get("prompt_logprobs") or body.get("prompt_logprobs")
-            r.teacher_logprobs = [0.0] + [
-                float(entry[str(tok)]["logprob"]) for tok, entry in zip(r.input_ids[1:], plp[1:])
-            ]
-            r.token_advantages = opd_token_advantages(r)
+        except httpx.HTTPError as e:
+            raise UserError(f"the teacher at {self.url} did not answer: {type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise UserError(
+                f"the teacher at {self.url} answered HTTP {resp.status_code} for a sequence of "
+                f"{len(r.input_ids)} tokens: {error_detail(resp)}"
+            )
+        body = resp.json()
+        plp = body["choices"][0].get("prompt_logprobs") or body.get("prompt_logprobs")
+        r.teacher_logprobs = [0.0] + [float(entry[str(tok)]["logprob"]) for tok, entry in zip(r.input_ids[1:], plp[1:])]
+        r.token_advantages = opd_token_advantages(r)
 
     async def aclose(self) -> None:
         if self._http is not None:

@@ -112,9 +112,11 @@ def test_the_watchdog_restarts_a_hung_teacher_but_a_teacher_does_not_count_as_th
     assert attempt.hung(run, run.restart_request("teacher_0")) == "teacher_0"
     # a serving teacher does not keep a dead inference fleet alive
     assert f.check({"inference_0": {**hung, "pid": 13}, "teacher_0": ok}, now + 1) is True
-    # an orchestrator waiting on inference is not excused by a busy teacher
+    # an orchestrator waiting while the teacher works (opd scores, sft generates) is no stall; idle, it is
     beats = {"orchestrator_0": {"time": now, "progress_at": now - 500, "waiting_on": "inference"}, "teacher_0": ok}
-    assert stalled(beats, 100, now)["component"] == "orchestrator"
+    assert stalled(beats, 100, now) is None
+    idle = {**ok, "waiting_on": "orchestrator", "in_flight": 0}
+    assert stalled({**beats, "teacher_0": idle}, 100, now)["component"] == "orchestrator"
 
 
 # --------------------------------------------------------------------------- the job
@@ -282,3 +284,64 @@ def test_tail_follows_the_teachers_servers_and_router(tmp_path):
     labels = [s.label for s in discover(logs)]
     assert labels[-3:] == ["teacher[0]", "teacher[1]", "teacher-router"] and "inference[0]" in labels
     assert "teacher" in COMPONENTS and [s.label for s in discover(logs, ["teacher"])] == labels[-3:]
+
+
+def test_the_teachers_engine_is_its_own_and_its_nodes_hold_whole_replicas(tmp_path):
+    from prime_hpc.config.component import CONFIGS, component_config, typed
+
+    gpu = ["cluster=slurm", "orchestrator.teacher.model=big"]
+    cfg = opd(tmp_path, *gpu, "orchestrator.teacher.tensor_parallel_size=8", "orchestrator.teacher.dtype=bfloat16")
+    validate(cfg)
+    t = typed(CONFIGS["teacher"], component_config(cfg, "teacher"), "teacher")
+    i = typed(CONFIGS["inference"], component_config(cfg, "inference"), "inference")
+    assert (t.inference.tensor_parallel_size, t.inference.dtype) == (8, "bfloat16")
+    assert (i.inference.tensor_parallel_size, i.inference.dtype) == (1, cfg.inference.dtype)
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.teacher.gpus_per_node: 8 GPUs per node cannot hold replicas of orchestrator.teacher.tensor_parallel_size=3",
+    ):
+        validate(opd(tmp_path, *gpu, "orchestrator.teacher.tensor_parallel_size=3"))
+    with pytest.raises(
+        ConfigError,
+        match="orchestrator.teacher.tensor_parallel_size: sets the engine of a teacher the run starts itself",
+    ):
+        validate(
+            opd(
+                tmp_path,
+                "orchestrator.teacher.client.base_url=http://127.0.0.1:1/v1",
+                "orchestrator.teacher.tensor_parallel_size=2",
+            )
+        )
+    with pytest.raises(
+        ConfigError, match="orchestrator.teacher.client.model: the run's own teacher serves big under that name"
+    ):
+        validate(opd(tmp_path, *gpu, "orchestrator.teacher.client.model=other"))
+    # a bench measures the run's own parts: no teacher is started for it
+    bench = opd(tmp_path, "orchestrator.teacher.model=tiny", "bench.mode=inference")
+    assert "teacher" not in make_plan(bench, cores=[0, 1]).group_names
+
+
+def test_a_teacher_that_does_not_answer_ends_the_run_in_one_line(tmp_path):
+    import asyncio
+    import socket
+
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.orchestrator.rollouts import Rollout
+    from prime_hpc.orchestrator.teacher import Teacher, TeacherAt
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    teacher = Teacher(TeacherAt(f"http://127.0.0.1:{port}/v1", "k", "tiny"), lambda: "tiny")
+    r = Rollout("e", 0, 0.0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [0], 1, False)
+
+    async def ask() -> None:
+        try:
+            await teacher.add_logprobs([r, r])
+        finally:
+            await teacher.aclose()
+
+    with pytest.raises(
+        UserError, match=rf"^the teacher at http://127.0.0.1:{port}/v1/completions did not answer: ConnectError"
+    ):
+        asyncio.run(ask())
