@@ -398,18 +398,18 @@ def check_teacher_serve(cfg: DictConfig) -> None:
 
     t = cfg.orchestrator.teacher
     try:
-        ref = jobs.resolve(str(t.serve))
+        job = jobs.serve_job(str(t.serve))
     except UserError as e:
         raise ConfigError("orchestrator.teacher.serve", str(e)) from None
-    if jobs.served(ref.run) is None:
+    if jobs.served(job) is None:
         raise ConfigError(
             "orchestrator.teacher.serve",
-            f"serve job {ref.job_id} ({ref.output_dir}) does not serve now; see prime-hpc status {ref.job_id}",
+            f"serve job {t.serve} ({job.root}) does not serve now; see prime-hpc status {job.root}",
         )
     if not os.environ.get(t.client.api_key_var):
         raise ConfigError(
             "orchestrator.teacher.client.api_key_var",
-            f"serve job {ref.job_id} answers only with its key: set ${t.client.api_key_var} to it "
+            f"serve job {t.serve} answers only with its key: set ${t.client.api_key_var} to it "
             f"(the value of its ${API_KEY_VAR})",
         )
 

@@ -153,6 +153,11 @@ def prepare(
     with with_umask(cfg.cluster.umask):  # as submit: a dry run's files are the run's
         if mode == "run":
             check_fresh(cfg, resume, dry_run)
+            if cfg.orchestrator.teacher.get("serve"):  # the serve job validated now, named by its directory
+                from prime_hpc.rundir.jobs import serve_job
+
+                cfg = cfg.copy()
+                cfg.orchestrator.teacher.serve = str(serve_job(str(cfg.orchestrator.teacher.serve)).root)
             if cfg.clean_output_dir and not resume and not dry_run:
                 run.wipe()
         else:

@@ -55,12 +55,6 @@ class TeacherAt:
     fleet: Optional[Endpoints] = None
 
 
-def serve_job(name: str) -> RunDir:
-    """The run directory of serve job `name` (a directory, a job id or a run name)."""
-    path = Path(name).expanduser()
-    return RunDir(path) if (path / "job.json").exists() else jobs.resolve(name).run
-
-
 def locate(t: TeacherConfig, run: RunDir, nodes: int, timeout_s: float, logs: Optional[Path] = None) -> TeacherAt:
     """The teacher of `t` (see the module's doc); the run's own (`t.model`: `nodes`
     servers) once its servers and router have published their endpoints (at most
@@ -69,7 +63,7 @@ def locate(t: TeacherConfig, run: RunDir, nodes: int, timeout_s: float, logs: Op
         ep = discover(run.of_group("teacher"), nodes, timeout_s, logs)
         return TeacherAt(ep.openai_base_url, api_key(), t.client.model or t.model, ep)
     if t.serve:
-        found = jobs.served(serve_job(t.serve))
+        found = jobs.served(jobs.serve_job(t.serve))
         if found is None:
             raise UserError(
                 f"orchestrator.teacher.serve={t.serve}: the serve job does not serve now; see prime-hpc status {t.serve}"

@@ -245,3 +245,9 @@ def served(run: RunDir) -> Optional[dict]:
     if read_job(run).get("state") in FINAL_STATES:
         return None
     return found if isinstance(found, dict) and found.get("url") else None
+
+
+def serve_job(name: str) -> RunDir:
+    """The run directory of serve job `name` (its directory, a job id or a run name)."""
+    path = Path(name).expanduser()
+    return RunDir(path) if (path / "job.json").exists() else resolve(name).run

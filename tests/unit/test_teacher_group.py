@@ -246,6 +246,12 @@ def test_a_serve_job_teacher_must_serve_and_its_key_be_here(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"answers only with its key: set \$TEACHER_API_KEY"):
         validate(opd(tmp_path, f"orchestrator.teacher.serve={job.root}"))
     monkeypatch.setenv("TEACHER_API_KEY", "k-serve")
+    # named relative to where it is submitted, recorded by its directory: every attempt asks the same job
+    from prime_hpc.launcher.launch import prepare
+
+    monkeypatch.chdir(tmp_path)
+    run, _ = prepare(opd(tmp_path, "orchestrator.teacher.serve=serve"), dry_run=True)
+    assert f"serve: {job.root}" in run.component_config("orchestrator").read_text()
     cfg = validate(opd(tmp_path, f"orchestrator.teacher.serve={job.root}"))
     assert make_plan(cfg, cores=[0, 1]).group_names == ["orchestrator", "inference", "trainer"]  # nothing started
     at = locate(cfg.orchestrator.teacher, RunDir(cfg.output_dir), 1, 1.0)
