@@ -16,7 +16,8 @@ import pytest
 
 from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import cli
-from tests.integration.test_slurm_lifecycle import _release_held, _rows, _wait
+from tests.integration.test_slurm_lifecycle import _rows, _wait
+from tests.runs import release_held
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -49,7 +50,7 @@ def test_reverse_text_sft_outlives_its_time_limit_and_reaches_80_of_100_exact_re
         _wait(
             lambda: (
                 raise_limit_once_requeued()
-                or _release_held(job_id)
+                or release_held(job_id)
                 or jobs.read_job(run).get("state") in jobs.FINAL_STATES
             ),
             1500,
