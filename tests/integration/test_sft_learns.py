@@ -108,33 +108,3 @@ def test_reverse_text_sft_outlives_its_time_limit_and_reaches_80_of_100_exact_re
     assert len(exact) / len(samples) == pytest.approx(result["eval/reverse_text/pass@1"])
     assert all(s["prompt"][::-1] in s["completion"] for s in exact), exact[:3]
     assert all(s["error"] is None and 0.0 <= s["reward"] <= 1.0 for s in samples)
-
-    # `prime-hpc synthesize` from the trained model, a job of the dev cluster: the rollouts
-    # that reach min_reward, in the messages layout the SFT trainer reads as it is
-    synth = tmp_path / "synth"
-    s = cli(
-        "synthesize",
-        f"model={run.weights_step(final)}",
-        "env=reverse-text",
-        "rollouts=2",
-        "examples=20",
-        "min_reward=1.0",
-        "cluster=dev",
-        "orchestrator.sampling.max_tokens=32",
-        "seq_len=80",
-        f"out={synth}",
-        timeout=900,
-    )
-    assert s.returncode == 0, s.stdout + s.stderr
-    assert "submitted synthesize job" in s.stdout and "synthesize: 20/20 examples" in s.stdout, s.stdout[-3000:]
-    summary = json.loads((synth / "summary.json").read_text())
-    rows = [json.loads(line) for line in (synth / "data.jsonl").read_text().splitlines()]
-    assert (summary["examples"], summary["rollouts"]) == (20, 40) and summary["kept"] == len(rows) >= 30, summary
-    for row in rows:
-        system, user, assistant = row["messages"]
-        assert (system["role"], user["role"], assistant["role"]) == ("system", "user", "assistant")
-        assert row["reward"] == 1.0 and assistant["content"].strip() == user["content"][::-1], row
-    assert jobs.read_job(RunDir(synth / "job"))["kind"] == "synthesize"
-    from prime_hpc.trainer.sft_data import layout, load_dataset
-
-    assert layout(load_dataset(str(synth / "data.jsonl")), "synthesized") == "messages"

@@ -3,7 +3,9 @@
 RL run, which SLURM starts only once the warm-up completed (afterok). The warm-up stops
 early on its validation loss; RL starts from its final weights and raises the reward,
 off-policy by at most the recipe's async_level steps. Every address the run publishes,
-and every socket of its servers, is on loopback."""
+and every socket of its servers, is on loopback. Then the RL-trained model teaches a fresh
+one: `prime-hpc synthesize` keeps its exact reversals, a fresh tiny model is trained on them
+(SFT), and `prime-hpc eval` scores it above the untrained model."""
 
 from __future__ import annotations
 
@@ -133,3 +135,60 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     # are replaced by files on one host)
     assert sockets["listening"] and not sockets["exposed"], sockets
     assert not sockets["remote_peers"], sockets
+
+    # the RL-trained model teaches a fresh one: `prime-hpc synthesize` (a job of the dev
+    # cluster) keeps its rollouts of reward >= 0.7 (this short RL run's model reverses ~5% of
+    # strings exactly, most nearly: mean reward ~0.6), in the messages layout the SFT trainer
+    # reads as it is; a fresh tiny model trained on them alone, evaluated (a job too, the base
+    # model first, greedy), reverses strings far better than the untrained one
+    synth = tmp_path / "synth"
+    s = cli(
+        "synthesize",
+        f"model={rl.weights_step(RL_STEPS)}",
+        "env=reverse-text",
+        "rollouts=2",
+        "examples=1000",
+        "min_reward=0.7",
+        "cluster=dev",
+        "orchestrator.sampling.max_tokens=32",
+        "seq_len=80",
+        f"out={synth}",
+        timeout=900,
+    )
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "submitted synthesize job" in s.stdout and "of 2000 rollouts kept" in s.stdout, s.stdout[-3000:]
+    summary = json.loads((synth / "summary.json").read_text())
+    data = [json.loads(line) for line in (synth / "data.jsonl").read_text().splitlines()]
+    assert (summary["examples"], summary["rollouts"]) == (1000, 2000) and summary["kept"] == len(data) >= 300, summary
+    for row in data:
+        system, user, assistant = row["messages"]
+        assert (system["role"], user["role"], assistant["role"]) == ("system", "user", "assistant")
+        assert row["reward"] >= 0.7 and row["metrics"]["lcs_reward"] == pytest.approx(row["reward"]), row
+    assert jobs.read_job(RunDir(synth / "job"))["kind"] == "synthesize"
+    student = tmp_path / "student"
+    r = cli(
+        "submit",
+        "+experiment=reverse_text_sft",
+        "cluster=dev",
+        f"output_dir={student}",
+        f"trainer.data.name={synth / 'data.jsonl'}",
+        "trainer.data.args={}",
+        "max_steps=400",
+        "ckpt.interval=400",
+        "-f",
+        timeout=900,
+    )
+    assert r.returncode == 0 and jobs.read_job(RunDir(student))["state"] == "COMPLETED", r.stdout[-3000:] + r.stderr
+    e = cli(
+        "eval",
+        str(student),
+        "orchestrator.sampling.temperature=0",
+        "orchestrator.eval.rollouts_per_example=1",
+        timeout=900,
+    )
+    assert e.returncode == 0, e.stdout + e.stderr
+    untrained = json.loads(RunDir(student).eval_result(0).read_text())
+    taught = json.loads(RunDir(student).eval_result(400).read_text())
+    print(f"untrained {untrained}\ntaught by the RL model's samples {taught}")
+    assert untrained["eval/reverse_text/pass@1"] <= 0.05, untrained
+    assert taught["eval/reverse_text/avg@1"] >= untrained["eval/reverse_text/avg@1"] + 0.2, (untrained, taught)
