@@ -128,3 +128,18 @@ def release_held(job_id: str) -> bool:
                 ["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], capture_output=True, timeout=60
             )
     return False
+
+
+def wait_until(pred, timeout_s: float, what: str, run: RunDir, poll_s: float = 0.5):
+    """`pred()`'s first true value within `timeout_s`; fails naming `what` when the job ends
+    first (completed, failed, cancelled: a requeue is no end) or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        job = jobs.read_job(run)
+        if job.get("state") in ("FAILED", "CANCELLED", "COMPLETED"):
+            raise AssertionError(f"the job ended ({job.get('state')}, {job.get('failure')}) before {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}; job.json: {jobs.read_job(run)}")

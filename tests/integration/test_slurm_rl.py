@@ -39,24 +39,20 @@ from prime_hpc.rundir.fleet import fleet, read_membership
 from tests import procs
 from tests.conftest import cli
 from tests.netcheck import unkeyed_answers
-from tests.runs import engine_pid, fleet_row, run_processes, slurm_node, still_alive, wait_fleet, wait_for_step
+from tests.runs import (
+    engine_pid,
+    fleet_row,
+    run_processes,
+    slurm_node,
+    still_alive,
+    wait_fleet,
+    wait_for_step,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 KEY = "slurm-test-key-5e2a"
-
-
-def _wait(pred, timeout_s, what, run: RunDir):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        job = jobs.read_job(run)
-        if job.get("ended_at"):
-            raise AssertionError(f"the job ended ({job.get('state')}, {job.get('failure')}) before {what}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _server_processes(logs, pid: int) -> dict[int, int]:
@@ -75,7 +71,7 @@ def _members(run: RunDir) -> dict:
 
 def _rejoined(run: RunDir, slot: str, old_url: str, timeout_s: float = 300) -> dict:
     """The relay's record of `slot` once a new server serves there (not `old_url`)."""
-    return _wait(
+    return wait_until(
         lambda: (m := _members(run).get(slot, {})).get("state") == "serving" and m.get("url") != old_url and m,
         timeout_s,
         f"{slot} serving again",
@@ -85,7 +81,7 @@ def _rejoined(run: RunDir, slot: str, old_url: str, timeout_s: float = 300) -> d
 
 def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
     """At the relay's next update the rejoined server serves the run's policy, like the others."""
-    after = _wait(
+    after = wait_until(
         lambda: (m := _members(run).get(slot, {})).get("policy_step", -1) > member["policy_step"] and m,
         120,
         f"an update reaching {slot}",
@@ -103,7 +99,7 @@ def _synced_at_next_update(run: RunDir, slot: str, member: dict) -> None:
 
 def _restarted(run: RunDir, slot: str, old_url: str, timeout_s: float = 300) -> dict:
     """`slot`'s endpoint once a new server published it (its vLLM is up)."""
-    return _wait(
+    return wait_until(
         lambda: (e := run.server_endpoints().get(slot, {})).get("url") not in (None, old_url) and e,
         timeout_s,
         f"a new server in {slot}",
@@ -180,7 +176,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     try:
         ep = run.endpoints_dir
         names = ("inference_0.json", "inference_1.json", "router.json")
-        _wait(lambda: all((ep / n).exists() for n in names), 600, "the endpoints", run)
+        wait_until(lambda: all((ep / n).exists() for n in names), 600, "the endpoints", run)
         servers = [json.loads((ep / n).read_text()) for n in names[:2]]
         router = json.loads((ep / "router.json").read_text())
         assert [(s["slot"], s["node"], s["job_id"]) for s in servers] == [
@@ -210,7 +206,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         assert slurm_node(router["supervisor_pid"]) not in nodes  # the router lives on the head node
 
         os.kill(router["pid"], signal.SIGKILL)  # the router dies: it is started again, on the same address
-        again = _wait(
+        again = wait_until(
             lambda: (r := json.loads((ep / "router.json").read_text())).get("restarts") == 1 and r,
             120,
             "the router's restart",
@@ -239,7 +235,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
 
         # 2. server 0's engine hangs: taken out, killed and restarted; its requests go to server 1
         wait_fleet(run, "inference_0", lambda r: r["state"] == "serving", "server 0 serving")
-        _wait(lambda: json.loads(run.server_heartbeat(0).read_text()).get("in_flight"), 120, "requests on 0", run)
+        wait_until(lambda: json.loads(run.server_heartbeat(0).read_text()).get("in_flight"), 120, "requests on 0", run)
         stopped = engine_pid(servers[0]["pid"])
         gone.update(_server_processes(logs, servers[0]["pid"]))
         t_stop = time.time()

@@ -13,35 +13,21 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import httpx
 import pytest
 
 from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
-from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.rundir import jobs
 from prime_hpc.rundir.fleet import read_membership
 from tests.conftest import cli
 from tests.netcheck import unkeyed_answers
-from tests.runs import fleet_row, release_held, slurm_node, wait_fleet, wait_for_step
+from tests.runs import fleet_row, release_held, slurm_node, wait_fleet, wait_for_step, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 KEY = "slurm-teacher-key-81c4"
-
-
-def _wait(pred, timeout_s: float, what: str, run: RunDir, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        job = jobs.read_job(run)
-        if job.get("state") in ("FAILED", "CANCELLED", "COMPLETED"):
-            raise AssertionError(f"the job ended ({job.get('state')}, {job.get('failure')}) before {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out waiting for {what}; job.json: {jobs.read_job(run)}")
 
 
 def _components(job_id: str) -> list[str]:
@@ -73,8 +59,8 @@ def test_a_teacher_the_run_starts_is_supervised_healed_and_requeued_with_the_job
     teacher = run.of_group("teacher")
     try:
         assert jobs.read_job(run)["groups"] == ["orchestrator", "inference", "trainer", "teacher"]
-        first = _wait(lambda: teacher.server_endpoints().get("teacher_0"), 600, "the teacher's server", run)
-        _wait(lambda: teacher.router_endpoint.exists() and run.router_endpoint.exists(), 300, "both routers", run)
+        first = wait_until(lambda: teacher.server_endpoints().get("teacher_0"), 600, "the teacher's server", run)
+        wait_until(lambda: teacher.router_endpoint.exists() and run.router_endpoint.exists(), 300, "both routers", run)
         router = json.loads(teacher.router_endpoint.read_text())
         assert (
             router["workers"] == [first["url"]] and router["url"] != json.loads(run.router_endpoint.read_text())["url"]
@@ -121,7 +107,9 @@ def test_a_teacher_the_run_starts_is_supervised_healed_and_requeued_with_the_job
         # the job is requeued: the next attempt starts the teacher again and continues
         before = len(jobs.read_job(run)["attempts"])
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-        _wait(lambda: release_held(job_id) or len(jobs.read_job(run)["attempts"]) > before, 600, "attempt 2", run, 2)
+        wait_until(
+            lambda: release_held(job_id) or len(jobs.read_job(run)["attempts"]) > before, 600, "attempt 2", run, 2
+        )
         assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
