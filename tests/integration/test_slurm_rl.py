@@ -16,7 +16,7 @@ nothing of a killed server is left behind.
 
 The run sends its weights by broadcast (`weights.transport=broadcast`; the filesystem path
 is covered by the other runs on the dev cluster): the trainer sends each policy straight to
-both servers and `weights/step_n` holds the full weights only at checkpoints (every 10
+both servers and `weights/step_n` holds the full weights only at checkpoints (every 25
 steps) and at the end, loadable there; every restarted server gets the current policy from
 the trainer before it is routed; the mismatch KL of on-policy steps is as small as with the
 filesystem."""
@@ -154,7 +154,7 @@ def _pause_trainer(run: RunDir, logs) -> list[int]:
 def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site default that would keep the key out of the job
-    steps = 40
+    steps, every = 100, 25  # a step takes ~0.4 s on 2 cores: enough steps to outlast two restarts
     cfg = compose(
         [
             "+experiment=reverse_text",
@@ -167,7 +167,7 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
             "inference.stall_timeout_s=20",
             "watchdog.stall_timeout_s=300",
             "weights.transport=broadcast",
-            "ckpt.interval=10",
+            f"ckpt.interval={every}",
         ]
     )
     sub = launch.submit(cfg, [])
@@ -264,9 +264,10 @@ def test_rl_job_with_two_inference_nodes_heals_its_fleet(tmp_path, monkeypatch):
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
     assert is_stable(run.weights_step(steps))  # the final policy, loadable by vLLM and transformers
     # broadcast: weights/ at the checkpoints and the last step only; a marker in sent/ for the later other steps
-    assert sorted(p.name for p in run.weights_dir.iterdir()) == [f"step_{s}" for s in (10, 20, 30, 40)]
+    saved = list(range(every, steps + 1, every))
+    assert sorted((p.name for p in run.weights_dir.iterdir()), key=lambda n: int(n[5:])) == [f"step_{s}" for s in saved]
     markers = run.sent_steps()
-    assert markers and max(markers) == steps - 1 and not set(markers) & {10, 20, 30, 40}, markers
+    assert markers and max(markers) == steps - 1 and not set(markers) & set(saved), markers
     assert json.loads(run.sent_step(steps - 1).read_text())["step"] == steps - 1
     from transformers import AutoModelForCausalLM
 
