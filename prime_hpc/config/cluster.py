@@ -22,3 +22,9 @@ def trainer_ranks(cfg: DictConfig) -> int:
 def cache_root(cfg: DictConfig) -> str:
     """The shared cache of a run (`cluster.cache_dir`, default next to the run)."""
     return str(Path(cfg.cluster.cache_dir or Path(cfg.output_dir).parent / ".prime-hpc-cache").expanduser().absolute())
+
+
+def own_teacher(cfg: DictConfig) -> bool:
+    """The run starts its teacher's servers itself (`orchestrator.teacher.model`): its job
+    has a `teacher` group, `cluster.teacher.*` its resources."""
+    return bool(cfg.orchestrator.teacher.get("model"))

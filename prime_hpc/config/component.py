@@ -24,6 +24,7 @@ from prime_hpc.config.cluster import trainer_ranks
 from prime_hpc.config.dump import to_yaml
 from prime_hpc.config.schema import (
     MISSING,
+    TEACHER_ENGINE,
     BenchConfig,
     CkptConfig,
     EvalJobConfig,
@@ -178,7 +179,7 @@ def teacher_view(cfg: DictConfig) -> DictConfig:
     view.trainer.model.lora.enabled = False
     view.weights.transport = "filesystem"
     t = cfg.orchestrator.teacher
-    for key in ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "dtype", "extra_args"):
+    for key in TEACHER_ENGINE:
         if t.get(key) is not None:
             view.inference[key] = view.orchestrator.teacher[key]
     if cfg.orchestrator.training_mode == "opd":

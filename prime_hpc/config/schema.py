@@ -272,6 +272,10 @@ class ClientConfig:
     model: Optional[str] = None
 
 
+# orchestrator.teacher.<key>: the engine of the run's own teacher, each replacing inference.<key>
+TEACHER_ENGINE = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "dtype", "extra_args")
+
+
 @dataclass
 class TeacherConfig:
     """The teacher of `training_mode` opd and sft, one of three: a server anyone runs

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from prime_hpc.config import walk
+from prime_hpc.config.cluster import own_teacher
+from prime_hpc.config.schema import TEACHER_ENGINE
 from prime_hpc.core.errors import ConfigError, UserError
 from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.core.paths import is_local_path
@@ -23,7 +25,7 @@ from prime_hpc.rundir import COMPONENTS
 def cluster_groups(cfg: DictConfig) -> tuple[str, ...]:
     """The groups whose `cluster.<group>` resources the run uses: the three components and,
     with a teacher the run starts itself (`orchestrator.teacher.model`), the teacher's."""
-    return (*COMPONENTS, "teacher") if cfg.orchestrator.teacher.get("model") else COMPONENTS
+    return (*COMPONENTS, "teacher") if own_teacher(cfg) else COMPONENTS
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -382,9 +384,8 @@ def check_training_mode(cfg: DictConfig) -> None:
             "orchestrator.teacher.client.model",
             f"the run's own teacher serves {t.model} under that name; unset client.model",
         )
-    engine = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "dtype", "extra_args")
-    if given != ["model"] and any(t.get(k) is not None for k in engine):
-        key = next(k for k in engine if t.get(k) is not None)
+    if given != ["model"] and any(t.get(k) is not None for k in TEACHER_ENGINE):
+        key = next(k for k in TEACHER_ENGINE if t.get(k) is not None)
         raise ConfigError(
             f"orchestrator.teacher.{key}",
             "sets the engine of a teacher the run starts itself (orchestrator.teacher.model); unset it",

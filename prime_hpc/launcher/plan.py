@@ -17,11 +17,12 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
-from prime_hpc.config.cluster import cache_root, trainer_nproc_per_node
+from prime_hpc.config.cluster import cache_root, own_teacher, trainer_nproc_per_node
 from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
 from prime_hpc.core.net import address_env, is_loopback
 from prime_hpc.rundir import COMPONENTS, GROUPS, RunDir
+from prime_hpc.rundir.layout import SERVER_GROUPS
 from prime_hpc.sched.registry import choose
 
 MODES = ("run", "doctor")
@@ -154,11 +155,6 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
     if bench == "inference":
         return ["orchestrator", "inference"]
     return [*COMPONENTS, *(["teacher"] if mode == "run" and bench is None and own_teacher(cfg) else [])]
-
-
-def own_teacher(cfg: DictConfig) -> bool:
-    """The run starts its teacher's servers itself (`orchestrator.teacher.model`)."""
-    return bool(cfg.orchestrator.teacher.get("model"))
 
 
 def is_eval_job(cfg: DictConfig) -> bool:
@@ -349,7 +345,7 @@ def group_plans(
             cpus_per_task=int(c[name].cpus_per_task),
             mem_gb=c[name].mem_gb,
             argv=argv[name],
-            service=(mode == "run" and name in ("inference", "teacher")),
+            service=(mode == "run" and name in SERVER_GROUPS),
             cpu_ids=cpus[name],
             env=group_env(name, cpus[name], int(c[name].cpus_per_task), nproc, c.device, gpus[name]),
         )

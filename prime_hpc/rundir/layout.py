@@ -45,9 +45,14 @@ class Slot:
 
 def server_slot(node: int, job_id: Optional[str] = None, group: str = SERVER_GROUP) -> str:
     """The slot of the server of `group` on `node` (of another job of the run: `job_id`)."""
+    _server_group(group)
+    return f"{group}_{job_id}.{int(node)}" if job_id else f"{group}_{int(node)}"
+
+
+def _server_group(group: str) -> str:
     if group not in SERVER_GROUPS:
         raise ValueError(f"{group!r} is not a group of servers ({', '.join(SERVER_GROUPS)})")
-    return f"{group}_{job_id}.{int(node)}" if job_id else f"{group}_{int(node)}"
+    return group
 
 
 def parse_slot(name: str) -> Optional[Slot]:
@@ -102,10 +107,8 @@ class RunDir:
     group: str = SERVER_GROUP
 
     def __init__(self, root: os.PathLike | str, group: str = SERVER_GROUP) -> None:
-        if group not in SERVER_GROUPS:
-            raise ValueError(f"{group!r} is not a group of servers ({', '.join(SERVER_GROUPS)})")
         object.__setattr__(self, "root", Path(root).expanduser().absolute())
-        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "group", _server_group(group))
 
     def of_group(self, group: str) -> "RunDir":
         """The same run, its fleet paths about the servers of `group`."""
