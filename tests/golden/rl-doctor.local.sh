@@ -128,11 +128,11 @@ export PRIME_HPC_LOGS="$LOGS"
 
 # inference: one server per (simulated) node, in slot inference_<n>; a server that dies (or
 # hangs) is restarted in its slot, and the run goes on while any is left
-start_server() {  # start_server <n>: the server of node n
+start_inference() {  # start_inference <n>: the server of node n
   PRIME_HPC_NODE_RANK=$1 /opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.job.preflight node --group inference --output-dir /shared/runs/reverse_text >>"$LOGS/inference/node_$1.log" 2>&1 &
   PIDS[inference_$1]=$!; SERVICE[inference_$1]=0; unset "DONE[inference_$1]"
 }
-for n in $(seq 0 1); do start_server "$n"; done
+for n in $(seq 0 1); do start_inference "$n"; done
 # the router in front of every server
 /opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=1 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m prime_hpc.job.preflight node --group router --output-dir /shared/runs/reverse_text >"$LOGS/inference/router_0.log" 2>&1 &
 PIDS[router]=$!; SERVICE[router]=0
@@ -174,7 +174,8 @@ while true; do
       { [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; } && [ "$c" != watchdog ] && stop_if_slurm_stops
       if [ -n "${REPLICA[$c]:-}" ]; then  # a server of the fleet: restarted in its slot while it may be
         reap "${PIDS[$c]}"
-        if attempt lost --component "$c" --rc "$rc"; then start_server "${c#inference_}"; continue; fi
+        # restarted in its slot <group>_<node> by its group's start_<group> <node>
+        if attempt lost --component "$c" --rc "$rc"; then "start_${REPLICA[$c]}" "${c#*_}"; continue; fi
         if [ "$(replicas_left "${REPLICA[$c]}")" -gt 0 ]; then
           echo "prime-hpc: $c exited with code $rc; $(replicas_left "${REPLICA[$c]}") ${REPLICA[$c]} server(s) left, the run goes on" >&2
           continue

@@ -159,7 +159,8 @@ while true; do
       { [ "$rc" -ne 0 ] || [ "${SERVICE[$c]}" = 1 ]; } && [ "$c" != watchdog ] && stop_if_slurm_stops
       if [ -n "${REPLICA[$c]:-}" ]; then  # a server of the fleet: restarted in its slot while it may be
         reap "${PIDS[$c]}"
-        if attempt lost --component "$c" --rc "$rc"; then start_server "${c#inference_}"; continue; fi
+        # restarted in its slot <group>_<node> by its group's start_<group> <node>
+        if attempt lost --component "$c" --rc "$rc"; then "start_${REPLICA[$c]}" "${c#*_}"; continue; fi
         if [ "$(replicas_left "${REPLICA[$c]}")" -gt 0 ]; then
           echo "prime-hpc: $c exited with code $rc; $(replicas_left "${REPLICA[$c]}") ${REPLICA[$c]} server(s) left, the run goes on" >&2
           continue

@@ -39,7 +39,7 @@ def test_the_runs_job_holds_the_head_and_the_trainer_placed_as_beside_the_server
         assert own.group(name).env == het.group(name).env, name
     assert own.watchdog_argv == het.watchdog_argv and "--server-stall-timeout-s" in own.watchdog_argv
     text = render_sbatch(own)
-    assert "start_server() {" not in text and '--job-name="inference_' not in text
+    assert "start_inference() {" not in text and '--job-name="inference_' not in text
     assert "inference servers run in a job of their own (2 node(s), cluster.inference_job=own)" in text
     router = [line for line in text.splitlines() if "prime_hpc.inference.router" in line]
     assert len(router) == 1 and "--het-group=0 " in text and "--het-group=2" not in text

@@ -144,7 +144,7 @@ def test_the_teacher_is_a_fourth_group_with_its_servers_and_router_supervised(tm
     )
     # a lost server is restarted in its own group's slot
     assert (
-        'if [ "${REPLICA[$c]}" = teacher ]; then start_teacher "${c#teacher_}"; else start_server "${c#inference_}"; fi'
+        'then "start_${REPLICA[$c]}" "${c#*_}"; continue; fi'
         in script
     )
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
