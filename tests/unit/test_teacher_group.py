@@ -143,10 +143,7 @@ def test_the_teacher_is_a_fourth_group_with_its_servers_and_router_supervised(tm
         and "PIDS[teacher_router]=$!; SERVICE[teacher_router]=1" in script
     )
     # a lost server is restarted in its own group's slot
-    assert (
-        'then "start_${REPLICA[$c]}" "${c#*_}"; continue; fi'
-        in script
-    )
+    assert 'then "start_${REPLICA[$c]}" "${c#*_}"; continue; fi' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     local = render_local(make_plan(opd(tmp_path, "orchestrator.teacher.model=tiny-35m"), cores=[0, 1]), "local-1")
     assert 'for n in $(seq 0 0); do start_teacher "$n"; done' in local and "PIDS[teacher_router]" in local
