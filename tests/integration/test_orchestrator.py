@@ -105,7 +105,13 @@ def test_a_groups_identical_requests_reach_the_server_as_one(keyed):
 
     client = make_client(keyed.endpoints.openai_base_url, keyed.key)
     prompt = [UserMessage(content="abcdef")]
-    args = {"temperature": 1.0, "max_tokens": 8, "logprobs": True, "extra_body": {"return_token_ids": True}}
+    # at least 2 tokens each: a random tiny model may otherwise stop at once, an empty answer
+    args = {
+        "temperature": 1.0,
+        "max_tokens": 8,
+        "logprobs": True,
+        "extra_body": {"return_token_ids": True, "min_tokens": 2},
+    }
 
     async def group():
         return await asyncio.gather(*(client.get_response(prompt, "tiny", args, state={"i": i}) for i in range(8)))
