@@ -41,6 +41,8 @@ from prime_hpc.core import umask
 
 # Bump when the builder's output changes for the same parameters (invalidates caches).
 BUILDER_VERSION = 1
+# Bump when the init of a vocabulary wider than the tokenizer's changes (those models only).
+UNUSED_IDS_INIT = 1
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -171,6 +173,8 @@ def params_hash(seed: int = 0, **overrides: Any) -> str:
     params = _params(overrides)
     if not params["vocab_size"]:  # the tokenizer's: the key the tiny model has always had
         del params["vocab_size"]
+    else:  # a wider vocabulary than the tokenizer's: its unused ids silenced (see _silence_unused_ids)
+        params["unused_ids"] = UNUSED_IDS_INIT
     blob = json.dumps({"builder_version": BUILDER_VERSION, "seed": seed, **params}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -258,6 +262,8 @@ def build_tiny_model(
         finally:
             torch.set_default_dtype(previous)
     model = model.to(getattr(torch, dtype)).eval()
+    if config.vocab_size > len(tokenizer):
+        _silence_unused_ids(model, len(tokenizer))
     model.generation_config = GenerationConfig(
         bos_token_id=None,
         eos_token_id=[vocab[IM_END], vocab[PAD_TOKEN]],
@@ -270,6 +276,27 @@ def build_tiny_model(
     (out / "prime_hpc_tiny.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     _make_readable(out)
     return out
+
+
+def _silence_unused_ids(model: Any, real: int) -> None:
+    """Make a random model with more output ids than its tokenizer sample the real ones.
+
+    A rung with a real model's vocabulary (tiny-0.6b: 151,936 ids, for its size in memory
+    and on the wire) has only the char-level tokenizer's few ids to say anything with; at
+    random init its next-token mass spreads over every id, and the unused ones decode to
+    nothing (every answer empty). Their output rows are zeroed (logit 0) and the real ids'
+    rows drawn with a logit standard deviation of 8 (the hidden state leaves the final
+    RMSNorm with unit RMS): the largest of ~100 such logits is ~16-20, so the unused ids'
+    share of the mass is ~1e-3 (a few percent at a rare position), and sampling stays
+    random among the real ids, if peaked.
+    """
+    import torch
+
+    head = model.get_output_embeddings().weight
+    std = 8.0 / head.shape[1] ** 0.5
+    with torch.no_grad():
+        head[real:].zero_()
+        head[:real].normal_(0.0, std)
 
 
 def _make_readable(path: Path) -> None:

@@ -42,3 +42,28 @@ def test_the_largest_has_the_shape_of_qwen3_0_6b():
 def test_the_default_tiny_model_keeps_its_cache_key():
     """Adding the ladder did not move the tiny model's cache directory (no rebuild)."""
     assert params_hash(0) == params_hash(0, vocab_size=0) != params_hash(0, **SIZES["tiny-35m"])
+
+
+def test_a_vocabulary_wider_than_the_tokenizer_samples_only_real_ids(tmp_path):
+    """A rung with a real model's vocabulary (tiny-0.6b's 151,936 ids) and the char-level
+    tokenizer's ~100: at random init the next token is one the tokenizer has (an unused id
+    decodes to nothing, and every answer would be empty), still drawn at random among them,
+    and the built model has its own cache key."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prime_hpc.model.tiny import build_tiny_model
+
+    small = dict(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    out = build_tiny_model(tmp_path / "wide", seed=0, intermediate_size=128, vocab_size=151936, **small)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    real = len(tokenizer)
+    assert model.config.vocab_size == 151936 > real
+    ids = tokenizer("reverse this text please", return_tensors="pt").input_ids
+    with torch.no_grad():
+        probs = model(ids).logits[0].float().softmax(-1)
+    unused = probs[:, real:].sum(-1)  # the unused ids' share of the mass, at each position
+    assert unused.mean() < 0.01 and unused.max() < 0.2, unused
+    assert len(set(probs[:, :real].argmax(-1).tolist())) > 1  # not one token everywhere
+    assert params_hash(0, vocab_size=151936) != params_hash(0, vocab_size=0)
