@@ -41,6 +41,7 @@ from prime_hpc.core.net import bound_socket, node_address
 JOIN_PATH = "/weights/join"
 RECEIVE_PATH = "/weights/receive"
 LEAVE_PATH = "/weights/leave"
+SEND_AHEAD = 8  # gloo: tensors sent before the oldest one's send is waited for
 TIMEOUT_S = 600.0  # longest a join or one tensor waits for the other side (a server may first drain)
 HTTP_MARGIN_S = 60.0  # a route's answer may come this long after the group's own timeout
 
@@ -121,6 +122,7 @@ class Broadcaster:
         self.group: Any = None
         self.port: Optional[int] = None
         self.dtype: Optional[str] = None  # the server's weights' dtype (its `/policy`), learnt at the join
+        self._in_flight: list[Any] = []  # gloo: (work, tensor) of the sends not yet known to have left
 
     # ------------------------------------------------------------------ control plane
     def _post(self, path: str, body: dict) -> dict:
@@ -208,17 +210,27 @@ class Broadcaster:
         return ProcessGroupGloo(PrefixStore(store_prefix(self.host, port), store), 0, world_size, options)
 
     def _send_tensor(self, tensor: Any) -> int:
-        """Broadcast one tensor from here (rank 0); its bytes."""
+        """Broadcast one tensor from here (rank 0); its bytes. The send goes on in gloo's
+        own thread while the caller prepares the next tensor (at most `SEND_AHEAD` in
+        flight: their memory is held until they have left)."""
         from torch.distributed import BroadcastOptions
 
         options = BroadcastOptions()
         options.rootRank = 0
         t = tensor.detach().cpu().contiguous()
-        self.group.broadcast([t], options).wait()
+        self._in_flight.append((self.group.broadcast([t], options), t))
+        while len(self._in_flight) > SEND_AHEAD:
+            self._in_flight.pop(0)[0].wait()
         return t.numel() * t.element_size()
 
     def _sent(self) -> None:
         """Every tensor handed to `_send_tensor` has left (gloo: once each `wait` returned)."""
+        try:
+            while self._in_flight:
+                self._in_flight[0][0].wait()
+                self._in_flight.pop(0)
+        finally:
+            self._in_flight.clear()
 
     def _drop(self, group: Any) -> None:
         group.shutdown()
@@ -230,6 +242,7 @@ class Broadcaster:
     def _broadcast(self, named: Iterable[tuple[str, Any]], announced: dict[str, list]) -> int:
         """Send each tensor of `named`, checked against what was announced; bytes sent."""
         sent, n, total = 0, 0, len(announced["names"])
+        self._in_flight.clear()  # an earlier exchange that failed midway left these behind
         for n, (name, tensor) in enumerate(named, 1):
             if n > total:
                 raise BroadcastError(f"{self.url}: more tensors than announced ({total}), from {name!r} on")

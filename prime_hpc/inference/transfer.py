@@ -11,7 +11,8 @@ TCP store; a worker's rank is its index among the server's workers plus `rank_of
 The lifecycle, each step a `collective_rpc` from the server's routes:
   init_transfer_engine  join the group (blocks until every rank has joined)
   start_weight_update   the layers go back to the meta device (vLLM's layerwise reload)
-  update_weights        per announced tensor: receive it (`broadcast` from rank 0), load it
+  update_weights        per announced tensor: receive it (`broadcast` from rank 0), load it;
+                        the next one is received while one is loaded
   finish_weight_update  the layers' kernels are rebuilt from what was loaded
   shutdown              leave the group
 """
@@ -93,10 +94,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         model: Any = self.model  # a vLLM model: `load_weights` takes checkpoint-named tensors
+        specs = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
+
+        def receive(i: int) -> tuple[str, Any, Any]:
+            name, dtype_name, shape = specs[i]
+            weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
+            return name, weight, self.group.broadcast(weight, 0)
+
+        # the next tensor arrives (in gloo's thread) while this one is loaded
         with disable_mtp_completeness_check():
-            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-                weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
-                self.group.broadcast(weight, 0).wait()
+            pending = receive(0) if specs else None
+            for i in range(len(specs)):
+                assert pending is not None
+                name, weight, work = pending
+                work.wait()
+                pending = receive(i + 1) if i + 1 < len(specs) else None
                 model.load_weights([(name, weight)])
 
     def shutdown(self) -> None:
