@@ -73,18 +73,45 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 
 
 # ----------------------------------------------------------------------------- stand-in orchestrator
+def load_policy(policy_dir: Path, base_dir: Optional[Path] = None):
+    """The HF model in `policy_dir`; a directory holding only an adapter (`adapter/`, a run
+    of several on one trainer) is the base model in `base_dir` with the adapter merged."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from prime_hpc.trainer.lora import PEFT_PREFIX, merge_lora
+
+    if (policy_dir / "model.safetensors").exists() or base_dir is None:
+        return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    conf = json.loads((policy_dir / "adapter" / "adapter_config.json").read_text())
+    adapter = load_file(str(policy_dir / "adapter" / "adapter_model.safetensors"))
+    sd = {**model.state_dict(), **{k[len(PEFT_PREFIX) :]: v for k, v in adapter.items()}}
+    model.load_state_dict(merge_lora(sd, conf["lora_alpha"] / conf["r"]))
+    return model
+
+
 def sample_rollouts(
-    policy_dir: Path, texts: list[str], group_size: int, max_new_tokens: int, seed: int, policy_step: int
+    policy_dir: Path,
+    texts: list[str],
+    group_size: int,
+    max_new_tokens: int,
+    seed: int,
+    policy_step: int,
+    base_dir: Optional[Path] = None,
 ) -> list[batch.Sample]:
     """Sample `group_size` completions per prompt from the HF model in `policy_dir`,
     record their log-probabilities, score them (reverse-text LCS ratio) and give each the
     group-centred reward as advantage."""
     import torch
     from reverse_text import build_prompt, lcs_ratio
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(policy_dir)
-    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(base_dir or policy_dir)
+    model = load_policy(policy_dir, base_dir)
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for text in texts:
@@ -122,6 +149,9 @@ def sample_rollouts(
     return samples
 
 
+SAMPLING = threading.Lock()  # one stand-in samples at a time (transformers' loading is not thread-safe)
+
+
 class StandInOrchestrator(threading.Thread):
     """Writes `rollouts/step_n` for n = 1..steps, each sampled from the newest policy the
     async level allows (policy n - 1, i.e. fully on-policy when async_level >= 1; the
@@ -138,8 +168,10 @@ class StandInOrchestrator(threading.Thread):
         group_size: int = 2,
         max_new_tokens: int = 10,
         timeout_s: float = 600,
+        start: int = 1,
     ) -> None:
         super().__init__(daemon=True)
+        self.start_step = start
         self.rundir, self.base_dir, self.steps, self.ranks = run, base_dir, steps, ranks
         self.mbs, self.texts, self.group_size, self.max_new_tokens = micro_batch_size, texts, group_size, max_new_tokens
         self.timeout_s = timeout_s
@@ -148,15 +180,22 @@ class StandInOrchestrator(threading.Thread):
 
     def run(self) -> None:  # noqa: D102 (thread body)
         try:
-            for n in range(1, self.steps + 1):
+            for n in range(self.start_step, self.steps + 1):
                 policy = (
                     self.base_dir
                     if n == 1
                     else wait_stable(self.rundir.weights_step(n - 1), timeout_s=self.timeout_s, producer="trainer")
                 )
-                samples = sample_rollouts(
-                    policy, self.texts, self.group_size, self.max_new_tokens, seed=n, policy_step=n - 1
-                )
+                with SAMPLING:
+                    samples = sample_rollouts(
+                        policy,
+                        self.texts,
+                        self.group_size,
+                        self.max_new_tokens,
+                        seed=n,
+                        policy_step=n - 1,
+                        base_dir=self.base_dir,
+                    )
                 batch.write_step(self.rundir, n, batch.shard(samples, self.ranks, self.mbs), info={"temperature": 1.0})
                 self.written.append(n)
         except BaseException as e:  # reported by the test

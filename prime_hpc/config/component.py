@@ -74,6 +74,10 @@ class ServedLoRA:
     enabled: bool = src("trainer.model.lora.enabled")
     """The trainer trains an adapter."""
     rank: int = src("trainer.model.lora.rank")
+    runs: int = field(default=1, metadata={"src": "trainer.max_concurrent_runs"})
+    """Adapters served at once: 1, the run's own; K > 1, a job of several runs, each its
+    own adapter named after the run, with its own policy step (a config written before it:
+    one run)."""
 
 
 @dataclass

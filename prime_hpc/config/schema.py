@@ -210,6 +210,9 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = ruled(1, ge=1)
     """packed sequences per forward pass"""
+    max_concurrent_runs: int = ruled(1, ge=1)
+    """rl with LoRA: one trainer trains up to this many runs of the job at once (runs/<name>/),
+    each its own adapter, optimizer, schedule, steps and checkpoints; 1 = the run alone"""
     rollout_timeout_s: float = ruled(86400.0, gt=0)
     """rl: fail when a step's rollouts have not arrived after this long"""
     data: SFTDataConfig = field(default_factory=SFTDataConfig)

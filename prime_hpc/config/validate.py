@@ -451,6 +451,18 @@ def check_trainer(cfg: DictConfig) -> None:
             raise ConfigError(
                 "trainer.model.lora.target_modules", "name at least one linear layer, e.g. [q_proj, v_proj]"
             )
+    if cfg.trainer.max_concurrent_runs > 1:
+        if cfg.trainer.type != "rl" or not m.lora.enabled:
+            raise ConfigError(
+                "trainer.max_concurrent_runs",
+                "several runs share one trainer through LoRA adapters of one base model: it needs "
+                "trainer.type=rl and trainer.model.lora.enabled=true",
+            )
+        if cfg.weights.transport != "filesystem":
+            raise ConfigError(
+                "trainer.max_concurrent_runs",
+                "each run's adapter reaches the servers from disk: weights.transport=filesystem",
+            )
 
 
 def check_ckpt(cfg: DictConfig) -> None:

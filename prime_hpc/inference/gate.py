@@ -17,6 +17,10 @@ Prefix caching stays right across updates in flight: each generation request is 
 with the policy it is admitted under (vLLM's `cache_salt`, `SALTED_PATHS`), so a request
 never reuses KV blocks another policy computed, while the requests in flight keep theirs.
 
+A server of a job that trains several runs (`trainer.max_concurrent_runs`) serves each run's
+policy as a LoRA adapter named after the run, and keeps each one's step apart
+(`PolicyGate.adapters`): a request is admitted, salted and stamped under the step of the
+model it names (`step_for`); one naming the base model, under `step`.
 The server stamps on each response the policy it started under and the one it ended under:
 `policy_step` (the oldest, what the off-policy bound counts) and `policy_step_end` in the
 JSON body, and the `x-policy-step` header (the start: streams get only the header).
@@ -59,6 +63,7 @@ class PolicyGate:
     def __init__(self, step: int = 0, weight_dir: Optional[str] = None) -> None:
         self.step = step
         self.weight_dir = weight_dir
+        self.adapters: dict[str, int] = {}  # several runs' adapters: served name -> its policy step
         self.active = 0  # generation requests holding the gate
         self.served = 0  # generation requests completed
         # the last time the server was idle or finished a generation: with requests in flight
@@ -69,6 +74,11 @@ class PolicyGate:
         self._updating = False  # an in-flight update is under way
         self._cond: Optional[asyncio.Condition] = None
         self._update_lock: Optional[asyncio.Lock] = None
+
+    def step_for(self, model: Any) -> int:
+        """The policy step of the served `model` (an adapter of a run of several, or the
+        base model / the run's policy)."""
+        return self.adapters.get(model, self.step) if isinstance(model, str) else self.step
 
     @property
     def cond(self) -> asyncio.Condition:
@@ -210,10 +220,12 @@ class GateMiddleware:
             return None  # websocket: close without accepting
         if scope["type"] == "http" and scope.get("method") == "POST" and path in GENERATION_PATHS:
             async with self.gate.shared():
-                stamper = _Stamper(send, self.gate)
-                if path in SALTED_PATHS:
-                    scope, receive = await salted(scope, receive, stamper.step)
-                return await self.app(scope, receive, stamper)
+                got, obj = await read_body(receive)
+                stamper = _Stamper(send, self.gate, obj.get("model") if obj is not None else None)
+                if path in SALTED_PATHS and obj is not None:
+                    obj["cache_salt"] = policy_salt(stamper.step, obj.get("cache_salt"))
+                    scope, got = with_body(scope, json.dumps(obj).encode())
+                return await self.app(scope, _replay(got, receive), stamper)
         return await self.app(scope, receive, send)
 
 
@@ -226,14 +238,15 @@ def policy_salt(step: int, salt: Any = None) -> str:
     return mine
 
 
-async def salted(scope: Scope, receive: Receive, step: int) -> tuple[Scope, Receive]:
-    """The request with `cache_salt` set for policy `step` when its body is a JSON object
-    (any other body goes on as it came)."""
+async def read_body(receive: Receive) -> tuple[list[Message], Optional[dict]]:
+    """The request's body read whole: (the messages read, to give to the app again; the
+    body as a JSON object, or None when it is something else or the client left before
+    sending it all)."""
     chunks = []
     while True:
         message = await receive()
         if message["type"] != "http.request":  # the client left before sending it all
-            return scope, _replay([message], receive)
+            return [message], None
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break
@@ -242,12 +255,14 @@ async def salted(scope: Scope, receive: Receive, step: int) -> tuple[Scope, Rece
         obj = json.loads(body)
     except ValueError:
         obj = None
-    if isinstance(obj, dict):
-        obj["cache_salt"] = policy_salt(step, obj.get("cache_salt"))
-        body = json.dumps(obj).encode()
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-        scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
-    return scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+    return [{"type": "http.request", "body": body, "more_body": False}], obj if isinstance(obj, dict) else None
+
+
+def with_body(scope: Scope, body: bytes) -> tuple[Scope, list[Message]]:
+    """The request with `body` instead of the one it came with (its length header too)."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+    scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+    return scope, [{"type": "http.request", "body": body, "more_body": False}]
 
 
 def _replay(first: list[Message], receive: Receive) -> Receive:
@@ -265,10 +280,11 @@ class _Stamper:
     that one and the one it ended under as JSON body fields when the body is a JSON object
     (buffered; streams pass through untouched)."""
 
-    def __init__(self, send: Send, gate: PolicyGate) -> None:
+    def __init__(self, send: Send, gate: PolicyGate, model: Any = None) -> None:
         self.send = send
         self.gate = gate
-        self.step = gate.step
+        self.model = model
+        self.step = gate.step_for(model)
         self.start: Optional[Message] = None
         self.chunks: list[bytes] = []
 
@@ -291,7 +307,7 @@ class _Stamper:
                 obj = json.loads(body)
                 if isinstance(obj, dict):
                     obj[POLICY_FIELD] = self.step
-                    obj[POLICY_END_FIELD] = max(self.step, self.gate.step)
+                    obj[POLICY_END_FIELD] = max(self.step, self.gate.step_for(self.model))
                     body = json.dumps(obj).encode()
             except ValueError:
                 pass

@@ -8,8 +8,10 @@ module adds what is missing for RL:
   POST /update_weights     {"weight_dir": ".../weights/step_N", "step": N?}
                            load the full HF safetensors weights the trainer wrote, in place
   POST /reload_weights     back to the base model (policy step 0)
-  POST /load_lora_adapter  {"lora_name", "lora_path", "step"?}: load/replace an adapter
-  GET  /policy             {"policy_step", "weight_dir", "in_flight", "workers", "dtype", ...}
+  POST /load_lora_adapter  {"lora_name", "lora_path", "step"?}: load/replace an adapter (in a
+                           job of several runs, `inference.lora.runs` > 1: run <lora_name>'s
+                           policy, its step kept apart in "adapters")
+  GET  /policy             {"policy_step", "weight_dir", "adapters", "in_flight", "workers", ...}
 
 With `weights.transport=broadcast` vLLM is started with a weight-transfer backend (gloo on
 CPU, NCCL on GPUs) and the trainer sends each policy over a process group of its own, one
@@ -146,6 +148,8 @@ def vllm_args(cfg: InferenceRunConfig, model_path: str, host: str) -> list[str]:
         argv.append("--trust-remote-code")
     if cfg.lora.enabled:
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank)]
+        if cfg.lora.runs > 1:  # one adapter per run of the job, all in one batch
+            argv += ["--max-loras", str(cfg.lora.runs), "--max-cpu-loras", str(cfg.lora.runs)]
     if cfg.weights.transport == "broadcast":
         backend = devices.weight_transfer_backend(cfg.device)
         argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
@@ -218,6 +222,7 @@ class Server:
             "model": self.cfg.model.name,
             "policy_step": self.gate.step,
             "weight_dir": self.gate.weight_dir,
+            "adapters": dict(self.gate.adapters),  # several runs: each run's policy step
             "updated_at": time.time(),
             "process_started_at": PROCESS_STARTED_AT,  # start-up = healthy_at - process_started_at
             "healthy_at": self.healthy_at,
@@ -328,10 +333,11 @@ class Server:
         return False
 
     # ------------------------------------------------------------------ weight updates
-    async def _swap(self, load, step: int, weight_dir: Optional[str]) -> Any:
+    async def _swap(self, load, step: int, weight_dir: Optional[str], adapter: Optional[str] = None) -> Any:
         """Apply `load` (new weights) as `inference.weight_update` says; the answer gives
         the wait before it (`drain_s`: for the requests in flight to finish, or for the
-        engine to pause) and the load itself (`load_s`)."""
+        engine to pause) and the load itself (`load_s`). `adapter`: the policy of one run
+        of several (its adapter's name) moves to `step`, not the server's own."""
         t0 = time.monotonic()
         in_flight = self.cfg.inference.weight_update == "in_flight"
         if self.draining:
@@ -347,7 +353,10 @@ class Server:
                     await load()
                     if not in_flight:  # nothing in flight: the old policy's cached prefixes go at once
                         await self.engine.reset_prefix_cache()
-                    self.gate.step, self.gate.weight_dir = step, weight_dir
+                    if adapter is not None:
+                        self.gate.adapters[adapter] = step
+                    else:
+                        self.gate.step, self.gate.weight_dir = step, weight_dir
                     self.updates += 1
                 finally:
                     if in_flight and not self.stopping(sys.exc_info()[1]):
@@ -360,7 +369,8 @@ class Server:
             raise
         self.publish()
         print(
-            f"prime-hpc inference: {self.slot} serves policy {step} (update {self.updates}, "
+            f"prime-hpc inference: {self.slot} serves {f'run {adapter} ' if adapter else ''}policy {step} "
+            f"(update {self.updates}, "
             f"{'in flight, pause' if in_flight else 'drain'} {waited:.2f}s, load {time.monotonic() - t0 - waited:.2f}s)",
             flush=True,
         )
@@ -421,6 +431,8 @@ class Server:
         if not self.cfg.lora.enabled:
             return _error(409, "this server was started without LoRA (trainer.model.lora.enabled=false)")
         step = body.get("step", step_of(path))
+        # a job of several runs: each adapter is one run's policy, with a step of its own
+        adapter = str(name) if self.cfg.lora.runs > 1 else None
         result: dict = {}
 
         async def load():
@@ -431,7 +443,9 @@ class Server:
             if not isinstance(resp, str):
                 result["error"] = resp.model_dump() if hasattr(resp, "model_dump") else str(resp)
 
-        out = await self._swap(load, int(step) if step is not None else self.gate.step, str(path))
+        out = await self._swap(
+            load, int(step) if step is not None else self.gate.step_for(name), str(path), adapter=adapter
+        )
         if result.get("error"):
             return _error(400, f"adapter not loaded: {result['error']}")
         return out
@@ -643,6 +657,7 @@ def add_routes(app: Any, server: Server) -> None:
             "draining": server.draining,
             "policy_step": server.gate.step,
             "weight_dir": server.gate.weight_dir,
+            "adapters": dict(server.gate.adapters),
             "in_flight": server.gate.active,
             "served": server.gate.served,
             "updates": server.updates,

@@ -27,6 +27,7 @@ DOCTOR_MARKER = ".prime-hpc-doctor"  # a preflight's directory: see `RunDir.doct
 SERVER_GROUP = "inference"
 SERVER_GROUPS = ("inference", "teacher")
 _SLOT = re.compile(r"(inference|teacher)_(?:(\d+)\.)?(\d+)")
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # a run of a job's runs/ (RunDir.sub_run)
 
 
 @dataclass(frozen=True)
@@ -586,6 +587,38 @@ class RunDir:
     @staticmethod
     def env_worker_log(logs: Path | str, kind: str, env: str, worker: int = 0) -> Path:
         return RunDir.env_log_dir(logs, kind, env) / f"env_worker_{int(worker)}.log"
+
+    # --- several runs in one job (trainer.max_concurrent_runs): each a run directory of its own
+    @property
+    def runs_dir(self) -> Path:
+        """`runs/`: one directory per run of a job that trains several (`runs/<name>/`, the
+        same layout as a run directory); a run is there once its trainer config is."""
+        return self.root / "runs"
+
+    def sub_run(self, name: str) -> "RunDir":
+        """The run directory of run `name` of this job (`runs/<name>/`)."""
+        if not RUN_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a run name (letters, digits, '.', '_', '-'; not starting with '.')")
+        return RunDir(self.runs_dir / name)
+
+    @property
+    def run_json(self) -> Path:
+        """`run.json` of a run of a job that trains several: how it ended, as its trainer
+        recorded it ({"state": "ENDED" | "REFUSED", "step", "reason", "config_mtime_ns": of
+        the trainer config it ended under; a rewritten config, a resume, makes it run again})."""
+        return self.root / "run.json"
+
+    def sub_runs(self) -> list[str]:
+        """The runs of this job whose trainer config is written, by name."""
+        try:
+            names = sorted(os.listdir(self.runs_dir))
+        except FileNotFoundError:
+            return []
+        return [
+            n
+            for n in names
+            if RUN_NAME.fullmatch(n) and RunDir(self.runs_dir / n).component_config("trainer").is_file()
+        ]
 
     # --- preflight (prime-hpc doctor): a run directory of its own under <run>/doctor/
     @property

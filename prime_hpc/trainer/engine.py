@@ -61,10 +61,19 @@ class StepResult:
 class Engine:
     """Owns the policy, its optimizer and LR schedule on one rank."""
 
-    def __init__(self, policy: Policy, env: DistEnv, optim_cfg: Any, total_steps: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        env: DistEnv,
+        optim_cfg: Any,
+        total_steps: Optional[int] = None,
+        params: Optional[list[torch.nn.Parameter]] = None,
+    ) -> None:
+        """`params`: what this engine trains (default: every trainable parameter of the
+        policy; one run's adapter when several share the model)."""
         self.policy, self.env, self.cfg = policy, env, optim_cfg
         self.model = policy.model
-        self.params = policy.trainable
+        self.params = policy.trainable if params is None else params
         self.optimizer = torch.optim.AdamW(
             self.params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
         )

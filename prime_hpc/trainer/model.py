@@ -169,7 +169,9 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
         lc = mcfg.lora
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            pol.lora_modules = lora_mod.apply_lora(model, lc.rank, lc.alpha, lc.dropout, lc.target_modules)
+            # several runs (trainer.max_concurrent_runs): one adapter slot each (prime_hpc.trainer.multirun)
+            slots = cfg.trainer.max_concurrent_runs if cfg.trainer.max_concurrent_runs > 1 else None
+            pol.lora_modules = lora_mod.apply_lora(model, lc.rank, lc.alpha, lc.dropout, lc.target_modules, slots)
         pol.lora_scaling = lc.alpha / lc.rank
         hit = sorted({m.rsplit(".", 1)[-1] for m in pol.lora_modules})
         pol.lora_config = lora_mod.adapter_config(
@@ -261,12 +263,14 @@ def write_weights(
     serve_adapter: bool = False,
     info: Optional[dict] = None,
     hf: Optional[dict[str, torch.Tensor]] = None,
+    merged: bool = True,
 ) -> Path:
     """Rank 0: write `weights/step_<step>/` from a full state dict (see the module
     docstring for the layout) in a staging dir, move it into place, `STABLE` last. A LoRA
     run writes the adapter next to the merged weights; `serve_adapter` records that the
     servers should load the adapter rather than the merged weights. `hf`: `hf_weights(pol,
-    sd)` when the caller made them already."""
+    sd)` when the caller made them already. `merged=False` (a run of several on one trainer,
+    between its last steps): the adapter alone, which the servers load."""
     from safetensors.torch import save_file
 
     final = run.weights_step(step)
@@ -274,10 +278,10 @@ def write_weights(
     try:
         if pol.lora_config is not None:
             lora_mod.write_adapter(tmp / run.weights_adapter(step).relative_to(final), sd, pol.lora_config)
-        # the merged (or full) weights, always; the serving path chooses which to load
-        save_file(
-            hf if hf is not None else hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"}
-        )
+        if merged:  # the merged (or full) weights; the serving path chooses which to load
+            save_file(
+                hf if hf is not None else hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+            )
         cfg = pol.hf_config
         old_dtype, old_cache = getattr(cfg, "dtype", None), getattr(cfg, "use_cache", None)
         cfg.dtype, cfg.use_cache = pol.save_dtype, True
@@ -291,7 +295,7 @@ def write_weights(
         lora = pol.lora_config is not None
         meta = {
             "step": step,
-            "merged": True,
+            "merged": merged,
             "adapter": "adapter" if lora else None,
             "serve": "adapter" if lora and serve_adapter else "merged",
             **(info or {}),

@@ -343,6 +343,88 @@ def test_an_update_in_flight_keeps_the_requests_and_they_finish_under_the_new_po
         asyncio.run(admin.reload_base())
 
 
+@pytest.mark.vllm
+def test_a_server_of_several_runs_serves_each_runs_adapter_under_its_own_policy(tmp_path):
+    """A job of several runs (`trainer.max_concurrent_runs=2`): the server holds one adapter
+    per run, named after it, each with a policy step of its own. A request naming run a is
+    generated with a's adapter and stamped with a's step, one naming b with b's, one naming
+    the base model with the base's; moving a's policy leaves b's where it was."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prime_hpc.model import resolve_model
+    from prime_hpc.trainer.lora import adapter_config, apply_lora, merge_lora, write_adapter
+    from tests.inference_util import start_inference
+
+    base_dir = Path(resolve_model("tiny"))
+    targets = ["q_proj", "v_proj"]
+
+    def adapter(name: str, seed: int) -> tuple[Path, Path]:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, local_files_only=True)
+        apply_lora(model, 4, 8.0, 0.0, targets)
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if ".lora_B." in key:
+                    p.normal_(0, 0.5)
+        sd = model.state_dict()
+        d = tmp_path / "job" / "runs" / name / "weights" / f"step_{seed}" / "adapter"
+        write_adapter(d, sd, adapter_config(str(base_dir), 4, 8.0, 0.0, targets))
+        plain = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, local_files_only=True)
+        plain.load_state_dict(merge_lora(sd, 8.0 / 4))
+        plain.save_pretrained(tmp_path / f"merged_{name}")
+        return d, tmp_path / f"merged_{name}"
+
+    (a_dir, a_merged), (b_dir, b_merged) = adapter("a", 3), adapter("b", 5)
+    inf = start_inference(
+        tmp_path / "job",
+        nodes=1,
+        overrides=[
+            "trainer.model.lora.enabled=true",
+            "trainer.model.lora.rank=8",
+            "trainer.max_concurrent_runs=2",
+        ],
+    )
+    try:
+        server = inf.endpoints.servers[0]
+        admin = inf.admin()
+        assert asyncio.run(admin.load_lora("a", a_dir, 3))[0]["policy_step"] == 3
+        assert asyncio.run(admin.load_lora("b", b_dir, 5))[0]["policy_step"] == 5
+
+        def ask(model: str) -> dict:
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": "abcd"}],
+                "max_tokens": 6,
+                "temperature": 1.0,
+                "logprobs": True,
+                "return_token_ids": True,
+            }
+            return httpx.post(server + "/v1/chat/completions", json=body, headers=_auth(inf), timeout=120).json()
+
+        for model, step, merged in (("a", 3, a_merged), ("b", 5, b_merged), ("tiny", 0, base_dir)):
+            out = ask(model)
+            assert out["policy_step"] == out["policy_step_end"] == step, (model, out)
+            served = [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
+            ids = out["choices"][0]["token_ids"]
+            assert (
+                max(abs(x - y) for x, y in zip(served, _transformers_logprobs(merged, out["prompt_token_ids"], ids)))
+                < 5 * TOLERANCE
+            ), model
+            if model != "tiny":  # its own adapter acts
+                other = base_dir
+                assert (
+                    max(abs(x - y) for x, y in zip(served, _transformers_logprobs(other, out["prompt_token_ids"], ids)))
+                    > 10 * TOLERANCE
+                )
+        policy = httpx.get(server + "/policy", headers=_auth(inf), timeout=30).json()
+        assert policy["adapters"] == {"a": 3, "b": 5} and policy["policy_step"] == 0
+        assert asyncio.run(admin.load_lora("a", a_dir, 4))[0]["policy_step"] == 4  # a moves on, b stays
+        assert (ask("a")["policy_step"], ask("b")["policy_step"]) == (4, 5)
+    finally:
+        inf.stop_all()
+
+
 def _served_and_reference(inf, server: str, model_dir: Path) -> tuple[list[float], list[float], dict]:
     """A generation's served logprobs and the same tokens' logprobs under `model_dir` (transformers)."""
     out = _chat(server, _auth(inf), temperature=1.0, logprobs=True, return_token_ids=True, max_tokens=6)

@@ -502,6 +502,34 @@ def test_each_generation_is_salted_with_its_policy_so_no_cached_prefix_crosses_a
     asyncio.run(main())
 
 
+def test_each_runs_adapter_has_a_policy_step_of_its_own():
+    """A server of several runs: a request naming run a's adapter is admitted, salted and
+    stamped under a's step, at its start and at its end, whatever b's and the base model's
+    steps do meanwhile; a request naming the base model, under the base's."""
+
+    async def main():
+        model, gate, app = _gated(step=0)
+        gate.adapters.update({"a": 3, "b": 5})
+        model.release["slow"] = asyncio.Event()
+        slow = asyncio.create_task(_call(app, "/v1/chat/completions", {"name": "slow", "model": "a"}))
+        await asyncio.sleep(0.05)
+        gate.adapters["b"], gate.step = 6, 1  # others move: a's request does not see it
+        gate.adapters["a"] = 4  # a moves while its request is in flight
+        model.release["slow"].set()
+        _, headers, body = await slow
+        assert headers["x-policy-step"] == "3"
+        assert (json.loads(body)["policy_step"], json.loads(body)["policy_step_end"]) == (3, 4)
+        assert model.bodies["slow"]["cache_salt"] == "policy-3"
+        for name, served, step in (("x", "b", 6), ("y", "tiny", 1), ("z", None, 1)):
+            model.release.setdefault(name, asyncio.Event()).set()
+            body = {"name": name} if served is None else {"name": name, "model": served}
+            _, _, out = await _call(app, "/v1/chat/completions", body)
+            assert json.loads(out)["policy_step"] == step, (served, out)
+            assert model.bodies[name]["cache_salt"] == f"policy-{step}"
+
+    asyncio.run(main())
+
+
 def test_policy_salts_are_valid_vllm_salts():
     from prime_hpc.inference.gate import SALT_MAX, policy_salt
 

@@ -261,6 +261,35 @@ def test_lora_starts_at_the_base_model_and_merges_exactly():
     assert torch.allclose(base(ids).logits, model(ids).logits, atol=1e-4)
 
 
+def test_adapter_slots_each_act_alone_and_read_as_a_one_adapter_model():
+    """K adapters side by side (several runs on one trainer): a slot starts at the base
+    model, the active one alone changes the outputs, and a slot's tensors under a
+    one-adapter model's names merge into exactly the model it computes."""
+    from prime_hpc.trainer.lora import SlotLoRALinear, activate, apply_lora, merge_lora, reset_slot, slot_state, to_slot
+
+    base, model = _tiny(), _tiny()
+    torch.manual_seed(0)
+    wrapped = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"], slots=3)
+    assert all(isinstance(model.get_submodule(n), SlotLoRALinear) for n in wrapped)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        for n in wrapped:
+            model.get_submodule(n).lora_B["1"].weight.normal_()
+    activate(model, 0)
+    assert torch.equal(base(ids).logits, model(ids).logits)  # slot 0 untouched: the base model
+    activate(model, 1)
+    one = model(ids).logits
+    assert not torch.allclose(base(ids).logits, one)
+    sd = slot_state(model.state_dict(), 1)
+    assert sd and all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in sd)
+    assert all(to_slot(k, 1) in model.state_dict() for k in sd)
+    plain = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
+    base.load_state_dict(merge_lora({**plain, **sd}, scaling=8 / 4))
+    assert torch.allclose(base(ids).logits, one, atol=1e-4)
+    reset_slot(model, 1)  # the next run in that slot starts at the base model again
+    assert torch.allclose(_tiny()(ids).logits, model(ids).logits)
+
+
 def test_lora_names_no_layer_fails_with_the_layer_names():
     from prime_hpc.trainer.lora import apply_lora
 
