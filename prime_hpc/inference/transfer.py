@@ -94,12 +94,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         model: Any = self.model  # a vLLM model: `load_weights` takes checkpoint-named tensors
+        group = self.group
         specs = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
 
         def receive(i: int) -> tuple[str, Any, Any]:
             name, dtype_name, shape = specs[i]
             weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            return name, weight, self.group.broadcast(weight, 0)
+            return name, weight, group.broadcast(weight, 0)
 
         # the next tensor arrives (in gloo's thread) while this one is loaded
         with disable_mtp_completeness_check():
