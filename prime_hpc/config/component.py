@@ -128,6 +128,9 @@ class OrchestratorRunConfig(TrainingRunConfig):
     """The run's own teacher's servers to find in endpoints/ (`orchestrator.teacher.model`);
     a default, like `InferenceRunConfig.group`, for a run written before it."""
     lora: ServedLoRA = src(None, ServedLoRA)
+    job_dir: Optional[str] = field(default=None, metadata={"src": "job_dir"})
+    """One run of several in a job (`runs/<name>/` of `job_dir`): the job's servers, found in
+    its `endpoints/`, serve this run's policy as the adapter named after the run."""
     orchestrator: OrchestratorConfig = src("orchestrator", OrchestratorConfig)
 
 

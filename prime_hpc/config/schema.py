@@ -605,6 +605,9 @@ class RunConfig:
     output_dir: str = "outputs/${name}"
     clean_output_dir: bool = False
     """wipe a non-empty output_dir of a fresh run"""
+    job_dir: Optional[str] = None
+    """a run of a job that trains several (trainer.max_concurrent_runs): the job's directory,
+    whose servers and trainer it shares (output_dir is runs/<name>/ in it); null = a run alone"""
     max_steps: Optional[int] = ruled(None, ge=1)
     """absolute target step; None = until the data runs out"""
     seq_len: int = ruled(2048, ge=1)

@@ -465,6 +465,14 @@ def check_trainer(cfg: DictConfig) -> None:
             )
 
 
+def check_job_dir(cfg: DictConfig) -> None:
+    if cfg.get("job_dir") and cfg.trainer.max_concurrent_runs < 2:
+        raise ConfigError(
+            "job_dir",
+            "names the job this run is one of several in: set trainer.max_concurrent_runs to the job's (> 1)",
+        )
+
+
 def check_ckpt(cfg: DictConfig) -> None:
     if cfg.wandb.enabled and not cfg.wandb.project:
         raise ConfigError("wandb.project", "set a project name when wandb.enabled=true")
@@ -560,6 +568,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_training_mode,
     check_sft,
     check_trainer,
+    check_job_dir,
     check_ckpt,
     check_envs,
     check_bench,

@@ -85,6 +85,7 @@ class Orchestrator:
             on_policy=self.progress,
             router=router,
             transport=cfg.weights.transport,
+            adapter=self.run.root.name if cfg.job_dir else None,
         )
         self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = EnvSampler(train, cfg.seed, 1 if self.max_steps is None else None)  # null: the data once
@@ -146,7 +147,9 @@ class Orchestrator:
         env_logs = route_env_logs(self.logs, {"train": train, "eval": evals}, o.log.vf_level) if self.logs else None
         admin = metrics = teacher_fleet = None
         try:
-            ep = discover(self.run, cfg.inference_nodes, SERVERS_WAIT_S, self.logs, own_job=cfg.inference_job == "own")
+            # one run of several: the job's servers (and its router), this run's adapter on them
+            fleet = RunDir(cfg.job_dir) if cfg.job_dir else self.run
+            ep = discover(fleet, cfg.inference_nodes, SERVERS_WAIT_S, self.logs, own_job=cfg.inference_job == "own")
             if o.training_mode in ("opd", "sft"):
                 self.teacher_at = locate(o.teacher, self.run, cfg.teacher_nodes, SERVERS_WAIT_S, self.logs)
                 if self.teacher_at.fleet is not None:  # the run's own: a restarted server rejoins its router
@@ -155,7 +158,8 @@ class Orchestrator:
                     )
             admin = Admin(ep.servers, on_lost=lambda server, why: self.relay.server_lost(server, why))
             metrics = MetricsLogger(self.run, "orchestrator", cfg.wandb, run_name=cfg.name, config=asdict(cfg))
-            self.wire(*self.policy_client(ep), admin, metrics, train, evals, router=ep.router)
+            # the membership of a fleet several runs share is not one run's to keep: a fixed set for now
+            self.wire(*self.policy_client(ep), admin, metrics, train, evals, router=None if cfg.job_dir else ep.router)
             if saved is not None:
                 self.restore(saved)
             if start is not None and self.run.has_weights(start):

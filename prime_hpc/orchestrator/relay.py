@@ -74,8 +74,14 @@ class WeightRelay:
         on_policy: Callable[[], None] = lambda: None,
         router: Optional[str] = None,
         transport: str = "filesystem",
+        adapter: Optional[str] = None,
     ) -> None:
+        """`adapter`: this run is one of several sharing the servers, its policy the adapter
+        of that name (every update, a resume's included, loads it; the base model's step
+        on the servers is not this run's)."""
         self.run = run
+        self.adapter = adapter
+        self.lora_name = adapter or LORA_NAME  # the served name of the run's adapter
         self.broadcast = transport == "broadcast"  # the trainer sends the policies; see the module docstring
         self.admin = admin
         self.model = model  # the name generation asks for
@@ -90,6 +96,11 @@ class WeightRelay:
 
     async def serve(self, step: int) -> None:
         """Load `weights/step_<step>` into every server now (a resumed run's policy)."""
+        if self.adapter is not None:
+            path = self.run.weights_adapter(step)
+            await self.admin.load_lora(self.lora_name, path, step)
+            self.policy, self.loaded, self.model = step, ("adapter", str(path)), self.lora_name
+            return
         await self.admin.update_weights(self.run.weights_step(step), step)
         self.policy, self.loaded = step, ("full", str(self.run.weights_step(step)))
 
@@ -101,7 +112,7 @@ class WeightRelay:
             return 0
         kind, path = self.loaded
         if kind == "adapter":
-            await self.admin.load_lora(LORA_NAME, path, self.policy, to=[server])
+            await self.admin.load_lora(self.lora_name, path, self.policy, to=[server])
         elif endpoint.get("policy_step") != self.policy or endpoint.get("weight_dir") != path:
             await self.admin.update_weights(path, self.policy, to=[server])
         return self.policy
@@ -152,12 +163,15 @@ class WeightRelay:
             serve = None
         if self.broadcast:
             answers = await self.received(step)
-        elif serve == "adapter" or (
-            serve is None and not any(d.glob("*.safetensors")) and self.run.weights_adapter(step).is_dir()
+        elif (
+            self.adapter is not None
+            or serve == "adapter"
+            or (serve is None and not any(d.glob("*.safetensors")) and self.run.weights_adapter(step).is_dir())
         ):
-            # LoRA with save_adapter_separately: the servers keep the base model and load the adapter
-            answers = await self.admin.load_lora(LORA_NAME, self.run.weights_adapter(step), step)
-            self.model = LORA_NAME
+            # LoRA with save_adapter_separately, or one run of several: the servers keep the base
+            # model and load the adapter
+            answers = await self.admin.load_lora(self.lora_name, self.run.weights_adapter(step), step)
+            self.model = self.lora_name
             self.loaded = ("adapter", str(self.run.weights_adapter(step)))
         else:
             answers = await self.admin.update_weights(d, step)

@@ -83,6 +83,13 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         (["trainer.model.lora.enabled=true", "trainer.model.lora.rank=0"], "trainer.model.lora.rank", ">= 1"),
         (["trainer.model.lora.enabled=true", "trainer.model.lora.dropout=1.0"], "trainer.model.lora.dropout", "[0, 1)"),
         (["ckpt.keep_last=0"], "ckpt.keep_last", ">= 1"),
+        (["trainer.max_concurrent_runs=2"], "trainer.max_concurrent_runs", "trainer.model.lora.enabled=true"),
+        (
+            ["trainer.max_concurrent_runs=2", "trainer.model.lora.enabled=true", "weights.transport=broadcast"],
+            "trainer.max_concurrent_runs",
+            "weights.transport=filesystem",
+        ),
+        (["job_dir=/j"], "job_dir", "trainer.max_concurrent_runs"),
         (["orchestrator.advantage=median"], "orchestrator.advantage", "choose from mean, std, loo"),
         (
             ["trainer.type=sft", "trainer.data.name=d", "trainer.val.stop_below=1.0"],
