@@ -37,6 +37,7 @@ RUN = [
     "orchestrator.sampling.max_tokens=12",
     "trainer.micro_batch_size=8",
     "trainer.optim.schedule=constant",
+    "ckpt.interval=3",
     "cluster.trainer.nproc_per_node=1",
     "inference.dtype=float32",
     *LORA,
@@ -104,7 +105,7 @@ def test_two_runs_train_side_by_side_on_one_server_and_one_trainer(tmp_path):
             assert all(r["off_policy_steps/mean"] <= 1.0 for r in trained), trained
             meta = json.loads((run.weights_step(6) / STABLE).read_text())
             assert meta["serve"] == "adapter" and meta["merged"] is True
-            assert 6 in run.checkpoint_steps("trainer")
+            assert run.complete_checkpoint_steps() == [3, 6]  # its trainer's part and its orchestrator's
             adapters[name] = (run.weights_adapter(6) / "adapter_model.safetensors").read_bytes()
         assert adapters["a"] != adapters["b"]
         # the server holds both runs' policies, each at its own step; its own is the base model's
