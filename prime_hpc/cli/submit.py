@@ -88,6 +88,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="then follow the run's logs until it ends (Ctrl-C stops following, not the run)",
     )
     s.add_argument(
+        "--together",
+        action="store_true",
+        help="sweep of LoRA runs: every point a run of one job, sharing its inference servers and one "
+        "trainer (trainer.max_concurrent_runs; docs/launcher.md)",
+    )
+    s.add_argument(
         "--max-parallel",
         type=int,
         default=None,
@@ -143,6 +149,8 @@ def run(a: argparse.Namespace) -> int:
         return run_bench(a)
     from prime_hpc.launcher import sweep
 
+    if getattr(a, "together", False):
+        return run_together(a)
     if a.max_parallel is not None and a.max_parallel < 1:
         raise UserError(f"--max-parallel {a.max_parallel}: give at least 1")
     points = sweep.compose_points(a.overrides, a.multirun)
@@ -174,6 +182,46 @@ def run(a: argparse.Namespace) -> int:
                 break
         return rc
     return 0
+
+
+def run_together(a: argparse.Namespace) -> int:
+    """`-m ... --together`: the sweep's points as the runs of one job."""
+    from prime_hpc.launcher import launch, together
+
+    if not a.multirun:
+        raise UserError("--together puts the points of a sweep in one job: give -m and a sweep (a=x,y)")
+    if a.max_parallel is not None:
+        raise UserError(
+            "--together runs every point in one job (trainer.max_concurrent_runs at once); drop --max-parallel"
+        )
+    job, runs = together.compose_together(a.overrides)
+    launch.check_fresh(job, dry_run=a.dry_run)
+    if a.dry_run:
+        run, plan = launch.prepare(job, "run", dry_run=True, validated=True, runs=runs)
+        files = [*launch.launch_files(run, plan), *(f for r in runs for f in _run_files(r))]
+        print("dry run: nothing submitted; wrote " + ", ".join(map(str, files)))
+        return 0
+    sub = launch.submit(job, a.overrides, runs=runs)
+    ref = sub.ref
+    names = [str(r.name) for r in runs]
+    print(
+        f"submitted job {ref.job_id} ({ref.name}, {ref.kind}, {ref.backend}): {len(runs)} runs together "
+        f"({', '.join(names)}), {job.trainer.max_concurrent_runs} at a time on one trainer"
+    )
+    print(f"  output dir: {ref.output_dir}  (runs: {ref.output_dir}/runs/<name>/)")
+    print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}")
+    if a.follow:
+        from prime_hpc.cli.tail import follow_ref
+
+        return follow_ref(ref)
+    return 0
+
+
+def _run_files(cfg: Any) -> list[str]:
+    from prime_hpc.rundir import RunDir
+
+    run = RunDir(cfg.output_dir)
+    return [str(run.config_yaml), *(str(run.component_config(c)) for c in ("orchestrator", "trainer"))]
 
 
 def _report(subs: list, sweep: Any) -> None:

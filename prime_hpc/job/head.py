@@ -37,6 +37,10 @@ class HeadTask:
             if not summary["ok"]:
                 raise SystemExit(f"preflight failed; see {run.preflight_summary}")
             return summary
+        if run.sub_runs():  # a job of several runs: one orchestrator each
+            from prime_hpc.job.runs import run_all
+
+            return run_all(run)
         from prime_hpc.orchestrator import main as orchestrator_main  # the RL head component
 
         return orchestrator_main(["--config", str(run.component_config("orchestrator"))])

@@ -127,12 +127,17 @@ def launch_files(run: RunDir, plan: Plan) -> list[Path]:
     return [run.config_yaml, *(run.component_config(c) for c in config_components(plan)), run.sbatch_script(plan.kind)]
 
 
-def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan) -> None:
+def write_launch_files(cfg: DictConfig, run: RunDir, plan: Plan, runs: Sequence[DictConfig] = ()) -> None:
     """config.yaml, configs/<component>.yaml (the components the job runs) and
-    submit/<kind>.sbatch."""
+    submit/<kind>.sbatch; `runs`: a job of several runs, each one's files in runs/<name>/
+    (`prime_hpc.launcher.together`)."""
     atomic_write_text(run.config_yaml, to_yaml(cfg))
     for component in config_components(plan):
         write_component_config(cfg, component)
+    if runs:
+        from prime_hpc.launcher.together import write_runs
+
+        write_runs(runs)
     atomic_write_text(run.sbatch_script(plan.kind), render_sbatch(plan))
 
 
@@ -144,6 +149,7 @@ def prepare(
     dry_run: bool = False,
     after: Sequence[After] = (),
     validated: bool = False,
+    runs: Sequence[DictConfig] = (),
 ) -> tuple[RunDir, Plan]:
     """Validate (unless the caller just did) and write everything a launch needs; returns
     the run dir used by the job (the run's own, or `<output_dir>/doctor/` for a preflight)."""
@@ -169,7 +175,7 @@ def prepare(
         plan = make_plan(cfg, mode)
         plan.after = list(after)
         plan.env.update(extra_env or {})
-        write_launch_files(cfg, run, plan)
+        write_launch_files(cfg, run, plan, runs)
     return run, plan
 
 
@@ -226,11 +232,13 @@ def submit(
     after: Sequence[After] = (),
     pipeline: Optional[dict] = None,
     sweep: Optional[dict] = None,
+    runs: Sequence[DictConfig] = (),
 ) -> Submitted:
     """Submit one job. `after`: jobs it starts after (a pipeline's warm-up, an earlier
-    point of a sweep); `pipeline`, `sweep`: recorded in job.json to tie the jobs together."""
+    point of a sweep); `pipeline`, `sweep`: recorded in job.json to tie the jobs together;
+    `runs`: the runs of a job that trains several (`--together`)."""
     with with_umask(cfg.cluster.umask):  # the run dir, and sbatch's output files
-        return _submit(cfg, overrides, mode, resume, extra_env, after, pipeline, sweep)
+        return _submit(cfg, overrides, mode, resume, extra_env, after, pipeline, sweep, runs)
 
 
 def _submit(
@@ -242,8 +250,9 @@ def _submit(
     after: Sequence[After],
     pipeline: Optional[dict],
     sweep: Optional[dict],
+    runs: Sequence[DictConfig] = (),
 ) -> Submitted:
-    run, plan = prepare(cfg, mode, resume, extra_env, after=after)
+    run, plan = prepare(cfg, mode, resume, extra_env, after=after, runs=runs)
     task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
     prior = jobs.read_job(run) if resume else {}
     now = time.time()
@@ -262,6 +271,7 @@ def _submit(
         git_sha=jobs.git_sha(Path(__file__).resolve().parent),
         cluster={k: cfg.cluster[k] for k in ("backend", "device", "partition", "account", "qos")},
         **({"fleet_nodes": plan.fleet_nodes} if plan.fleet_nodes else {}),  # inference_job=own: its servers' job
+        **({"runs": [Path(str(r.output_dir)).name for r in runs]} if runs else {}),  # --together: runs/<name>/
         submitted_at=now,
         state=jobs.PENDING,
     )

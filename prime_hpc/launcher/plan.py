@@ -295,6 +295,8 @@ def commands(cfg: DictConfig, mode: str, py: str, run: RunDir) -> Commands:
         teacher = str(run.component_config("teacher"))
         # a bench run's trainer: the real step on synthetic batches (its own entry point)
         module = "prime_hpc.trainer.bench" if cfg.bench.mode else f"prime_hpc.trainer.{cfg.trainer.type}"
+        if cfg.trainer.max_concurrent_runs > 1 and not cfg.bench.mode:  # one trainer for the runs of runs/
+            module = "prime_hpc.trainer.multirun"
         return Commands(
             argv={
                 "orchestrator": [],

@@ -25,8 +25,8 @@ The loop, every rank in step (rank 0 decides, `broadcast_object_list` tells the 
    goes to `runs/<name>/weights/step_<n>/adapter/` (`STABLE` says `serve: adapter`: the
    servers load it under the run's name), its rollouts are removed, its checkpoint saved
    when due;
-3. a run that reached its `max_steps` (or its orchestrator's `rollouts/DONE`) writes its
-   last weights (the adapter and the merged model, what eval and a later SFT or RL run
+3. a run that reached its `max_steps` (or its orchestrator's `rollouts/DONE`, or whose
+   orchestrator failed: `run.json` FAILED, written by the job's head) writes its last weights (the adapter and the merged model, what eval and a later SFT or RL run
    load) and its checkpoint, and frees its slot for the next run;
 4. the trainer ends once every run of `runs/` has ended and none is waiting; a stop request
    (SIGTERM, the supervisor's checkpoint request) checkpoints every run holding a slot at
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json, is_stable
+from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json, is_stable, runs
 from prime_hpc.trainer import lora, runner
 from prime_hpc.trainer.engine import Engine
 
@@ -163,14 +163,13 @@ class MultiRun:
         from prime_hpc.trainer.rl import rollouts_done_before
 
         known = set(self.lanes) | set(self.ended) | set(self.refused)
-        waiting = [r for r in self.job.sub_runs() if r not in known and not _over(self.job.sub_run(r))]
+        waiting = [r for r in self.job.sub_runs() if r not in known and not runs.is_over(self.job.sub_run(r))]
         admit = waiting[: len(self.free)]
         end, ready = [], []
         for name, lane in self.lanes.items():
             nxt = lane.step + 1
-            if (lane.cfg.max_steps is not None and lane.step >= lane.cfg.max_steps) or rollouts_done_before(
-                lane.run, nxt
-            ):
+            done = lane.cfg.max_steps is not None and lane.step >= lane.cfg.max_steps
+            if done or rollouts_done_before(lane.run, nxt) or runs.has_failed(lane.run):  # its orchestrator ended
                 end.append(name)
             elif is_stable(lane.run.rollout_step(nxt)):
                 ready.append(name)
@@ -256,7 +255,7 @@ class MultiRun:
         self.refused[name] = why
         logger.error(f"run {name} refused: {why}")
         if self.env.is_main:
-            _record(run, "REFUSED", None, why)
+            runs.record(run, runs.REFUSED, None, why)
 
     def _lane(self, name: str, run: RunDir, cfg: "TrainerRunConfig", slot: int) -> Lane:
         from prime_hpc.runtime.metrics import MetricsLogger
@@ -369,8 +368,8 @@ class MultiRun:
         self.free.append(lane.slot)
         self.free.sort()
         self.ended[name] = lane.step
-        if self.env.is_main:
-            _record(run=lane.run, state="ENDED", step=lane.step)
+        if self.env.is_main and not runs.has_failed(lane.run):  # its orchestrator's failure stays recorded
+            runs.record(lane.run, runs.ENDED, lane.step)
         logger.info(f"run {name}: ended at step {lane.step}; adapter slot {lane.slot} free")
 
     def stop_all(self, checkpoint: bool) -> None:
@@ -404,29 +403,6 @@ class MultiRun:
             lane.ckpt.close()
             if lane.metrics is not None:
                 lane.metrics.close()
-
-
-def _config_mtime(run: RunDir) -> Optional[int]:
-    try:
-        return run.component_config("trainer").stat().st_mtime_ns
-    except OSError:
-        return None
-
-
-def _record(run: RunDir, state: str, step: Optional[int], reason: Optional[str] = None) -> None:
-    """`runs/<name>/run.json`: how the run ended here, under which config."""
-    body = {"state": state, "step": step, "reason": reason, "at": time.time(), "config_mtime_ns": _config_mtime(run)}
-    atomic_write_json(run.run_json, body)
-
-
-def _over(run: RunDir) -> bool:
-    """The run ended (or was refused) under the trainer config it has now."""
-    from prime_hpc.rundir import read_json
-
-    try:
-        return read_json(run.run_json).get("config_mtime_ns") == _config_mtime(run)
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _shape(lora_cfg: Any, key: str) -> Any:

@@ -1,0 +1,115 @@
+"""The head of a job that trains several runs (`prime-hpc submit -m ... --together`): one
+orchestrator process per run of the job's `runs/`, side by side on the head node.
+
+Each is `python -m prime_hpc.orchestrator --config runs/<name>/configs/orchestrator.yaml`,
+its log `logs/<attempt>/runs/<name>/orchestrator.log` (its environments' logs beside it). A
+run already over under its config (`prime_hpc.rundir.runs`: ended, refused, failed) is not
+started again. An orchestrator that fails ends its run only: the head records it
+(`runs/<name>/run.json` FAILED, with the last line of its log), the trainer frees the
+run's adapter slot, and the others go on. The head ends when every orchestrator has; it
+fails (naming each run and its log) only when every run failed. A stop (SIGTERM) is passed
+to every orchestrator, which stops at its next safe point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from prime_hpc.core import jobenv
+from prime_hpc.rundir import RunDir, runs, tail_lines
+
+POLL_S = 0.5
+STOP_WAIT_S = 60.0  # after a stop, how long an orchestrator has to end before it is killed
+
+
+def run_logs(job: RunDir, name: str) -> Path:
+    """Where run `name`'s orchestrator logs in this attempt."""
+    logs = jobenv.logs_dir()
+    return (logs if logs else job.root / "logs") / "runs" / name
+
+
+def start(job: RunDir, name: str) -> subprocess.Popen:
+    run = job.sub_run(name)
+    logs = run_logs(job, name)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, jobenv.LOGS_VAR: str(logs)}
+    with open(RunDir.component_log(logs, "orchestrator"), "ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-u",
+                "-m",
+                "prime_hpc.orchestrator",
+                "--config",
+                str(run.component_config("orchestrator")),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+def last_line(path: Path) -> str:
+    lines = [line for line in tail_lines(path, 4096) if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def run_all(job: RunDir) -> dict:
+    """Every run's orchestrator, until all have ended; {"runs": {name: exit code}}."""
+    procs: dict[str, subprocess.Popen] = {}
+    for name in job.sub_runs():
+        if runs.is_over(job.sub_run(name)):
+            print(f"prime-hpc head: run {name} is over ({runs.state(job.sub_run(name))}); not started", flush=True)
+            continue
+        procs[name] = start(job, name)
+        print(
+            f"prime-hpc head: run {name}: orchestrator pid {procs[name].pid}, log {orchestrator_log(job, name)}",
+            flush=True,
+        )
+    codes: dict[str, int] = {}
+    try:
+        while len(codes) < len(procs):
+            for name, p in procs.items():
+                if name in codes or p.poll() is None:
+                    continue
+                codes[name] = p.returncode
+                log = orchestrator_log(job, name)
+                if p.returncode == 0:
+                    print(f"prime-hpc head: run {name}: orchestrator done", flush=True)
+                else:
+                    why = f"its orchestrator exited {p.returncode}: {last_line(log)}"
+                    runs.record(job.sub_run(name), runs.FAILED, reason=why)
+                    print(f"prime-hpc head: run {name} failed ({why}); see {log}; the other runs go on", flush=True)
+            time.sleep(POLL_S)
+    finally:
+        stop(procs)
+    failed = [n for n, c in codes.items() if c != 0]
+    if procs and len(failed) == len(procs):
+        raise SystemExit(
+            "every run failed: " + "; ".join(f"{n} (see {orchestrator_log(job, n)})" for n in sorted(failed))
+        )
+    return {"runs": codes}
+
+
+def orchestrator_log(job: RunDir, name: str) -> Path:
+    return RunDir.component_log(run_logs(job, name), "orchestrator")
+
+
+def stop(procs: dict[str, subprocess.Popen], wait_s: Optional[float] = STOP_WAIT_S) -> None:
+    """SIGTERM to every orchestrator still running, then SIGKILL to those that outlive `wait_s`."""
+    alive = [p for p in procs.values() if p.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + (wait_s or 0)
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
