@@ -1,118 +1,86 @@
-"""Two runs in one job, every part real: one vLLM server holding both runs' adapters, one
-multi-run trainer (`trainer.max_concurrent_runs=2`), and each run's own orchestrator with
-its own learning rate, started as processes the way a job starts them; each run lives in
-the job's `runs/<name>/`."""
+"""Several runs in one job, as a user submits them (`prime-hpc submit -m ... --together`,
+cluster=local): one vLLM server holding every run's adapter, one multi-run trainer
+(`trainer.max_concurrent_runs`), one orchestrator per run under the head; each run lives in
+the job's `runs/<name>/`. Two learning rates, each once with an environment whose reward
+always raises: those two runs fail alone, the other two train to their end."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
-import time
 
-import httpx
 import pytest
 
-from prime_hpc.config.component import write_component_config
-from prime_hpc.config.compose import compose
-from prime_hpc.rundir import STABLE, RunDir
-from tests.inference_util import start_inference
-from tests.trainer_support import EXAMPLES, REPO, trainer_cmd
+from prime_hpc.rundir import STABLE, RunDir, jobs
+from tests.conftest import REPO, cli
+from tests.integration.test_env_failures import wait_ended
 
-LORA = [
-    "trainer.model.lora.enabled=true",
-    "trainer.model.lora.rank=8",
-    "trainer.model.lora.alpha=16",
-    "trainer.max_concurrent_runs=2",
-]
-RUN = [
-    "+experiment=reverse_text",
-    "warmup.experiment=null",
-    "max_steps=6",
-    "async_level=1",
-    "orchestrator.batch_size=16",
-    "orchestrator.group_size=4",
-    "orchestrator.eval.interval=0",
-    "orchestrator.eval.at_start=false",
-    "orchestrator.sampling.max_tokens=12",
-    "trainer.micro_batch_size=8",
-    "trainer.optim.schedule=constant",
-    "ckpt.interval=3",
-    "cluster.trainer.nproc_per_node=1",
-    "inference.dtype=float32",
-    *LORA,
-]
-LRS = {"a": 2e-3, "b": 2e-2}
+pytestmark = [pytest.mark.vllm]
+
+FLAKY = REPO / "tests" / "envs" / "flaky_reverse.py"
+LRS = (2e-3, 2e-2)
 
 
 def _rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.vllm
-def test_two_runs_train_side_by_side_on_one_server_and_one_trainer(tmp_path):
-    """Each run's orchestrator generates with its own adapter (by the run's name) and its
-    samples carry its own policy steps; the one trainer trains both, each with its own
-    learning rate; each run ends with its own rollouts, weights, metrics and checkpoint,
-    and the trainer ends when both have."""
+def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_alone(tmp_path):
     job = RunDir(tmp_path / "job")
-    inf = start_inference(job.root, nodes=1, overrides=LORA)
-    try:
-        write_component_config(compose([*RUN, f"output_dir={job.root}"]), "trainer")
-        for name, lr in LRS.items():
-            cfg = compose(
-                [*RUN, f"output_dir={job.sub_run(name).root}", f"job_dir={job.root}", f"trainer.optim.lr={lr}"]
-            )
-            write_component_config(cfg, "trainer")
-            write_component_config(cfg, "orchestrator")
-        env = {"INFERENCE_SERVER_API_KEY": inf.key, "PYTHONPATH": os.pathsep.join([str(REPO), str(EXAMPLES)])}
-        trainer = inf.start(
-            "trainer", trainer_cmd("prime_hpc.trainer.multirun", job.component_config("trainer"), 1), **env
-        )
-        orchs = {
-            name: inf.start(
-                f"orchestrator_{name}",
-                [
-                    sys.executable,
-                    "-m",
-                    "prime_hpc.orchestrator",
-                    "--config",
-                    str(job.sub_run(name).component_config("orchestrator")),
-                ],
-                **env,
-            )
-            for name in LRS
-        }
-        deadline = time.monotonic() + 600
-        for name, p in [*orchs.items(), ("trainer", trainer)]:
-            while p.poll() is None:
-                assert time.monotonic() < deadline, (
-                    f"{name} did not end: see {inf.log(name if name == 'trainer' else f'orchestrator_{name}')}"
-                )
-                time.sleep(0.5)
-            log = inf.log(name if name == "trainer" else f"orchestrator_{name}")
-            assert p.returncode == 0, f"{name} exited {p.returncode}:\n{log.read_text()[-4000:]}"
+    r = cli(
+        "submit",
+        "-m",
+        "+experiment=reverse_text",
+        "cluster=local",
+        "warmup.experiment=null",
+        f"output_dir={job.root}",
+        "max_steps=5",
+        "async_level=1",
+        "ckpt.interval=5",
+        "orchestrator.batch_size=16",
+        "orchestrator.group_size=4",
+        "orchestrator.eval.interval=0",
+        "orchestrator.eval.at_start=false",
+        "orchestrator.sampling.max_tokens=12",
+        "orchestrator.max_errored_groups=2",
+        f'orchestrator.env=[{{id: "{FLAKY}", args: {{num_train_examples: 64}}}}]',
+        "trainer.micro_batch_size=8",
+        "trainer.optim.schedule=constant",
+        "trainer.model.lora.enabled=true",
+        "trainer.model.lora.rank=8",
+        f"trainer.optim.lr={','.join(map(str, LRS))}",
+        "+orchestrator.env.0.args.raise_every=0,1",
+        "--together",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "4 runs together" in r.stdout and "4 at a time on one trainer" in r.stdout, r.stdout
+    record = wait_ended(job, 600)
+    assert record["state"] == "COMPLETED", record  # two runs failed, not the job
+    names = record["runs"]
+    assert sorted(names) == [f"reverse_text_{i}" for i in range(4)] == job.sub_runs()
+    logs = job.latest_logs.resolve()
+    # the sweep's order: lr varies slowest, raise_every fastest
+    points = {name: (LRS[i // 2], i % 2 == 1) for i, name in enumerate(sorted(names))}
 
-        adapters = {}
-        for name, lr in LRS.items():
-            run = job.sub_run(name)
-            orch, trained = _rows(run.metrics("orchestrator")), _rows(run.metrics("trainer"))
-            assert [r["step"] for r in orch] == [r["step"] for r in trained] == list(range(1, 7)), name
-            assert json.loads(run.rollouts_done.read_text())["last_step"] == 6
-            assert json.loads(run.run_json.read_text())["state"] == "ENDED"
-            assert all(abs(r["optim/lr"] - lr) < 1e-12 for r in trained)  # its own optimizer
-            # its samples came from its own policies: never older than async_level allows
-            assert all(r["off_policy_steps/mean"] <= 1.0 for r in trained), trained
-            meta = json.loads((run.weights_step(6) / STABLE).read_text())
-            assert meta["serve"] == "adapter" and meta["merged"] is True
-            assert run.complete_checkpoint_steps() == [3, 6]  # its trainer's part and its orchestrator's
-            adapters[name] = (run.weights_adapter(6) / "adapter_model.safetensors").read_bytes()
-        assert adapters["a"] != adapters["b"]
-        # the server holds both runs' policies, each at its own step; its own is the base model's
-        policy = httpx.get(inf.endpoints.servers[0] + "/policy", headers={"Authorization": f"Bearer {inf.key}"}).json()
-        assert set(policy["adapters"]) == {"a", "b"} and min(policy["adapters"].values()) >= 5, policy
-        assert policy["policy_step"] == 0
-        log = inf.log("trainer").read_text()
-        assert "run a: adapter slot 0" in log and "run b: adapter slot 1" in log
-    finally:
-        inf.stop_all()
+    adapters = {}
+    for name, (lr, raises) in points.items():
+        run = job.sub_run(name)
+        state = json.loads(run.run_json.read_text())
+        log = logs / "runs" / name / "orchestrator.log"
+        if raises:  # its orchestrator failed: recorded with its last line, its slot freed
+            assert state["state"] == "FAILED" and "groups in a row errored" in state["reason"], state
+            assert f"run {name} failed" in (logs / "orchestrator.log").read_text()
+            continue
+        assert state == {**state, "state": "ENDED", "step": 5}, state
+        orch, trained = _rows(run.metrics("orchestrator")), _rows(run.metrics("trainer"))
+        assert [r["step"] for r in orch] == [r["step"] for r in trained] == [1, 2, 3, 4, 5], (name, log)
+        assert all(abs(r["optim/lr"] - lr) < 1e-12 for r in trained)  # its own optimizer
+        assert all(r["off_policy_steps/mean"] <= 1.0 for r in trained)  # its own policies, async_level=1
+        meta = json.loads((run.weights_step(5) / STABLE).read_text())
+        assert meta["serve"] == "adapter" and meta["merged"] is True
+        assert run.complete_checkpoint_steps() == [5]  # its trainer's part and its orchestrator's
+        adapters[name] = (run.weights_adapter(5) / "adapter_model.safetensors").read_bytes()
+    assert len(adapters) == 2 and len(set(adapters.values())) == 2  # two learning rates, two adapters
+    trainer_log = (logs / "trainer.log").read_text()
+    for i, name in enumerate(sorted(names)):
+        assert f"run {name}: adapter slot {i}" in trainer_log
+    assert jobs.read_job(job)["kind"] == "rl"
