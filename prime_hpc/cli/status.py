@@ -75,7 +75,37 @@ def job_status(ref: Any) -> dict[str, Any]:
         "pipeline": job.get("pipeline"),
         "vitals": vitals(ref.run, _max_steps(ref.run), ended=overall in jobs.FINAL_STATES),
         "served": jobs.served(ref.run) if job.get("kind") == "serve" else None,
+        "runs": run_rows(ref.run, job.get("runs") or [], ended=overall in jobs.FINAL_STATES),
     }
+
+
+def run_rows(job_run: Any, names: list[str], ended: bool) -> list[dict]:
+    """Each run of a job that trains several (`--together`): its state (its `run.json`, else
+    running or waiting while the job runs; stopped when the job ended without its end), its
+    steps and its reward."""
+    from prime_hpc.rundir import runs
+    from prime_hpc.watch.vitals import vitals
+
+    rows = []
+    for name in names:
+        run = job_run.sub_run(name)
+        rec = runs.state(run)
+        v = vitals(run, _max_steps(run), ended=ended)
+        state = rec["state"] if rec else ("RUNNING" if v["trainer_step"] or v["orchestrator_step"] else "WAITING")
+        if rec is None and ended:
+            state = "STOPPED"
+        rows.append(
+            {
+                "name": name,
+                "state": state,
+                "trainer_step": v["trainer_step"],
+                "orchestrator_step": v["orchestrator_step"],
+                "max_steps": v["max_steps"],
+                "reward": v["reward"],
+                "reason": (rec or {}).get("reason"),
+            }
+        )
+    return rows
 
 
 def _max_steps(run: Any) -> Optional[int]:
@@ -104,7 +134,7 @@ def format_job(s: dict[str, Any]) -> list[str]:
         out.append(f"serving {found['model']} at {found['url']} (key: ${found['key_var']})")
     if s["slurm_note"]:
         out.append(s["slurm_note"])
-    rows = [("GROUP", "STATE", "HEARTBEAT")]
+    rows: list[tuple[str, ...]] = [("GROUP", "STATE", "HEARTBEAT")]
     for g, info in s["groups"].items():
         beat = info["heartbeat"] or {}
         rows.append((g, info["state"], ago(beat.get("time")) + (f" step {beat['step']}" if "step" in beat else "")))
@@ -129,6 +159,13 @@ def format_job(s: dict[str, Any]) -> list[str]:
             + (f" ({lost['reason']})" if lost.get("reason") else "")
             + f"; {then}; see {lost.get('log')}"
         )
+    if s.get("runs"):
+        rows = [("RUN", "STATE", "STEP", "REWARD")]
+        for r in s["runs"]:
+            step = f"{r['trainer_step'] or 0}/{r['max_steps'] or '-'}"
+            reward = f"{r['reward']:.3f}" if r["reward"] is not None else "-"
+            rows.append((r["name"], r["state"], step, reward + (f"  ({r['reason']})" if r.get("reason") else "")))
+        out += columns(rows, indent="  ")
     if s["failure"]:
         f = s["failure"]
         out.append(f"failed: {f.get('component') or 'job'}{jobs.on_node(f)} {f.get('reason', '')}; see {f.get('log')}")

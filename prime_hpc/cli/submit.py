@@ -94,6 +94,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "trainer (trainer.max_concurrent_runs; docs/launcher.md)",
     )
     s.add_argument(
+        "--into",
+        metavar="JOB",
+        default=None,
+        help="add the run (each point with -m) to a running job submitted --together; it takes an "
+        "adapter slot of its trainer when one is free",
+    )
+    s.add_argument(
         "--max-parallel",
         type=int,
         default=None,
@@ -149,6 +156,8 @@ def run(a: argparse.Namespace) -> int:
         return run_bench(a)
     from prime_hpc.launcher import sweep
 
+    if getattr(a, "into", None):
+        return run_into(a)
     if getattr(a, "together", False):
         return run_together(a)
     if a.max_parallel is not None and a.max_parallel < 1:
@@ -214,6 +223,30 @@ def run_together(a: argparse.Namespace) -> int:
         from prime_hpc.cli.tail import follow_ref
 
         return follow_ref(ref)
+    return 0
+
+
+def run_into(a: argparse.Namespace) -> int:
+    """`... --into <job>`: new runs of a running job that trains several."""
+    from prime_hpc.launcher import together
+    from prime_hpc.rundir import jobs
+
+    if a.together or a.max_parallel is not None or a.follow:
+        raise UserError("--into adds runs to a running job: drop --together, --max-parallel and --follow")
+    ref = jobs.resolve(a.into)
+    runs = together.compose_into(a.overrides, a.multirun, ref)
+    if a.dry_run:
+        files = [f for r in runs for f in _run_files(r)]
+        print("dry run: nothing added; would write " + ", ".join(files))
+        return 0
+    together.write_runs(runs)
+    names = [str(r.name) for r in runs]
+    jobs.update_job(ref.run, runs=[*(jobs.read_job(ref.run).get("runs") or []), *names])
+    print(
+        f"added {len(names)} run(s) to job {ref.job_id} ({ref.name}): {', '.join(names)}; each takes an adapter "
+        f"slot of its trainer when one is free"
+    )
+    print(f"  output dir: {ref.output_dir}/runs/<name>/    state: prime-hpc status {ref.job_id}")
     return 0
 
 

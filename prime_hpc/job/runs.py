@@ -61,20 +61,27 @@ def last_line(path: Path) -> str:
 
 
 def run_all(job: RunDir) -> dict:
-    """Every run's orchestrator, until all have ended; {"runs": {name: exit code}}."""
+    """Every run's orchestrator, until all have ended; {"runs": {name: exit code}}. Runs
+    that appear meanwhile (`submit --into`), or that a resume makes to run again (a new
+    trainer config), are started too."""
     procs: dict[str, subprocess.Popen] = {}
-    for name in job.sub_runs():
-        if runs.is_over(job.sub_run(name)):
-            print(f"prime-hpc head: run {name} is over ({runs.state(job.sub_run(name))}); not started", flush=True)
-            continue
-        procs[name] = start(job, name)
-        print(
-            f"prime-hpc head: run {name}: orchestrator pid {procs[name].pid}, log {orchestrator_log(job, name)}",
-            flush=True,
-        )
+    started: dict[str, Optional[int]] = {}  # run -> the trainer config it was started (or found over) under
     codes: dict[str, int] = {}
     try:
-        while len(codes) < len(procs):
+        while True:
+            for name in job.sub_runs():
+                run = job.sub_run(name)
+                running = name in procs and procs[name].poll() is None
+                if running or (name in started and started[name] == runs.config_mtime(run)):
+                    continue
+                started[name] = runs.config_mtime(run)
+                if runs.is_over(run):
+                    print(f"prime-hpc head: run {name} is over ({runs.state(run)}); not started", flush=True)
+                    continue
+                procs[name] = start(job, name)
+                codes.pop(name, None)
+                log = orchestrator_log(job, name)
+                print(f"prime-hpc head: run {name}: orchestrator pid {procs[name].pid}, log {log}", flush=True)
             for name, p in procs.items():
                 if name in codes or p.poll() is None:
                     continue
@@ -86,6 +93,8 @@ def run_all(job: RunDir) -> dict:
                     why = f"its orchestrator exited {p.returncode}: {last_line(log)}"
                     runs.record(job.sub_run(name), runs.FAILED, reason=why)
                     print(f"prime-hpc head: run {name} failed ({why}); see {log}; the other runs go on", flush=True)
+            if len(codes) == len(procs):  # every orchestrator started has ended
+                break
             time.sleep(POLL_S)
     finally:
         stop(procs)

@@ -41,7 +41,6 @@ def compose_together(overrides: list[str]) -> tuple[Any, list[Any]]:
     from prime_hpc.config.overrides import override
     from prime_hpc.config.sweep import expand_sweep
     from prime_hpc.config.validate import validate
-    from prime_hpc.launcher.sweep import swept
 
     points = expand_sweep(overrides)
     if len(points) < 2:
@@ -61,29 +60,72 @@ def compose_together(overrides: list[str]) -> tuple[Any, list[Any]]:
         validate(job)
     except UserError as e:
         raise UserError(f"--together: {e}") from None
+    names = [f"{job.name}_{i}" for i in range(len(points))]
+    return job, compose_runs(job, points, names, overrides, "the first point's")
+
+
+def compose_runs(job: Any, points: list[list[str]], names: list[str], overrides: list[str], whose: str) -> list[Any]:
+    """Each point as run `names[i]` of `job` (runs/<name>/ of its directory), validated and
+    checked against what the job's parts share."""
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.overrides import override
+    from prime_hpc.config.validate import validate
+    from prime_hpc.launcher.sweep import swept
+
     runs = []
-    for i, point in enumerate(points):
-        name = f"{job.name}_{i}"
+    for i, (point, name) in enumerate(zip(points, names)):
         extra = [
             override("name", name),
             override("output_dir", f"{job.output_dir}/runs/{name}"),
             override("job_dir", job.output_dir),
-            override("trainer.max_concurrent_runs", k),
+            override("trainer.max_concurrent_runs", job.trainer.max_concurrent_runs),
         ]
         try:
             cfg = compose([*point, *extra])
             validate(cfg)
             for key in SHARED:
-                mine, theirs = _plain(job, key), _plain(cfg, key)
-                if mine != theirs:
+                if _plain(job, key) != _plain(cfg, key):
                     raise UserError(
-                        f"{key} differs from the first point's: the runs of one job share its servers and its "
-                        f"trainer ({', '.join(SHARED)}); sweep those as separate jobs (without --together)"
+                        f"{key} differs from {whose}: the runs of one job share its servers and its "
+                        f"trainer ({', '.join(SHARED)}); run it as a job of its own"
                     )
         except UserError as e:
-            raise UserError(f"sweep point {i} ({swept(point, overrides)}): {e}") from None
+            raise UserError(
+                f"sweep point {i} ({swept(point, overrides)}): {e}" if len(points) > 1 else str(e)
+            ) from None
         runs.append(cfg)
-    return job, runs
+    return runs
+
+
+def compose_into(overrides: list[str], multirun: bool, ref: Any) -> list[Any]:
+    """`submit [-m] ... --into <job>`: the run (or each point of the sweep) as a new run of
+    the running job `ref`, which trains several (`--together`): named like a run (`name`,
+    `<name>_<i>` for a sweep), refused in one line when the job is not running, trains one
+    run at a time, already has a run of that name, or the run differs in what the job's
+    parts share."""
+    from prime_hpc.config.compose import compose, recorded_config
+    from prime_hpc.config.sweep import expand_sweep
+    from prime_hpc.rundir import jobs
+
+    record = jobs.read_job(ref.run)
+    if not record.get("runs"):
+        raise UserError(
+            f"--into {ref.name}: job {ref.job_id} trains one run; only a job submitted --together takes more"
+        )
+    if record.get("state") in jobs.FINAL_STATES:
+        raise UserError(
+            f"--into {ref.name}: job {ref.job_id} has ended ({record.get('state')}); submit the runs --together as a new job"
+        )
+    job = recorded_config(ref.run.config_yaml)
+    points = expand_sweep(overrides) if multirun else [list(overrides)]
+    base = compose(points[0]).name
+    names = [f"{base}_{i}" for i in range(len(points))] if len(points) > 1 else [str(base)]
+    taken = set(ref.run.sub_runs()) & set(names)
+    if taken:
+        raise UserError(
+            f"--into {ref.name}: the job already has run(s) {', '.join(sorted(taken))}; give another name=..."
+        )
+    return compose_runs(job, points, names, overrides, f"job {ref.job_id}'s")
 
 
 def _plain(cfg: Any, key: str) -> Any:

@@ -16,7 +16,7 @@ a run's adapter, optimizer and schedule, nothing of the others), metrics
 The loop, every rank in step (rank 0 decides, `broadcast_object_list` tells the others):
 
 1. runs that appeared in `runs/` take a free slot (at most K at once), first come first
-   served by name; a run whose base model or LoRA shape differs from the job's is refused
+   served (by when their trainer config was written, then by name); a run whose base model or LoRA shape differs from the job's is refused
    in one line (its `control/failed_trainer.json`, the trainer's log) and the others go on;
    a run whose config says `ckpt.step` resumes from its own checkpoint;
 2. among the runs holding a slot, the next (round robin) whose rollouts of its next step are
@@ -164,6 +164,7 @@ class MultiRun:
 
         known = set(self.lanes) | set(self.ended) | set(self.refused)
         waiting = [r for r in self.job.sub_runs() if r not in known and not runs.is_over(self.job.sub_run(r))]
+        waiting.sort(key=lambda r: (runs.config_mtime(self.job.sub_run(r)) or 0, r))  # first come, first served
         admit = waiting[: len(self.free)]
         end, ready = [], []
         for name, lane in self.lanes.items():

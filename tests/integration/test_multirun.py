@@ -24,11 +24,8 @@ def _rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_alone(tmp_path):
-    job = RunDir(tmp_path / "job")
-    r = cli(
-        "submit",
-        "-m",
+def _common(job: RunDir) -> list[str]:
+    return [
         "+experiment=reverse_text",
         "cluster=local",
         "warmup.experiment=null",
@@ -47,19 +44,37 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
         "trainer.optim.schedule=constant",
         "trainer.model.lora.enabled=true",
         "trainer.model.lora.rank=8",
+    ]
+
+
+def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_alone(tmp_path):
+    """Four runs in four adapter slots; the two that fail give their slots back, and a run
+    added to the running job (`--into`) takes one; `status` shows every run."""
+    job = RunDir(tmp_path / "job")
+    r = cli(
+        "submit",
+        "-m",
+        *_common(job),
         f"trainer.optim.lr={','.join(map(str, LRS))}",
         "+orchestrator.env.0.args.raise_every=0,1",
         "--together",
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "4 runs together" in r.stdout and "4 at a time on one trainer" in r.stdout, r.stdout
+    late = cli("submit", *_common(job), "name=late", "trainer.optim.lr=5e-3", "--into", str(job.root))
+    assert late.returncode == 0 and "added 1 run(s)" in late.stdout, late.stdout + late.stderr
+    clash = cli("submit", *_common(job), "name=late", "--into", str(job.root))
+    assert clash.returncode == 2 and "already has run(s) late" in clash.stderr, clash.stderr
+    other = cli("submit", *_common(job), "name=other", "trainer.model.lora.rank=4", "--into", str(job.root))
+    assert other.returncode == 2 and "trainer.model differs from job" in other.stderr, other.stderr
     record = wait_ended(job, 600)
     assert record["state"] == "COMPLETED", record  # two runs failed, not the job
     names = record["runs"]
-    assert sorted(names) == [f"reverse_text_{i}" for i in range(4)] == job.sub_runs()
+    assert names == [f"reverse_text_{i}" for i in range(4)] + ["late"] and sorted(names) == job.sub_runs()
     logs = job.latest_logs.resolve()
     # the sweep's order: lr varies slowest, raise_every fastest
-    points = {name: (LRS[i // 2], i % 2 == 1) for i, name in enumerate(sorted(names))}
+    points = {f"reverse_text_{i}": (LRS[i // 2], i % 2 == 1) for i in range(4)}
+    points["late"] = (5e-3, False)
 
     adapters = {}
     for name, (lr, raises) in points.items():
@@ -79,8 +94,10 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
         assert meta["serve"] == "adapter" and meta["merged"] is True
         assert run.complete_checkpoint_steps() == [5]  # its trainer's part and its orchestrator's
         adapters[name] = (run.weights_adapter(5) / "adapter_model.safetensors").read_bytes()
-    assert len(adapters) == 2 and len(set(adapters.values())) == 2  # two learning rates, two adapters
+    assert len(adapters) == 3 and len(set(adapters.values())) == 3  # three learning rates, three adapters
     trainer_log = (logs / "trainer.log").read_text()
-    for i, name in enumerate(sorted(names)):
-        assert f"run {name}: adapter slot {i}" in trainer_log
+    assert all(f"run {name}: adapter slot" in trainer_log for name in adapters)  # first come, first served
+    assert trainer_log.index("run late: adapter slot") > trainer_log.index("run reverse_text_2: adapter slot")
+    status = cli("status", str(job.root)).stdout
+    assert "RUN" in status and all(n in status for n in names) and status.count("FAILED") == 2, status
     assert jobs.read_job(job)["kind"] == "rl"
