@@ -389,6 +389,21 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
             "resume",
             f"job {live} of {run.root} is still alive; let it end or cancel it first (prime-hpc cancel {live})",
         )
+    if jobs.read_job(run).get("runs"):  # a job of several runs: each resumes from its own checkpoint
+        from prime_hpc.launcher.together import write_runs
+        from prime_hpc.rundir import runs as run_records
+
+        for name in jobs.read_job(run).get("runs") or []:
+            sub_run = run.sub_run(name)
+            if not run_records.is_over(sub_run):  # stopped midway: on from its latest checkpoint, if any
+                cfg = recorded_config(sub_run.config_yaml)
+                latest = sub_run.latest_checkpoint_step()
+                cfg.ckpt.step = -1 if latest else None
+                sub_run.clear_after(latest or 0)
+                write_runs([cfg])
+        sub = submit(recorded_config(run.config_yaml, overrides), overrides, resume=True)
+        sub.resume_step = None
+        return sub
     cfg = recorded_config(run.config_yaml, overrides)
     if cfg.ckpt.step is None or not any(o.split("=", 1)[0].lstrip("+") == "ckpt.step" for o in overrides):
         cfg.ckpt.step = -1
@@ -403,6 +418,47 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
     sub = submit(cfg, overrides, resume=True)
     sub.resume_step = step
     return sub
+
+
+def resume_run(ref: jobs.JobRef, name: str, overrides: Sequence[str]) -> tuple[Optional[int], Optional[Submitted]]:
+    """Run `name` of a job that trains several again from its own checkpoint (`ckpt.step`
+    defaults to -1), its recorded config plus `overrides`: (the step it resumes from, the
+    job submitted again, or None when the job is still running: its head and trainer take
+    the run up again). Refused in one line for an unknown run, a step that is not a complete
+    checkpoint of it, or a max_steps it already reached."""
+    from prime_hpc.config.compose import recorded_config
+    from prime_hpc.launcher.together import write_runs
+    from prime_hpc.rundir.checkpoints import resolve_resume_step
+
+    known = jobs.read_job(ref.run).get("runs") or []
+    if name not in known:
+        raise ConfigError(
+            "resume",
+            f"--run {name}: job {ref.job_id} ({ref.name}) has "
+            + (f"the runs {', '.join(known)}" if known else "no runs of its own (it was not submitted --together)"),
+        )
+    run = ref.run.sub_run(name)
+    cfg = recorded_config(run.config_yaml, overrides)
+    if not any(o.split("=", 1)[0].lstrip("+") == "ckpt.step" for o in overrides):
+        cfg.ckpt.step = -1
+    step = resolve_resume_step(run, int(cfg.ckpt.step), CHECKPOINT_PARTS)
+    if step is not None and cfg.max_steps is not None and step >= cfg.max_steps:
+        raise ConfigError(
+            "max_steps",
+            f"run {name} already reached step {step} (max_steps={cfg.max_steps}); "
+            f"raise it to continue, e.g. max_steps={step + (cfg.max_steps or 10)}",
+        )
+    validate(cfg)
+    live = active_job(ref.run)
+    from prime_hpc.rundir import runs as run_records
+
+    if live and not run_records.is_over(run):
+        raise ConfigError("resume", f"--run {name}: it is still running in job {live}; let it end first")
+    run.clear_after(step or 0)  # nothing of a later step (rollouts/DONE included) is taken for new
+    write_runs([cfg])  # a new trainer config: the run is to run again
+    if live:
+        return step, None
+    return step, resume(ref, [])
 
 
 def wait_done(sub: Submitted, timeout_s: float, poll_s: float = 2.0) -> str:

@@ -7,6 +7,7 @@ always raises: those two runs fail alone, the other two train to their end."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -101,3 +102,23 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     status = cli("status", str(job.root)).stdout
     assert "RUN" in status and all(n in status for n in names) and status.count("FAILED") == 2, status
     assert jobs.read_job(job)["kind"] == "rl"
+
+    # one run resumed alone from its own checkpoint: the job is submitted again, the others
+    # stay as they ended
+    again = cli("resume", str(job.root), "--run", "reverse_text_0", "max_steps=7")
+    assert again.returncode == 0 and "resumed run reverse_text_0" in again.stdout, again.stdout + again.stderr
+    assert "from checkpoint step 5" in again.stdout
+    deadline = time.monotonic() + 600
+    while len(attempts := jobs.read_job(job).get("attempts") or []) < 2 or not attempts[-1].get("end"):
+        assert time.monotonic() < deadline, jobs.read_job(job)
+        time.sleep(1)
+    record = wait_ended(job, 600)
+    assert record["state"] == "COMPLETED" and len(record["attempts"]) == 2, record
+    rows = _rows(job.sub_run("reverse_text_0").metrics("trainer"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7] and "time/load_ckpt" in rows[5], rows
+    assert json.loads(job.sub_run("reverse_text_0").run_json.read_text())["step"] == 7
+    assert [r["step"] for r in _rows(job.sub_run("late").metrics("trainer"))] == [1, 2, 3, 4, 5]
+    second = (job.latest_logs.resolve() / "trainer.log").read_text()
+    assert "run reverse_text_0: resumed from" in second and "run late:" not in second
+    nope = cli("resume", str(job.root), "--run", "nosuch")
+    assert nope.returncode == 2 and "has the runs reverse_text_0" in nope.stderr, nope.stderr
