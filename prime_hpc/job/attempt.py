@@ -101,6 +101,8 @@ def start(run: RunDir, job_id: str) -> str:
                 failure={"component": None, "rc": 1, "reason": str(e), "log": str(logs)},
             )
         raise
+    if restarted:  # a job of several runs: each one not over goes on from its own latest checkpoint
+        resume_runs(run)
     with editing_job(run) as job:
         job.update(state=RUNNING, attempt=k, failure=None, ended_at=None)
         job.setdefault("attempts", []).append(
@@ -204,6 +206,22 @@ def _set_resume_step(run: RunDir, step: Optional[int]) -> None:
             continue
         cfg.setdefault("ckpt", {})["step"] = step
         atomic_write_text(run.component_config(component), yaml.safe_dump(cfg, sort_keys=False))
+
+
+def resume_runs(job: RunDir) -> None:
+    """A requeued job of several runs (`runs/<name>/`): every run that is not over continues
+    from its own latest complete checkpoint (or starts over), like a requeued run; one
+    whose checkpoints cannot be read fails alone (its `run.json`)."""
+    from prime_hpc.rundir import runs
+
+    for name in job.sub_runs():
+        sub = job.sub_run(name)
+        if runs.is_over(sub):
+            continue
+        try:
+            resume_point(sub, restarted=True)
+        except UserError as e:
+            runs.record(sub, runs.FAILED, reason=f"cannot continue after the requeue: {e}")
 
 
 def resume_point(run: RunDir, restarted: bool) -> Optional[int]:

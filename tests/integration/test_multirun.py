@@ -1,5 +1,5 @@
 """Several runs in one job, as a user submits them (`prime-hpc submit -m ... --together`,
-cluster=local): one vLLM server holding every run's adapter, one multi-run trainer
+on the dev cluster): one vLLM server holding every run's adapter, one multi-run trainer
 (`trainer.max_concurrent_runs`), one orchestrator per run under the head; each run lives in
 the job's `runs/<name>/`. Two learning rates, each once with an environment whose reward
 always raises: those two runs fail alone, the other two train to their end."""
@@ -15,10 +15,15 @@ from prime_hpc.rundir import STABLE, RunDir, jobs
 from tests.conftest import REPO, cli
 from tests.integration.test_env_failures import wait_ended
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
+ENV = {"INFERENCE_SERVER_API_KEY": "together-test-key-81f3", "SBATCH_EXPORT": "NONE"}
 
 FLAKY = REPO / "tests" / "envs" / "flaky_reverse.py"
 LRS = (2e-3, 2e-2)
+
+
+def _cli(*args: str):
+    return cli(*args, env=ENV)
 
 
 def _rows(path) -> list[dict]:
@@ -28,7 +33,7 @@ def _rows(path) -> list[dict]:
 def _common(job: RunDir) -> list[str]:
     return [
         "+experiment=reverse_text",
-        "cluster=local",
+        "cluster=dev",
         "warmup.experiment=null",
         f"output_dir={job.root}",
         "max_steps=5",
@@ -52,7 +57,7 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     """Four runs in four adapter slots; the two that fail give their slots back, and a run
     added to the running job (`--into`) takes one; `status` shows every run."""
     job = RunDir(tmp_path / "job")
-    r = cli(
+    r = _cli(
         "submit",
         "-m",
         *_common(job),
@@ -62,11 +67,11 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "4 runs together" in r.stdout and "4 at a time on one trainer" in r.stdout, r.stdout
-    late = cli("submit", *_common(job), "name=late", "trainer.optim.lr=5e-3", "--into", str(job.root))
+    late = _cli("submit", *_common(job), "name=late", "trainer.optim.lr=5e-3", "--into", str(job.root))
     assert late.returncode == 0 and "added 1 run(s)" in late.stdout, late.stdout + late.stderr
-    clash = cli("submit", *_common(job), "name=late", "--into", str(job.root))
+    clash = _cli("submit", *_common(job), "name=late", "--into", str(job.root))
     assert clash.returncode == 2 and "already has run(s) late" in clash.stderr, clash.stderr
-    other = cli("submit", *_common(job), "name=other", "trainer.model.lora.rank=4", "--into", str(job.root))
+    other = _cli("submit", *_common(job), "name=other", "trainer.model.lora.rank=4", "--into", str(job.root))
     assert other.returncode == 2 and "trainer.model differs from job" in other.stderr, other.stderr
     record = wait_ended(job, 600)
     assert record["state"] == "COMPLETED", record  # two runs failed, not the job
@@ -99,13 +104,13 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     trainer_log = (logs / "trainer.log").read_text()
     assert all(f"run {name}: adapter slot" in trainer_log for name in adapters)  # first come, first served
     assert trainer_log.index("run late: adapter slot") > trainer_log.index("run reverse_text_2: adapter slot")
-    status = cli("status", str(job.root)).stdout
+    status = _cli("status", str(job.root)).stdout
     assert "RUN" in status and all(n in status for n in names) and status.count("FAILED") == 2, status
     assert jobs.read_job(job)["kind"] == "rl"
 
     # one run resumed alone from its own checkpoint: the job is submitted again, the others
     # stay as they ended
-    again = cli("resume", str(job.root), "--run", "reverse_text_0", "max_steps=7")
+    again = _cli("resume", str(job.root), "--run", "reverse_text_0", "max_steps=7")
     assert again.returncode == 0 and "resumed run reverse_text_0" in again.stdout, again.stdout + again.stderr
     assert "from checkpoint step 5" in again.stdout
     deadline = time.monotonic() + 600
@@ -120,5 +125,5 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     assert [r["step"] for r in _rows(job.sub_run("late").metrics("trainer"))] == [1, 2, 3, 4, 5]
     second = (job.latest_logs.resolve() / "trainer.log").read_text()
     assert "run reverse_text_0: resumed from" in second and "run late:" not in second
-    nope = cli("resume", str(job.root), "--run", "nosuch")
+    nope = _cli("resume", str(job.root), "--run", "nosuch")
     assert nope.returncode == 2 and "has the runs reverse_text_0" in nope.stderr, nope.stderr
