@@ -372,7 +372,6 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
     checkpoint). Refuses while a job of the run is alive or when the step is not a
     complete checkpoint (naming the complete ones)."""
     from prime_hpc.config.compose import recorded_config
-    from prime_hpc.rundir.checkpoints import resolve_resume_step
 
     run = ref.run
     kind = jobs.read_job(run).get("kind", ref.kind)
@@ -404,6 +403,19 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
         sub = submit(recorded_config(run.config_yaml, overrides), overrides, resume=True)
         sub.resume_step = None
         return sub
+    cfg, step = resume_config(run, overrides, "the run")
+    sub = submit(cfg, overrides, resume=True)
+    sub.resume_step = step
+    return sub
+
+
+def resume_config(run: RunDir, overrides: Sequence[str], who: str) -> tuple[DictConfig, Optional[int]]:
+    """The recorded config of `run` plus `overrides` (`ckpt.step` -1 unless given) and the
+    checkpoint step it resumes from; refused in one line when that step is not complete or
+    already reached `max_steps`."""
+    from prime_hpc.config.compose import recorded_config
+    from prime_hpc.rundir.checkpoints import resolve_resume_step
+
     cfg = recorded_config(run.config_yaml, overrides)
     if cfg.ckpt.step is None or not any(o.split("=", 1)[0].lstrip("+") == "ckpt.step" for o in overrides):
         cfg.ckpt.step = -1
@@ -412,12 +424,10 @@ def resume(ref: jobs.JobRef, overrides: Sequence[str]) -> Submitted:
     if step is not None and cfg.max_steps is not None and step >= cfg.max_steps:
         raise ConfigError(
             "max_steps",
-            f"the run already reached step {step} (max_steps={cfg.max_steps}); "
+            f"{who} already reached step {step} (max_steps={cfg.max_steps}); "
             f"raise it to continue, e.g. max_steps={step + (cfg.max_steps or 10)}",
         )
-    sub = submit(cfg, overrides, resume=True)
-    sub.resume_step = step
-    return sub
+    return cfg, step
 
 
 def resume_run(ref: jobs.JobRef, name: str, overrides: Sequence[str]) -> tuple[Optional[int], Optional[Submitted]]:
@@ -426,9 +436,7 @@ def resume_run(ref: jobs.JobRef, name: str, overrides: Sequence[str]) -> tuple[O
     job submitted again, or None when the job is still running: its head and trainer take
     the run up again). Refused in one line for an unknown run, a step that is not a complete
     checkpoint of it, or a max_steps it already reached."""
-    from prime_hpc.config.compose import recorded_config
     from prime_hpc.launcher.together import write_runs
-    from prime_hpc.rundir.checkpoints import resolve_resume_step
 
     known = jobs.read_job(ref.run).get("runs") or []
     if name not in known:
@@ -438,16 +446,7 @@ def resume_run(ref: jobs.JobRef, name: str, overrides: Sequence[str]) -> tuple[O
             + (f"the runs {', '.join(known)}" if known else "no runs of its own (it was not submitted --together)"),
         )
     run = ref.run.sub_run(name)
-    cfg = recorded_config(run.config_yaml, overrides)
-    if not any(o.split("=", 1)[0].lstrip("+") == "ckpt.step" for o in overrides):
-        cfg.ckpt.step = -1
-    step = resolve_resume_step(run, int(cfg.ckpt.step), CHECKPOINT_PARTS)
-    if step is not None and cfg.max_steps is not None and step >= cfg.max_steps:
-        raise ConfigError(
-            "max_steps",
-            f"run {name} already reached step {step} (max_steps={cfg.max_steps}); "
-            f"raise it to continue, e.g. max_steps={step + (cfg.max_steps or 10)}",
-        )
+    cfg, step = resume_config(run, overrides, f"run {name}")
     validate(cfg)
     live = active_job(ref.run)
     from prime_hpc.rundir import runs as run_records

@@ -39,18 +39,24 @@ from prime_hpc.core.errors import UserError
 PEFT_PREFIX = "base_model.model."
 
 
+def _take_base(layer: nn.Linear, base: nn.Linear) -> dict[str, Any]:
+    """Make `layer` (not yet initialised) hold `base`'s weight and bias as its own; the
+    device and dtype its adapters are made with."""
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = base.in_features, base.out_features
+    layer.weight = base.weight
+    if base.bias is not None:
+        layer.bias = base.bias
+    else:
+        layer.register_parameter("bias", None)
+    return {"device": base.weight.device, "dtype": base.weight.dtype}
+
+
 class LoRALinear(nn.Linear):
     """`nn.Linear` with a trainable low-rank update (see the module docstring)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        if base.bias is not None:
-            self.bias = base.bias
-        else:
-            self.register_parameter("bias", None)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw = _take_base(self, base)
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -71,14 +77,7 @@ class SlotLoRALinear(nn.Linear):
     """`nn.Linear` with K low-rank updates side by side, one used at a time (`active`)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, slots: int) -> None:
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        if base.bias is not None:
-            self.bias = base.bias
-        else:
-            self.register_parameter("bias", None)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw = _take_base(self, base)
         names = [str(i) for i in range(slots)]
         self.lora_A = nn.ModuleDict({s: nn.Linear(self.in_features, rank, bias=False, **kw) for s in names})
         self.lora_B = nn.ModuleDict({s: nn.Linear(rank, self.out_features, bias=False, **kw) for s in names})
