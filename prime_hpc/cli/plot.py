@@ -17,14 +17,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def runs_of(names: list[str]) -> list[tuple[str, Any]]:
-    """(legend label, run dir) for every job named; a sweep point's label is its swept values."""
+    """(legend label, run dir) for every job named; a sweep point's label is its swept values,
+    a run of a job of several (`--together`) its name."""
     from prime_hpc.rundir import jobs
 
     out = []
     for name in names:
         refs = jobs.resolve_many(name)
         for ref in refs:
-            swept = (jobs.read_job(ref.run).get("sweep") or {}).get("swept")
+            record = jobs.read_job(ref.run)
+            if record.get("runs"):  # a job of several runs: each one's curves
+                out += [(run, ref.run.sub_run(run)) for run in record["runs"]]
+                continue
+            swept = (record.get("sweep") or {}).get("swept")
             out.append((swept or ref.name if len(refs) > 1 else ref.name, ref.run))
     labels = [label for label, _ in out]
     return [(f"{label} ({run.root.name})" if labels.count(label) > 1 else label, run) for label, run in out]

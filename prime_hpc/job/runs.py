@@ -31,7 +31,7 @@ STOP_WAIT_S = 60.0  # after a stop, how long an orchestrator has to end before i
 def run_logs(job: RunDir, name: str) -> Path:
     """Where run `name`'s orchestrator logs in this attempt."""
     logs = jobenv.logs_dir()
-    return (logs if logs else job.root / "logs") / "runs" / name
+    return RunDir.sub_run_logs(logs if logs else job.root / "logs", name)
 
 
 def start(job: RunDir, name: str) -> subprocess.Popen:

@@ -524,6 +524,12 @@ class RunDir:
     # Log paths are built from an attempt's log directory; the job scripts build theirs with
     # the same methods from the shell's `$LOGS` (and a node given as `$n` or SLURM's `%n`).
     @staticmethod
+    def sub_run_logs(logs: Path | str, name: str) -> Path:
+        """`<attempt>/runs/<name>/`: the logs of run `name` of a job that trains several (its
+        orchestrator's `orchestrator.log`, its environments' `envs/`)."""
+        return Path(logs) / "runs" / name
+
+    @staticmethod
     def component_log(logs: Path | str, component: str) -> Path:
         """`<attempt>/orchestrator.log`, `trainer.log`, `inference.log` (rank/node 0)."""
         return Path(logs) / f"{component}.log"

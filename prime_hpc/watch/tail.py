@@ -4,6 +4,7 @@ its source, until the job ends.
 Sources (one attempt's tree, `logs/latest -> attempt_<k>`; see docs/run-directory.md):
 
     orchestrator.log                    orchestrator
+    runs/<name>/orchestrator.log        orchestrator[<name>]: run <name> of a job of several
     inference/node_<i>.log              inference[<i>]
     ../extra/<id>/inference/node_<id>.<n>.log   inference[<id>.<n>]: a server of an extra
                                         job (`prime-hpc scale`) that had not ended when the
@@ -200,6 +201,10 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
     orchestrator = RunDir.log_of(logs, "orchestrator")
     if "orchestrator" in components and orchestrator.is_file():
         found.append(Source(orchestrator, "orchestrator"))
+    for name in _listdir(logs / "runs") if "orchestrator" in components else []:  # a job of several runs
+        own = RunDir.component_log(RunDir.sub_run_logs(logs, name), "orchestrator")
+        if own.is_file():
+            found.append(Source(own, f"orchestrator[{name}]"))
     if "inference" in components:
         found += [
             Source(RunDir.log_of(logs, "inference", i), f"inference[{i}]")

@@ -106,6 +106,10 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     assert trainer_log.index("run late: adapter slot") > trainer_log.index("run reverse_text_2: adapter slot")
     status = _cli("status", str(job.root)).stdout
     assert "RUN" in status and all(n in status for n in names) and status.count("FAILED") == 2, status
+    tail = _cli("tail", str(job.root), "-n", "3").stdout  # each run's orchestrator, by name
+    assert all(f"orchestrator[{n}]" in tail for n in names) and "last step written: 5" in tail, tail
+    plot = _cli("plot", str(job.root), "-o", str(tmp_path / "runs.png"))
+    assert plot.returncode == 0 and "(5 runs)" in plot.stdout and (tmp_path / "runs.png").stat().st_size > 0, plot
     assert jobs.read_job(job)["kind"] == "rl"
 
     # one run resumed alone from its own checkpoint: the job is submitted again, the others
