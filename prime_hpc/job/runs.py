@@ -4,7 +4,8 @@ orchestrator process per run of the job's `runs/`, side by side on the head node
 Each is `python -m prime_hpc.orchestrator --config runs/<name>/configs/orchestrator.yaml`,
 its log `logs/<attempt>/runs/<name>/orchestrator.log` (its environments' logs beside it). A
 run already over under its config (`prime_hpc.rundir.runs`: ended, refused, failed) is not
-started again. An orchestrator that fails ends its run only: the head records it
+started again. A run cancelled alone (`prime-hpc cancel <job> --run <name>`) has its
+orchestrator stopped (SIGTERM). An orchestrator that fails ends its run only: the head records it
 (`runs/<name>/run.json` FAILED, with the last line of its log), the trainer frees the
 run's adapter slot, and the others go on. The head ends when every orchestrator has; it
 fails (naming each run and its log) only when every run failed. A stop (SIGTERM) is passed
@@ -67,6 +68,7 @@ def run_all(job: RunDir) -> dict:
     procs: dict[str, subprocess.Popen] = {}
     started: dict[str, Optional[int]] = {}  # run -> the trainer config it was started (or found over) under
     codes: dict[str, int] = {}
+    cancelled: set[str] = set()
     try:
         while True:
             for name in job.sub_runs():
@@ -83,12 +85,19 @@ def run_all(job: RunDir) -> dict:
                 log = orchestrator_log(job, name)
                 print(f"prime-hpc head: run {name}: orchestrator pid {procs[name].pid}, log {log}", flush=True)
             for name, p in procs.items():
+                if p.poll() is None and name not in cancelled and runs.is_stopped(job.sub_run(name)):
+                    cancelled.add(name)  # `prime-hpc cancel <job> --run <name>`
+                    print(f"prime-hpc head: run {name} cancelled; stopping its orchestrator", flush=True)
+                    p.send_signal(signal.SIGTERM)
                 if name in codes or p.poll() is None:
                     continue
                 codes[name] = p.returncode
                 log = orchestrator_log(job, name)
-                if p.returncode == 0:
-                    print(f"prime-hpc head: run {name}: orchestrator done", flush=True)
+                if p.returncode == 0 or name in cancelled or runs.is_stopped(job.sub_run(name)):
+                    print(
+                        f"prime-hpc head: run {name}: orchestrator {'stopped' if name in cancelled else 'done'}",
+                        flush=True,
+                    )
                 else:
                     why = f"its orchestrator exited {p.returncode}: {last_line(log)}"
                     runs.record(job.sub_run(name), runs.FAILED, reason=why)

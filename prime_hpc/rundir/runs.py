@@ -1,7 +1,8 @@
 """How each run of a job that trains several (`trainer.max_concurrent_runs`, `runs/<name>/`)
 ended: `runs/<name>/run.json`, its `job.json`-equivalent, written by the job's trainer (a run
-ENDED, or REFUSED for a base model or LoRA shape that is not the job's) and by the job's
-head (a run whose orchestrator FAILED). Light: read by the trainer, the head and the CLI."""
+ENDED, or REFUSED for a base model or LoRA shape that is not the job's), by the job's
+head (a run whose orchestrator FAILED) and by `prime-hpc cancel <job> --run <name>`
+(CANCELLED). Light: read by the trainer, the head and the CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Optional
 from prime_hpc.rundir.files import atomic_write_json, read_json
 from prime_hpc.rundir.layout import RunDir
 
-ENDED, REFUSED, FAILED = "ENDED", "REFUSED", "FAILED"
+ENDED, REFUSED, FAILED, CANCELLED = "ENDED", "REFUSED", "FAILED", "CANCELLED"
 
 
 def config_mtime(run: RunDir) -> Optional[int]:
@@ -43,6 +44,7 @@ def is_over(run: RunDir) -> bool:
     return state(run) is not None
 
 
-def has_failed(run: RunDir) -> bool:
+def is_stopped(run: RunDir) -> bool:
+    """Its orchestrator failed, or it was cancelled: its trainer stops training it."""
     rec = state(run)
-    return rec is not None and rec.get("state") == FAILED
+    return rec is not None and rec.get("state") in (FAILED, CANCELLED)

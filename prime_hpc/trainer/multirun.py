@@ -170,7 +170,9 @@ class MultiRun:
         for name, lane in self.lanes.items():
             nxt = lane.step + 1
             done = lane.cfg.max_steps is not None and lane.step >= lane.cfg.max_steps
-            if done or rollouts_done_before(lane.run, nxt) or runs.has_failed(lane.run):  # its orchestrator ended
+            if (
+                done or rollouts_done_before(lane.run, nxt) or runs.is_stopped(lane.run)
+            ):  # its orchestrator failed, or it was cancelled
                 end.append(name)
             elif is_stable(lane.run.rollout_step(nxt)):
                 ready.append(name)
@@ -369,7 +371,7 @@ class MultiRun:
         self.free.append(lane.slot)
         self.free.sort()
         self.ended[name] = lane.step
-        if self.env.is_main and not runs.has_failed(lane.run):  # its orchestrator's failure stays recorded
+        if self.env.is_main and not runs.is_stopped(lane.run):  # a failure or a cancel stays recorded
             runs.record(lane.run, runs.ENDED, lane.step)
         logger.info(f"run {name}: ended at step {lane.step}; adapter slot {lane.slot} free")
 

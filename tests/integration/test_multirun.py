@@ -69,6 +69,9 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     assert "4 runs together" in r.stdout and "4 at a time on one trainer" in r.stdout, r.stdout
     late = _cli("submit", *_common(job), "name=late", "trainer.optim.lr=5e-3", "--into", str(job.root))
     assert late.returncode == 0 and "added 1 run(s)" in late.stdout, late.stdout + late.stderr
+    gone = _cli("submit", *_common(job), "name=gone", "--into", str(job.root))
+    stop = _cli("cancel", str(job.root), "--run", "gone")  # one run alone: the others go on
+    assert gone.returncode == stop.returncode == 0 and "cancelled run gone" in stop.stdout, stop.stdout + stop.stderr
     clash = _cli("submit", *_common(job), "name=late", "--into", str(job.root))
     assert clash.returncode == 2 and "already has run(s) late" in clash.stderr, clash.stderr
     other = _cli("submit", *_common(job), "name=other", "trainer.model.lora.rank=4", "--into", str(job.root))
@@ -76,7 +79,8 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     record = wait_ended(job, 600)
     assert record["state"] == "COMPLETED", record  # two runs failed, not the job
     names = record["runs"]
-    assert names == [f"reverse_text_{i}" for i in range(4)] + ["late"] and sorted(names) == job.sub_runs()
+    assert names == [f"reverse_text_{i}" for i in range(4)] + ["late", "gone"] and sorted(names) == job.sub_runs()
+    assert json.loads(job.sub_run("gone").run_json.read_text())["state"] == "CANCELLED"
     logs = job.latest_logs.resolve()
     # the sweep's order: lr varies slowest, raise_every fastest
     points = {f"reverse_text_{i}": (LRS[i // 2], i % 2 == 1) for i in range(4)}
@@ -107,9 +111,9 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     status = _cli("status", str(job.root)).stdout
     assert "RUN" in status and all(n in status for n in names) and status.count("FAILED") == 2, status
     tail = _cli("tail", str(job.root), "-n", "3").stdout  # each run's orchestrator, by name
-    assert all(f"orchestrator[{n}]" in tail for n in names) and "last step written: 5" in tail, tail
+    assert all(f"orchestrator[{n}]" in tail for n in names if n != "gone") and "last step written: 5" in tail, tail
     plot = _cli("plot", str(job.root), "-o", str(tmp_path / "runs.png"))
-    assert plot.returncode == 0 and "(5 runs)" in plot.stdout and (tmp_path / "runs.png").stat().st_size > 0, plot
+    assert plot.returncode == 0 and "(6 runs)" in plot.stdout and (tmp_path / "runs.png").stat().st_size > 0, plot
     assert jobs.read_job(job)["kind"] == "rl"
 
     # one run resumed alone from its own checkpoint: the job is submitted again, the others
