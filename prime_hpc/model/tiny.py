@@ -42,7 +42,7 @@ from prime_hpc.core import umask
 # Bump when the builder's output changes for the same parameters (invalidates caches).
 BUILDER_VERSION = 1
 # Bump when the init of a vocabulary wider than the tokenizer's changes (those models only).
-UNUSED_IDS_INIT = 1
+UNUSED_IDS_INIT = 2
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -263,7 +263,7 @@ def build_tiny_model(
             torch.set_default_dtype(previous)
     model = model.to(getattr(torch, dtype)).eval()
     if config.vocab_size > len(tokenizer):
-        _silence_unused_ids(model, len(tokenizer))
+        _silence_unused_ids(model, len(tokenizer), seed)
     model.generation_config = GenerationConfig(
         bos_token_id=None,
         eos_token_id=[vocab[IM_END], vocab[PAD_TOKEN]],
@@ -278,7 +278,7 @@ def build_tiny_model(
     return out
 
 
-def _silence_unused_ids(model: Any, real: int) -> None:
+def _silence_unused_ids(model: Any, real: int, seed: int) -> None:
     """Make a random model with more output ids than its tokenizer sample the real ones.
 
     A rung with a real model's vocabulary (tiny-0.6b: 151,936 ids, for its size in memory
@@ -294,9 +294,10 @@ def _silence_unused_ids(model: Any, real: int) -> None:
 
     head = model.get_output_embeddings().weight
     std = 8.0 / head.shape[1] ** 0.5
+    gen = torch.Generator().manual_seed(seed)  # the model's seed alone decides it
     with torch.no_grad():
         head[real:].zero_()
-        head[:real].normal_(0.0, std)
+        head[:real].copy_(torch.randn(head[:real].shape, generator=gen) * std)
 
 
 def _make_readable(path: Path) -> None:

@@ -64,6 +64,9 @@ def test_a_vocabulary_wider_than_the_tokenizer_samples_only_real_ids(tmp_path):
     with torch.no_grad():
         probs = model(ids).logits[0].float().softmax(-1)
     unused = probs[:, real:].sum(-1)  # the unused ids' share of the mass, at each position
-    assert unused.mean() < 0.01 and unused.max() < 0.2, unused
+    assert unused.mean() < 0.05 and unused.max() < 0.3, unused
     assert len(set(probs[:, :real].argmax(-1).tolist())) > 1  # not one token everywhere
     assert params_hash(0, vocab_size=151936) != params_hash(0, vocab_size=0)
+    torch.manual_seed(123)  # whatever the caller's RNG: the same files
+    again = build_tiny_model(tmp_path / "again", seed=0, intermediate_size=128, vocab_size=151936, **small)
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
