@@ -29,3 +29,8 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
         else:
             axes.append([str(o.input_line)])
     return [list(combo) for combo in itertools.product(*axes)]
+
+
+def swept(point: Sequence[str], overrides: Sequence[str]) -> str:
+    """What a sweep point sets differently from the others (its legend)."""
+    return " ".join(o for o in point if o not in overrides)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from prime_hpc.config.sweep import swept
 from prime_hpc.core.errors import UserError
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.plan import After
@@ -53,11 +54,6 @@ def compose_points(overrides: list[str], multirun: bool) -> list[Point]:
             raise
         composed.append((point, stages))
     return composed
-
-
-def swept(point: list[str], overrides: list[str]) -> str:
-    """What a sweep point sets differently from the others (its legend)."""
-    return " ".join(o for o in point if o not in overrides)
 
 
 def check_fresh(points: Sequence[Point], dry_run: bool = False) -> None:

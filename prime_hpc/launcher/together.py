@@ -69,8 +69,8 @@ def compose_runs(job: Any, points: list[list[str]], names: list[str], overrides:
     checked against what the job's parts share."""
     from prime_hpc.config.compose import compose
     from prime_hpc.config.overrides import override
+    from prime_hpc.config.sweep import swept
     from prime_hpc.config.validate import validate
-    from prime_hpc.launcher.sweep import swept
 
     runs = []
     for i, (point, name) in enumerate(zip(points, names)):

@@ -276,7 +276,7 @@ class MultiRun:
                 "trainer",
                 cfg.wandb,
                 run_name=cfg.name,
-                config={"trainer": runner._plain(cfg.trainer), "max_steps": cfg.max_steps, "adapter_slot": slot},
+                config={"trainer": runner.plain(cfg.trainer), "max_steps": cfg.max_steps, "adapter_slot": slot},
                 wandb_writer=False,  # each run's orchestrator writes its W&B run, these rows included
             )
         lane = Lane(name, run, cfg, slot, engine, ckpt, metrics, step=0, start_step=0)
@@ -289,7 +289,7 @@ class MultiRun:
 
         from prime_hpc.rundir import batch as rollout_batch
         from prime_hpc.trainer.dist import barrier
-        from prime_hpc.trainer.rl import _log_step, make_loss_fn
+        from prime_hpc.trainer.rl import log_step, make_loss_fn
 
         t0 = time.perf_counter()
         step = lane.step + 1
@@ -316,7 +316,7 @@ class MultiRun:
         if self.env.is_main:
             runner.prune_weights(lane.run, step, lane.cfg.async_level)
         lane.step = step
-        _log_step(s, step, result, time.perf_counter() - t0, 0.0, t_ckpt, lane.progress, timers)
+        log_step(s, step, result, time.perf_counter() - t0, 0.0, t_ckpt, lane.progress, timers)
         logger.info(f"run {lane.name}: step {step} done")
         runner.beat(s, step)
         self.beat_idle(progress=True)

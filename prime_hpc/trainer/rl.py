@@ -174,7 +174,7 @@ def train(cfg: TrainerRunConfig) -> None:
             result = _train_on(s, data, step, reference)
             timers.update(_publish(s, pub, step))
             t_ckpt = _checkpoint_and_prune(s, step, result, progress)
-            _log_step(s, step, result, time.perf_counter() - t0, t_wait, t_ckpt, progress, timers)
+            log_step(s, step, result, time.perf_counter() - t0, t_wait, t_ckpt, progress, timers)
             runner.beat(s, step)
         _finish(s, pub, step, progress)
         logger.info(f"done at step {step}")
@@ -277,7 +277,7 @@ def _finish(s: Session, pub: Publisher, step: int, progress: dict) -> None:
     runner.beat(s, step, done=True)
 
 
-def _log_step(
+def log_step(
     s: Session,
     step: int,
     result: StepResult,
@@ -287,6 +287,8 @@ def _log_step(
     progress: dict,
     timers: dict,
 ) -> None:
+    """The step's metrics row (rank 0's logger) and its one log line (every rank); a run of
+    several on one trainer logs into its own `metrics/trainer.jsonl` through its session."""
     from loguru import logger
 
     sums = result.sums

@@ -120,7 +120,7 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
                     "trainer",
                     cfg.wandb,
                     run_name=cfg.name,
-                    config={"trainer": _plain(cfg.trainer), "max_steps": cfg.max_steps},
+                    config={"trainer": plain(cfg.trainer), "max_steps": cfg.max_steps},
                     wandb_writer=cfg.trainer.type == "sft",
                 )
             n = param_count(policy)
@@ -136,7 +136,8 @@ def session(cfg: "TrainerRunConfig", component_parts: Sequence[str]) -> Iterator
                 metrics.close()
 
 
-def _plain(obj: Any) -> Any:
+def plain(obj: Any) -> Any:
+    """A config dataclass as a plain dict (what a metrics logger records); anything else as it is."""
     from dataclasses import asdict, is_dataclass
 
     return asdict(obj) if is_dataclass(obj) and not isinstance(obj, type) else obj
