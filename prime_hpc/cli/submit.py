@@ -207,7 +207,7 @@ def run_together(a: argparse.Namespace) -> int:
     launch.check_fresh(job, dry_run=a.dry_run)
     if a.dry_run:
         run, plan = launch.prepare(job, "run", dry_run=True, validated=True, runs=runs)
-        files = [*launch.launch_files(run, plan), *(f for r in runs for f in _run_files(r))]
+        files = [*launch.launch_files(run, plan), *(f for r in runs for f in together.run_files(r))]
         print("dry run: nothing submitted; wrote " + ", ".join(map(str, files)))
         return 0
     sub = launch.submit(job, a.overrides, runs=runs)
@@ -236,7 +236,7 @@ def run_into(a: argparse.Namespace) -> int:
     ref = jobs.resolve(a.into)
     runs = together.compose_into(a.overrides, a.multirun, ref)
     if a.dry_run:
-        files = [f for r in runs for f in _run_files(r)]
+        files = [f for r in runs for f in together.run_files(r)]
         print("dry run: nothing added; would write " + ", ".join(files))
         return 0
     together.write_runs(runs)
@@ -248,13 +248,6 @@ def run_into(a: argparse.Namespace) -> int:
     )
     print(f"  output dir: {ref.output_dir}/runs/<name>/    state: prime-hpc status {ref.job_id}")
     return 0
-
-
-def _run_files(cfg: Any) -> list[str]:
-    from prime_hpc.rundir import RunDir
-
-    run = RunDir(cfg.output_dir)
-    return [str(run.config_yaml), *(str(run.component_config(c)) for c in ("orchestrator", "trainer"))]
 
 
 def _report(subs: list, sweep: Any) -> None:

@@ -133,18 +133,26 @@ def _plain(cfg: Any, key: str) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-def write_runs(runs: Sequence[Any]) -> list[str]:
-    """Each run's config.yaml and component configs in `runs/<name>/`; the paths written."""
+RUN_COMPONENTS = ("orchestrator", "trainer")  # a run of several: its own processes' configs
+
+
+def run_files(cfg: Any) -> list[str]:
+    """What `write_runs` writes for the run `cfg`."""
+    from prime_hpc.rundir import RunDir
+
+    run = RunDir(cfg.output_dir)
+    return [str(run.config_yaml), *(str(run.component_config(c)) for c in RUN_COMPONENTS)]
+
+
+def write_runs(runs: Sequence[Any]) -> None:
+    """Each run's config.yaml and component configs in `runs/<name>/` (`run_files`)."""
     from prime_hpc.config.component import write_component_config
     from prime_hpc.config.dump import to_yaml
     from prime_hpc.rundir import RunDir, atomic_write_text
 
-    written = []
     for cfg in runs:
         run = RunDir(cfg.output_dir)
         run.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run.config_yaml, to_yaml(cfg))
-        written.append(str(run.config_yaml))
-        for component in ("orchestrator", "trainer"):
-            written.append(str(write_component_config(cfg, component)))
-    return written
+        for component in RUN_COMPONENTS:
+            write_component_config(cfg, component)

@@ -70,7 +70,6 @@ class Lane:
     step: int  # last completed step
     start_step: int
     progress: dict = field(default_factory=lambda: {"num_tokens": 0, "num_samples": 0})
-    load_ckpt_s: Optional[float] = None
     merged_at: Optional[int] = None  # the step whose weights hold the merged model too
     session: Any = None  # the runner.Session view of this run (for runner's helpers)
 
@@ -225,8 +224,10 @@ class MultiRun:
             state = lane.ckpt.load(resume, lane.engine)
             lane.step = lane.start_step = resume
             lane.progress = dict(state.get("progress", lane.progress))
-            lane.load_ckpt_s = lane.session.load_ckpt_s = time.perf_counter() - t0
-            logger.info(f"run {name}: resumed from {run.checkpoint_part(resume, 'trainer')} in {lane.load_ckpt_s:.2f}s")
+            lane.session.load_ckpt_s = time.perf_counter() - t0  # reported with its next step
+            logger.info(
+                f"run {name}: resumed from {run.checkpoint_part(resume, 'trainer')} in {lane.session.load_ckpt_s:.2f}s"
+            )
         self.lanes[name] = lane
         logger.info(
             f"run {name}: adapter slot {slot}, from step {lane.step} to {cfg.max_steps} (lr {cfg.trainer.optim.lr:g})"
@@ -263,8 +264,13 @@ class MultiRun:
     def _lane(self, name: str, run: RunDir, cfg: "TrainerRunConfig", slot: int) -> Lane:
         from prime_hpc.runtime.metrics import MetricsLogger
         from prime_hpc.trainer.ckpt import Checkpointer
+        from prime_hpc.trainer.model import clean_key
 
-        params = [p for n, p in self.policy.model.named_parameters() if p.requires_grad and _in_slot(n, slot)]
+        params = [
+            p
+            for n, p in self.policy.model.named_parameters()
+            if p.requires_grad and lora.is_slot_key(clean_key(n), slot)
+        ]
         engine = SlotEngine(
             self.policy, self.env, cfg.trainer.optim, total_steps=cfg.max_steps, params=params, slot=slot
         )
@@ -345,7 +351,7 @@ class MultiRun:
 
         out = {}
         for name, p in self.policy.model.named_parameters():
-            if _in_slot(name, slot):
+            if lora.is_slot_key(clean_key(name), slot):
                 full = p.full_tensor() if isinstance(p, DTensor) else p
                 out[clean_key(name)] = full.detach().cpu().clone()
         return lora.slot_state(out, slot)
@@ -411,12 +417,6 @@ class MultiRun:
 def _shape(lora_cfg: Any, key: str) -> Any:
     value = getattr(lora_cfg, key)
     return sorted(value) if key == "target_modules" else value
-
-
-def _in_slot(name: str, slot: int) -> bool:
-    from prime_hpc.trainer.model import clean_key
-
-    return f".lora_A.{slot}." in clean_key(name) or f".lora_B.{slot}." in clean_key(name)
 
 
 class SlotEngine(Engine):
