@@ -24,7 +24,9 @@ from tests.wandb_records import history_keys
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-RL_STEPS = 120  # the shipped run is longer (350 steps, lr decaying); here a constant lr
+# the shipped run is longer (350 steps, lr decaying); here a constant lr. At 120 steps the
+# rise of one run was seen at 0.022, under the bound below (a noisy climb): 180
+RL_STEPS = 180
 
 
 def _rows(run: RunDir, component: str) -> list[dict]:
@@ -35,7 +37,7 @@ def _rows(run: RunDir, component: str) -> list[dict]:
 def _trend(ys: list[float]) -> tuple[float, float]:
     """The rise of the least-squares line over the run and its t-statistic (slope / its
     standard error): a noisy curve that really climbs has t above 2.5
-    (one-sided p < 0.01 over 120 steps; a flat curve rarely passes 2)."""
+    (one-sided p < 0.01 over 180 steps; a flat curve rarely passes 2)."""
     n = len(ys)
     xm, ym = (n - 1) / 2, statistics.mean(ys)
     sxx = sum((x - xm) ** 2 for x in range(n))
@@ -54,7 +56,7 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
         f"output_dir={out}",
         f"max_steps={RL_STEPS}",
         "trainer.optim.schedule=constant",
-        "orchestrator.eval.interval=60",
+        f"orchestrator.eval.interval={RL_STEPS // 2}",
         "wandb.enabled=true",
         "wandb.offline=true",
         "wandb.log_extras.interval=20",
@@ -114,7 +116,7 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     evals = {
         r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r
     }
-    assert set(evals) == {0, 60, 120} and evals[120] > evals[0], evals
+    assert set(evals) == {0, RL_STEPS // 2, RL_STEPS} and evals[RL_STEPS] > evals[0], evals
     # W&B (offline): one run holding both components' metrics, sampled rollouts and distributions
     (offline,) = rl.wandb_dir.rglob("offline-run-*")
     rows = history_keys(next(offline.glob("run-*.wandb")))
