@@ -226,16 +226,21 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {clean_key(k): cast(torch.Tensor, v) for k, v in sd.items()}
 
 
-def hf_weights(pol: Policy, sd: dict[str, torch.Tensor], own: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors the servers load, by HF name, in the exported dtype: LoRA merged, a tied
-    `lm_head` left out. `own`: none of them shares memory with the model (a single rank's
-    state dict is its live parameters, which the next optimizer step changes; a sharded
-    model's is gathered into new tensors)."""
+def served_tensors(pol: Policy, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors the servers load, by HF name, in the trainer's dtype: LoRA merged, a
+    tied `lm_head` left out."""
     if pol.lora_scaling is not None:
         sd = lora_mod.merge_lora(sd, pol.lora_scaling)
     if getattr(pol.hf_config, "tie_word_embeddings", False):
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-    out = {k: v.detach().to(pol.save_dtype).contiguous() for k, v in sd.items()}
+    return sd
+
+
+def hf_weights(pol: Policy, sd: dict[str, torch.Tensor], own: bool = False) -> dict[str, torch.Tensor]:
+    """`served_tensors` in the exported dtype. `own`: none of them shares memory with the
+    model (a single rank's state dict is its live parameters, which the next optimizer
+    step changes; a sharded model's is gathered into new tensors)."""
+    out = {k: v.detach().to(pol.save_dtype).contiguous() for k, v in served_tensors(pol, sd).items()}
     if own and not pol.sharded:
         live = {t.untyped_storage().data_ptr() for t in (*pol.model.parameters(), *pol.model.buffers())}
         out = {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in out.items()}
@@ -271,7 +276,7 @@ def write_weights(
     servers should load the adapter rather than the merged weights. `hf`: `hf_weights(pol,
     sd)` when the caller made them already. `merged=False` (a run of several on one trainer,
     between its last steps): the adapter alone, which the servers load."""
-    from safetensors.torch import save_file
+    from prime_hpc.trainer import stwrite
 
     final = run.weights_step(step)
     tmp = staging_dir(final)
@@ -279,9 +284,9 @@ def write_weights(
         if pol.lora_config is not None:
             lora_mod.write_adapter(tmp / run.weights_adapter(step).relative_to(final), sd, pol.lora_config)
         if merged:  # the merged (or full) weights; the serving path chooses which to load
-            save_file(
-                hf if hf is not None else hf_weights(pol, sd), str(tmp / "model.safetensors"), metadata={"format": "pt"}
-            )
+            # cast as it is written: no second copy of the model in memory
+            tensors = hf if hf is not None else served_tensors(pol, sd)
+            stwrite.write(tmp / "model.safetensors", tensors, dtype=pol.save_dtype, metadata={"format": "pt"})
         cfg = pol.hf_config
         old_dtype, old_cache = getattr(cfg, "dtype", None), getattr(cfg, "use_cache", None)
         cfg.dtype, cfg.use_cache = pol.save_dtype, True

@@ -605,3 +605,39 @@ def test_an_nccl_send_that_fails_midway_aborts_its_communicator(monkeypatch):
             sender.send(2, [("a", torch.ones(2))])
     finally:
         server.close()
+
+
+def test_weights_are_written_cast_a_chunk_at_a_time_and_read_back_by_safetensors(tmp_path):
+    """The published `model.safetensors` (`trainer.stwrite`): float tensors in the served
+    dtype, other tensors as they are, metadata kept, whatever the chunking."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from prime_hpc.trainer import stwrite
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(97, 33, generator=g),  # spans many chunks
+        "model.norm.weight": torch.randn(33, generator=g),
+        "transposed": torch.randn(8, 5, generator=g).t(),  # not contiguous
+        "empty": torch.zeros(0, 4),
+        "positions": torch.arange(7),  # int64: not cast
+        "already_bf16": torch.randn(3, 3, generator=g).to(torch.bfloat16),
+    }
+    for chunk in (64, 1000, stwrite.CHUNK_BYTES):
+        path = tmp_path / f"model-{chunk}.safetensors"
+        size = stwrite.write(path, tensors, dtype=torch.bfloat16, metadata={"format": "pt"}, chunk_bytes=chunk)
+        assert size == path.stat().st_size
+        back = load_file(str(path))
+        assert list(back) == list(tensors)  # in the order given
+        for name, t in tensors.items():
+            want = t.to(torch.bfloat16) if t.is_floating_point() else t
+            assert back[name].dtype == want.dtype and torch.equal(back[name], want), name
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+    kept = tmp_path / "float32.safetensors"
+    stwrite.write(kept, tensors)  # no dtype: every tensor as it is
+    assert all(torch.equal(load_file(str(kept))[k], t) for k, t in tensors.items())
+    with pytest.raises(ValueError, match="complex"):
+        stwrite.write(tmp_path / "bad.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
+    assert not (tmp_path / "bad.safetensors").exists()
