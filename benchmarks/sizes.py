@@ -197,6 +197,7 @@ def _overrides(size: str, steps: int, ckpt_every: int) -> list[str]:
         f"name=bench_{size.replace('-', '_').replace('.', '_')}",
         f"max_steps={steps}",
         f"ckpt.interval={ckpt_every}",
+        "ckpt.keep_last=1",  # what is measured again needs the last (a 0.6B checkpoint is 8.4 GiB)
         "orchestrator.batch_size=16",
         "orchestrator.group_size=8",
         "trainer.micro_batch_size=4",
