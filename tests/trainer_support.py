@@ -4,6 +4,8 @@ real policy, scored with the reverse-text reward) through `prime_hpc.rundir.batc
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -169,9 +171,11 @@ class StandInOrchestrator(threading.Thread):
         max_new_tokens: int = 10,
         timeout_s: float = 600,
         start: int = 1,
+        nan_advantages: bool = False,
     ) -> None:
         super().__init__(daemon=True)
         self.start_step = start
+        self.nan_advantages = nan_advantages  # a batch no loss can be finite on (a diverged run's)
         self.rundir, self.base_dir, self.steps, self.ranks = run, base_dir, steps, ranks
         self.mbs, self.texts, self.group_size, self.max_new_tokens = micro_batch_size, texts, group_size, max_new_tokens
         self.timeout_s = timeout_s
@@ -196,6 +200,8 @@ class StandInOrchestrator(threading.Thread):
                         policy_step=n - 1,
                         base_dir=self.base_dir,
                     )
+                if self.nan_advantages:
+                    samples = [dataclasses.replace(s, advantage=math.nan) for s in samples]
                 batch.write_step(self.rundir, n, batch.shard(samples, self.ranks, self.mbs), info={"temperature": 1.0})
                 self.written.append(n)
         except BaseException as e:  # reported by the test

@@ -5,7 +5,8 @@ Each is `python -m prime_hpc.orchestrator --config runs/<name>/configs/orchestra
 its log `logs/<attempt>/runs/<name>/orchestrator.log` (its environments' logs beside it). A
 run already over under its config (`prime_hpc.rundir.runs`: ended, refused, failed) is not
 started again. A run cancelled alone (`prime-hpc cancel <job> --run <name>`) has its
-orchestrator stopped (SIGTERM). An orchestrator that fails ends its run only: the head records it
+orchestrator stopped (SIGTERM), as has a run the trainer failed (its loss diverged:
+`run.json` FAILED by the trainer). An orchestrator that fails ends its run only: the head records it
 (`runs/<name>/run.json` FAILED, with the last line of its log), the trainer frees the
 run's adapter slot, and the others go on. The head ends when every orchestrator has; it
 fails (naming each run and its log) only when every run failed. A stop (SIGTERM) is passed
@@ -86,8 +87,11 @@ def run_all(job: RunDir) -> dict:
                 print(f"prime-hpc head: run {name}: orchestrator pid {procs[name].pid}, log {log}", flush=True)
             for name, p in procs.items():
                 if p.poll() is None and name not in cancelled and runs.is_stopped(job.sub_run(name)):
-                    cancelled.add(name)  # `prime-hpc cancel <job> --run <name>`
-                    print(f"prime-hpc head: run {name} cancelled; stopping its orchestrator", flush=True)
+                    # `prime-hpc cancel <job> --run <name>`, or the trainer failed the run (its loss diverged)
+                    cancelled.add(name)
+                    rec = runs.state(job.sub_run(name)) or {}
+                    how = "cancelled" if rec.get("state") == runs.CANCELLED else f"failed ({rec.get('reason')})"
+                    print(f"prime-hpc head: run {name} {how}; stopping its orchestrator", flush=True)
                     p.send_signal(signal.SIGTERM)
                 if name in codes or p.poll() is None:
                     continue
@@ -107,12 +111,19 @@ def run_all(job: RunDir) -> dict:
             time.sleep(POLL_S)
     finally:
         stop(procs)
-    failed = [n for n, c in codes.items() if c != 0]
+    failed = [n for n, c in codes.items() if _failed(job, n, c)]
     if procs and len(failed) == len(procs):
         raise SystemExit(
             "every run failed: " + "; ".join(f"{n} (see {orchestrator_log(job, n)})" for n in sorted(failed))
         )
     return {"runs": codes}
+
+
+def _failed(job: RunDir, name: str, code: int) -> bool:
+    """The run failed: its orchestrator (exit code), or its trainer (`run.json`); a cancel
+    is no failure."""
+    state = (runs.state(job.sub_run(name)) or {}).get("state")
+    return state != runs.CANCELLED and (code != 0 or state == runs.FAILED)
 
 
 def orchestrator_log(job: RunDir, name: str) -> Path:

@@ -1,6 +1,7 @@
 """How each run of a job that trains several (`trainer.max_concurrent_runs`, `runs/<name>/`)
 ended: `runs/<name>/run.json`, its `job.json`-equivalent, written by the job's trainer (a run
-ENDED, or REFUSED for a base model or LoRA shape that is not the job's), by the job's
+ENDED, REFUSED for a base model or LoRA shape that is not the job's, FAILED when its loss
+diverged), by the job's
 head (a run whose orchestrator FAILED) and by `prime-hpc cancel <job> --run <name>`
 (CANCELLED). Light: read by the trainer, the head and the CLI."""
 

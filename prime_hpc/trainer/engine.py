@@ -14,6 +14,7 @@ over ranks, so the loss is scaled by the world size to make the gradient exactly
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, cast
@@ -31,11 +32,16 @@ if TYPE_CHECKING:
 LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
 
 
+class Diverged(Exception):
+    """A step whose gradient is not finite (its loss diverged, or its batch held a NaN):
+    the optimizer did not apply it, so the weights are still the last step's. Every rank
+    raises it together (the norm is the global one)."""
+
+
 def lr_factor(warmup_steps: int, schedule: str, total_steps: Optional[int], min_ratio: float) -> Callable[[int], float]:
     """LR multiplier for the (i+1)-th optimizer step: linear warm-up to 1 over
     `warmup_steps`, then `constant`, or a `linear` / `cosine` decay reaching `min_ratio` at
     step `total_steps` (needs max_steps; constant without it)."""
-    import math
 
     def f(i: int) -> float:
         step = i + 1
@@ -131,13 +137,22 @@ class Engine:
         total = all_reduce_sum([sums[k] for k in keys], self.env)
         return {k: float(v) for k, v in zip(keys, total.tolist())}
 
-    def train_step(self, micro_batches: list[dict], loss_fn: LossFn, temperature: float = 1.0) -> StepResult:
-        """Forward/backward every micro-batch, clip, step the optimizer and the schedule."""
+    def train_step(
+        self, micro_batches: list[dict], loss_fn: LossFn, temperature: float = 1.0, step: int = 0
+    ) -> StepResult:
+        """Forward/backward every micro-batch, clip, step the optimizer and the schedule.
+        Raises `Diverged` (nothing applied) when the gradient norm is not finite."""
         devices.synchronize(self.env.device_kind)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate(micro_batches, loss_fn, temperature, train=True)
         grad_norm = self.clip_grad_norm()
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise Diverged(
+                f"step {step}: the gradient norm is {grad_norm} (loss {sums.get('loss', math.nan):g}): the loss diverged or the batch "
+                "held a NaN; the step was not applied (resume from the newest checkpoint with a lower trainer.optim.lr)"
+            )
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json, is_stable, runs
 from prime_hpc.trainer import lora, runner
-from prime_hpc.trainer.engine import Engine
+from prime_hpc.trainer.engine import Diverged, Engine
 
 if TYPE_CHECKING:
     from prime_hpc.config.component import TrainerRunConfig
@@ -306,9 +306,13 @@ class MultiRun:
         timers = {"time/read_batch": time.perf_counter() - t0}
         lora.activate(self.policy.model, lane.slot)
         loss_fn = make_loss_fn(lane.cfg.trainer.loss, step, str(data.info.get("mode", "rl")))
-        result = lane.engine.train_step(
-            data.micro_batches, loss_fn, temperature=float(data.info.get("temperature", 1.0))
-        )
+        try:
+            result = lane.engine.train_step(
+                data.micro_batches, loss_fn, temperature=float(data.info.get("temperature", 1.0)), step=step
+            )
+        except Diverged as e:  # this run's adapter alone: the others never saw its gradient
+            self._fail(lane, str(e))
+            return
         t_pub = time.perf_counter()
         self._write_adapter(lane, step, final=lane.cfg.max_steps is not None and step == lane.cfg.max_steps)
         timers["time/save_weights"] = time.perf_counter() - t_pub
@@ -380,6 +384,28 @@ class MultiRun:
         if self.env.is_main and not runs.is_stopped(lane.run):  # a failure or a cancel stays recorded
             runs.record(lane.run, runs.ENDED, lane.step)
         logger.info(f"run {name}: ended at step {lane.step}; adapter slot {lane.slot} free")
+
+    def _fail(self, lane: Lane, why: str) -> None:
+        """The run's loss diverged: it ends here, FAILED, with its last good adapter and
+        checkpoints as they are (nothing of the failed step is written), and its slot is
+        freed; the job's head stops its orchestrator (`run.json` says FAILED)."""
+        from loguru import logger
+
+        del self.lanes[lane.name]
+        lane.ckpt.wait()
+        lane.ckpt.close()
+        if lane.metrics is not None:
+            lane.metrics.close()
+        runner.beat(lane.session, lane.step, stopped=True)
+        self.free.append(lane.slot)
+        self.free.sort()
+        self.ended[lane.name] = lane.step
+        if self.env.is_main:
+            runs.record(lane.run, runs.FAILED, lane.step, f"trainer: {why}")
+        logger.error(
+            f"run {lane.name} failed: {why}; adapter slot {lane.slot} free, the other runs go on "
+            f"(its newest checkpoint: step {max(lane.run.complete_checkpoint_steps(), default=0)})"
+        )
 
     def stop_all(self, checkpoint: bool) -> None:
         """A stop: every run holding a slot checkpoints the step it is at (when asked)."""

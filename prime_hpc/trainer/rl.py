@@ -236,7 +236,7 @@ def _train_on(s: Session, data: RolloutBatch, step: int, reference: Optional[nn.
     temperature = float(data.info.get("temperature", 1.0))
     if reference is not None:
         s.engine.add_reference_logprobs(reference, data.micro_batches, temperature)
-    return s.engine.train_step(data.micro_batches, loss_fn, temperature=temperature)
+    return s.engine.train_step(data.micro_batches, loss_fn, temperature=temperature, step=step)
 
 
 def _publish(s: Session, pub: Publisher, step: int) -> dict[str, float]:

@@ -43,6 +43,7 @@ def main(
     stderr (exit 2, resp. 1) instead of a traceback."""
     from prime_hpc.rundir.checkpoints import CheckpointWriteError
     from prime_hpc.trainer.config import load_config, parse_args
+    from prime_hpc.trainer.engine import Diverged
 
     args = parse_args(prog, description, argv)
     rank = int(os.environ.get("RANK", 0))
@@ -60,7 +61,7 @@ def main(
     except WaitTimeout as e:
         print(f"{prog}: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         return 1
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, Diverged) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

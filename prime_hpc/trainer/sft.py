@@ -134,7 +134,7 @@ def train_step(
         sft_data.split_rows(rows, env.rank, env.world_size, data.rows_per_rank), t.micro_batch_size, data.pad_id
     )
     t_data = time.perf_counter() - t0
-    result = s.engine.train_step(mbs, _nll)
+    result = s.engine.train_step(mbs, _nll, step=step)
     data.progress["num_tokens"] += int(result.sums["num_tokens"])
     data.progress["num_samples"] += used
     last = step == cfg.max_steps or data.stream.exhausted()

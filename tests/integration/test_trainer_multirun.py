@@ -39,9 +39,16 @@ def _run_config(job: RunDir, name: str, lr: float, steps: int, every: int, extra
     return run
 
 
-def _stand_in(run: RunDir, steps: int, start: int = 1) -> StandInOrchestrator:
+def _stand_in(run: RunDir, steps: int, start: int = 1, nan: bool = False) -> StandInOrchestrator:
     orch = StandInOrchestrator(
-        run, Path(resolve_model("tiny")), steps, ranks=2, micro_batch_size=2, texts=TEXTS, start=start
+        run,
+        Path(resolve_model("tiny")),
+        steps,
+        ranks=2,
+        micro_batch_size=2,
+        texts=TEXTS,
+        start=start,
+        nan_advantages=nan,
     )
     orch.start()
     return orch
@@ -52,12 +59,16 @@ def test_three_runs_share_two_adapter_slots_and_one_resumes_alone(tmp_path):
     LoRA shape and is refused in one line while the others go on. Each run trains with its
     own learning rate into its own directory: adapter weights every step (the merged model
     at its last), its own metrics and checkpoints under a one-adapter model's names. Then a
-    alone is resumed from its checkpoint for one more step, and b and c stay ended."""
+    alone is resumed from its checkpoint for one more step, and b and c stay ended. Run e's
+    first batch makes its loss diverge (NaN advantages): e alone fails, recorded with the
+    cause, nothing of its step written, and its slot goes back."""
     job = RunDir(tmp_path / "job")
     config = trainer_yaml(job.root, [*COMMON, "trainer.max_concurrent_runs=2"])
     runs = {name: _run_config(job, name, *spec) for name, spec in RUNS.items()}
     _run_config(job, "d", 1e-3, 2, 1, ["trainer.model.lora.rank=8"])
+    diverging = _run_config(job, "e", 1e-3, 3, 1)
     orchs = {name: _stand_in(run, RUNS[name][1]) for name, run in runs.items()}
+    orchs["e"] = _stand_in(diverging, 1, nan=True)
     proc = run_trainer(MULTI, config, nproc=2)
     for orch in orchs.values():
         orch.join(timeout=60)
@@ -70,6 +81,11 @@ def test_three_runs_share_two_adapter_slots_and_one_resumes_alone(tmp_path):
     # c got the slot the first run to end gave back
     assert "run a: adapter slot 0" in out and "run b: adapter slot 1" in out
     assert "run c: adapter slot" in out and out.index("run c: adapter slot") > out.index("ended at step 3")
+    failed = json.loads(diverging.run_json.read_text())
+    assert failed["state"] == "FAILED" and failed["step"] == 0, failed
+    assert failed["reason"].startswith("trainer: step 1: the gradient norm is nan"), failed
+    assert "run e failed: step 1" in out and "the other runs go on" in out
+    assert diverging.weight_steps() == [] and diverging.checkpoint_steps("trainer") == []
 
     adapters = {}
     for name, (lr, steps, _every) in RUNS.items():

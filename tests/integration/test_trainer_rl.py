@@ -204,3 +204,23 @@ def test_rl_unknown_model_fails_in_one_line(tmp_path):
     assert proc.returncode == 2, explain(proc)
     [line] = proc.stderr.strip().splitlines()
     assert name in line and "no such directory" in line
+
+
+def test_rl_a_diverged_step_fails_in_one_line_and_applies_nothing(tmp_path):
+    """A batch no loss can be finite on (NaN advantages, as a diverged run or a NaN reward
+    gives): the trainer fails in one line naming the step, instead of training on NaN, and
+    writes no weights of that step."""
+    run = RunDir(tmp_path / "run")
+    config = trainer_yaml(run.root, ["max_steps=2", "seq_len=128", "trainer.micro_batch_size=2"])
+    orch = StandInOrchestrator(
+        run, Path(resolve_model("tiny")), 1, ranks=1, micro_batch_size=2, texts=TEXTS, nan_advantages=True
+    )
+    orch.start()
+    proc = run_trainer(RL, config, nproc=1)
+    orch.join(timeout=60)
+    assert orch.error is None, orch.error
+    assert proc.returncode == 1, explain(proc)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "step 1: the gradient norm is nan" in last and "was not applied" in last, last
+    assert "Traceback" not in proc.stderr
+    assert run.weight_steps() == []
