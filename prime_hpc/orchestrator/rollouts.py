@@ -19,6 +19,7 @@ Policy-lag rules (step n, `async_level` k, `max_off_policy_steps` m):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any, Optional
@@ -176,10 +177,13 @@ def from_output(out: dict, env: str, seq_len: int, strategy: str) -> Rollout:
         # turns without tokens (an empty trajectory is a rollout that ended before any model turn: empty)
         error_text = "no token ids in the rollout (the server must return token ids and logprobs)"
     first = seqs[0] if seqs else Branch()
+    reward = float(out.get("reward") or 0.0)
+    if not math.isfinite(reward) and not error_text:  # never into an advantage: it would make the loss NaN
+        error_text, reward = f"the environment's reward is {reward} (its rubric must return a finite number)", 0.0
     r = Rollout(
         env=env,
         example_id=out.get("example_id"),
-        reward=float(out.get("reward") or 0.0),
+        reward=reward,
         input_ids=first.input_ids,
         loss_mask=first.loss_mask,
         logprobs=first.logprobs,

@@ -24,6 +24,7 @@ from prime_hpc.orchestrator.rollouts import (
     pass_at_k,
 )
 from prime_hpc.rundir.checkpoints import is_due
+from prime_hpc.rundir.drops import Drop
 
 
 def _r(reward, policy=(0,), error=None, n=3, env="e"):
@@ -114,6 +115,11 @@ def test_multi_turn_output_becomes_one_sample_with_masks_and_policies():
     assert r.policy_steps == [4, 5] and r.num_turns == 2 and r.error is None
     cut = from_output(out, "env", seq_len=4, strategy="interleaved")
     assert cut.input_ids == [1, 2, 3, 4] and cut.is_truncated
+    # a reward that is not a number is the environment's error, never an advantage
+    for bad in (float("nan"), float("inf")):
+        nan = from_output({**out, "reward": bad}, "env", seq_len=100, strategy="interleaved")
+        assert nan.error == f"the environment's reward is {bad} (its rubric must return a finite number)"
+        assert nan.reward == 0.0 and judge_group([nan, r], 5, 2, 8, False, "mean").reason == Drop.INVALID
 
 
 def test_a_turn_an_update_came_in_the_middle_of_records_both_policies():
