@@ -5,8 +5,9 @@ Each is `python -m prime_hpc.orchestrator --config runs/<name>/configs/orchestra
 its log `logs/<attempt>/runs/<name>/orchestrator.log` (its environments' logs beside it). A
 run already over under its config (`prime_hpc.rundir.runs`: ended, refused, failed) is not
 started again. A run cancelled alone (`prime-hpc cancel <job> --run <name>`) has its
-orchestrator stopped (SIGTERM), as has a run the trainer failed (its loss diverged:
-`run.json` FAILED by the trainer). An orchestrator that fails ends its run only: the head records it
+orchestrator stopped (SIGTERM; SIGKILL when it has not ended `STOP_WAIT_S` later), as has a
+run the trainer failed (its loss diverged) or the watchdog did (its orchestrator stalled):
+`run.json` FAILED. An orchestrator that fails ends its run only: the head records it
 (`runs/<name>/run.json` FAILED, with the last line of its log), the trainer frees the
 run's adapter slot, and the others go on. The head ends when every orchestrator has; it
 fails (naming each run and its log) only when every run failed. A stop (SIGTERM) is passed
@@ -69,7 +70,7 @@ def run_all(job: RunDir) -> dict:
     procs: dict[str, subprocess.Popen] = {}
     started: dict[str, Optional[int]] = {}  # run -> the trainer config it was started (or found over) under
     codes: dict[str, int] = {}
-    cancelled: set[str] = set()
+    cancelled: dict[str, float] = {}  # run -> when its orchestrator was asked to stop
     try:
         while True:
             for name in job.sub_runs():
@@ -87,12 +88,19 @@ def run_all(job: RunDir) -> dict:
                 print(f"prime-hpc head: run {name}: orchestrator pid {procs[name].pid}, log {log}", flush=True)
             for name, p in procs.items():
                 if p.poll() is None and name not in cancelled and runs.is_stopped(job.sub_run(name)):
-                    # `prime-hpc cancel <job> --run <name>`, or the trainer failed the run (its loss diverged)
-                    cancelled.add(name)
+                    # `prime-hpc cancel <job> --run <name>`, the trainer failed the run (its loss
+                    # diverged), or the watchdog did (its orchestrator stalled)
+                    cancelled[name] = time.monotonic()
                     rec = runs.state(job.sub_run(name)) or {}
                     how = "cancelled" if rec.get("state") == runs.CANCELLED else f"failed ({rec.get('reason')})"
                     print(f"prime-hpc head: run {name} {how}; stopping its orchestrator", flush=True)
                     p.send_signal(signal.SIGTERM)
+                elif p.poll() is None and name in cancelled and time.monotonic() - cancelled[name] > STOP_WAIT_S:
+                    print(
+                        f"prime-hpc head: run {name}: its orchestrator outlived {STOP_WAIT_S:g}s after SIGTERM; killed"
+                    )
+                    p.kill()
+                    cancelled[name] = float("inf")  # killed once
                 if name in codes or p.poll() is None:
                     continue
                 codes[name] = p.returncode

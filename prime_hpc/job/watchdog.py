@@ -23,6 +23,11 @@ watched. On a stall the watchdog prints one line (component, how long it was sil
 last line of its log), writes `control/stall.json` for the supervisor's record, and
 exits 3; the supervisor then ends the job like any failed component.
 
+In a job of several runs (`runs/<name>/`), each run's orchestrator is watched the same way
+(its heartbeat in the run's directory, excused by the job's servers), and a stall ends that
+run alone: `runs/<name>/run.json` FAILED with the same line, which has the job's head stop
+its orchestrator and the trainer free its slot; the watchdog goes on watching the others.
+
 It also watches the job script (`--supervisor-pid`): a script that dies without ending its
 attempt (`kill -9`, the OOM killer) cannot record that, so the watchdog does (job.json:
 FAILED, `failure.component = supervisor`, its batch output as the log) and exits.
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, atomic_write_json, parse_slot, tail_lines
+from prime_hpc.rundir import RunDir, atomic_write_json, parse_slot, runs, tail_lines
 
 POLL_S = 2.0
 STALLED = 3  # exit code
@@ -218,6 +223,14 @@ def watch(
             return 0
         beats, now = run.beats(), time.time()
         down = fleet.check(beats, now) if fleet is not None else False
+        for name, stall in run_stalls(run, beats, timeout_s, now, down, logs):
+            runs.record(run.sub_run(name), runs.FAILED, stall.get("step"), f"{stall['who']} {stall['reason']}")
+            print(
+                f"prime-hpc watchdog: run {name}: {stall['who']} {stall['reason']}; see {stall['log']}; "
+                "the run ends, the others go on",
+                file=sys.stderr,
+                flush=True,
+            )
         record = fleet.stall(now) if fleet is not None else None
         if record is None:
             s = stalled(beats, timeout_s, now, fleet_down=down)
@@ -229,6 +242,26 @@ def watch(
             f"prime-hpc watchdog: {record['who']} {record['reason']}; see {record['log']}", file=sys.stderr, flush=True
         )
         return STALLED
+
+
+def run_stalls(
+    job: RunDir, beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bool, logs: Path
+) -> list[tuple[str, dict[str, Any]]]:
+    """The stalled orchestrators of a job's runs still going (`runs/<name>/heartbeats/`; the
+    job's servers excuse a wait for inference as they do the job's own), each with its
+    record (`component_stall`, its log the run's)."""
+    servers = {n: b for n, b in beats.items() if parse_slot(n)}
+    out = []
+    for name in job.sub_runs():
+        sub = job.sub_run(name)
+        if runs.is_over(sub):
+            continue
+        # the run's trainer heartbeat is written at its steps only: the job's trainer beat is the one watched
+        own = {n: b for n, b in sub.beats().items() if n.startswith("orchestrator_")}
+        s = stalled({**servers, **own}, timeout_s, now, fleet_down) if own else None
+        if s is not None:
+            out.append((name, component_stall(s, RunDir.sub_run_logs(logs, name), timeout_s, 1)))
+    return out
 
 
 def component_stall(s: dict[str, Any], logs: Path, timeout_s: float, ranks_per_node: int) -> dict[str, Any]:

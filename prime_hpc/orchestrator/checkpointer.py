@@ -30,9 +30,10 @@ CHECKPOINT_WAIT_S = 120.0  # asked to checkpoint: how long to wait for the train
 
 
 class Checkpointer:
-    def __init__(self, run: RunDir, ckpt: CkptConfig) -> None:
+    def __init__(self, run: RunDir, ckpt: CkptConfig, job: Optional[RunDir] = None) -> None:
         self.run = run
         self.ckpt = ckpt
+        self.job = job  # a run of a job of several runs: the trainer's answer is the job's
         self.snapshots: dict[int, dict] = {}  # step -> state right after writing it
 
     def keep(self, step: int, state: dict) -> None:
@@ -71,10 +72,10 @@ class Checkpointer:
         from prime_hpc.runtime.stopping import checkpointed_step
 
         deadline = time.monotonic() + CHECKPOINT_WAIT_S
-        saved = checkpointed_step(self.run)
+        saved = checkpointed_step(self.run, self.job)
         while saved is None and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            saved = checkpointed_step(self.run)
+            saved = checkpointed_step(self.run, self.job)
         if saved is None:
             logger.warning(
                 f"the trainer did not say which step it saved within {CHECKPOINT_WAIT_S:g}s; "

@@ -57,7 +57,8 @@ class Orchestrator:
         self.max_steps = cfg.max_steps
         # sft mode: a teacher generates, the student's policy does not matter
         self.async_level = 10**9 if self.ocfg.training_mode == "sft" else cfg.async_level
-        self.checkpoints = Checkpointer(self.run, cfg.ckpt)
+        self.job = RunDir(cfg.job_dir) if cfg.job_dir else None  # a run of a job of several runs
+        self.checkpoints = Checkpointer(self.run, cfg.ckpt, self.job)
         self.teacher: Optional[Teacher] = None  # opd: the teacher's prompt logprobs (one HTTP client, closed by main)
         self.teacher_at: Optional[TeacherAt] = None  # opd, sft: where the teacher answers (found by main)
         self.progress_at = time.time()  # a step written, a policy served, an eval group finished (heartbeat)
@@ -148,7 +149,7 @@ class Orchestrator:
         admin = metrics = teacher_fleet = None
         try:
             # one run of several: the job's servers (and its router), this run's adapter on them
-            fleet = RunDir(cfg.job_dir) if cfg.job_dir else self.run
+            fleet = self.job or self.run
             ep = discover(fleet, cfg.inference_nodes, SERVERS_WAIT_S, self.logs, own_job=cfg.inference_job == "own")
             if o.training_mode in ("opd", "sft"):
                 self.teacher_at = locate(o.teacher, self.run, cfg.teacher_nodes, SERVERS_WAIT_S, self.logs)
@@ -176,7 +177,8 @@ class Orchestrator:
                     else ""
                 )
             )
-            self.stop = Stop(self.run)  # from here on SIGTERM means: stop at a safe point (maybe checkpoint)
+            # from here on SIGTERM means: stop at a safe point (maybe checkpoint, when the job's supervisor asks)
+            self.stop = Stop(self.run, control=self.job)
             await self.loop(start or 0, eval_first=start is None and o.eval.at_start and bool(self.evaluator.interval))
             if self.stop_code is None:
                 await self.step_metrics.wait_for_trainer(self.run, self.sink.step)  # its last rows, into W&B

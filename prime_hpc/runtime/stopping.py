@@ -31,8 +31,11 @@ DECIDE_S = 5.0  # after SIGTERM: how long to wait for the supervisor's checkpoin
 
 
 class Stop:
-    def __init__(self, run: RunDir, handle_sigterm: bool = True) -> None:
-        self.run = run
+    """`control`: where the supervisor's request is, when not in `run` (a run of a job of
+    several runs reads its job's: one request for every run)."""
+
+    def __init__(self, run: RunDir, handle_sigterm: bool = True, control: Optional[RunDir] = None) -> None:
+        self.run = control or run
         self.terminated_at: Optional[float] = None
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_term)
@@ -76,9 +79,13 @@ class Stop:
             return "SIGTERM"
 
 
-def checkpointed_step(run: RunDir) -> Optional[int]:
-    """The step the trainer saved on request (`control/checkpointed.json`), if it did."""
+def checkpointed_step(run: RunDir, job: Optional[RunDir] = None) -> Optional[int]:
+    """The step the trainer saved on request (`control/checkpointed.json`), if it did; of a
+    run of a job of several runs (`job`), the run's entry in the job's answer
+    (`{"runs": {name: step}}`, `prime_hpc.trainer.multirun`)."""
     try:
+        if job is not None:
+            return int(read_json(job.checkpoint_answer)["runs"][run.root.name])
         return int(read_json(run.checkpoint_answer)["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

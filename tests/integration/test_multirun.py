@@ -2,11 +2,14 @@
 on the dev cluster): one vLLM server holding every run's adapter, one multi-run trainer
 (`trainer.max_concurrent_runs`), one orchestrator per run under the head; each run lives in
 the job's `runs/<name>/`. Two learning rates, each once with an environment whose reward
-always raises: those two runs fail alone, the other two train to their end."""
+always raises: those two runs fail alone, the other two train to their end. A run added
+later whose groups are all filtered (it never writes a step) is ended alone by the
+job's watchdog."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -14,9 +17,11 @@ import pytest
 from prime_hpc.rundir import STABLE, RunDir, jobs
 from tests.conftest import REPO, cli
 from tests.integration.test_env_failures import wait_ended
+from tests.runs import release_held
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 ENV = {"INFERENCE_SERVER_API_KEY": "together-test-key-81f3", "SBATCH_EXPORT": "NONE"}
+STALL_S = 60
 
 FLAKY = REPO / "tests" / "envs" / "flaky_reverse.py"
 LRS = (2e-3, 2e-2)
@@ -50,6 +55,7 @@ def _common(job: RunDir) -> list[str]:
         "trainer.optim.schedule=constant",
         "trainer.model.lora.enabled=true",
         "trainer.model.lora.rank=8",
+        f"watchdog.stall_timeout_s={STALL_S}",
     ]
 
 
@@ -72,6 +78,16 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     gone = _cli("submit", *_common(job), "name=gone", "--into", str(job.root))
     stop = _cli("cancel", str(job.root), "--run", "gone")  # one run alone: the others go on
     assert gone.returncode == stop.returncode == 0 and "cancelled run gone" in stop.stdout, stop.stdout + stop.stderr
+    stuck = _cli(
+        "submit",
+        *_common(job),
+        "name=stuck",
+        "+orchestrator.env.0.args.constant_every=1",  # every reward the same: every group filtered
+        "orchestrator.online_difficulty_filtering=true",
+        "--into",
+        str(job.root),
+    )
+    assert stuck.returncode == 0, stuck.stdout + stuck.stderr
     clash = _cli("submit", *_common(job), "name=late", "--into", str(job.root))
     assert clash.returncode == 2 and "already has run(s) late" in clash.stderr, clash.stderr
     other = _cli("submit", *_common(job), "name=other", "trainer.model.lora.rank=4", "--into", str(job.root))
@@ -79,9 +95,16 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     record = wait_ended(job, 600)
     assert record["state"] == "COMPLETED", record  # two runs failed, not the job
     names = record["runs"]
-    assert names == [f"reverse_text_{i}" for i in range(4)] + ["late", "gone"] and sorted(names) == job.sub_runs()
+    assert names == [f"reverse_text_{i}" for i in range(4)] + ["late", "gone", "stuck"]
+    assert sorted(names) == job.sub_runs()
     assert json.loads(job.sub_run("gone").run_json.read_text())["state"] == "CANCELLED"
     logs = job.latest_logs.resolve()
+    # the run that never wrote a step: the watchdog ended it alone, quoting its orchestrator's last line
+    stalled = json.loads(job.sub_run("stuck").run_json.read_text())
+    assert stalled["state"] == "FAILED", stalled
+    assert stalled["reason"].startswith("orchestrator stalled: alive, but no progress for "), stalled
+    assert "groups accepted after" in stalled["reason"], stalled
+    assert "run stuck failed (orchestrator stalled" in (logs / "orchestrator.log").read_text()
     # the sweep's order: lr varies slowest, raise_every fastest
     points = {f"reverse_text_{i}": (LRS[i // 2], i % 2 == 1) for i in range(4)}
     points["late"] = (5e-3, False)
@@ -109,29 +132,45 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     assert all(f"run {name}: adapter slot" in trainer_log for name in adapters)  # first come, first served
     assert trainer_log.index("run late: adapter slot") > trainer_log.index("run reverse_text_2: adapter slot")
     status = _cli("status", str(job.root)).stdout
-    assert "RUN" in status and all(n in status for n in names) and status.count("FAILED") == 2, status
+    assert "RUN" in status and all(n in status for n in names) and status.count("FAILED") == 3, status
     tail = _cli("tail", str(job.root), "-n", "3").stdout  # each run's orchestrator, by name
     assert all(f"orchestrator[{n}]" in tail for n in names if n != "gone") and "last step written: 5" in tail, tail
     plot = _cli("plot", str(job.root), "-o", str(tmp_path / "runs.png"))
-    assert plot.returncode == 0 and "(6 runs)" in plot.stdout and (tmp_path / "runs.png").stat().st_size > 0, plot
+    assert plot.returncode == 0 and "(7 runs)" in plot.stdout and (tmp_path / "runs.png").stat().st_size > 0, plot
     assert jobs.read_job(job)["kind"] == "rl"
 
     # one run resumed alone from its own checkpoint: the job is submitted again, the others
-    # stay as they ended
-    again = _cli("resume", str(job.root), "--run", "reverse_text_0", "max_steps=7")
+    # stay as they ended; no periodic checkpoint any more
+    run0 = job.sub_run("reverse_text_0")
+    again = _cli("resume", str(job.root), "--run", "reverse_text_0", "max_steps=16", "ckpt.interval=100")
     assert again.returncode == 0 and "resumed run reverse_text_0" in again.stdout, again.stdout + again.stderr
     assert "from checkpoint step 5" in again.stdout
+    # requeued by SLURM midway: the job's checkpoint request reaches the run's orchestrator
+    # too, so the step the trainer saves on request is a complete checkpoint to go on from
     deadline = time.monotonic() + 600
-    while len(attempts := jobs.read_job(job).get("attempts") or []) < 2 or not attempts[-1].get("end"):
-        assert time.monotonic() < deadline, jobs.read_job(job)
+    while not any(r["step"] >= 7 for r in _rows(run0.metrics("trainer"))):
+        assert time.monotonic() < deadline and not jobs.read_job(job).get("ended_at"), jobs.read_job(job)
+        time.sleep(0.5)
+    second_logs = job.latest_logs.resolve()
+    subprocess.run(["scontrol", "requeue", str(jobs.read_job(job)["job_ids"][-1])], check=True, timeout=60)
+    while len(attempts := jobs.read_job(job).get("attempts") or []) < 3 or not attempts[-1].get("end"):
+        assert time.monotonic() < deadline + 300, jobs.read_job(job)
+        release_held(str(jobs.read_job(job)["job_ids"][-1]))
         time.sleep(1)
     record = wait_ended(job, 600)
-    assert record["state"] == "COMPLETED" and len(record["attempts"]) == 2, record
-    rows = _rows(job.sub_run("reverse_text_0").metrics("trainer"))
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7] and "time/load_ckpt" in rows[5], rows
-    assert json.loads(job.sub_run("reverse_text_0").run_json.read_text())["step"] == 7
+    assert record["state"] == "COMPLETED" and len(record["attempts"]) == 3, record
+    assert record["attempts"][1]["end"] == "REQUEUED", record
+    saved = [s for s in run0.complete_checkpoint_steps() if 5 < s < 16]
+    assert len(saved) == 1, run0.complete_checkpoint_steps()  # the step it was at, both parts
+    orch_log = (second_logs / "runs" / "reverse_text_0" / "orchestrator.log").read_text()
+    assert f"checkpointed step {saved[0]} as asked" in orch_log, orch_log[-2000:]
+    rows = _rows(run0.metrics("trainer"))
+    assert [r["step"] for r in rows] == list(range(1, 17)), rows
+    assert "time/load_ckpt" in rows[5] and "time/load_ckpt" in rows[saved[0]], rows
+    assert json.loads(run0.run_json.read_text())["step"] == 16
     assert [r["step"] for r in _rows(job.sub_run("late").metrics("trainer"))] == [1, 2, 3, 4, 5]
-    second = (job.latest_logs.resolve() / "trainer.log").read_text()
-    assert "run reverse_text_0: resumed from" in second and "run late:" not in second
+    third = (job.latest_logs.resolve() / "trainer.log").read_text()
+    assert f"run reverse_text_0: resumed from {run0.checkpoint_part(saved[0], 'trainer')}" in third
+    assert "run late:" not in third
     nope = _cli("resume", str(job.root), "--run", "nosuch")
     assert nope.returncode == 2 and "has the runs reverse_text_0" in nope.stderr, nope.stderr

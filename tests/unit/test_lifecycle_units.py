@@ -366,6 +366,35 @@ def test_watchdog_tells_a_stall_from_a_wait():
     assert stalled(done, 60, now) is None
 
 
+def test_the_watchdog_finds_the_stalled_orchestrator_of_one_run_of_several(tmp_path):
+    """In a job of several runs each run's orchestrator beats in its own directory: one that
+    makes no progress is that run's stall (its log the run's), one over is not watched, the
+    job's servers at work excuse a wait for inference, and a run's trainer heartbeat
+    (written at its steps only) is not judged."""
+    from prime_hpc.job.watchdog import run_stalls
+    from prime_hpc.rundir import RunDir, runs
+
+    job, logs, now = RunDir(tmp_path / "job"), tmp_path / "logs" / "attempt_0", 1000.0
+    for name in ("stuck", "waits", "over", "fine"):
+        sub = job.sub_run(name)
+        sub.component_config("trainer").parent.mkdir(parents=True)
+        sub.component_config("trainer").write_text("{}\n")
+        sub.beat("trainer", 0, time=now - 500, step=3)  # old: a run's trainer beat is not judged
+    job.sub_run("stuck").beat("orchestrator", 0, time=now - 1, progress_at=now - 90, step=2)
+    job.sub_run("waits").beat("orchestrator", 0, time=now - 1, progress_at=now - 90, waiting_on="inference")
+    job.sub_run("over").beat("orchestrator", 0, time=now - 300, progress_at=now - 300)
+    runs.record(job.sub_run("over"), runs.ENDED, 5)
+    job.sub_run("fine").beat("orchestrator", 0, time=now - 1, progress_at=now - 2)
+    busy = {"inference_0": {"time": now - 1, "progress_at": now - 1, "in_flight": 4}}
+    [(name, stall)] = run_stalls(job, busy, 60, now, False, logs)
+    assert name == "stuck" and stall["component"] == "orchestrator" and stall["why"] == "no progress"
+    assert stall["log"] == str(logs / "runs" / "stuck" / "orchestrator.log") and stall["step"] == 2
+    assert stall["reason"].startswith("stalled: alive, but no progress for 90s (watchdog.stall_timeout_s=60) at step 2")
+    idle = {"inference_0": {"time": now - 1, "progress_at": now - 100, "waiting_on": "orchestrator"}}
+    assert sorted(n for n, _ in run_stalls(job, idle, 60, now, False, logs)) == ["stuck", "waits"]
+    assert run_stalls(RunDir(tmp_path / "single"), busy, 60, now, False, logs) == []
+
+
 def test_a_hung_server_is_found_by_its_own_timeout_and_excuses_the_orchestrator_it_starves():
     """A server whose engine hangs keeps beating (its API loop runs) but finishes no
     generation: after inference.stall_timeout_s it is hung (and restarted, not the job's
@@ -745,3 +774,24 @@ def test_a_requeue_its_job_script_did_not_record_counts_as_node_fail(tmp_path):
     assert job["state"] == "FAILED" and job["failure"]["max_requeues"] == 1, job
     with pytest.raises(UserError, match="cluster.max_requeues=1"):
         attempt.start(run, "9")
+
+
+def test_a_run_of_several_takes_its_jobs_checkpoint_request_and_its_own_step_of_the_answer(tmp_path):
+    """At a time limit the supervisor asks the job (`control/checkpoint.json` of the job's
+    directory): every run's orchestrator sees that request, and saves its part of the step
+    the multi-run trainer saved for that run (the job's answer, by run)."""
+    from prime_hpc.rundir import RunDir, atomic_write_json
+    from prime_hpc.runtime.stopping import CHECKPOINT, CONTINUE, Stop, checkpointed_step
+
+    job = RunDir(tmp_path / "job")
+    run = job.sub_run("a")
+    stop = Stop(run, handle_sigterm=False, control=job)
+    assert stop.poll() == CONTINUE
+    job.checkpoint_request.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(job.checkpoint_request, {"reason": "time limit", "requested_at": 0})
+    assert stop.poll() == CHECKPOINT and stop.reason() == "time limit"
+    assert Stop(run, handle_sigterm=False).poll() == CONTINUE  # the run's own control has no request
+    assert checkpointed_step(run, job) is None
+    atomic_write_json(job.checkpoint_answer, {"runs": {"a": 4, "b": 2}})
+    assert checkpointed_step(run, job) == 4 and checkpointed_step(job.sub_run("c"), job) is None
+    assert checkpointed_step(job) is None  # a single run's answer is {"step": n}
