@@ -241,7 +241,8 @@ def run_into(a: argparse.Namespace) -> int:
         return 0
     together.write_runs(runs)
     names = [str(r.name) for r in runs]
-    jobs.update_job(ref.run, runs=[*(jobs.read_job(ref.run).get("runs") or []), *names])
+    with jobs.editing_job(ref.run) as job:  # read and written under the lock the supervisor takes too
+        job["runs"] = [*(job.get("runs") or []), *names]
     print(
         f"added {len(names)} run(s) to job {ref.job_id} ({ref.name}): {', '.join(names)}; each takes an adapter "
         f"slot of its trainer when one is free"
