@@ -16,13 +16,15 @@ to every orchestrator, which stops at its next safe point.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from prime_hpc.core import jobenv
 from prime_hpc.rundir import RunDir, runs, tail_lines
@@ -63,10 +65,74 @@ def last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
+class FleetKeeper:
+    """The job's inference servers, shared by every run, kept by the head (one keeper, not
+    one per run): a server restarted in its slot (a new URL) first gets every run's newest
+    adapter, then joins the router; one that is gone leaves it (`orchestrator.fleet.
+    keep_fixed`: `fleet/membership.json`, which `status` shows and each run's relay follows
+    for its updates). Runs in a thread of its own, beside the orchestrators' loop."""
+
+    def __init__(self, job: RunDir) -> None:
+        self.job = job
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.task: Optional[asyncio.Task] = None
+        self.thread = threading.Thread(target=self._run, name="fleet", daemon=True)
+
+    def start(self) -> "FleetKeeper":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # the runs go on with the servers they have
+            print(f"prime-hpc head: the job's fleet is no longer kept ({type(e).__name__}: {e})", flush=True)
+
+    async def _main(self) -> None:
+        from prime_hpc.inference.client import api_key, discover
+        from prime_hpc.orchestrator.client import SERVERS_WAIT_S
+        from prime_hpc.orchestrator.fleet import keep_fixed
+
+        self.loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
+        nodes, own = _fleet_shape(self.job)
+        ep = await asyncio.to_thread(discover, self.job, nodes, SERVERS_WAIT_S, jobenv.logs_dir(), own_job=own)
+        await keep_fixed(self.job, ep, api_key(), prepare=self.load_adapters)
+
+    async def load_adapters(self, admin: Any, url: str) -> None:
+        """Every run still going: its newest adapter into the joining server `url`."""
+        for name in self.job.sub_runs():
+            run = self.job.sub_run(name)
+            steps = [] if runs.is_over(run) else [s for s in run.weight_steps() if run.weights_adapter(s).is_dir()]
+            if steps:
+                await admin.load_lora(name, run.weights_adapter(steps[-1]), steps[-1], to=[url])
+
+    def stop(self) -> None:
+        if self.loop is not None and self.task is not None:
+            self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(timeout=10)
+
+
+def _fleet_shape(job: RunDir) -> tuple[int, bool]:
+    """The job's inference nodes, and whether they are a job of their own, as the runs'
+    orchestrators are told (the first run's config)."""
+    import yaml
+
+    for name in job.sub_runs():
+        try:
+            cfg = yaml.safe_load(job.sub_run(name).component_config("orchestrator").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        return int(cfg.get("inference_nodes") or 1), cfg.get("inference_job") == "own"
+    return 1, False
+
+
 def run_all(job: RunDir) -> dict:
     """Every run's orchestrator, until all have ended; {"runs": {name: exit code}}. Runs
     that appear meanwhile (`submit --into`), or that a resume makes to run again (a new
-    trainer config), are started too."""
+    trainer config), are started too. The job's servers are kept meanwhile (`FleetKeeper`)."""
+    keeper = FleetKeeper(job).start()
     procs: dict[str, subprocess.Popen] = {}
     started: dict[str, Optional[int]] = {}  # run -> the trainer config it was started (or found over) under
     codes: dict[str, int] = {}
@@ -119,6 +185,7 @@ def run_all(job: RunDir) -> dict:
             time.sleep(POLL_S)
     finally:
         stop(procs)
+        keeper.stop()
     failed = [n for n, c in codes.items() if _failed(job, n, c)]
     if procs and len(failed) == len(procs):
         raise SystemExit(

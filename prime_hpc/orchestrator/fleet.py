@@ -169,21 +169,29 @@ class Membership:
 
 
 async def keep_fixed(
-    run: RunDir, ep: Any, key: Optional[str], each: Callable[[Membership], None] = lambda m: None
+    run: RunDir,
+    ep: Any,
+    key: Optional[str],
+    each: Callable[[Membership], None] = lambda m: None,
+    prepare: Optional[Callable[[Any, str], Awaitable[None]]] = None,
 ) -> None:
-    """Keep the membership of servers that serve one model and are never updated (a serve
-    job's, the run's own teacher's; `run` names their group): every server at its base
-    model, a server restarted in its slot (a new URL) joins the router (`ep.router`) once it
-    answers, one that is gone leaves it. `each(members)` after every poll; until cancelled.
+    """Keep the membership of servers whose base model is never updated (a serve job's, the
+    run's own teacher's, a job of several runs'; `run` names their group): a server
+    restarted in its slot (a new URL) joins the router (`ep.router`) once it answers and
+    `prepare(admin, url)` has made it ready (a job of several runs: every run's adapter
+    loaded), one that is gone leaves it. `each(members)` after every poll; until cancelled.
     A poll that fails (a file being replaced on a shared filesystem, a router restarting)
     is logged and tried again at the next."""
     from prime_hpc.inference.client import Admin
 
-    async def base_model(url: str, record: dict) -> int:
+    admin = Admin(list(ep.servers), key=key)
+
+    async def ready(url: str, record: dict) -> int:
+        if prepare is not None:
+            await prepare(admin, url)
         return 0  # a server starts with the model it serves
 
-    admin = Admin(list(ep.servers), key=key)
-    members = Membership(run, admin, ep.router, base_model)
+    members = Membership(run, admin, ep.router, ready)
     try:
         members.start_with(list(run.server_endpoints().values()), 0)
         while True:

@@ -87,6 +87,7 @@ class Orchestrator:
             router=router,
             transport=cfg.weights.transport,
             adapter=self.run.root.name if cfg.job_dir else None,
+            job=self.job,
         )
         self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = EnvSampler(train, cfg.seed, 1 if self.max_steps is None else None)  # null: the data once

@@ -75,11 +75,15 @@ class WeightRelay:
         router: Optional[str] = None,
         transport: str = "filesystem",
         adapter: Optional[str] = None,
+        job: Optional[RunDir] = None,
     ) -> None:
         """`adapter`: this run is one of several sharing the servers, its policy the adapter
         of that name (every update, a resume's included, loads it; the base model's step
-        on the servers is not this run's)."""
+        on the servers is not this run's); `job`: the job whose head keeps those servers'
+        membership (`follow`)."""
         self.run = run
+        self.job = job
+        self.unready: set[str] = set()  # servers of the job's fleet named for not taking the adapter
         self.adapter = adapter
         self.lora_name = adapter or LORA_NAME  # the served name of the run's adapter
         self.broadcast = transport == "broadcast"  # the trainer sends the policies; see the module docstring
@@ -142,10 +146,44 @@ class WeightRelay:
         while True:
             if self.members is not None:
                 await self.members.poll()
+            elif self.job is not None:
+                await self.follow()
             steps = self.run.policy_steps() if self.broadcast else self.run.weight_steps()
             if steps and steps[-1] > self.policy:
                 await self.update(steps[-1])
             await asyncio.sleep(POLL_S)
+
+    async def follow(self) -> None:
+        """One run of several: the job's head keeps the servers' membership
+        (`fleet/membership.json` of the job, `prime_hpc.job.runs`). A server it made a member
+        (restarted in its slot: a new URL) gets this run's current adapter, then this run's
+        updates; one it took out gets none. A server that cannot take the adapter now is
+        tried again at the next poll."""
+        from prime_hpc.rundir.fleet import REMOVED, SERVING
+
+        assert self.job is not None
+        try:
+            members = dict(read_json(self.job.fleet_membership).get("servers") or {})
+        except (OSError, ValueError):
+            return
+        for slot, m in members.items():
+            url = str(m.get("url"))
+            if m.get("state") == REMOVED and url in self.admin.servers:
+                self.admin.remove(url)
+                logger.info(f"inference server {slot} ({url}) left the job's fleet; updates skip it")
+            elif m.get("state") == SERVING and url not in self.admin.live:
+                try:
+                    if self.loaded is not None and self.loaded[0] == "adapter":
+                        await self.admin.load_lora(self.lora_name, self.loaded[1], self.policy, to=[url])
+                except InferenceError as e:
+                    if url not in self.unready:
+                        self.unready.add(url)
+                        logger.warning(f"inference server {slot} ({url}) could not take this run's adapter yet: {e}")
+                    continue
+                self.admin.add(url)
+                logger.info(
+                    f"inference server {slot} ({url}) joined the job's fleet at this run's policy {self.policy}"
+                )
 
     async def update(self, step: int) -> None:
         t0 = time.monotonic()

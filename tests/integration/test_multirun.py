@@ -9,15 +9,18 @@ job's watchdog."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 
 import pytest
 
 from prime_hpc.rundir import STABLE, RunDir, jobs
+from prime_hpc.rundir.fleet import read_membership
 from tests.conftest import REPO, cli
 from tests.integration.test_env_failures import wait_ended
-from tests.runs import release_held
+from tests.runs import release_held, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 ENV = {"INFERENCE_SERVER_API_KEY": "together-test-key-81f3", "SBATCH_EXPORT": "NONE"}
@@ -145,16 +148,30 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     again = _cli("resume", str(job.root), "--run", "reverse_text_0", "max_steps=16", "ckpt.interval=100")
     assert again.returncode == 0 and "resumed run reverse_text_0" in again.stdout, again.stdout + again.stderr
     assert "from checkpoint step 5" in again.stdout
+    # the job's server dies: restarted in its slot, it gets the run's adapter from the head
+    # before it is routed again, and the run trains on through it
+    trained = lambda: max((r["step"] for r in _rows(run0.metrics("trainer"))), default=0)  # noqa: E731
+    wait_until(lambda: trained() >= 7, 600, "step 7 of the resumed run", job)
+    server = job.server_endpoints()["inference_0"]
+    os.kill(int(server["pid"]), signal.SIGKILL)
+    killed_at = trained()
+    wait_until(
+        lambda: (
+            (m := read_membership(job).get("inference_0", {})).get("state") == "serving"
+            and m.get("url") != server["url"]
+        ),
+        300,
+        "the restarted server in the job's fleet",
+        job,
+    )
+    wait_until(lambda: trained() >= killed_at + 2, 300, "two steps after the server's restart", job)
     # requeued by SLURM midway: the job's checkpoint request reaches the run's orchestrator
     # too, so the step the trainer saves on request is a complete checkpoint to go on from
-    deadline = time.monotonic() + 600
-    while not any(r["step"] >= 7 for r in _rows(run0.metrics("trainer"))):
-        assert time.monotonic() < deadline and not jobs.read_job(job).get("ended_at"), jobs.read_job(job)
-        time.sleep(0.5)
     second_logs = job.latest_logs.resolve()
     subprocess.run(["scontrol", "requeue", str(jobs.read_job(job)["job_ids"][-1])], check=True, timeout=60)
+    deadline = time.monotonic() + 600
     while len(attempts := jobs.read_job(job).get("attempts") or []) < 3 or not attempts[-1].get("end"):
-        assert time.monotonic() < deadline + 300, jobs.read_job(job)
+        assert time.monotonic() < deadline, jobs.read_job(job)
         release_held(str(jobs.read_job(job)["job_ids"][-1]))
         time.sleep(1)
     record = wait_ended(job, 600)
@@ -164,6 +181,9 @@ def test_a_sweep_together_trains_its_runs_side_by_side_and_a_failing_run_ends_al
     assert len(saved) == 1, run0.complete_checkpoint_steps()  # the step it was at, both parts
     orch_log = (second_logs / "runs" / "reverse_text_0" / "orchestrator.log").read_text()
     assert f"checkpointed step {saved[0]} as asked" in orch_log, orch_log[-2000:]
+    assert "inference server inference_0 (" in orch_log and "joined the job's fleet at this run's policy" in orch_log
+    head_log = (second_logs / "orchestrator.log").read_text()
+    assert "inference server inference_0 (" in head_log and "joined at policy 0" in head_log, head_log[-2000:]
     rows = _rows(run0.metrics("trainer"))
     assert [r["step"] for r in rows] == list(range(1, 17)), rows
     assert "time/load_ckpt" in rows[5] and "time/load_ckpt" in rows[saved[0]], rows
