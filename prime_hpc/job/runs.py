@@ -146,7 +146,9 @@ def run_all(job: RunDir) -> dict:
                     continue
                 started[name] = runs.config_mtime(run)
                 if runs.is_over(run):
-                    print(f"prime-hpc head: run {name} is over ({runs.state(run)}); not started", flush=True)
+                    rec = runs.state(run) or {}
+                    how = " ".join(str(rec[k]) for k in ("state", "step") if rec.get(k) is not None)
+                    print(f"prime-hpc head: run {name} is over ({how}); not started", flush=True)
                     continue
                 procs[name] = start(job, name)
                 codes.pop(name, None)
