@@ -25,6 +25,7 @@ component's memory:
 From the repository root:
 
     .venv/bin/python benchmarks/sizes.py [--sizes tiny,tiny-35m,tiny-150m,tiny-0.6b] [--steps 4] [--workdir DIR]
+        [--transports filesystem,broadcast]
 
 A finished run in `--workdir` is read again instead of re-run (delete it to measure anew).
 """
@@ -328,15 +329,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--ckpt-every", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("outputs/bench-sizes"))
+    ap.add_argument("--transports", default="filesystem,broadcast", help="weights.transport(s) to run each size with")
     a = ap.parse_args()
+    transports = set(a.transports.split(","))
+    if not transports or transports - {"filesystem", "broadcast"}:
+        ap.error("--transports: filesystem, broadcast or both (comma-separated)")
     if a.steps < 4:  # at async_level 2 the first steps' rollouts need no update: nothing to measure
         ap.error("--steps must be at least 4 (the servers' first weight update comes at step 3 or later)")
     workdir = a.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     results = {}
     for size in a.sizes.split(","):
-        results[size] = measure(size, workdir, a.steps, a.ckpt_every)
-        results[size].update(measure_broadcast(size, workdir, a.steps))
+        results[size] = measure(size, workdir, a.steps, a.ckpt_every) if "filesystem" in transports else {}
+        if "broadcast" in transports:
+            results[size].update(measure_broadcast(size, workdir, a.steps))
         report(results, a.steps)  # so far: a long ladder shows its first rungs early
     return 0
 
