@@ -152,6 +152,7 @@ def run_all(job: RunDir) -> dict:
                     continue
                 procs[name] = start(job, name)
                 codes.pop(name, None)
+                cancelled.pop(name, None)  # a run resumed after a cancel or a failure: not stopped again
                 log = orchestrator_log(job, name)
                 print(f"prime-hpc head: run {name}: orchestrator pid {procs[name].pid}, log {log}", flush=True)
             for name, p in procs.items():
@@ -165,7 +166,8 @@ def run_all(job: RunDir) -> dict:
                     p.send_signal(signal.SIGTERM)
                 elif p.poll() is None and name in cancelled and time.monotonic() - cancelled[name] > STOP_WAIT_S:
                     print(
-                        f"prime-hpc head: run {name}: its orchestrator outlived {STOP_WAIT_S:g}s after SIGTERM; killed"
+                        f"prime-hpc head: run {name}: its orchestrator outlived {STOP_WAIT_S:g}s after SIGTERM; killed",
+                        flush=True,
                     )
                     p.kill()
                     cancelled[name] = float("inf")  # killed once
