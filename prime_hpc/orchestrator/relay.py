@@ -159,14 +159,10 @@ class WeightRelay:
         (restarted in its slot: a new URL) gets this run's current adapter, then this run's
         updates; one it took out gets none. A server that cannot take the adapter now is
         tried again at the next poll."""
-        from prime_hpc.rundir.fleet import REMOVED, SERVING
+        from prime_hpc.rundir.fleet import REMOVED, SERVING, read_membership
 
         assert self.job is not None
-        try:
-            members = dict(read_json(self.job.fleet_membership).get("servers") or {})
-        except (OSError, ValueError):
-            return
-        for slot, m in members.items():
+        for slot, m in read_membership(self.job).items():
             url = str(m.get("url"))
             if m.get("state") == REMOVED and url in self.admin.servers:
                 self.admin.remove(url)

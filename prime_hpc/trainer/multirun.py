@@ -365,25 +365,29 @@ class MultiRun:
         from loguru import logger
 
         lane = self.lanes.pop(name)
-        s = lane.session
         if lane.step > lane.start_step:
             if lane.merged_at != lane.step:  # ended before its max_steps (rollouts/DONE)
                 self._write_adapter(lane, lane.step, final=True)
             if lane.cfg.ckpt.enabled and lane.step not in lane.ckpt.requested:
                 lane.ckpt.save(lane.step, lane.engine, {"progress": lane.progress})
-        lane.ckpt.wait()
-        lane.ckpt.close()
+        self._release(lane, done=True)
         if self.env.is_main:
             runner.prune_weights(lane.run, lane.step, lane.cfg.async_level)
+            if not runs.is_stopped(lane.run):  # a failure or a cancel stays recorded
+                runs.record(lane.run, runs.ENDED, lane.step)
+        logger.info(f"run {name}: ended at step {lane.step}; adapter slot {lane.slot} free")
+
+    def _release(self, lane: Lane, **beat: bool) -> None:
+        """A run leaves its slot: its saves finished, its files closed, its last heartbeat
+        (`beat`: done or stopped), the slot free for the next run."""
+        lane.ckpt.wait()
+        lane.ckpt.close()
         if lane.metrics is not None:
             lane.metrics.close()
-        runner.beat(s, lane.step, done=True)
+        runner.beat(lane.session, lane.step, **beat)
         self.free.append(lane.slot)
         self.free.sort()
-        self.ended[name] = lane.step
-        if self.env.is_main and not runs.is_stopped(lane.run):  # a failure or a cancel stays recorded
-            runs.record(lane.run, runs.ENDED, lane.step)
-        logger.info(f"run {name}: ended at step {lane.step}; adapter slot {lane.slot} free")
+        self.ended[lane.name] = lane.step
 
     def _fail(self, lane: Lane, why: str) -> None:
         """The run's loss diverged: it ends here, FAILED, with its last good adapter and
@@ -392,14 +396,7 @@ class MultiRun:
         from loguru import logger
 
         del self.lanes[lane.name]
-        lane.ckpt.wait()
-        lane.ckpt.close()
-        if lane.metrics is not None:
-            lane.metrics.close()
-        runner.beat(lane.session, lane.step, stopped=True)
-        self.free.append(lane.slot)
-        self.free.sort()
-        self.ended[lane.name] = lane.step
+        self._release(lane, stopped=True)
         if self.env.is_main:
             runs.record(lane.run, runs.FAILED, lane.step, f"trainer: {why}")
         logger.error(
