@@ -58,9 +58,12 @@ import base64
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -78,9 +81,10 @@ from prime_hpc.inference.broadcast import NCCL_UNIQUE_ID_BYTES
 from prime_hpc.inference.client import LEAVING_STATUS, api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
-from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, read_json, server_slot
+from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, jobs, read_json, server_slot
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
+SOCKET_DIR_PREFIX = "prime-hpc-vllm-"  # <tmp>/prime-hpc-vllm-<pid>.<random>: a server's vLLM sockets
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
 # Longest a server of an extra job takes to leave (router first, then its requests in
 # flight): within SLURM's KillWait (30 s by default) after a cancel's SIGTERM.
@@ -821,6 +825,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, value in address_env(cfg.address).items():  # as the launcher sets them (a weight group's gloo too)
         os.environ.setdefault(name, value)
     os.environ[SERVER_PID_VAR] = str(os.getpid())  # vLLM's own processes die with this one
+    sockets = private_socket_dir()
+    os.environ["VLLM_RPC_BASE_PATH"] = str(sockets)
     try:
         import uvloop
 
@@ -836,4 +842,26 @@ def main(argv: Optional[list[str]] = None) -> int:
             flush=True,
         )
         return 1
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     return 0
+
+
+def private_socket_dir() -> Path:
+    """A directory of this server's own (0700, in the node's temporary directory, `$TMPDIR`
+    where SLURM gives the job one) for the sockets vLLM's processes talk through: vLLM names
+    each `<tmp>/<uuid>` and leaves it behind when it ends, a few per start, readable by the
+    node's other users; here only this user can reach them, and the directory goes with the
+    server (one a SIGKILL left is removed by the next server start of this user, once the
+    process it names is gone)."""
+    tmp = Path(tempfile.gettempdir())
+    me = os.getuid()
+    for old in tmp.glob(f"{SOCKET_DIR_PREFIX}*"):
+        try:
+            pid = int(old.name[len(SOCKET_DIR_PREFIX) :].split(".", 1)[0])
+            st = old.lstat()
+            if st.st_uid == me and stat.S_ISDIR(st.st_mode) and jobs.start_time(pid) is None:
+                shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
+    return Path(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}.", dir=tmp))
