@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import getpass
 import json
 import os
 import re
@@ -84,7 +85,7 @@ from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, jobs, read_json, server_slot
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
-SOCKET_DIR_PREFIX = "prime-hpc-vllm-"  # <tmp>/prime-hpc-vllm-<pid>.<random>: a server's vLLM sockets
+TMP_DIR_PREFIX = "prime-hpc-inference-"  # <tmp>/prime-hpc-inference-<pid>.<random>: a server's own temporary directory
 UPDATE_DRAIN_TIMEOUT_S = 600.0  # longest an update waits for in-flight generations
 # Longest a server of an extra job takes to leave (router first, then its requests in
 # flight): within SLURM's KillWait (30 s by default) after a cancel's SIGTERM.
@@ -825,8 +826,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, value in address_env(cfg.address).items():  # as the launcher sets them (a weight group's gloo too)
         os.environ.setdefault(name, value)
     os.environ[SERVER_PID_VAR] = str(os.getpid())  # vLLM's own processes die with this one
-    sockets = private_socket_dir()
-    os.environ["VLLM_RPC_BASE_PATH"] = str(sockets)
+    # inductor's default cache is in the node's temporary directory, which is about to be this server's own
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    )
+    private = private_tmp_dir()
+    os.environ.update(TMPDIR=str(private), VLLM_RPC_BASE_PATH=str(private))
+    tempfile.tempdir = str(private)
     try:
         import uvloop
 
@@ -843,25 +849,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         return 1
     finally:
-        shutil.rmtree(sockets, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
     return 0
 
 
-def private_socket_dir() -> Path:
-    """A directory of this server's own (0700, in the node's temporary directory, `$TMPDIR`
-    where SLURM gives the job one) for the sockets vLLM's processes talk through: vLLM names
-    each `<tmp>/<uuid>` and leaves it behind when it ends, a few per start, readable by the
-    node's other users; here only this user can reach them, and the directory goes with the
-    server (one a SIGKILL left is removed by the next server start of this user, once the
-    process it names is gone)."""
+def private_tmp_dir() -> Path:
+    """A temporary directory of this server's own (0700, in the node's, `$TMPDIR` where SLURM
+    gives the job one), for what vLLM's processes put there: the sockets they talk through
+    (`<tmp>/<uuid>`) and their rendezvous file (`<tmp>/vllm_dist_<hex>`), which vLLM leaves
+    behind, a few per start, readable by the node's other users. Here only this user can
+    reach them, and the directory goes with the server (one a SIGKILL left is removed by the
+    next server start of this user, once the process it names is gone)."""
     tmp = Path(tempfile.gettempdir())
     me = os.getuid()
-    for old in tmp.glob(f"{SOCKET_DIR_PREFIX}*"):
+    for old in tmp.glob(f"{TMP_DIR_PREFIX}*"):
         try:
-            pid = int(old.name[len(SOCKET_DIR_PREFIX) :].split(".", 1)[0])
+            pid = int(old.name[len(TMP_DIR_PREFIX) :].split(".", 1)[0])
             st = old.lstat()
             if st.st_uid == me and stat.S_ISDIR(st.st_mode) and jobs.start_time(pid) is None:
                 shutil.rmtree(old, ignore_errors=True)
         except (ValueError, OSError):
             continue
-    return Path(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}.", dir=tmp))
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_DIR_PREFIX}{os.getpid()}.", dir=tmp))

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prime_hpc.inference.server import SOCKET_DIR_PREFIX
+from prime_hpc.inference.server import TMP_DIR_PREFIX
 from prime_hpc.rundir import mark_stable
 from tests import procs
 
@@ -423,9 +423,9 @@ def test_a_server_of_several_runs_serves_each_runs_adapter_under_its_own_policy(
         assert policy["adapters"] == {"a": 3, "b": 5} and policy["policy_step"] == 0
         assert asyncio.run(admin.load_lora("a", a_dir, 4))[0]["policy_step"] == 4  # a moves on, b stays
         assert (ask("a")["policy_step"], ask("b")["policy_step"]) == (4, 5)
-        # vLLM's sockets are in a directory of the server's own, which goes with it
+        # vLLM's temporary files (its sockets among them) are in a directory of the server's own, which goes with it
         pid = inf.procs["inference/node_0"].pid
-        (sockets,) = Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{pid}.*")
+        (sockets,) = Path(tempfile.gettempdir()).glob(f"{TMP_DIR_PREFIX}{pid}.*")
         assert sockets.stat().st_mode & 0o777 == 0o700 and any(p.is_socket() for p in sockets.iterdir())
     finally:
         inf.stop_all()

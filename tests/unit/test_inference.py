@@ -259,26 +259,26 @@ def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch, tmp_path)
     assert private.stat().st_uid == os.getuid() and private.stat().st_mode & 0o777 == 0o700
 
 
-def test_a_server_keeps_vllms_sockets_in_a_directory_of_its_own_and_clears_those_a_kill_left(tmp_path, monkeypatch):
-    """vLLM names its sockets `<tmp>/<uuid>` and leaves them behind: a server gives them a
-    0700 directory of its own in the node's temporary directory (its `$TMPDIR`), and a start
-    removes this user's directories whose server is gone, and nothing else."""
+def test_a_server_has_a_temporary_directory_of_its_own_and_clears_those_a_kill_left(tmp_path, monkeypatch):
+    """vLLM leaves sockets and files in the node's temporary directory: a server gives its
+    processes a 0700 one of its own inside it (`$TMPDIR`), and a start removes this user's
+    directories whose server is gone, and nothing else."""
     import subprocess
     import sys
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(srv.tempfile, "tempdir", None)  # tempfile caches the directory it chose
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f"{srv.SOCKET_DIR_PREFIX}{gone.stdout.strip()}.abc"
-    live = tmp_path / f"{srv.SOCKET_DIR_PREFIX}{os.getppid()}.def"  # its server runs
-    theirs = tmp_path / f"{srv.SOCKET_DIR_PREFIX}{gone.stdout.strip()}.ghi"  # another user's
+    dead = tmp_path / f"{srv.TMP_DIR_PREFIX}{gone.stdout.strip()}.abc"
+    live = tmp_path / f"{srv.TMP_DIR_PREFIX}{os.getppid()}.def"  # its server runs
+    theirs = tmp_path / f"{srv.TMP_DIR_PREFIX}{gone.stdout.strip()}.ghi"  # another user's
     stray = tmp_path / "0b7c9e2a-uuid"  # not ours to judge
     for d in (dead, live, theirs, stray):
         d.mkdir()
         (d / "left").write_text("")
     os.chown(theirs, 65534, 65534)
-    mine = srv.private_socket_dir()
-    assert mine.parent == tmp_path and mine.name.startswith(f"{srv.SOCKET_DIR_PREFIX}{os.getpid()}.")
+    mine = srv.private_tmp_dir()
+    assert mine.parent == tmp_path and mine.name.startswith(f"{srv.TMP_DIR_PREFIX}{os.getpid()}.")
     assert mine.stat().st_mode & 0o777 == 0o700
     assert not dead.exists() and live.exists() and theirs.exists() and stray.exists()
 
