@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ os.environ.setdefault("PRIME_HPC_CACHE", str(Path.home() / ".cache" / "prime-hpc
 # session: tests neither read nor leave anything in the real one.
 _XDG = tempfile.mkdtemp(prefix="prime-hpc-tests-xdg-")
 os.environ["XDG_CACHE_HOME"] = _XDG
+atexit.register(shutil.rmtree, _XDG, ignore_errors=True)
 # Every "node" is this machine: everything stays on loopback.
 os.environ.setdefault("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
 # The tests' own environments (tests/envs), and the bundled ones from the source tree when

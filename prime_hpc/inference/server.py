@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import getpass
 import json
 import os
 import re
@@ -68,7 +67,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional, TypeGuard
+from typing import Any, Iterable, Optional, TypeGuard
 
 from fastapi import Request
 
@@ -826,11 +825,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, value in address_env(cfg.address).items():  # as the launcher sets them (a weight group's gloo too)
         os.environ.setdefault(name, value)
     os.environ[SERVER_PID_VAR] = str(os.getpid())  # vLLM's own processes die with this one
-    # inductor's default cache is in the node's temporary directory, which is about to be this server's own
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
-    )
-    private = private_tmp_dir()
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor's default cache (its C++ precompiled headers, ~150 MB and seconds to build,
+    # even where TORCHINDUCTOR_CACHE_DIR is set) stays the node's, shared by every start
+    private = private_tmp_dir(shared=[Path(default_cache_dir())])
     os.environ.update(TMPDIR=str(private), VLLM_RPC_BASE_PATH=str(private))
     tempfile.tempdir = str(private)
     try:
@@ -853,13 +852,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def private_tmp_dir() -> Path:
+def private_tmp_dir(shared: Iterable[Path] = ()) -> Path:
     """A temporary directory of this server's own (0700, in the node's, `$TMPDIR` where SLURM
     gives the job one), for what vLLM's processes put there: the sockets they talk through
     (`<tmp>/<uuid>`) and their rendezvous file (`<tmp>/vllm_dist_<hex>`), which vLLM leaves
     behind, a few per start, readable by the node's other users. Here only this user can
     reach them, and the directory goes with the server (one a SIGKILL left is removed by the
-    next server start of this user, once the process it names is gone)."""
+    next server start of this user, once the process it names is gone). The caches in
+    `shared` (directories of the node's temporary directory) stay where they are: the private
+    directory links to them under their names."""
     tmp = Path(tempfile.gettempdir())
     me = os.getuid()
     for old in tmp.glob(f"{TMP_DIR_PREFIX}*"):
@@ -870,4 +871,8 @@ def private_tmp_dir() -> Path:
                 shutil.rmtree(old, ignore_errors=True)
         except (ValueError, OSError):
             continue
-    return Path(tempfile.mkdtemp(prefix=f"{TMP_DIR_PREFIX}{os.getpid()}.", dir=tmp))
+    private = Path(tempfile.mkdtemp(prefix=f"{TMP_DIR_PREFIX}{os.getpid()}.", dir=tmp))
+    for cache in shared:
+        cache.mkdir(parents=True, exist_ok=True)
+        (private / cache.name).symlink_to(cache)
+    return private

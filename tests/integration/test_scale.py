@@ -1,6 +1,6 @@
 """Elastic inference on the dev cluster: a run with one inference node gets a second one
 from an extra job (`prime-hpc scale +1` at step 5) and loses it again (`scale -1` at step
-20 of 30). The run completes without an errored rollout; the extra server, named
+20 of 30, or seven steps after it joined where its start took longer). The run completes without an errored rollout; the extra server, named
 `inference_<job id>.0`, joined (the relay loaded the run's policy into it), served
 requests, loaded every policy the run loaded while it was in (its own log against the
 relay's), left by draining (endpoint first, out of the router, no request in flight, exit
@@ -107,7 +107,8 @@ def test_an_extra_inference_job_joins_at_step_5_and_leaves_at_step_20(tmp_path, 
         listed = cli("list").stdout
         assert f" + {xid}" in listed and "inference/slurm/extra" in listed, listed
 
-        wait_for_step(run, 20)
+        # out again at step 20, or later where its start took long: it serves five policies or more first
+        wait_for_step(run, max(20, joined_at + 7))
         removed = cli("scale", job_id, "inference=-1")
         assert removed.returncode == 0 and f"cancelled extra inference job {xid}" in removed.stdout, removed
         left = _wait(lambda: _extra(run).get("ended_at") and _extra(run), 120, "the extra job's end", run)
@@ -115,7 +116,7 @@ def test_an_extra_inference_job_joins_at_step_5_and_leaves_at_step_20(tmp_path, 
     finally:
         for j in filter(None, (xid, job_id)):
             subprocess.run(["scancel", j], capture_output=True, timeout=60)
-    assert joined_at < 20, f"the extra server published its endpoint only at step {joined_at}"
+    assert joined_at < STEPS - 10, f"the extra server published its endpoint only at step {joined_at}"
     # the extra job: cancelled, its server drained and exited 0, nothing of it left behind
     assert left["state"] == "CANCELLED" and left["exits"] == {"0": 0} and left["end"] == "USR2", left
     log = RunDir.log_of(run.extra_job_logs(xid), slot).read_text()

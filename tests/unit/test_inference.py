@@ -262,7 +262,8 @@ def test_engine_env_on_cpu_comes_from_the_config_or_slurm(monkeypatch, tmp_path)
 def test_a_server_has_a_temporary_directory_of_its_own_and_clears_those_a_kill_left(tmp_path, monkeypatch):
     """vLLM leaves sockets and files in the node's temporary directory: a server gives its
     processes a 0700 one of its own inside it (`$TMPDIR`), and a start removes this user's
-    directories whose server is gone, and nothing else."""
+    directories whose server is gone, and nothing else. Inductor's cache stays the node's,
+    linked from it, and outlives it."""
     import subprocess
     import sys
 
@@ -277,10 +278,14 @@ def test_a_server_has_a_temporary_directory_of_its_own_and_clears_those_a_kill_l
         d.mkdir()
         (d / "left").write_text("")
     os.chown(theirs, 65534, 65534)
-    mine = srv.private_tmp_dir()
+    inductor = tmp_path / "torchinductor_me"
+    mine = srv.private_tmp_dir(shared=[inductor])
     assert mine.parent == tmp_path and mine.name.startswith(f"{srv.TMP_DIR_PREFIX}{os.getpid()}.")
     assert mine.stat().st_mode & 0o777 == 0o700
     assert not dead.exists() and live.exists() and theirs.exists() and stray.exists()
+    (mine / inductor.name / "precompiled_headers").mkdir()  # as torch would, under the private directory
+    srv.shutil.rmtree(mine)  # as the server does at its end
+    assert (inductor / "precompiled_headers").is_dir()
 
 
 def test_step_is_read_from_the_weights_dir():
