@@ -5,7 +5,8 @@ early on its validation loss; RL starts from its final weights and raises the re
 off-policy by at most the recipe's async_level steps. Every address the run publishes,
 and every socket of its servers, is on loopback. Then the RL-trained model teaches a fresh
 one: `prime-hpc synthesize` keeps its exact reversals, a fresh tiny model is trained on them
-(SFT), and `prime-hpc eval` scores it above the untrained model."""
+(SFT), and `prime-hpc eval` scores it above the untrained model. Last, the warm-up's weights
+start a sweep of two LoRA runs in one job (`--together`), and each run's reward rises."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 # 121 threw it back to 0.37 (the fall-back docs/trainer.md tells of); and at 120 steps the
 # rise of another was 0.022, under the bound below
 RL_STEPS = 180
+# two LoRA runs together from the warm-up's weights: with LoRA (alpha/rank 2) 2e-3 and 3e-3
+# each rose (+0.06 and +0.08 in 100 steps), 5e-3 and 1e-2 fell back within 20 steps
+LORA_LRS = (2e-3, 3e-3)
+LORA_STEPS = 120
 
 
 def _rows(run: RunDir, component: str) -> list[dict]:
@@ -195,3 +200,36 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     print(f"untrained {untrained}\ntaught by the RL model's samples {taught}")
     assert untrained["eval/reverse_text/pass@1"] <= 0.05, untrained
     assert taught["eval/reverse_text/avg@1"] >= untrained["eval/reverse_text/avg@1"] + 0.2, (untrained, taught)
+
+    # a sweep of two LoRA runs from the warm-up's weights in one job (`--together`: one
+    # trainer holding both adapters, one server serving both): each run's reward rises
+    together = RunDir(tmp_path / "together")
+    t = cli(
+        "submit",
+        "-m",
+        "+experiment=reverse_text",
+        "cluster=dev",
+        "warmup.experiment=null",
+        f"model.name={warm.root}",
+        f"output_dir={together.root}",
+        f"max_steps={LORA_STEPS}",
+        "orchestrator.eval.interval=0",
+        "orchestrator.eval.at_start=false",
+        "trainer.model.lora.enabled=true",
+        f"trainer.optim.lr={','.join(map(str, LORA_LRS))}",
+        "--together",
+        "-f",
+        timeout=1200,
+    )
+    assert t.returncode == 0 and jobs.read_job(together)["state"] == "COMPLETED", t.stdout[-3000:] + t.stderr
+    adapters = set()
+    for i, lr in enumerate(LORA_LRS):
+        run = together.sub_run(f"reverse_text_{i}")
+        orch = [r for r in _rows(run, "orchestrator") if "reward/all/mean" in r]
+        assert [r["step"] for r in orch] == list(range(1, LORA_STEPS + 1)), run.root
+        assert _rows(run, "trainer")[0]["optim/lr"] == pytest.approx(lr, rel=1e-3)  # its own optimizer
+        rise, t_stat = _trend([r["reward/all/mean"] for r in orch])
+        print(f"LoRA run at lr {lr}: reward rise {rise:.3f} (t = {t_stat:.1f})")
+        assert rise >= 0.03 and t_stat >= 2.5, (lr, rise, t_stat)
+        adapters.add((run.weights_adapter(LORA_STEPS) / "adapter_model.safetensors").read_bytes())
+    assert len(adapters) == 2
