@@ -47,24 +47,34 @@ def main(
 
     args = parse_args(prog, description, argv)
     rank = int(os.environ.get("RANK", 0))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: it does not outlive its agent
+    ranked = "TORCHELASTIC_RUN_ID" in os.environ
+    if ranked:  # a rank under torchrun: it does not outlive its agent
         from prime_hpc.runtime.stopping import die_with_parent
 
         die_with_parent()
+    code = 0
     try:
         cfg = load_config(args.config)
         setup_logging(cfg.trainer.log.level, rank)
         run_fn(cfg)
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        return UserError.exit_code
+        code = UserError.exit_code
     except WaitTimeout as e:
         print(f"{prog}: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-        return 1
+        code = 1
     except (CheckpointWriteError, Diverged) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        code = 1
+    if ranked:
+        # the rank's work is on disk (or its error said) and its process group destroyed: it
+        # leaves here, without the interpreter's teardown, where torch's gloo threads, still
+        # held by objects freed only then, can abort it ("terminate called without an active
+        # exception", SIGABRT) and turn a run that ended well into a failed job
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 @dataclass
