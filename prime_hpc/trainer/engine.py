@@ -14,6 +14,7 @@ over ranks, so the loss is scaled by the world size to make the gradient exactly
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -23,13 +24,46 @@ import torch
 
 from prime_hpc.core import device as devices
 from prime_hpc.trainer.dist import DistEnv, all_reduce_sum
-from prime_hpc.trainer.loss import LossOutput, token_logprobs
+from prime_hpc.trainer.loss import LossOutput, head_logprobs, token_logprobs
 from prime_hpc.trainer.model import Policy
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
 LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_batch, normalizer)
+
+# architectures whose forward returns the output layer's result as the logits, unchanged
+# (no soft-capping or scaling after it): their log-probabilities come from the hidden
+# states in chunks (`loss.head_logprobs`); any other model's from its whole logits
+HEAD_AS_LOGITS = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "llama", "mistral"})
+
+
+def output_layer(model: Any) -> Optional[torch.nn.Linear]:
+    """The model's output layer when its logits are that layer's output as it is (a plain
+    `nn.Linear`, not a LoRA one, of an architecture in `HEAD_AS_LOGITS`), else None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in HEAD_AS_LOGITS or not hasattr(model, "get_output_embeddings"):
+        return None
+    head = model.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear else None
+
+
+@contextlib.contextmanager
+def logprobs_head(head: torch.nn.Linear, input_ids: torch.Tensor, temperature: float, with_entropy: bool):
+    """While inside, `head` (the output layer) answers with each position's log-probability
+    of its token and entropy, stacked ([B, T, 2]), instead of the logits: they are computed
+    in chunks where the model's forward computes the logits, so that the layer's weight is
+    the gathered one (FSDP) and the gradient flows back through the model as before."""
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        lp, ent = head_logprobs(hidden, head.weight, input_ids, temperature, with_entropy, head.bias)
+        return torch.stack([lp, lp.detach() * 0 if ent is None else ent], -1)
+
+    head.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 class Diverged(Exception):
@@ -92,14 +126,21 @@ class Engine:
         `model` (the frozen reference) in the same precision."""
         d = self.env.device
         dtype = self.policy.autocast_dtype
+        model = model or self.model
+        input_ids = mb["input_ids"].to(d)
+        head = output_layer(model)
+        chunked = logprobs_head(head, input_ids, temperature, with_entropy) if head is not None else None
         with torch.autocast(device_type=d.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = (model or self.model)(
-                input_ids=mb["input_ids"].to(d),
-                attention_mask=mb["attention_mask"].to(d).long() if "attention_mask" in mb else None,
-                position_ids=mb["position_ids"].to(d) if "position_ids" in mb else None,
-                use_cache=False,
-            )
-        return token_logprobs(out.logits, mb["input_ids"].to(d), temperature, with_entropy)
+            with chunked or contextlib.nullcontext():
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=mb["attention_mask"].to(d).long() if "attention_mask" in mb else None,
+                    position_ids=mb["position_ids"].to(d) if "position_ids" in mb else None,
+                    use_cache=False,
+                )
+        if head is None:
+            return token_logprobs(out.logits, input_ids, temperature, with_entropy)
+        return out.logits[..., 0], out.logits[..., 1] if with_entropy else None
 
     @torch.no_grad()
     def add_reference_logprobs(self, reference: Any, micro_batches: list[dict], temperature: float = 1.0) -> None:

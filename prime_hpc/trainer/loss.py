@@ -39,6 +39,14 @@ clipped (cispo), split by the sign of the advantage; divided by the token count 
 the `masked_advantage_{positive,negative}/mean` metrics.
 
 SFT loss: `-sum(m * lp) / normalizer` (token-level cross-entropy).
+
+Log-probabilities from the output layer (`head_logprobs`): the logits of every position
+are [positions, vocabulary] (151,936 ids for Qwen3: 0.6 MB per position in float32, and
+log-softmax, its float copy and the entropy each hold as much again). They are computed
+`chunk_rows(vocabulary)` positions at a time, and backward recomputes each chunk's
+logits from the hidden states instead of keeping them (`torch.utils.checkpoint`), so no
+more than one chunk's [rows, vocabulary] tensors exist at once. The results are those of
+`token_logprobs` on the whole logits, position by position.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import torch
 from prime_hpc.config.schema import LOSS_TYPES
 
 MAX_LOG_RATIO = 20.0  # |lp - ilp| is clamped before exp() so the weight stays finite
+LOGITS_CHUNK_BYTES = 64 * 2**20  # one chunk's float32 logits in `head_logprobs`
 
 
 @dataclass
@@ -65,18 +74,74 @@ def token_logprobs(
     """Log-probability of each token given the ones before it, and the entropy of that
     next-token distribution: `lp[:, t] = log softmax(logits[:, t-1] / temperature)[input_ids[:, t]]`.
     Position 0 has no prediction and gets 0 in both."""
-    scaled = logits[:, :-1].float()
+    lp, ent = _next_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy)
+    return torch.nn.functional.pad(lp, (1, 0)), None if ent is None else torch.nn.functional.pad(ent, (1, 0))
+
+
+def _next_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[targets] and the entropy (no gradient) of each row."""
+    scaled = logits.float()
     if temperature != 1.0:
         scaled = scaled / temperature
     logp = torch.log_softmax(scaled, dim=-1)
-    lp = torch.gather(logp, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    lp = torch.nn.functional.pad(lp, (1, 0))
+    lp = torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1)
     ent = None
     if with_entropy:
         with torch.no_grad():
             ent = -(logp.exp() * logp).sum(-1)
-            ent = torch.nn.functional.pad(ent, (1, 0))
     return lp, ent
+
+
+def chunk_rows(vocab_size: int, budget_bytes: int | None = None) -> int:
+    """Positions per chunk of `head_logprobs`: float32 logits of `budget_bytes`
+    (`LOGITS_CHUNK_BYTES`)."""
+    return max(1, (budget_bytes or LOGITS_CHUNK_BYTES) // (4 * max(1, vocab_size)))
+
+
+def _head_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _next_token_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature, with_entropy)
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    bias: torch.Tensor | None = None,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of the logits `linear(hidden, weight, bias)` ([B, T, H] hidden
+    states, the output layer's [V, H] weight), `rows` positions at a time (default
+    `chunk_rows(V)`), each chunk's logits recomputed in backward rather than kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    b, t, h = hidden.shape
+    x = hidden[:, :-1].reshape(-1, h)
+    y = input_ids[:, 1:].reshape(-1)
+    n = rows or chunk_rows(weight.shape[0])
+    keep = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (hidden, weight, bias))
+    lps, ents = [], []
+    for s in range(0, x.shape[0], n):
+        args = (x[s : s + n], weight, bias, y[s : s + n], temperature, with_entropy)
+        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if keep else _head_chunk(*args)
+        lps.append(lp)
+        ents.append(ent)
+    lp = torch.cat(lps) if lps else x.new_zeros(0, dtype=torch.float32)
+    out = torch.nn.functional.pad(lp.view(b, t - 1), (1, 0))
+    if not with_entropy:
+        return out, None
+    ent_all = torch.cat(ents) if ents else x.new_zeros(0, dtype=torch.float32)  # type: ignore[arg-type]
+    return out, torch.nn.functional.pad(ent_all.view(b, t - 1), (1, 0))
 
 
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

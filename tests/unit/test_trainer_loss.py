@@ -179,3 +179,26 @@ def test_token_logprobs_are_aligned_to_the_predicted_token():
     # temperature 2 halves the logits: [0, log 3]/2 -> p(1) = sqrt(3) / (1 + sqrt(3))
     lp_t, _ = token_logprobs(logits, ids, temperature=2.0)
     assert lp_t[0, 1].item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
+
+
+def test_head_logprobs_in_chunks_match_the_whole_logits_with_their_gradients():
+    """Log-probabilities computed a few positions at a time from the hidden states (backward
+    recomputing each chunk's logits) are those of the whole logits, and so are the gradients."""
+    from prime_hpc.trainer.loss import head_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 7))
+    g = torch.randn(2, 7, dtype=torch.float64)
+
+    lp_ref, ent_ref = token_logprobs(torch.nn.functional.linear(hidden, weight), ids, temperature=0.7)
+    grads_ref = torch.autograd.grad((lp_ref * g).sum(), (hidden, weight))
+    for rows in (1, 3, 5, 100):  # chunks of one position, uneven, and all at once
+        lp, ent = head_logprobs(hidden, weight, ids, temperature=0.7, rows=rows)
+        assert torch.allclose(lp, lp_ref) and torch.allclose(ent, ent_ref)
+        grads = torch.autograd.grad((lp * g).sum(), (hidden, weight))
+        assert all(torch.allclose(a, b) for a, b in zip(grads, grads_ref))
+    with torch.no_grad():
+        lp, ent = head_logprobs(hidden, weight, ids, temperature=0.7, with_entropy=False, rows=4)
+    assert ent is None and torch.allclose(lp, lp_ref)

@@ -517,3 +517,53 @@ def test_orchestrator_logger_forwards_only_the_trainer_rows_w_and_b_lacks(tmp_pa
         with open(run.metrics("trainer"), "a") as f:
             f.write('/mean": 0.5}\n')
         assert o.forward() == 1 and o.forward() == 0
+
+
+def test_the_trainer_never_holds_the_whole_logits_and_gets_the_same_gradient(monkeypatch):
+    """The output layer answers with log-probabilities computed a few positions at a time:
+    no tensor autograd keeps is [positions, vocabulary] of more than one chunk, and the
+    log-probabilities, entropies and gradients are those of the model's whole logits."""
+    from prime_hpc.trainer import loss
+    from prime_hpc.trainer.engine import logprobs_head, output_layer
+    from prime_hpc.trainer.lora import apply_lora
+
+    model = _tiny()
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(loss, "LOGITS_CHUNK_BYTES", 4 * 3 * vocab)  # 3 positions per chunk
+    assert loss.chunk_rows(vocab) == 3
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    saved: list[int] = []  # positions of each [..., vocabulary] tensor autograd keeps
+    weight = model.lm_head.weight.untyped_storage().data_ptr()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 2 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() != weight:
+            saved.append(t.numel() // vocab)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp_ref, ent_ref = loss.token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)
+    assert max(saved) == 2 * 8  # the whole logits' log-softmax
+    lp_ref.sum().backward()
+    grads_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    head = output_layer(model)
+    assert head is model.lm_head
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), logprobs_head(head, ids, 1.0, True):
+        out = model(input_ids=ids, use_cache=False)
+    lp, ent = out.logits[..., 0], out.logits[..., 1]
+    assert torch.allclose(lp, lp_ref, atol=1e-5) and torch.allclose(ent, ent_ref, atol=1e-5)
+    assert all(n <= 3 for n in saved)  # at most a chunk's logits, recomputed in backward
+    lp.sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads_ref[n], atol=1e-5), n
+    assert "forward" not in vars(head)  # the layer is itself again
+
+    # an output layer with an adapter, or a model whose logits are not the layer's output: whole logits
+    other = _tiny()
+    other.config.model_type = "gemma2"  # soft-caps its logits after the layer
+    assert output_layer(other) is None
+    apply_lora(model, 2, 4.0, 0.0, ["lm_head"])
+    assert output_layer(model) is None
