@@ -190,15 +190,29 @@ def reset_peak_memory(device: str) -> None:
         import torch
 
         torch.cuda.reset_peak_memory_stats()
+        return
+    try:  # Linux: "5" resets the process's peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def peak_memory_gib(device: str) -> Optional[float]:
-    """Peak allocated accelerator memory since the last reset, GiB (None on CPU)."""
-    if _check(device) != "cuda":
-        return None
-    import torch
+    """Peak memory since the last reset, GiB: on a GPU the allocated accelerator memory,
+    on CPU the process's resident memory (None where the system does not say)."""
+    if _check(device) == "cuda":
+        import torch
 
-    return torch.cuda.max_memory_allocated() / 2**30
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def synchronize(device: str) -> None:

@@ -59,7 +59,7 @@ def logprobs_head(head: torch.nn.Linear, input_ids: torch.Tensor, temperature: f
         lp, ent = head_logprobs(hidden, head.weight, input_ids, temperature, with_entropy, head.bias)
         return torch.stack([lp, lp.detach() * 0 if ent is None else ent], -1)
 
-    head.forward = forward  # type: ignore[method-assign]
+    head.forward = forward  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
