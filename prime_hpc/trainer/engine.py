@@ -44,8 +44,12 @@ def output_layer(model: Any) -> Optional[torch.nn.Linear]:
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in HEAD_AS_LOGITS or not hasattr(model, "get_output_embeddings"):
         return None
+    from prime_hpc.trainer.lora import LoRALinear, SlotLoRALinear
+
     head = model.get_output_embeddings()
-    return head if type(head) is torch.nn.Linear else None
+    # FSDP makes its units instances of a subclass (`FSDPLinear`); an adapter's layer is one too
+    plain = isinstance(head, torch.nn.Linear) and not isinstance(head, (LoRALinear, SlotLoRALinear))
+    return head if plain else None
 
 
 @contextlib.contextmanager

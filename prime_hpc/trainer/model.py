@@ -1,8 +1,10 @@
 """The policy model: loading (HF id, local path or the built tiny model), LoRA, activation
 checkpointing, FSDP2 sharding, and export of step-tagged HF weights.
 
-Sharding: `fully_shard` on every decoder layer, then on the root (embeddings, final norm,
-lm_head), with `MixedPrecisionPolicy(param_dtype=optimization_dtype,
+Sharding: `fully_shard` on every decoder layer, on the input embeddings and on the output
+layer when they are not tied (each is gathered only while it is used: at Qwen3's 151,936
+ids each is as large as several decoder layers), then on the root (the final norm, and
+tied embeddings), with `MixedPrecisionPolicy(param_dtype=optimization_dtype,
 reduce_dtype=reduce_dtype)`. With a single rank there is nothing to shard: the model stays
 a plain module (FSDP's bookkeeping would only cost time) and `optimization_dtype` is
 applied with autocast instead. Master weights and optimizer state stay float32. The same
@@ -150,10 +152,32 @@ def apply_activation_checkpointing(layers: nn.ModuleList, freq: Optional[int]) -
     return wrapped
 
 
+def vocabulary_units(model: nn.Module) -> list[nn.Module]:
+    """The input embeddings and the output layer, when the model has both and they do not
+    share their weight: FSDP units of their own (a tied pair stays in the root's unit)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    inp, out = (get_in() if get_in else None), (get_out() if get_out else None)
+    if not isinstance(inp, nn.Module) or not isinstance(out, nn.Module):
+        return []
+    w_in, w_out = getattr(inp, "weight", None), getattr(out, "weight", None)
+    if w_in is None or w_out is None or w_in is w_out:
+        return []
+    return [inp, out]
+
+
+def shard(model: nn.Module, layers: nn.ModuleList, mesh: Any, mp: Any) -> None:
+    """FSDP2 units: every decoder layer, the untied vocabulary layers, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in [*layers, *vocabulary_units(model)]:
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
 def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
     """Load, (optionally) add LoRA, checkpoint activations, shard. Every rank must call it
     with the same seed: un-sharded initial values must agree across ranks."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model, tokenizer, source, src_dtype = load_hf(cfg)
     mcfg = cfg.trainer.model
@@ -186,9 +210,7 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
         pol.autocast_dtype = None if dtype == torch.float32 else dtype
     else:
         mp = MixedPrecisionPolicy(param_dtype=_dtype(mcfg.optimization_dtype), reduce_dtype=_dtype(mcfg.reduce_dtype))
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        shard(model, layers, mesh, mp)
     model.train()
     return pol
 
@@ -197,16 +219,18 @@ def build_reference(cfg: TrainerRunConfig, mesh: Any) -> nn.Module:
     """The frozen initial policy for `trainer.loss.ref_kl_coef`: the run's base weights
     (`model.name`, also on a resume; without LoRA), no gradients, in eval mode, sharded
     across ranks like the policy."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = load_hf(cfg)[0]
     model.requires_grad_(False)
     model.to(mesh.device_type)
     if mesh.size() > 1:
-        mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.trainer.model.optimization_dtype))
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        shard(
+            model,
+            decoder_layers(model),
+            mesh,
+            MixedPrecisionPolicy(param_dtype=_dtype(cfg.trainer.model.optimization_dtype)),
+        )
     model.eval()
     return model
 
