@@ -117,6 +117,10 @@ class TrainerModelConfig:
     """forward/backward"""
     reduce_dtype: str = one_of("float32", "bfloat16", "float32")
     """gradient reduction"""
+    grad_sync: str = one_of("last", "last", "every")
+    """several ranks: reduce-scatter the gradients after the step's last micro-batch (each
+    rank accumulates the whole gradient until then: less traffic) or after every one (each
+    rank holds only its shard of it: less memory)"""
 
 
 @dataclass

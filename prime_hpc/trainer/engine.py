@@ -163,7 +163,8 @@ class Engine:
         for i, mb in enumerate(micro_batches):
             mb = {k: v.to(self.env.device) if torch.is_tensor(v) else v for k, v in mb.items()}
             if train and self.policy.sharded:
-                cast("FSDPModule", self.model).set_requires_gradient_sync(i == n - 1)
+                sync = self.policy.grad_sync == "every" or i == n - 1
+                cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
             lp, ent = self.forward(mb, temperature)
             out = loss_fn(lp, mb, normalizer)
             if train:

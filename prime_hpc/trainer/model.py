@@ -70,6 +70,7 @@ class Policy:
     lora_modules: list[str] = field(default_factory=list)
     sharded: bool = True  # FSDP2 (several ranks); a single rank trains the plain module
     autocast_dtype: Optional[torch.dtype] = None  # unsharded: the forward/backward dtype when not float32
+    grad_sync: str = "last"  # sharded: reduce-scatter after the step's last micro-batch, or after `every` one
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -188,6 +189,7 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
         hf_config=model.config,
         generation_config=getattr(model, "generation_config", None),
         save_dtype=src_dtype,
+        grad_sync=mcfg.grad_sync,
     )
     if mcfg.lora.enabled:
         lc = mcfg.lora
