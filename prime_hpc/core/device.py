@@ -205,14 +205,10 @@ def peak_memory_gib(device: str) -> Optional[float]:
         import torch
 
         return torch.cuda.max_memory_allocated() / 2**30
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    from prime_hpc.core.umask import proc_status
+
+    kb = proc_status("VmHWM")
+    return int(kb) / 2**20 if kb is not None and kb.isdigit() else None
 
 
 def synchronize(device: str) -> None:

@@ -25,16 +25,26 @@ LOCK = threading.RLock()  # held around every change of the umask made here
 _STATUS = "/proc/self/status"
 
 
-def _from_proc() -> int | None:
-    """The umask from `/proc/self/status` (Linux >= 4.7), None where it is not given."""
+def proc_status(key: str) -> str | None:
+    """The first word of field `key` of `/proc/self/status` ("Umask", "VmHWM"), None where
+    the system does not give it."""
     try:
         with open(_STATUS) as f:
             for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
+                if line.startswith(key + ":"):
+                    return line.split()[1]
+    except (OSError, IndexError):
         pass
     return None
+
+
+def _from_proc() -> int | None:
+    """The umask from `/proc/self/status` (Linux >= 4.7), None where it is not given."""
+    value = proc_status("Umask")
+    try:
+        return int(value, 8) if value is not None else None
+    except ValueError:
+        return None
 
 
 def current() -> int:

@@ -61,7 +61,7 @@ def logprobs_head(head: torch.nn.Linear, input_ids: torch.Tensor, temperature: f
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         lp, ent = head_logprobs(hidden, head.weight, input_ids, temperature, with_entropy, head.bias)
-        return torch.stack([lp, lp.detach() * 0 if ent is None else ent], -1)
+        return torch.stack([lp, torch.zeros_like(lp) if ent is None else ent], -1)
 
     head.forward = forward  # type: ignore[method-assign,assignment]
     try:
