@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
@@ -38,9 +38,10 @@ def setup_logging(level: str, rank: int) -> None:
 
 def main(
     run_fn: Callable[["TrainerRunConfig"], None], prog: str, description: str, argv: Optional[list[str]] = None
-) -> int:
+) -> NoReturn:
     """Parse `--config`, run, and turn a user's mistake or a missing peer into one line on
-    stderr (exit 2, resp. 1) instead of a traceback."""
+    stderr (exit 2, resp. 1) instead of a traceback; the process then exits with that code
+    (it does not return: see the end)."""
     from prime_hpc.rundir.checkpoints import CheckpointWriteError
     from prime_hpc.trainer.config import load_config, parse_args
     from prime_hpc.trainer.engine import Diverged
@@ -66,15 +67,14 @@ def main(
     except (CheckpointWriteError, Diverged) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         code = 1
-    if ranked:
-        # the rank's work is on disk (or its error said) and its process group destroyed: it
-        # leaves here, without the interpreter's teardown, where torch's gloo threads, still
-        # held by objects freed only then, can abort it ("terminate called without an active
-        # exception", SIGABRT) and turn a run that ended well into a failed job
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    # the rank's work is on disk (or its error said) and its process groups destroyed: it
+    # leaves here, without the interpreter's teardown, where torch's gloo threads, still held
+    # by objects freed only then (a rank's FSDP group, a lone trainer's group of the async
+    # checkpoint save), can abort it ("terminate called without an active exception",
+    # SIGABRT) and turn a run that ended well, or an error already said, into a crash
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
