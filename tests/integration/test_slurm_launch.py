@@ -231,12 +231,24 @@ def test_status_list_cancel_across_states(tmp_path, cancel_later):
 def test_scancel_of_a_running_job_is_recorded_by_the_job_itself(tmp_path, cancel_later):
     """A plain scancel (as by an admin, or the time limit) ends every group, and the job's
     own supervisor records the outcome in job.json before SLURM kills it."""
+    started = tmp_path / "started"
     cfg = compose(
-        ["+experiment=reverse_text", "cluster=dev", f"output_dir={tmp_path}/run", 'cluster.env_setup=["sleep 300"]']
+        [
+            "+experiment=reverse_text",
+            "cluster=dev",
+            f"output_dir={tmp_path}/run",
+            f'cluster.env_setup=["touch {started}","sleep 300"]',
+        ]
     )
     sub = launch.submit(cfg, [], mode="doctor")
     cancel_later(sub.ref.job_id)
     wait_state(sub.ref, {"RUNNING"})
+    # SLURM says RUNNING before its step daemon has started the script: cancelled once the
+    # script runs its setup lines (its traps are set before them)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not started.exists():
+        time.sleep(0.2)
+    assert started.exists(), "the job's script did not reach its setup lines within 60 s"
     subprocess.run(["scancel", sub.ref.job_id], check=True, timeout=60)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not jobs.read_job(sub.ref.run).get("ended_at"):
