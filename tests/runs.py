@@ -37,9 +37,14 @@ def supervisor_pid(ref: jobs.JobRef) -> int:
     return found.pop()
 
 
+def rank0_pid(run: RunDir) -> int:
+    """Trainer rank 0 (its heartbeat holds its pid)."""
+    return int(json.loads(run.heartbeat("trainer", 0).read_text())["pid"])
+
+
 def agent_pid(run: RunDir) -> int:
-    """torchrun's agent: the parent of trainer rank 0 (whose pid its heartbeat holds)."""
-    rank0 = int(json.loads(run.heartbeat("trainer", 0).read_text())["pid"])
+    """torchrun's agent: the parent of trainer rank 0."""
+    rank0 = rank0_pid(run)
     st = procs.stat(rank0)
     assert st is not None, "trainer rank 0 is not running"
     assert procs.with_env("TORCHELASTIC_RUN_ID=", {rank0: st}, prefix=True), "rank 0 does not run under torchrun"

@@ -27,7 +27,7 @@ from prime_hpc.launcher.state import batch_log
 from prime_hpc.rundir import RunDir, jobs
 from tests import procs
 from tests.conftest import cli
-from tests.runs import agent_pid, engine_pid, run_processes, still_alive, supervisor_pid, wait_for_step
+from tests.runs import agent_pid, engine_pid, rank0_pid, run_processes, still_alive, supervisor_pid, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -211,6 +211,7 @@ KILLS = [  # (cluster, what is killed with SIGKILL, what job.json must name)
     ("dev", "agent", "trainer"),
     ("dev", "supervisor", "supervisor"),
     ("local", "agent", "trainer"),
+    ("local", "rank", "trainer"),
     ("local", "supervisor", "supervisor"),
 ]
 
@@ -237,17 +238,22 @@ def test_a_killed_torchrun_agent_or_job_script_ends_the_job_and_leaves_nothing(t
         wait_for_step(run, 2)
         logs = run.latest_logs.resolve()
         listed = run_processes(logs)
-        pid = agent_pid(run) if target == "agent" else supervisor_pid(sub.ref)
-        assert (pid in listed) == (target == "agent"), (pid, listed)  # the job script is no child of itself
+        pid = (
+            {"agent": agent_pid, "rank": rank0_pid}[target](run) if target != "supervisor" else supervisor_pid(sub.ref)
+        )
+        assert (pid in listed) == (target != "supervisor"), (pid, listed)  # the job script is no child of itself
         listed[pid] = procs.stat(pid)[1]
         os.kill(pid, signal.SIGKILL)
         assert launch.wait_done(sub, 120) == "FAILED"
         f = wait_ended(run, 60)["failure"]
         assert f["component"] == named, f
-        if target == "agent":
-            assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0 and f["rc"] != 0, f
-        else:
+        if target == "supervisor":
             assert f["log"] == str(batch_log(sub.ref)) and f"pid {pid} " in f["reason"], f
+        else:
+            assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0 and f["rc"] != 0, f
+            # the agent's own death is its exit code (128 + 9), a rank's is torchrun's report
+            killed = "rank 0 was killed by SIGKILL" if target == "rank" else "killed by SIGKILL"
+            assert f"{killed}: out of memory?" in f["reason"], f
         assert f"failed: {named}" in cli("status", str(run.root)).stdout
         assert_nothing_left(logs, listed, wait_s=60)
     finally:

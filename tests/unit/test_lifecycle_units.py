@@ -795,3 +795,51 @@ def test_a_run_of_several_takes_its_jobs_checkpoint_request_and_its_own_step_of_
     atomic_write_json(job.checkpoint_answer, {"runs": {"a": 4, "b": 2}})
     assert checkpointed_step(run, job) == 4 and checkpointed_step(job.sub_run("c"), job) is None
     assert checkpointed_step(job) is None  # a single run's answer is {"step": n}
+
+
+TORCHRUN_REPORT = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+prime_hpc.trainer.rl FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-28_01:13:35
+  host      : node1
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 26348)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 26348
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_01:13:35
+  host      : node1
+  rank      : 3 (local_rank: 1)
+  exitcode  : -9 (pid: 26349)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 26349
+=======================================================
+"""
+
+
+def test_a_component_killed_by_a_signal_is_named_with_the_rank_and_slurms_out_of_memory_verdict(tmp_path):
+    """torchrun's report names the first rank that died and its signal; SLURM's words on the
+    step's cgroup (srun's log) turn "out of memory?" into "out of memory"; a Python error
+    that mentions memory is no kill; a process killed outright is its exit code 128 + N."""
+    from prime_hpc.job import killed
+
+    node_log, srun_log = tmp_path / "node_0.log", tmp_path / "srun.log"
+    node_log.write_text("step 7 | loss 0.1\n" * 5000 + TORCHRUN_REPORT)  # the report at the end of a long log
+    assert killed.cause(1, [node_log, srun_log]) == f"rank 3 was killed by SIGKILL: {killed.OOM_HINT}"
+    oom = "slurmstepd: error: Detected 1 oom_kill event in StepId=57.2. Some of the step tasks have been OOM Killed."
+    srun_log.write_text(f"srun: error: node2: task 1: Out Of Memory\n{oom}\n")
+    assert killed.cause(1, [node_log, srun_log]) == f"rank 3 was killed by SIGKILL: out of memory ({oom})"
+    srun_log.write_text("slurmstepd: error: Detected 2 oom-kill event(s) in step 57.2 cgroup.\n")  # older SLURM
+    assert killed.cause(1, [node_log, srun_log]).startswith("rank 3 was killed by SIGKILL: out of memory (slurmstepd")
+
+    node_log.write_text("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n")  # an exception: exit 1
+    srun_log.write_text("srun: error: node2: task 1: Exited with exit code 1\n")
+    assert killed.cause(1, [node_log, srun_log]) == ""
+    assert killed.cause(137, [node_log, srun_log]) == f"killed by SIGKILL: {killed.OOM_HINT}"
+    assert killed.cause(139, []) == "killed by SIGSEGV"
+    assert killed.cause(None, [tmp_path / "missing.log"]) == ""
