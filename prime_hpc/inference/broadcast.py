@@ -33,6 +33,7 @@ import base64
 import ipaddress
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
@@ -51,6 +52,10 @@ B = TypeVar("B")
 
 class BroadcastError(RuntimeError):
     """A join or a send failed; the message names the server and what went wrong."""
+
+
+class Late(BroadcastError):
+    """`together`'s deadline passed (the caller adds which server and which exchange)."""
 
 
 def dtype_name(tensor: Any) -> str:
@@ -77,11 +82,15 @@ def store_prefix(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if v6 else f"tcp://{host}:{port}"
 
 
-def together(control: Callable[[], A], data: Callable[[], B]) -> tuple[A, B]:
+def together(control: Callable[[], A], data: Callable[[], B], within_s: Optional[float] = None) -> tuple[A, B]:
     """Run `control` (a call to the server) and `data` (the collective it pairs with) at
     once, each in a thread; both results, or the first failure as soon as it happens (the
-    other is left to end by its own timeout)."""
+    other is left to end by its own timeout). Either not done within `within_s` seconds is
+    `Late`, naming it: NCCL's communicator waits for its peers without a timeout
+    of its own, and a server whose workers never join would otherwise hold the caller for
+    ever."""
     done: queue.Queue = queue.Queue()
+    deadline = None if within_s is None else time.monotonic() + within_s
 
     def run(which: str, fn: Callable[[], Any]) -> None:
         try:
@@ -93,7 +102,12 @@ def together(control: Callable[[], A], data: Callable[[], B]) -> tuple[A, B]:
         threading.Thread(target=run, args=(which, fn), name=f"prime-hpc-weights-{which}", daemon=True).start()
     out: dict[str, Any] = {}
     for _ in range(2):
-        which, value, error = done.get()
+        try:
+            which, value, error = done.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            late = [w for w in ("control", "data") if w not in out]
+            what = {"control": "the server's answer", "data": "the weight group's exchange"}
+            raise Late(f"{' and '.join(what[w] for w in late)} did not come within {within_s:g} s") from None
         if error is not None:
             raise error
         out[which] = value
@@ -119,6 +133,7 @@ class Broadcaster:
         self.host = host or node_address()
         self.key = key
         self.timeout_s = timeout_s
+        self.margin_s = HTTP_MARGIN_S  # a route's answer (and an exchange) may take this much longer
         self.group: Any = None
         self.port: Optional[int] = None
         self.dtype: Optional[str] = None  # the server's weights' dtype (its `/policy`), learnt at the join
@@ -132,7 +147,7 @@ class Broadcaster:
 
         try:
             r = httpx.post(
-                self.url + path, json=body, headers=headers(self.key), timeout=self.timeout_s + HTTP_MARGIN_S
+                self.url + path, json=body, headers=headers(self.key), timeout=self.timeout_s + self.margin_s
             )
         except httpx.HTTPError as e:
             raise BroadcastError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
@@ -265,7 +280,12 @@ class Broadcaster:
         rendezvous, open_group, undo = self._rendezvous(world_size)
         body = {**rendezvous, "world_size": world_size, "rank_offset": 1}
         try:
-            reply, self.group = together(lambda: self._post(JOIN_PATH, body), open_group)
+            reply, self.group = together(
+                lambda: self._post(JOIN_PATH, body), open_group, self.timeout_s + self.margin_s
+            )
+        except Late as e:
+            undo()
+            raise BroadcastError(f"{self.url}: joining its weight group: {e}") from None
         except BaseException:
             undo()
             raise
@@ -285,10 +305,16 @@ class Broadcaster:
         body = {"step": int(step), **announced}
         items = named
         try:
-            reply, sent = together(lambda: self._post(RECEIVE_PATH, body), lambda: self._broadcast(items, announced))
-        except BaseException:
+            reply, sent = together(
+                lambda: self._post(RECEIVE_PATH, body),
+                lambda: self._broadcast(items, announced),
+                self.timeout_s + self.margin_s,
+            )
+        except BaseException as e:
             group, self.group = self.group, None  # a collective may still be under way: unusable
             self._abandon(group)
+            if isinstance(e, Late):
+                raise BroadcastError(f"{self.url}: sending policy {step}: {e}") from None
             raise
         return {**reply, "bytes": sent}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
 import time
 from types import SimpleNamespace as NS
 
@@ -173,7 +174,6 @@ def test_a_frozen_server_holds_back_neither_the_trainer_nor_the_others_and_gets_
     """A server stuck in a send (its engine frozen until the watchdog restarts it) keeps
     only its own thread: publish returns at once, the other server gets every policy, and
     once free the stuck one gets the newest policy, skipping those in between."""
-    import threading
 
     from prime_hpc.trainer.sender import WeightSender
 
@@ -449,7 +449,7 @@ class FakeGpuServer:
     `/weights/receive` once every announced tensor was broadcast."""
 
     def __init__(self, workers: int, dtype=None) -> None:
-        import threading
+
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.workers, self.dtype, self.bodies, self.comms = workers, dtype, [], []
@@ -641,3 +641,42 @@ def test_weights_are_written_cast_a_chunk_at_a_time_and_read_back_by_safetensors
     with pytest.raises(ValueError, match="complex"):
         stwrite.write(tmp_path / "bad.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_a_server_whose_workers_never_join_fails_the_join_in_one_line_instead_of_holding_the_trainer(monkeypatch):
+    """NCCL's communicator waits for its peers without a timeout of its own: a server that
+    answers its join but whose workers never open their end would hold the trainer's
+    sender for ever. The join gives up after the group's timeout (plus the margin a route's
+    answer may take), naming the server and what did not come; the sender can join again."""
+    from prime_hpc.inference.broadcast import BroadcastError, NcclBroadcaster
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    server = FakeGpuServer(workers=1)
+    released = threading.Event()
+
+    def never_opens(uid, rank, world_size, device):
+        server.opened.set()  # the server's route answers; the peers never come
+        released.wait(60)
+        raise RuntimeError("released")
+
+    try:
+        sender = NcclBroadcaster(
+            server.url, device="cpu", communicator=never_opens, mint=lambda: bytes(128), timeout_s=0.5
+        )
+        sender.margin_s = 0.5
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastError) as e:
+            sender.join()
+        assert time.monotonic() - t0 < 10
+        assert (
+            str(e.value)
+            == f"{server.url}: joining its weight group: the weight group's exchange did not come within 1 s"
+        )
+        assert sender.group is None
+        released.set()
+        sender.communicator = server.communicator
+        sender.join()  # a later join works
+        assert sender.group is server.comms[-1]
+    finally:
+        released.set()
+        server.close()
