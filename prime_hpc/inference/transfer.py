@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from vllm.distributed.utils import (
@@ -102,15 +102,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
             weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
             return name, weight, group.broadcast(weight, 0)
 
-        # the next tensor arrives (in gloo's thread) while this one is loaded
-        with disable_mtp_completeness_check():
+        def received() -> Iterator[tuple[str, Any]]:
+            """Each tensor once it has arrived; the next one arrives (in gloo's thread) while
+            this one is loaded."""
             pending = receive(0) if specs else None
             for i in range(len(specs)):
                 assert pending is not None
                 name, weight, work = pending
                 work.wait()
                 pending = receive(i + 1) if i + 1 < len(specs) else None
-                model.load_weights([(name, weight)])
+                yield name, weight
+
+        # one call for the whole policy, as a load from disk: the model's loader maps the
+        # checkpoint's names onto its (fused) parameters once, not once per tensor
+        with disable_mtp_completeness_check():
+            model.load_weights(received())
 
     def shutdown(self) -> None:
         if self.group is not None:
