@@ -121,6 +121,10 @@ class TrainerModelConfig:
     """several ranks: reduce-scatter the gradients after the step's last micro-batch (each
     rank accumulates the whole gradient until then: less traffic) or after every one (each
     rank holds only its shard of it: less memory)"""
+    chunked_logprobs: bool = True
+    """log-probabilities from the output layer a few positions at a time (Qwen, Llama,
+    Mistral: the whole [positions, vocabulary] logits are never held; each chunk is
+    recomputed in backward); false: from the whole logits (no recomputation, more memory)"""
 
 
 @dataclass

@@ -132,7 +132,7 @@ class Engine:
         dtype = self.policy.autocast_dtype
         model = model or self.model
         input_ids = mb["input_ids"].to(d)
-        head = output_layer(model)
+        head = output_layer(model) if self.policy.chunked_logprobs else None
         chunked = logprobs_head(head, input_ids, temperature, with_entropy) if head is not None else None
         with torch.autocast(device_type=d.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             with chunked or contextlib.nullcontext():

@@ -71,6 +71,7 @@ class Policy:
     sharded: bool = True  # FSDP2 (several ranks); a single rank trains the plain module
     autocast_dtype: Optional[torch.dtype] = None  # unsharded: the forward/backward dtype when not float32
     grad_sync: str = "last"  # sharded: reduce-scatter after the step's last micro-batch, or after `every` one
+    chunked_logprobs: bool = True  # from the output layer in chunks (`engine.logprobs_head`) where it can
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -190,6 +191,7 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
         generation_config=getattr(model, "generation_config", None),
         save_dtype=src_dtype,
         grad_sync=mcfg.grad_sync,
+        chunked_logprobs=mcfg.chunked_logprobs,
     )
     if mcfg.lora.enabled:
         lc = mcfg.lora

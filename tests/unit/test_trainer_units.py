@@ -567,3 +567,55 @@ def test_the_trainer_never_holds_the_whole_logits_and_gets_the_same_gradient(mon
     assert output_layer(other) is None
     apply_lora(model, 2, 4.0, 0.0, ["lm_head"])
     assert output_layer(model) is None
+
+
+def test_chunked_logprobs_false_takes_the_whole_logits_for_the_same_numbers(monkeypatch):
+    """`trainer.model.chunked_logprobs` (default true): the engine's forward computes the
+    log-probabilities from the output layer in chunks, or, false, from the whole logits
+    (autograd then keeps a [positions, vocabulary] tensor); the same log-probabilities,
+    entropies and gradients either way."""
+    from types import SimpleNamespace as NS
+
+    from prime_hpc.config.compose import compose
+    from prime_hpc.trainer import loss
+    from prime_hpc.trainer.engine import Engine
+    from prime_hpc.trainer.model import Policy
+
+    assert compose(["+experiment=reverse_text"]).trainer.model.chunked_logprobs is True
+    model = _tiny()
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(loss, "LOGITS_CHUNK_BYTES", 4 * 3 * vocab)  # 3 positions per chunk
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    optim = NS(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, schedule="constant", min_lr_ratio=0.0)
+    weight = model.lm_head.weight.untyped_storage().data_ptr()
+    results = {}
+    saved: list[int] = []  # positions of each [..., vocabulary] tensor autograd keeps
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 2 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() != weight:
+            saved.append(t.numel() // vocab)
+        return t
+
+    for chunked in (True, False):
+        policy = Policy(
+            model=model,
+            tokenizer=None,
+            source="",
+            hf_config=model.config,
+            generation_config=None,
+            save_dtype=torch.float32,
+            sharded=False,
+            chunked_logprobs=chunked,
+        )
+        engine = Engine(policy, NS(device=torch.device("cpu")), optim)
+        saved.clear()
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = engine.forward({"input_ids": ids})
+        lp.sum().backward()
+        whole = max(saved, default=0) >= 2 * 8
+        assert whole == (not chunked), (chunked, saved)
+        results[chunked] = (lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (lp1, ent1, g1), (lp0, ent0, g0) = results[True], results[False]
+    assert torch.allclose(lp1, lp0, atol=1e-5) and torch.allclose(ent1, ent0, atol=1e-5)
+    assert all(torch.allclose(g1[n], g0[n], atol=1e-5) for n in g1)
