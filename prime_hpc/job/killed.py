@@ -15,6 +15,8 @@ import signal
 from pathlib import Path
 from typing import Iterable, Optional
 
+from prime_hpc.rundir import read_tail
+
 TAIL_BYTES = 64 * 1024  # torchrun's report and srun's last words are at the end of their logs
 
 # torchrun's ChildFailedError report: the block after "Root Cause (first observed failure):"
@@ -35,17 +37,6 @@ def signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-def tail(path: Path, nbytes: int = TAIL_BYTES) -> str:
-    """The last `nbytes` of a log ("" when there is none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - nbytes))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def killed_rank(text: str) -> Optional[tuple[int, int]]:
@@ -74,7 +65,7 @@ def cause(rc: Optional[int], logs: Iterable[Path]) -> str:
     """One clause on how the component's process was killed ("" when it was not, as far
     as its exit code and `logs` tell): "rank 1 was killed by SIGKILL: out of memory
     (slurmstepd: ...)", "killed by SIGSEGV", ..."""
-    texts = [tail(p) for p in logs]
+    texts = [read_tail(p, TAIL_BYTES)[1].decode(errors="replace") for p in logs]
     who, number = "", None
     for text in texts:
         found = killed_rank(text)
