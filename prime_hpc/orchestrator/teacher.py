@@ -16,7 +16,11 @@ sequence of each rollout (a branched rollout has several): `teacher_logprobs` (0
 first token) and the per-token advantages log p_teacher - log p_student
 (`rollouts.opd_token_advantages`). One `/completions` request per sequence, with the
 sequence as the prompt, `max_tokens` 1 and `prompt_logprobs` 0, through one HTTP client
-kept for the run (opened on first use, closed by `aclose`). A failed request raises.
+kept for the run (opened on first use, closed by `aclose`). A request whose connection
+broke before its answer was whole (a teacher server that died mid-answer, a router
+restarting) is sent again after `RETRY_DELAYS_S` (~15 s in all, as the policy's client): the
+run's own teacher router then waits for the restarted server. A request that still fails, or
+that timed out or was answered with an error, raises.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from loguru import logger
 
 from prime_hpc.config.schema import ClientConfig, TeacherConfig
 from prime_hpc.core.errors import UserError
@@ -33,6 +39,7 @@ from prime_hpc.rundir import RunDir, jobs
 
 TIMEOUT_S = 600.0  # one prompt_logprobs request
 CONCURRENCY = 32  # prompt_logprobs requests of one group in flight at once
+RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)  # before each new try of a request whose connection broke
 
 
 def teacher_url(client: ClientConfig) -> str:
@@ -78,6 +85,7 @@ class Teacher:
         self.key = at.key
         self.model = at.model
         self.default_model = default_model
+        self.retry_delays_s = RETRY_DELAYS_S
         self._http: Optional[Any] = None
 
     def http(self) -> Any:
@@ -102,21 +110,30 @@ class Teacher:
 
     async def score(self, r: Any) -> None:
         """One sequence's teacher logprobs and per-token advantages."""
+        import asyncio
+
         import httpx
 
-        try:
-            resp = await self.http().post(
-                self.url,
-                json={
-                    "model": self.model or self.default_model(),
-                    "prompt": r.input_ids,
-                    "max_tokens": 1,
-                    "prompt_logprobs": 0,
-                    "temperature": 1.0,
-                },
-            )
-        except httpx.HTTPError as e:
-            raise UserError(f"the teacher at {self.url} did not answer: {type(e).__name__}: {e}") from None
+        body = {
+            "model": self.model or self.default_model(),
+            "prompt": r.input_ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        }
+        for delay in (*self.retry_delays_s, None):
+            try:
+                resp = await self.http().post(self.url, json=body)
+                break
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+                if delay is None or not isinstance(e, httpx.TransportError) or isinstance(e, httpx.TimeoutException):
+                    tries = len(self.retry_delays_s) + 1 if delay is None else 1
+                    raise UserError(
+                        f"the teacher at {self.url} did not answer: {why}" + (f" ({tries} tries)" if tries > 1 else "")
+                    ) from None
+                logger.warning(f"the teacher at {self.url} did not answer ({why}); again in {delay:g} s")
+                await asyncio.sleep(delay)
         if resp.status_code != 200:
             raise UserError(
                 f"the teacher at {self.url} answered HTTP {resp.status_code} for a sequence of "

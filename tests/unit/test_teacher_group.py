@@ -336,6 +336,7 @@ def test_a_teacher_that_does_not_answer_ends_the_run_in_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     teacher = Teacher(TeacherAt(f"http://127.0.0.1:{port}/v1", "k", "tiny"), lambda: "tiny")
+    teacher.retry_delays_s = (0.01, 0.01)
     r = Rollout("e", 0, 0.0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [0], 1, False)
 
     async def ask() -> None:
@@ -345,6 +346,49 @@ def test_a_teacher_that_does_not_answer_ends_the_run_in_one_line(tmp_path):
             await teacher.aclose()
 
     with pytest.raises(
-        UserError, match=rf"^the teacher at http://127.0.0.1:{port}/v1/completions did not answer: ConnectError"
+        UserError,
+        match=rf"^the teacher at http://127.0.0.1:{port}/v1/completions did not answer: ConnectError.* \(3 tries\)$",
     ):
         asyncio.run(ask())
+
+
+def test_a_teacher_whose_answer_breaks_off_is_asked_again(tmp_path):
+    """A teacher server that dies mid-answer (its router relays the broken stream) costs a
+    new try of the request, not the run."""
+    import asyncio
+
+    from prime_hpc.orchestrator.rollouts import Rollout
+    from prime_hpc.orchestrator.teacher import Teacher, TeacherAt
+
+    asked: list[bytes] = []
+    whole = json.dumps(
+        {"choices": [{"prompt_logprobs": [None, {"2": {"logprob": -0.5}}, {"3": {"logprob": -0.25}}]}]}
+    ).encode()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+        asked.append(await reader.readexactly(length))
+        if len(asked) == 1:  # the answer's headers and half a chunk, then the connection is gone
+            writer.write(b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n40\r\n{"choi')
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(whole), whole))
+        await writer.drain()
+        writer.close()
+
+    r = Rollout("e", 0, 0.0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [0], 1, False)
+
+    async def ask() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        teacher = Teacher(TeacherAt(f"http://127.0.0.1:{port}/v1", "k", "tiny"), lambda: "tiny")
+        teacher.retry_delays_s = (0.01,)
+        try:
+            await teacher.add_logprobs([r])
+        finally:
+            await teacher.aclose()
+            server.close()
+
+    asyncio.run(ask())
+    assert len(asked) == 2 and asked[0] == asked[1] and json.loads(asked[0])["prompt"] == [1, 2, 3]
+    assert r.teacher_logprobs == [0.0, -0.5, -0.25]
