@@ -5,7 +5,8 @@ port opened by the head group; the trainer group also runs a collective over its
 group (gloo on CPU, NCCL on GPU) under the same torchrun/rendezvous the trainer uses.
 
   head (group 0):  run_head()  -> preflight/head.json, waits for every report, report.json
-  nodes (1, 2):    python -m prime_hpc.job.preflight node --group inference|trainer --output-dir D
+  nodes (1-3):     python -m prime_hpc.job.preflight node --group inference|trainer|teacher --output-dir D
+                   (teacher: the servers of the teacher the run starts itself, if any)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ IMPORTS = {
     "inference": ("vllm", "transformers"),
     "router": ("uvicorn", "httpx"),
     "trainer": ("torch", "transformers"),
+    "teacher": ("vllm", "transformers"),
 }
 HANDSHAKE = b"prime-hpc-preflight\n"  # the head's answer; a node says it followed by its key's digest
 
@@ -306,7 +308,7 @@ def collect(run: RunDir, expected: dict[str, int], why_missing: str) -> dict[str
 def format_table(summary: dict[str, Any]) -> str:
     """One row per group and rank: PASS/FAIL, host, and the failing checks' details."""
     rows = [("GROUP", "RANK", "RESULT", "HOST", "DETAIL")]
-    order = {"orchestrator": 0, "inference": 1, "router": 2, "trainer": 3}
+    order = {"orchestrator": 0, "inference": 1, "router": 2, "trainer": 3, "teacher": 4}
     for group, reports in sorted(summary["groups"].items(), key=lambda kv: order.get(kv[0], 9)):
         for r in reports:
             failed = [f"{c['name']}: {c['detail']}" for c in r["checks"] if not c["ok"]]
@@ -320,7 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.job.preflight")
     sub = p.add_subparsers(dest="cmd", required=True)
     n = sub.add_parser("node")
-    n.add_argument("--group", choices=("inference", "router", "trainer"), required=True)
+    n.add_argument("--group", choices=("inference", "router", "trainer", "teacher"), required=True)
     n.add_argument("--output-dir", required=True)
     a = p.parse_args(argv)
     return run_node(RunDir(a.output_dir), a.group)

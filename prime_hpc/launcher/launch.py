@@ -215,11 +215,13 @@ def reset_doctor_dir(run: RunDir) -> None:
 def expected_reports(plan: Plan) -> dict[str, int]:
     """The preflight reports the head waits for, per group."""
     out: dict[str, int] = {}
-    inf, tr = plan.group("inference"), plan.group("trainer")
+    inf, tr, tea = plan.group("inference"), plan.group("trainer"), plan.group("teacher")
     if inf is not None:
         out.update(inference=inf.nodes, router=1)
     if tr is not None:
         out["trainer"] = tr.nodes * plan.trainer.nproc_per_node
+    if tea is not None:  # its router runs the router's probe's code on the same head node
+        out["teacher"] = tea.nodes
     return out
 
 

@@ -154,7 +154,7 @@ def components(cfg: DictConfig, mode: str = "run") -> list[str]:
         return ["trainer"]
     if bench == "inference":
         return ["orchestrator", "inference"]
-    return [*COMPONENTS, *(["teacher"] if mode == "run" and bench is None and own_teacher(cfg) else [])]
+    return [*COMPONENTS, *(["teacher"] if bench is None and own_teacher(cfg) else [])]
 
 
 def is_eval_job(cfg: DictConfig) -> bool:
@@ -319,6 +319,7 @@ def commands(cfg: DictConfig, mode: str, py: str, run: RunDir) -> Commands:
             "orchestrator": [],
             "inference": _argv(py, "prime_hpc.job.preflight", *probe("inference")),
             "trainer": [],
+            "teacher": _argv(py, "prime_hpc.job.preflight", *probe("teacher")),
         },
         router=_argv(py, "prime_hpc.job.preflight", *probe("router")),
         teacher_router=[],

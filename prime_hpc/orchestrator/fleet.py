@@ -43,6 +43,7 @@ class Membership:
         load: Callable[[str, dict], Awaitable[Optional[int]]],
     ) -> None:
         self.run = run
+        self.kind = f"{run.group} server"  # "inference server", "teacher server": the log's word for one
         self.admin = admin
         self.router = router
         self.load = load  # load(url, endpoint record) -> the policy step it now serves (None: not yet)
@@ -103,12 +104,12 @@ class Membership:
             self.failed_at[url] = time.monotonic()
             self.members[slot].update(state=REMOVED, since=time.time(), why=f"could not join: {e}")
             self.write()
-            logger.warning(f"inference server {slot} ({url}) could not join: {e}; trying again in {RETRY_S:g}s")
+            logger.warning(f"{self.kind} {slot} ({url}) could not join: {e}; trying again in {RETRY_S:g}s")
             return
         self.admin.add(url)
         self.members[slot].update(state=SERVING, since=time.time(), policy_step=step)
         self.write()
-        logger.info(f"inference server {slot} ({url}) joined at policy {step}; {self.serving()} serving")
+        logger.info(f"{self.kind} {slot} ({url}) joined at policy {step}; {self.serving()} serving")
 
     def still_loading(self, slot: str, url: str) -> None:
         """`slot` waits for the current policy: one line once it has waited `JOIN_TIMEOUT_S`."""
@@ -116,7 +117,7 @@ class Membership:
         if waited > JOIN_TIMEOUT_S and url not in self.warned:
             self.warned.add(url)
             logger.warning(
-                f"inference server {slot} ({url}) has not got the current policy after {waited:.0f}s; "
+                f"{self.kind} {slot} ({url}) has not got the current policy after {waited:.0f}s; "
                 "it is not routed until it has (the trainer sends it)"
             )
 
@@ -128,7 +129,7 @@ class Membership:
         self.admin.remove(m["url"])
         m.update(state=REMOVED, since=time.time(), why=why)
         self.write()
-        logger.warning(f"inference server {slot} ({m['url']}) left: {why}; {self.serving()} serving")
+        logger.warning(f"{self.kind} {slot} ({m['url']}) left: {why}; {self.serving()} serving")
         task = asyncio.get_running_loop().create_task(forget_worker(self.router, m["url"]))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)

@@ -133,11 +133,19 @@ def test_sweep_dry_run_gives_each_point_its_own_dir(tmp_path):
 
 
 def test_local_preflight_with_hostile_paths(tmp_path):
-    """A preflight with shell-hostile paths passes; its files get cluster.umask. Its
-    directory (<output_dir>/doctor/) is refused while it holds a file doctor did not write,
-    and nothing of it is deleted."""
+    """A preflight with shell-hostile paths passes, on the teacher's node too when the run
+    starts its own; its files get cluster.umask. Its directory (<output_dir>/doctor/) is
+    refused while it holds a file doctor did not write, and nothing of it is deleted."""
     out = tmp_path / HOSTILE
-    argv = ["doctor", "+experiment=reverse_text", f"output_dir={hydra_quote(str(out))}", "--timeout", "300"]
+    argv = [
+        "doctor",
+        "+experiment=reverse_text",
+        f"output_dir={hydra_quote(str(out))}",
+        "orchestrator.training_mode=opd",
+        "orchestrator.teacher.model=tiny",
+        "--timeout",
+        "300",
+    ]
     notes = RunDir(out).doctor_run.root / "notes.txt"
     notes.parent.mkdir(parents=True)
     notes.write_text("mine")
@@ -154,7 +162,8 @@ def test_local_preflight_with_hostile_paths(tmp_path):
     assert "preflight PASS" in r.stdout
     assert not (tmp_path / "PWNED").exists() and not (REPO / "PWNED").exists()
     summary = json.loads(RunDir(out).doctor_run.preflight_summary.read_text())
-    assert summary["ok"] and set(summary["groups"]) == {"orchestrator", "inference", "router", "trainer"}
+    assert summary["ok"] and set(summary["groups"]) == {"orchestrator", "inference", "router", "trainer", "teacher"}
+    assert "teacher       0     PASS" in r.stdout, r.stdout
     written = list(notes.parent.rglob("*"))
     assert all(p.lstat().st_mode & 0o007 == 0 for p in written if not p.is_symlink()), [
         (str(p), oct(p.lstat().st_mode)) for p in written if p.lstat().st_mode & 0o007

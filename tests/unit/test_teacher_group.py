@@ -148,6 +148,18 @@ def test_the_teacher_is_a_fourth_group_with_its_servers_and_router_supervised(tm
     local = render_local(make_plan(opd(tmp_path, "orchestrator.teacher.model=tiny-35m"), cores=[0, 1]), "local-1")
     assert 'for n in $(seq 0 0); do start_teacher "$n"; done' in local and "PIDS[teacher_router]" in local
     subprocess.run(["bash", "-n"], input=local, text=True, check=True)
+    # its preflight (doctor) probes the teacher's nodes too: a probe that ends, no router of its own
+    doctor = make_plan(cfg, mode="doctor", python="/opt/venv/bin/python", cores=[0, 1])
+    assert doctor.group_names == ["orchestrator", "inference", "trainer", "teacher"]
+    assert doctor.group("teacher").service is False and doctor.teacher_router_argv == []
+    assert doctor.group("teacher").argv[-4:] == ["--group", "teacher", "--output-dir", str(doctor.run.root)]
+    probe = render_sbatch(doctor)
+    assert 'PIDS[teacher_$1]=$!; SERVICE[teacher_$1]=0; unset "DONE[teacher_$1]"' in probe
+    assert "start_teacher" in probe and "teacher_router" not in probe
+    from prime_hpc.launcher.launch import expected_reports
+
+    assert expected_reports(doctor) == {"inference": 1, "router": 1, "trainer": 1, "teacher": 2}
+    subprocess.run(["bash", "-n"], input=probe, text=True, check=True)
     # without a teacher of its own, nothing of it
     plain = render_sbatch(make_plan(compose([*OPD[:2], f"output_dir={tmp_path}/p", "cluster=dev"]), cores=[0, 1]))
     assert "start_teacher" not in plain and "teacher_router" not in plain and "group 3" not in plain
