@@ -17,7 +17,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.launcher import scale, state
+    from prime_hpc.launcher import state
     from prime_hpc.rundir import jobs
 
     if a.run:
@@ -25,7 +25,7 @@ def run(a: argparse.Namespace) -> int:
     # a sweep's last points first: cancelling a point must not release the one that waits for it
     for point in jobs.resolve_many(a.job)[::-1]:
         for ref in state.pipeline_refs(point)[::-1]:  # the run first: its warm-up cannot start it any more
-            for x in scale.cancel_all(ref.run):  # its extra inference jobs before the run itself
+            for x in state.cancel_all(ref.run):  # its extra inference jobs before the run itself
                 print(f"cancelled extra inference job {x['job_id']} ({x['nodes']} node(s)) of {ref.name}")
             if state.cancel(ref):
                 print(f"cancelled job {ref.job_id} ({ref.name})")

@@ -17,6 +17,9 @@ components read them here and nowhere else.
   user's, or one the launcher made for the job); never written to a file;
 - `PRIME_HPC_PG_STORE`: when every node is this machine, the file where the trainer's
   ranks set up their process group (torch's TCP store would listen on every interface).
+
+And one word back: `STALLED`, the exit code of the job's watchdog when it found a stall,
+which the job script tells from its other ends.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ DEVICE_VAR = "PRIME_HPC_DEVICE"
 CACHE_VAR = "PRIME_HPC_CACHE"
 API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
 PG_STORE_VAR = "PRIME_HPC_PG_STORE"
+STALLED = 3  # the watchdog's exit code for a stall
 
 
 def require_key(prog: str, who: str) -> Optional[str]:

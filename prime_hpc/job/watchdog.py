@@ -45,7 +45,7 @@ from prime_hpc.core import jobenv
 from prime_hpc.rundir import RunDir, atomic_write_json, parse_slot, runs, tail_lines
 
 POLL_S = 2.0
-STALLED = 3  # exit code
+STALLED = jobenv.STALLED  # the exit code
 
 
 def stalled(beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bool = False) -> Optional[dict[str, Any]]:

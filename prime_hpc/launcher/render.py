@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_hpc.core.errors import UserError
-from prime_hpc.job.watchdog import STALLED
+from prime_hpc.core.jobenv import STALLED
 from prime_hpc.launcher.plan import InferenceJobPlan, Plan
 from prime_hpc.rundir import RunDir
 

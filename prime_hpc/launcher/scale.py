@@ -8,7 +8,8 @@ jobs, newest first, that make exactly N nodes. Each extra job is recorded in the
 job.json (`extra_jobs`, see `prime_hpc.rundir.jobs`); its logs go to `logs/extra/<id>/`.
 
 The light part (what `status`, `list`, `tail` and `cancel` need: which extra jobs are
-alive, cancelling them) imports no config; submitting one composes the recorded config.
+alive, cancelling them) is `prime_hpc.launcher.state`'s; submitting one composes the
+recorded config.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.jobenv import API_KEY_VAR
+from prime_hpc.launcher.state import cancel_extra, live_extras
 from prime_hpc.rundir import RunDir, jobs
 from prime_hpc.sched.registry import choose
 
@@ -108,47 +110,6 @@ def to_cancel(extras: list[dict[str, Any]], nodes: int) -> list[dict[str, Any]]:
         f"inference=-{nodes} does not match whole extra jobs taken newest first: {listed}; "
         f"remove one of: {', '.join(f'inference=-{n}' for n in sums)}"
     )
-
-
-# ----------------------------------------------------------------------------- the run's extra jobs
-def live_extras(run: RunDir, job: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-    """The run's extra jobs that are queued or running (oldest first), each record with
-    its `live` state, asked of the backend at once."""
-    job = jobs.read_job(run) if job is None else job
-    recorded = [x for x in jobs.extra_jobs(job) if x.get("state") not in jobs.FINAL_STATES]
-    if not recorded:
-        return []
-    states, _ = choose(job.get("backend")).plain_states([str(x["job_id"]) for x in recorded])
-    return [{**x, "live": states[str(x["job_id"])]} for x in recorded if states.get(str(x["job_id"])) in LIVE]
-
-
-LIVE = ("PENDING", "RUNNING", "COMPLETING")
-
-
-def cancel_extra(run: RunDir, backend: str, record: dict[str, Any]) -> None:
-    """Cancel one extra job: CANCELLED in its record first (its script reads it: a cancel,
-    not a preemption). A running job is asked to leave (SIGUSR2 to its script alone, which
-    tells its servers to drain and then ends the job: no request fails); one that has not
-    started is cancelled."""
-    job_id = str(record["job_id"])
-    prior = record.get("state")
-    jobs.update_extra_job(run, job_id, state=jobs.CANCELLED, cancelled_at=time.time())
-    sched = choose(backend)
-    try:
-        if record.get("live") != "RUNNING" or not sched.signal_script(job_id, "USR2"):
-            sched.cancel(run, job_id)
-    except BaseException:
-        jobs.update_extra_job(run, job_id, state=prior, cancelled_at=None)
-        raise
-
-
-def cancel_all(run: RunDir) -> list[dict[str, Any]]:
-    """Cancel every live extra job of the run (with the run: `prime-hpc cancel`)."""
-    job = jobs.read_job(run)
-    live = live_extras(run, job)
-    for x in reversed(live):
-        cancel_extra(run, job["backend"], x)
-    return live
 
 
 # ----------------------------------------------------------------------------- scale

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from prime_hpc.rundir import RunDir, jobs
 from prime_hpc.sched.registry import choose
@@ -38,11 +38,50 @@ def batch_log(ref: jobs.JobRef) -> Path:
     return choose(ref.backend).batch_log(ref.run, ref.job_id)
 
 
+# ----------------------------------------------------------------------------- the run's extra inference jobs (prime-hpc scale)
+def live_extras(run: RunDir, job: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """The run's extra jobs that are queued or running (oldest first), each record with
+    its `live` state, asked of the backend at once."""
+    job = jobs.read_job(run) if job is None else job
+    recorded = [x for x in jobs.extra_jobs(job) if x.get("state") not in jobs.FINAL_STATES]
+    if not recorded:
+        return []
+    states, _ = choose(job.get("backend")).plain_states([str(x["job_id"]) for x in recorded])
+    return [{**x, "live": states[str(x["job_id"])]} for x in recorded if states.get(str(x["job_id"])) in LIVE]
+
+
+LIVE = ("PENDING", "RUNNING", "COMPLETING")
+
+
+def cancel_extra(run: RunDir, backend: str, record: dict[str, Any]) -> None:
+    """Cancel one extra job: CANCELLED in its record first (its script reads it: a cancel,
+    not a preemption). A running job is asked to leave (SIGUSR2 to its script alone, which
+    tells its servers to drain and then ends the job: no request fails); one that has not
+    started is cancelled."""
+    job_id = str(record["job_id"])
+    prior = record.get("state")
+    jobs.update_extra_job(run, job_id, state=jobs.CANCELLED, cancelled_at=time.time())
+    sched = choose(backend)
+    try:
+        if record.get("live") != "RUNNING" or not sched.signal_script(job_id, "USR2"):
+            sched.cancel(run, job_id)
+    except BaseException:
+        jobs.update_extra_job(run, job_id, state=prior, cancelled_at=None)
+        raise
+
+
+def cancel_all(run: RunDir) -> list[dict[str, Any]]:
+    """Cancel every live extra job of the run (with the run: `prime-hpc cancel`)."""
+    job = jobs.read_job(run)
+    live = live_extras(run, job)
+    for x in reversed(live):
+        cancel_extra(run, job["backend"], x)
+    return live
+
+
 def cancel(ref: jobs.JobRef) -> bool:
     """Cancel every group of the job, and its extra inference jobs; job.json records who
     ended it. False if the job had already ended."""
-    from prime_hpc.launcher.scale import cancel_all
-
     cancel_all(ref.run)  # the run's extra inference jobs (prime-hpc scale) first: they serve it
     backend = choose(ref.backend)
     if backend.state(ref.run, ref.job_id) in jobs.FINAL_STATES:
