@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.orchestrator.evaluate import is_standalone, run_eval, run_standalone
+    from prime_hpc.launcher.evaluate import is_standalone, run_eval, run_standalone
 
     if is_standalone(a.target):
         return run_standalone([a.target, *a.args], here=a.here)

@@ -76,7 +76,7 @@ def _resume_run(a: argparse.Namespace, ref: Any) -> int:
 
 def _follow(a: argparse.Namespace, ref: Any) -> int:
     if a.follow:
-        from prime_hpc.cli.tail import follow_ref
+        from prime_hpc.launcher.state import follow_ref
 
         return follow_ref(ref)
     return 0

@@ -75,7 +75,7 @@ def run(a: argparse.Namespace) -> int:
 
 def wait_until_serving(ref: Any, timeout_s: float) -> int:
     """Until the job publishes its URL (print it) or ends (one line naming its logs)."""
-    from prime_hpc.cli.tail import state_fn
+    from prime_hpc.launcher.state import state_fn
     from prime_hpc.rundir import jobs
 
     state = state_fn(ref)

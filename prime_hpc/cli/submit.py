@@ -182,7 +182,7 @@ def run(a: argparse.Namespace) -> int:
             + f"    state: prime-hpc status {sweep_id}    curves: prime-hpc plot {sweep_id}"
         )
     if a.follow:
-        from prime_hpc.cli.tail import follow_ref
+        from prime_hpc.launcher.state import follow_ref
 
         rc = 0
         for sub in submitted[0]:  # the warm-up first, then the run
@@ -220,7 +220,7 @@ def run_together(a: argparse.Namespace) -> int:
     print(f"  output dir: {ref.output_dir}  (runs: {ref.output_dir}/runs/<name>/)")
     print(f"  follow:     prime-hpc tail {ref.job_id}    state: prime-hpc status {ref.job_id}")
     if a.follow:
-        from prime_hpc.cli.tail import follow_ref
+        from prime_hpc.launcher.state import follow_ref
 
         return follow_ref(ref)
     return 0
@@ -302,7 +302,7 @@ def _follow_bench(ref: Any, follow: bool) -> str:
     """Until the bench job ends; its final state."""
     import time
 
-    from prime_hpc.cli.tail import follow_ref, state_fn
+    from prime_hpc.launcher.state import follow_ref, state_fn
     from prime_hpc.rundir import jobs
 
     if follow:

@@ -28,6 +28,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.orchestrator.synthesize import run_command
+    from prime_hpc.launcher.synthesize import run_command
 
     return run_command(a.args, here=a.here)

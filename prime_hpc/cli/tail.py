@@ -4,10 +4,7 @@ follow every log of the job's current attempt until it ends (see prime_hpc/watch
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
-
-SLURM_CHECK_S = 30.0  # how often a follow asks SLURM whether a job ended without saying so
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -25,33 +22,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return t
 
 
-def state_fn(ref: Any):
-    """The job's state as its own record says, and, for a job that could end without
-    recording it (its supervisor killed), SLURM's or the process table's now and then."""
-    from prime_hpc.launcher import state as job_states
-    from prime_hpc.rundir import jobs
-
-    last = [0.0]
-
-    def state() -> tuple[str, dict]:
-        job = jobs.read_job(ref.run)
-        recorded = job.get("state", "UNKNOWN")
-        if recorded in jobs.FINAL_STATES or time.monotonic() - last[0] < SLURM_CHECK_S:
-            return recorded, job
-        last[0] = time.monotonic()
-        actual = job_states.job_state(ref)
-        return (actual if actual in jobs.FINAL_STATES else recorded), job
-
-    return state
-
-
-def follow_ref(ref: Any, **opts: Any) -> int:
-    from prime_hpc.watch.tail import follow
-
-    return follow(ref.run, state_fn=state_fn(ref), **opts)
-
-
 def run(a: argparse.Namespace) -> int:
+    from prime_hpc.launcher.state import follow_ref
     from prime_hpc.rundir import jobs
 
     ref = jobs.resolve(a.job)

@@ -1,15 +1,18 @@
-"""A submitted job's state, its pipeline and its cancellation, from job.json and the
-job's backend (`prime_hpc.sched`). Light: what `status`, `list`, `tail` and `cancel`
-need, without the config, planning or rendering of `submit`."""
+"""A submitted job's state, its pipeline, following its logs until it ends, its extra
+inference jobs and its cancellation, from job.json and the job's backend
+(`prime_hpc.sched`). Light: what `status`, `list`, `tail` and `cancel` need, without the
+config, planning or rendering of `submit`."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from prime_hpc.rundir import RunDir, jobs
 from prime_hpc.sched.registry import choose
+
+SLURM_CHECK_S = 30.0  # how often a follow asks SLURM whether a job ended without saying so
 
 
 def pipeline_refs(ref: jobs.JobRef) -> list[jobs.JobRef]:
@@ -31,6 +34,30 @@ def group_states(ref: jobs.JobRef) -> tuple[dict[str, str], Optional[str]]:
 
 def job_state(ref: jobs.JobRef) -> str:
     return choose(ref.backend).state(ref.run, ref.job_id)
+
+
+def state_fn(ref: jobs.JobRef) -> Callable[[], tuple[str, dict]]:
+    """The job's state as its own record says, and, for a job that could end without
+    recording it (its supervisor killed), SLURM's or the process table's now and then."""
+    last = [0.0]
+
+    def state() -> tuple[str, dict]:
+        job = jobs.read_job(ref.run)
+        recorded = job.get("state", "UNKNOWN")
+        if recorded in jobs.FINAL_STATES or time.monotonic() - last[0] < SLURM_CHECK_S:
+            return recorded, job
+        last[0] = time.monotonic()
+        actual = job_state(ref)
+        return (actual if actual in jobs.FINAL_STATES else recorded), job
+
+    return state
+
+
+def follow_ref(ref: jobs.JobRef, **opts: Any) -> int:
+    """Follow the job's logs until it ends (`prime_hpc.watch.tail.follow`); 0 if it completed."""
+    from prime_hpc.watch.tail import follow
+
+    return follow(ref.run, state_fn=state_fn(ref), **opts)
 
 
 def batch_log(ref: jobs.JobRef) -> Path:

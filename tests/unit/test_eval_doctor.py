@@ -79,7 +79,7 @@ def test_eval_overrides_are_typed(tmp_path, capsys, bad, key):
     ],
 )
 def test_eval_of_someone_elses_run_refuses_what_would_run_their_code(tmp_path, capsys, given, refused):
-    from prime_hpc.orchestrator.evaluate import check_foreign_run, recorded_run
+    from prime_hpc.launcher.evaluate import check_foreign_run, recorded_run
 
     run = _run(tmp_path / "run", *given)
     os.chown(run.config_yaml, OTHER_UID, OTHER_UID)

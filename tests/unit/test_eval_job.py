@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from prime_hpc.cli import main
 from prime_hpc.config.compose import compose
+from prime_hpc.launcher import evaluate as eval_command
 from prime_hpc.launcher import launch
 from prime_hpc.orchestrator import evaluate
 from prime_hpc.orchestrator.evaluator import sample_record
@@ -46,8 +47,8 @@ def test_on_a_slurm_cluster_eval_is_a_job_of_the_runs_servers_with_the_eval_runn
     """The run's own model, envs, inference and cluster; kind `eval`; its files in
     `<run>/eval/job`, replaced by the next eval (the results beside it are kept)."""
     run, cfg = _run(tmp_path / "run", "cluster=dev")
-    assert not evaluate.runs_here(cfg) and evaluate.runs_here(compose(["+experiment=reverse_text_sft"]))
-    job_cfg = evaluate.eval_job_config(cfg, [0, 4], run.eval_dir, run)
+    assert not eval_command.runs_here(cfg) and eval_command.runs_here(compose(["+experiment=reverse_text_sft"]))
+    job_cfg = eval_command.eval_job_config(cfg, [0, 4], run.eval_dir, run)
     job, plan = launch.prepare(job_cfg, "run", dry_run=True)
     assert job.root == run.eval_dir / "job" and plan.kind == "eval" and job_cfg.name == "reverse_text_sft-eval"
     assert job_cfg.cluster.max_requeues == 0  # no checkpoint to come back to: a time limit ends it
@@ -59,7 +60,7 @@ def test_on_a_slurm_cluster_eval_is_a_job_of_the_runs_servers_with_the_eval_runn
     assert inference["model"]["name"] == cfg.model.name and job.sbatch_script("eval").exists()
     # a later eval replaces the job's files, never the results next to them
     (run.eval_dir / "step_4.json").write_text("{}")
-    again = evaluate.eval_job_config(OmegaConf.load(run.config_yaml), [2], run.eval_dir, run)
+    again = eval_command.eval_job_config(OmegaConf.load(run.config_yaml), [2], run.eval_dir, run)
     assert again.clean_output_dir
     launch.check_fresh(again)
     assert (run.eval_dir / "step_4.json").exists()
@@ -72,7 +73,7 @@ def test_a_model_named_on_the_command_line_is_an_eval_job_without_a_training_env
 
     cfg = compose(["model.name=tiny", "cluster=dev", f"output_dir={tmp_path / 'out'}"])
     cfg.orchestrator.eval.env = [EnvEntry(id="reverse-text", args={"max_len": 4})]
-    job_cfg = evaluate.eval_job_config(cfg, [0], tmp_path / "out", None)
+    job_cfg = eval_command.eval_job_config(cfg, [0], tmp_path / "out", None)
     job, plan = launch.prepare(job_cfg, "run", dry_run=True)
     orch = yaml.safe_load(job.component_config("orchestrator").read_text())
     assert orch["eval_job"] == {"steps": [0], "run": None, "results": str(tmp_path / "out")}
@@ -89,7 +90,7 @@ def where_eval_runs(monkeypatch, argv: list[str]) -> list[str]:
         raise SystemExit(3)
 
     monkeypatch.setattr(evaluate, "eval_server", local_server)
-    monkeypatch.setattr(evaluate, "submit_and_follow", lambda *a, **k: seen.append("job") or 0)
+    monkeypatch.setattr(eval_command, "submit_and_follow", lambda *a, **k: seen.append("job") or 0)
     try:
         main(["eval", *argv])
     except SystemExit as e:
@@ -103,11 +104,13 @@ def test_here_keeps_eval_on_this_machine_on_a_slurm_cluster(tmp_path, monkeypatc
 
 
 def test_env_arguments_are_given_per_env_and_typed():
-    got = evaluate.parse_env_args(["args.reverse-text.num_words=5", "args.gsm8k.split=test"], ["reverse-text", "gsm8k"])
+    got = eval_command.parse_env_args(
+        ["args.reverse-text.num_words=5", "args.gsm8k.split=test"], ["reverse-text", "gsm8k"]
+    )
     assert got == {"reverse-text": {"num_words": 5}, "gsm8k": {"split": "test"}}
     for bad, said in [("args.other.n=1", "not among env="), ("args.n=1", "args.<env>.<arg>=<value>")]:
         try:
-            evaluate.parse_env_args([bad], ["reverse-text"])
+            eval_command.parse_env_args([bad], ["reverse-text"])
         except Exception as e:
             assert said in str(e) and "\n" not in str(e)
         else:

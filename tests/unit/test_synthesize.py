@@ -124,8 +124,7 @@ def test_an_env_that_only_errors_ends_synthesis_in_one_line(tmp_path):
 
 def test_on_a_slurm_cluster_synthesize_is_a_job_of_the_models_servers(tmp_path, monkeypatch, capsys):
     from prime_hpc.cli import main
-    from prime_hpc.launcher import launch
-    from prime_hpc.orchestrator import evaluate
+    from prime_hpc.launcher import evaluate, launch
 
     submitted = []
 

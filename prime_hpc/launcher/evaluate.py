@@ -1,0 +1,406 @@
+"""`prime-hpc eval <job | run dir | weights dir> [steps=N,M,...] [overrides]`: score the
+base model and saved `weights/step_N` on the run's eval environments; `prime-hpc eval
+model=<name|path> env=<id>[,<id>...]` (or `serve=<job>`, or `client.base_url=<endpoint>`
+instead of a model) any model or running endpoint on any env ids, without a run
+(`run_standalone`); and what `prime-hpc synthesize` is given (`model_words`).
+
+On a SLURM cluster it is a job (`eval_job_config`, `submit_and_follow`): the run's
+inference group with the eval runner (`prime_hpc.orchestrator.evaluate.run_job`) in the
+orchestrator's place, its files in `<run>/eval/job/`. With `cluster=local`, `--here`, or a
+run of someone else's, it starts one inference server on this machine instead
+(`prime_hpc.orchestrator.evaluate.eval_server`; its files under `<run>/eval/`: configs,
+endpoints, logs). Either way each step is loaded into every server (`/update_weights`; the
+base model by `/reload_weights`), every eval env runs (`orchestrator.eval.*`:
+`num_examples`, `rollouts_per_example`), and `<run>/eval/step_<N>.json`
+(`eval/<env>/avg@k`, `eval/<env>/pass@k`) and `step_<N>.samples.jsonl` (every rollout) are
+written. Overrides (`orchestrator.eval.num_examples=20`, `inference.dtype=float32`, ...)
+apply on top of the run's `config.yaml`, typed as `resume` applies them (a misspelt key or
+a wrong type fails in one line naming the key).
+
+The server demands a key (the job's, or one made for the local server and given to it
+only through its environment); eval's own calls carry it. Everything eval writes gets the
+run's `cluster.umask`. A run that belongs to someone else is scored with the user's own
+code only: its eval env ids that are paths, `model.trust_remote_code=true` and
+`inference.extra_args` are refused unless the user restates them as overrides or passes
+`--trust-run-code`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from prime_hpc.core.errors import UserError
+from prime_hpc.orchestrator import evaluate as scoring
+from prime_hpc.rundir import RunDir, atomic_write_json, jobs, read_json, with_umask
+
+
+def target_run(target: str) -> tuple[RunDir, Optional[int]]:
+    """The run a target names, and the step when it names one weights dir."""
+    path = Path(target).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        found = RunDir.of_weights_step(path)
+        if found is None:
+            raise UserError(
+                f"{path}: a weights dir must be <run>/weights/step_<n> (the run's config names the eval envs)"
+            )
+        return found
+    if path.is_dir() and RunDir(path).config_yaml.exists():  # a run directory (submitted or not)
+        return RunDir(path), None
+    from prime_hpc.rundir import jobs
+
+    return jobs.resolve(target).run, None
+
+
+def parse_steps(value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.strip("[]").split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"steps={value}: expected comma-separated step numbers, e.g. steps=10,20") from None
+
+
+def recorded_run(run: RunDir, overrides: list[str]) -> tuple[Any, int]:
+    """The run's `config.yaml` on the typed schema with `overrides` applied as `resume`
+    applies them (an unknown key or a wrong type fails in one line naming the key), and
+    the uid owning the file, read from the descriptor the config was read from."""
+    from prime_hpc.config.compose import recorded_config
+
+    with open(run.config_yaml) as f:
+        owner = os.fstat(f.fileno()).st_uid
+        return recorded_config(f, overrides), owner
+
+
+def _restated(key: str, overrides: list[str]) -> bool:
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return any(key == k or key.startswith(k + ".") for k in given)
+
+
+def foreign_code(cfg: Any, overrides: list[str]) -> list[str]:
+    """What in a run's config would make eval run code other than the user's installed
+    packages: eval env ids that are paths, `model.trust_remote_code=true` and
+    `inference.extra_args` (vLLM options can load plugins); what the user's own
+    overrides restate or replace is theirs."""
+    from prime_hpc.config.env_ids import UnknownEnv, resolve
+
+    found = []
+    for i, entry in enumerate(cfg.orchestrator.eval.env):
+        key = f"orchestrator.eval.env.{i}.id"
+        try:
+            is_path = resolve(str(entry.id)).path is not None
+        except UnknownEnv:
+            is_path = False  # not loadable at all: eval fails on it anyway
+        if is_path and not _restated(key, overrides):
+            found.append(f"{key}={entry.id} (a path)")
+    if cfg.model.trust_remote_code and not _restated("model.trust_remote_code", overrides):
+        found.append("model.trust_remote_code=true")
+    if cfg.inference.extra_args and not _restated("inference.extra_args", overrides):
+        found.append(f"inference.extra_args={list(cfg.inference.extra_args)}")
+    return found
+
+
+def check_foreign_run(run: RunDir, owner: int, cfg: Any, overrides: list[str], trust: bool) -> None:
+    """A run of someone else's is scored with the user's code only, unless the user says
+    otherwise: `--trust-run-code`, or restating those keys as overrides."""
+    from prime_hpc.core.usercache import owner_name
+
+    if owner == os.getuid() or trust:
+        return
+    found = foreign_code(cfg, overrides)
+    if found:
+        raise UserError(
+            f"{run.config_yaml} belongs to {owner_name(owner)}: refusing what would run code of theirs: "
+            f"{', '.join(found)}; to allow it pass --trust-run-code, or restate it as an override "
+            f"(e.g. {found[0].split(' ')[0]})"
+        )
+
+
+def run_eval(target: str, args: list[str], trust_run_code: bool = False, base: bool = True, here: bool = False) -> int:
+    from prime_hpc.config.cluster import cache_root
+    from prime_hpc.core import usercache
+
+    run, one_step = target_run(target)
+    steps_arg = [a for a in args if a.startswith("steps=")]
+    overrides = [a for a in args if not a.startswith("steps=")]
+    if not run.config_yaml.exists():
+        raise UserError(f"{run.config_yaml} is missing: not a prime-hpc run directory")
+    steps = scoring.eval_steps(run, parse_steps(steps_arg[-1][6:]) if steps_arg else None, one_step, base)
+    cfg, owner = recorded_run(run, overrides)
+    if not cfg.orchestrator.eval.env:
+        raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
+    check_foreign_run(run, owner, cfg, overrides, trust_run_code)
+    foreign = owner != os.getuid() and not trust_run_code
+    if foreign and not (here or runs_here(cfg)):  # a job would run their cluster settings (env_setup ...) as you
+        print(
+            f"prime-hpc eval: {run.root} is not yours: scored on this machine, not in a job with its cluster "
+            "settings (--trust-run-code submits the job)",
+            flush=True,
+        )
+    if not (here or runs_here(cfg) or foreign):
+        job_cfg = eval_job_config(cfg, steps, run.eval_dir, run)
+        rc = submit_and_follow(job_cfg, overrides)
+        if rc == 0:
+            for step in steps:
+                row = read_json(run.eval_result(step))
+                scoring.print_row(step, {k: v for k, v in row.items() if k.startswith("eval/")})
+            print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json (and .samples.jsonl) for steps {steps}")
+        return rc
+    cache = cache_root(cfg)  # the run's cache: its built models (and the user's compile cache there) are reused
+    usercache.compile_dir(cache, create=False)
+    with with_umask(cfg.cluster.umask), scoring.eval_server(cfg, RunDir(run.eval_dir), cache) as (url, key):
+        scoring.score_steps(run, cfg, steps, url, key)
+    print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json (and .samples.jsonl) for steps {steps}")
+    return 0
+
+
+EVAL_JOB_DIR = "job"  # an eval job's own files (configs, logs, job.json) under its results directory
+
+
+def runs_here(cfg: Any) -> bool:
+    """Eval serves and scores on this machine when the run's cluster is this machine
+    (`cluster=local`); on a SLURM cluster it is a job (`--here` forces this machine)."""
+    from prime_hpc.sched.registry import choose
+
+    return bool(choose(cfg.cluster.backend).one_machine)
+
+
+def eval_job_config(cfg: Any, steps: list[int], results: Path, run: Optional[RunDir]) -> Any:
+    """The config of the job that scores `steps` of `run` (None: the model as it is):
+    the run's own (model, eval envs, sampling, inference, cluster) with `eval_job` set,
+    a `model_job_config` in `<results>/job`, named `<name>-eval`."""
+    cfg.eval_job.steps = [int(s) for s in steps]
+    cfg.eval_job.run = str(run.root) if run is not None else None
+    cfg.eval_job.results = str(Path(results).resolve())
+    return model_job_config(cfg, results, f"{cfg.name}-eval")
+
+
+def model_job_config(cfg: Any, results: Path, name: str) -> Any:
+    """`cfg` as the config of a job that trains nothing (eval, synthesize): in
+    `<results>/job` (an earlier such job's files there are replaced, the results beside
+    them kept), named `name`, without warm-up, checkpoints, W&B or requeues (it keeps no
+    checkpoint: a requeue would start it over)."""
+    cfg.output_dir = str(Path(results).resolve() / EVAL_JOB_DIR)
+    cfg.name = name
+    cfg.warmup.experiment = None
+    cfg.wandb.enabled = False
+    cfg.ckpt.enabled = False
+    cfg.ckpt.interval = None
+    cfg.ckpt.step = None
+    cfg.bench.mode = None
+    cfg.cluster.max_requeues = 0
+    job = RunDir(cfg.output_dir)
+    cfg.clean_output_dir = job.job_json.exists() or job.config_yaml.exists()  # an earlier job's
+    return cfg
+
+
+def submit_and_follow(cfg: Any, overrides: list[str], what: Optional[str] = None, results: Optional[str] = None) -> int:
+    """Submit the job (an eval job, or any of `kind` like it), follow its logs until it
+    ends (as `submit -f`); 0 when it completed, else one line naming its state and where
+    to look. `what`: said of the job on submission; `results`: where it writes."""
+    from prime_hpc.launcher import launch
+    from prime_hpc.launcher.state import follow_ref
+
+    sub = launch.submit(cfg, overrides)
+    ref = sub.ref
+    kind = sub.plan.kind
+    if what is None:
+        what = "step(s) " + ", ".join("base" if s == 0 else str(s) for s in cfg.eval_job.steps)
+    results = results or str(cfg.eval_job.results)
+    print(f"submitted {kind} job {ref.job_id} ({ref.name}: {', '.join(sub.plan.group_names)}, {ref.backend}): {what}")
+    print(f"  output dir: {ref.output_dir}    results: {results}", flush=True)
+    try:
+        rc = follow_ref(ref)
+    except KeyboardInterrupt:
+        print(
+            f"\nstopped following; the {kind} job goes on (prime-hpc status {ref.job_id}); results: {results}",
+            file=sys.stderr,
+        )
+        return 130
+    if rc != 0:
+        state = jobs.read_job(ref.run).get("state", "UNKNOWN")
+        raise UserError(
+            f"{kind} job {ref.job_id} ended {state}; see prime-hpc tail {ref.job_id} --no-follow "
+            f"(logs: {ref.run.latest_logs})"
+        )
+    return 0
+
+
+def serving_endpoint(job: str) -> dict[str, str]:
+    """`serve=<job>`: the `client.base_url` and `client.model` of a serve job that serves
+    now; one line when it does not, or when its key's variable is not set here."""
+    from prime_hpc.rundir.jobs import served
+
+    ref = jobs.resolve(job)
+    found = served(ref.run)
+    if found is None:
+        raise UserError(
+            f"serve job {ref.job_id} ({ref.output_dir}) does not serve now; see prime-hpc status {ref.job_id}"
+        )
+    if not os.environ.get(found["key_var"]):
+        raise UserError(f"serve job {ref.job_id} answers only with its key: set ${found['key_var']} here")
+    return {"client.base_url": found["url"], "client.model": found["model"]}
+
+
+ENV_ARGS_PREFIX = "args."
+
+
+def parse_env_args(given: list[str], envs: list[str]) -> dict[str, dict[str, Any]]:
+    """`args.<env>.<arg>=<value>` (the value read as YAML: 5, true, [a, b], text) -> {env id:
+    {arg: value}} for `load_environment`; an env not among `envs` fails in one line."""
+    import yaml
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in given:
+        key, _, value = item.partition("=")
+        env, _, arg = key[len(ENV_ARGS_PREFIX) :].rpartition(".")
+        if not env or not arg:
+            raise UserError(f"{item}: expected args.<env>.<arg>=<value>, e.g. args.{envs[0]}.num_examples=20")
+        if env not in envs:
+            raise UserError(f"{item}: {env!r} is not among env={','.join(envs)}")
+        try:
+            out.setdefault(env, {})[arg] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            out.setdefault(env, {})[arg] = value
+    return out
+
+
+STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model", "serve")
+
+
+def is_standalone(target: str) -> bool:
+    """`prime-hpc eval model=... env=...` rather than a job, run or weights dir."""
+    return "=" in target and target.split("=", 1)[0] in STANDALONE_KEYS and not Path(target).exists()
+
+
+@dataclass
+class ModelWords:
+    """What `eval model=...` and `synthesize model=...` are given: the model or endpoint,
+    the envs with their arguments, k and n, the output directory, the overrides."""
+
+    opts: dict[str, str]  # model= or client.base_url= (serve= resolved), client.model=, ...
+    envs: list[str]
+    env_args: dict[str, dict[str, Any]]
+    rollouts: int
+    examples: Optional[int]
+    name: str  # the model, as asked of the server
+    out: Path
+    overrides: list[str]
+
+    def compose(self) -> Any:
+        """The default config with the overrides, for this model, in `out`."""
+        from prime_hpc.config.compose import compose
+
+        model = f"model.name={self.name}" if "model" in self.opts else "model.name=tiny"
+        return compose([model, f"output_dir={self.out}", *self.overrides])
+
+    def entries(self) -> list:
+        from prime_hpc.config.schema import EnvEntry
+
+        return [EnvEntry(id=e, args=self.env_args.get(e, {})) for e in self.envs]
+
+
+def model_words(args: list[str], keys: tuple[str, ...], verb: str) -> ModelWords:
+    """Parse `args` of a command that runs envs against a model (`keys`: its own words;
+    `verb`: "eval" or "synthesize", the default `outputs/<verb>/<model>-<time>`); one line
+    for what is missing or wrong."""
+    opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in keys)
+    given_args = [a for a in args if a.startswith(ENV_ARGS_PREFIX)]
+    overrides = [a for a in args if a.split("=", 1)[0] not in keys and a not in given_args]
+    envs = [e for e in opts.get("env", "").split(",") if e]
+    if not envs:
+        raise UserError("env=<id>[,<id>...] is required: the environments to run the model on")
+    env_args = parse_env_args(given_args, envs)
+    if "serve" in opts:
+        opts.update(serving_endpoint(opts.pop("serve")))
+    if "model" not in opts and "client.base_url" not in opts:
+        raise UserError(
+            "give model=<name|path> (a server is started for it), serve=<job> or client.base_url=<endpoint>"
+        )
+    try:
+        k, n = int(opts.get("rollouts", 1)), int(opts.get("examples", 0)) or None
+    except ValueError:
+        raise UserError("rollouts=K and examples=N take whole numbers") from None
+    if k < 1 or (n is not None and n < 1):
+        raise UserError("rollouts=K and examples=N must be >= 1")
+    name = opts.get("model") or opts.get("client.model") or "served"
+    out = Path(opts.get("out") or Path("outputs") / verb / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return ModelWords(opts, envs, env_args, k, n, name, out.expanduser().resolve(), overrides)
+
+
+def run_standalone(args: list[str], here: bool = False) -> int:
+    """`prime-hpc eval model=<name|path> env=<id>[,<id>...] [args.<id>.<arg>=V ...]
+    [rollouts=K] [examples=N] [client.base_url=URL [client.model=NAME]] [out=DIR]
+    [overrides]`: any model (a server is started for it) or any running OpenAI-compatible
+    endpoint (with the key in `$INFERENCE_SERVER_API_KEY`, when it wants one), on any env
+    ids, each with its own `load_environment` arguments. Writes `<out>/eval.json`, every
+    rollout to `<out>/samples.jsonl`, and prints one row per env: avg@k and pass@k."""
+    from prime_hpc.config.cluster import cache_root
+    from prime_hpc.config.schema import EnvEntry
+    from prime_hpc.core import usercache
+    from prime_hpc.inference.client import api_key
+    from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.envs import env_name
+
+    w = model_words(args, STANDALONE_KEYS, "eval")
+    opts, envs, name, out, k, n = w.opts, w.envs, w.name, w.out, w.rollouts, w.examples
+    cfg = w.compose()
+    cfg.orchestrator.eval.env = w.entries()
+    cfg.orchestrator.eval.rollouts_per_example, cfg.orchestrator.eval.num_examples = k, n
+    edir = RunDir(out)
+    t0 = time.monotonic()
+
+    samples: list[dict] = []
+
+    def evaluate(url: str, model: str, key: Optional[str]) -> dict:
+        return asyncio.run(scoring.run_evaluator(cfg, make_client(url, key), model).evaluate(0, samples))
+
+    with with_umask(cfg.cluster.umask):
+        if "client.base_url" in opts:
+            base = opts["client.base_url"].rstrip("/")
+            metrics = evaluate(
+                base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, api_key()
+            )
+            where = base
+        elif here or runs_here(cfg):
+            usercache.compile_dir(cache_root(cfg), create=False)
+            edir.root.mkdir(parents=True, exist_ok=True)
+            with scoring.eval_server(cfg, edir, cache_root(cfg)) as (url, key):
+                metrics = evaluate(url + "/v1", cfg.model.name, key)
+            where = "a server started for it"
+        else:
+            cfg.name = Path(name).name
+            job_cfg = eval_job_config(cfg, [0], out, None)
+            rc = submit_and_follow(job_cfg, w.overrides)
+            if rc:
+                return rc
+            row = read_json(out / "step_0.json")
+            metrics = {key: v for key, v in row.items() if key.startswith("eval/")}
+            samples = [json.loads(line) for line in (out / "step_0.samples.jsonl").read_text().splitlines() if line]
+            for done in ("step_0.json", "step_0.samples.jsonl"):  # the job's, as eval.json and samples.jsonl
+                (out / done).unlink()
+            where = f"eval job {jobs.read_job(RunDir(job_cfg.output_dir)).get('job_ids', ['?'])[-1]}"
+        result = {
+            "model": name,
+            "endpoint": where,
+            "envs": envs,
+            "rollouts_per_example": k,
+            "num_examples": n,
+            "metrics": metrics,
+            "time_s": round(time.monotonic() - t0, 1),
+            "at": time.time(),
+        }
+        scoring.write_samples(out / "samples.jsonl", samples)
+        path = atomic_write_json(out / "eval.json", result)
+    print(f"{'ENV':24} {f'AVG@{k}':>8} {f'PASS@{k}':>8}")
+    for e in (env_name(EnvEntry(id=e)) for e in envs):
+        print(
+            f"{e:24} {metrics.get(f'eval/{e}/avg@{k}', float('nan')):8.3f} "
+            f"{metrics.get(f'eval/{e}/pass@{k}', float('nan')):8.3f}"
+        )
+    print(f"prime-hpc eval: {name} on {', '.join(envs)} ({where}); wrote {path} and {out / 'samples.jsonl'}")
+    return 0
