@@ -123,6 +123,10 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
         r["step"]: r["eval/reverse_text/avg@4"] for r in _rows(rl, "orchestrator") if "eval/reverse_text/avg@4" in r
     }
     assert set(evals) == {0, RL_STEPS // 2, RL_STEPS} and evals[RL_STEPS] > evals[0], evals
+    # the server stopped at the job's end: its log ends with its own shutdown, not with the
+    # interpreter's teardown reports of extension modules
+    server_log = (rl.latest_logs / "inference" / "node_0.log").read_text()
+    assert "Application shutdown complete" in server_log and "nanobind" not in server_log, server_log[-3000:]
     # W&B (offline): one run holding both components' metrics, sampled rollouts and distributions
     (offline,) = rl.wandb_dir.rglob("offline-run-*")
     rows = history_keys(next(offline.glob("run-*.wandb")))
