@@ -7,8 +7,6 @@ a time; `--whole-logits`: from the whole logits instead. Run by test_trainer_fsd
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
@@ -52,6 +50,6 @@ if __name__ == "__main__":
     # as the trainer's ranks leave (`prime_hpc.trainer.runner.main`): the gradients are on
     # disk and the process group destroyed; the interpreter's teardown, where gloo's threads
     # held by objects freed only then can abort a rank (SIGABRT), is skipped
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from prime_hpc.runtime.stopping import leave
+
+    leave(0)

@@ -37,8 +37,8 @@ IMPORTS = {
     "inference": ("vllm", "transformers"),
     "router": ("uvicorn", "httpx"),
     "trainer": ("torch", "transformers"),
-    "teacher": ("vllm", "transformers"),
 }
+IMPORTS["teacher"] = IMPORTS["inference"]  # a teacher server is an inference server
 HANDSHAKE = b"prime-hpc-preflight\n"  # the head's answer; a node says it followed by its key's digest
 
 

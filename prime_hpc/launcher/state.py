@@ -65,7 +65,7 @@ def batch_log(ref: jobs.JobRef) -> Path:
     return choose(ref.backend).batch_log(ref.run, ref.job_id)
 
 
-# ----------------------------------------------------------------------------- the run's extra inference jobs (prime-hpc scale)
+# ------------------------------------------ the run's extra inference jobs (prime-hpc scale)
 def live_extras(run: RunDir, job: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """The run's extra jobs that are queued or running (oldest first), each record with
     its `live` state, asked of the backend at once."""

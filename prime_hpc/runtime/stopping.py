@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import time
-from typing import Optional
+from typing import NoReturn, Optional
 
 from prime_hpc.rundir import RunDir, exists_fresh, read_json
 
@@ -111,3 +111,19 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: Optional[int] = None) -> 
             os.kill(os.getpid(), sig)
     except (OSError, AttributeError):
         pass
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with `code` once its work is done: logging's handlers and the
+    standard streams flushed, then `os._exit`, without the interpreter's teardown. There,
+    objects freed only then can still abort a process whose work ended well (torch's gloo
+    threads held by a process group's leftovers: "terminate called without an active
+    exception", SIGABRT) or fill its log with extension modules' leak reports (triton's
+    nanobind, at every exit of an inference server)."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

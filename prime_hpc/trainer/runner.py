@@ -68,13 +68,13 @@ def main(
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         code = 1
     # the rank's work is on disk (or its error said) and its process groups destroyed: it
-    # leaves here, without the interpreter's teardown, where torch's gloo threads, still held
-    # by objects freed only then (a rank's FSDP group, a lone trainer's group of the async
-    # checkpoint save), can abort it ("terminate called without an active exception",
-    # SIGABRT) and turn a run that ended well, or an error already said, into a crash
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # leaves without the interpreter's teardown, where torch's gloo threads, still held by
+    # objects freed only then (a rank's FSDP group, a lone trainer's group of the async
+    # checkpoint save), can abort it and turn a run that ended well, or an error already
+    # said, into a crash
+    from prime_hpc.runtime.stopping import leave
+
+    leave(code)
 
 
 @dataclass
