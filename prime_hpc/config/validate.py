@@ -553,8 +553,49 @@ def check_name(cfg: DictConfig) -> None:
         raise ConfigError("name", "must not be empty")
 
 
+# What reaches a job script (`prime_hpc.launcher.plan`): names, paths and SLURM options,
+# on `#SBATCH` lines, in comments and in commands; a list's entries each. `cluster.env_setup`
+# is shell the user writes, rendered as it is.
+SCRIPT_KEYS = (
+    "name",
+    "output_dir",
+    "job_dir",
+    "cluster.python",
+    "cluster.cache_dir",
+    "cluster.address",
+    "cluster.time",
+    "cluster.partition",
+    "cluster.account",
+    "cluster.qos",
+    "cluster.constraint",
+    "cluster.exclude",
+    "cluster.umask",
+    "cluster.sbatch_extra",
+    *(f"cluster.{g}.{k}" for g in (*COMPONENTS, "teacher") for k in ("cpu_ids", "gpu_ids")),
+)
+
+
+def check_control_chars(cfg: DictConfig) -> None:
+    """No control character (a newline, a carriage return, ESC ...: `core.text.control_char`)
+    in a value that reaches a job script: a newline in a name would end the comment or the
+    `#SBATCH` line it is on, and the rest would run as a command."""
+    from prime_hpc.core.text import control_char
+
+    for key in SCRIPT_KEYS:
+        value = OmegaConf.select(cfg, key)
+        entries = enumerate(value) if OmegaConf.is_list(value) else [(None, value)]
+        for i, v in entries:
+            bad = None if v is None else control_char(str(v))
+            if bad:
+                raise ConfigError(
+                    key if i is None else f"{key}.{i}",
+                    f"{str(v)!r} holds the control character {bad}, which a job script cannot carry; remove it",
+                )
+
+
 RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_name,
+    check_control_chars,
     check_fields,
     check_difficulty_filter,
     check_positive,

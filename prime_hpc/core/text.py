@@ -1,8 +1,10 @@
 """Plain-text output shared by the commands that print tables (`status`, `list`, `doctor`,
-`bench`)."""
+`bench`), and the one test of a control character (names and paths that reach a job
+script, text written to a terminal)."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Optional, Sequence
 
@@ -26,3 +28,25 @@ def columns(rows: Sequence[Sequence[str]], indent: str = "", sep: str = "  ") ->
     cells = [[str(c) for c in r] + [""] * (n - len(r)) for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(n - 1)]
     return [(indent + sep.join([c.ljust(w) for c, w in zip(r, widths)] + [r[-1]])).rstrip() for r in cells]
+
+
+# C0 controls, DEL and C1 controls (U+0080-U+009F: a terminal may read U+009B as CSI), and
+# the Unicode line and paragraph separators: what no name or path may hold, and what a
+# terminal must not be sent raw
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_ESCAPED = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")  # all but the tab
+
+
+def control_char(text: str) -> Optional[str]:
+    """The first control character in `text` (C0 including tab and newline, DEL, C1, or
+    U+2028/U+2029), as `repr` spells it, or None when it has none."""
+    m = _CONTROL.search(text)
+    return None if m is None else repr(m.group())[1:-1]
+
+
+def printable(text: str) -> str:
+    """`text` safe to write to a terminal: every control character but the tab (ESC and
+    the rest of C0, DEL, C1) written as `\\xNN`, so that text others wrote (a model's
+    output, a log, a job.json) cannot move the cursor, retitle the window or recolour
+    the screen. Any other character, Unicode included, is kept as it is."""
+    return _ESCAPED.sub(lambda m: f"\\x{ord(m.group()):02x}", text)

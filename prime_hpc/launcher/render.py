@@ -1,11 +1,17 @@
 """Render the job scripts from `sbatch_templates/`: a pure function of a `Plan`.
 
 Every interpolated value goes through a quoting filter: `q` (POSIX shell), `qjoin`
-(an argv) or `sbatch_q` (a value on an `#SBATCH` line, which sbatch parses itself).
+(an argv) or `sbatch_q` (a value on an `#SBATCH` line, which sbatch parses itself). No
+value holding a control character (`core.text.control_char`: a newline, a carriage
+return, ESC ...) is rendered at all, wherever it would go (a comment, an `#SBATCH` line, a
+command): validation refuses those at submit naming the key, and a plan built otherwise (a
+recorded config of an older run, a caller that skipped validation) is refused here in one
+line. `cluster.env_setup` alone is rendered as it is: it is shell the user writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from functools import lru_cache
 from pathlib import Path
@@ -13,6 +19,7 @@ from typing import Any
 
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.jobenv import STALLED
+from prime_hpc.core.text import control_char
 from prime_hpc.launcher.plan import InferenceJobPlan, Plan
 from prime_hpc.rundir import RunDir
 
@@ -23,12 +30,43 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch_templates"
 STOP_GRACE_S = 20
 
 
+VERBATIM = ("env_setup",)  # the Plan's fields rendered as the user wrote them (shell lines)
+
+
+def plain(value: object, where: str = "a value") -> str:
+    """`value` as text, refused in one line (`UserError`) when it holds a control character."""
+    text = str(value)
+    bad = control_char(text)
+    if bad:
+        raise UserError(
+            f"{where} {text!r} holds the control character {bad}, which a job script cannot carry; remove it"
+        )
+    return text
+
+
+def check_plain(value: object, where: str) -> None:
+    """Every string in `value` (a Plan, its groups, lists and mappings, keys included)
+    `plain`; `where` names it in the error (`name`, `groups.1.argv.3`)."""
+    if isinstance(value, str):
+        plain(value, where)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            if f.name not in VERBATIM:
+                check_plain(getattr(value, f.name), f.name if where == "plan" else f"{where}.{f.name}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_plain(k, f"{where} (a key)")
+            check_plain(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain(v, f"{where}.{i}")
+
+
 def sbatch_quote(value: object) -> str:
     """Quote a value for an `#SBATCH` line, which sbatch parses itself: double quotes
-    group, a backslash escapes the next character. A newline cannot be carried."""
-    text = str(value)
-    if "\n" in text:
-        raise UserError(f"{text!r}: a SLURM option cannot contain a newline")
+    group, a backslash escapes the next character. A newline (any control character)
+    cannot be carried."""
+    text = plain(value, "a SLURM option")
     if text and not any(c.isspace() or c in "'\"\\$`;&|<>()#*?[]{}~" for c in text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -68,8 +106,8 @@ def _env():
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters["q"] = lambda v: shlex.quote(str(v))
-    env.filters["qjoin"] = lambda argv: " ".join(shlex.quote(str(a)) for a in argv)
+    env.filters["q"] = lambda v: shlex.quote(plain(v))
+    env.filters["qjoin"] = lambda argv: " ".join(shlex.quote(plain(a)) for a in argv)
     env.filters["sbatch_q"] = sbatch_quote
     return env
 
@@ -81,6 +119,9 @@ def checkpoint_budget_s(signal_delay_s: int) -> int:
 
 
 def _render(template: str, plan: Plan, **extra: object) -> str:
+    check_plain(plan, "plan")
+    for key, value in extra.items():
+        check_plain(value, key)
     budget_s = checkpoint_budget_s(plan.signal_delay_s)
     return (
         _env()

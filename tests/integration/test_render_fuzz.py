@@ -1,8 +1,9 @@
 """Fuzzing the job scripts: 300 generated hostile values (`FUZZ_N=` for more: quotes, `$()`,
-backticks, `;`, `&&`, pipes, newlines, globs, unicode) as the run name, the output directory, the
-interpreter's path and the SLURM options. Every script is rendered (or refused with a
-one-line error where SLURM cannot carry the value), passes `bash -n`, and is then run for
-real in a sandbox: a PATH that finds nothing, so that every command it calls lands in bash's
+backticks, `;`, `&&`, pipes, newlines and other control characters, globs, unicode) as the run
+name, the output directory, the interpreter's path and the SLURM options. A value holding a
+control character is refused by every renderer in one line (a newline would end the comment
+or the `#SBATCH` line it is on); every other script (the run's on SLURM and locally, and an
+extra inference job's) is rendered, passes `bash -n`, and is then run for real in a sandbox: a PATH that finds nothing, so that every command it calls lands in bash's
 `command_not_found_handle`, which only records it, and the interpreter a stub that records
 its arguments. Nothing but the script's own commands may run, and every value must reach
 them exactly as given."""
@@ -17,8 +18,9 @@ from omegaconf import OmegaConf
 
 from prime_hpc.config.compose import compose
 from prime_hpc.core.errors import UserError
-from prime_hpc.launcher.plan import make_plan, slurm_job_name
-from prime_hpc.launcher.render import render_local, render_sbatch
+from prime_hpc.core.text import control_char
+from prime_hpc.launcher.plan import InferenceJobPlan, make_plan, slurm_job_name
+from prime_hpc.launcher.render import render_inference, render_local, render_sbatch
 
 N_VALUES = int(__import__("os").environ.get("FUZZ_N", 300))
 PIECES = [
@@ -59,6 +61,10 @@ PIECES = [
     ":",
     ",",
     "\r",
+    "\x1b[2J",
+    "\x85",
+    "\u2028",
+    "\x7f",
 ]
 ALLOWED = {"srun", "setsid", "scancel", "seq", "sleep", "taskset", "env"}  # what the scripts call besides python
 
@@ -134,15 +140,22 @@ def test_hundreds_of_hostile_values_render_inert_scripts(tmp_path):
         cfg["cluster"].update(python=str(python), partition=value, account=value, qos=value)
         plan = make_plan(OmegaConf.create(cfg), cores=[0, 1])
         plan.head_argv = [plan.python, "-u", "-m", "submitit.core._submit", str(plan.run.submitit_dir)]
-        assert slurm_job_name(value) == plan.job_name and "\n" not in plan.job_name
+        assert slurm_job_name(value) == plan.job_name and control_char(plan.job_name) is None
+        extra = InferenceJobPlan(plan, plan.groups[1], slurm_job_name(f"{value}-inference"))
+        renders = [  # each script, and the helper it starts with (`prime_hpc.job.<helper> start`)
+            ("attempt", render_sbatch, (plan,)),
+            ("attempt", render_local, (plan, f"local-{i}")),
+            ("extra", render_inference, (extra,)),
+        ]
         scripts = []
-        try:
-            scripts.append(render_sbatch(plan))
-        except UserError as e:  # SLURM options cannot hold a newline: refused in one line
-            assert "\n" in value and "\n" not in str(e), (value, e)
-            refused += 1
-        scripts.append(render_local(plan, f"local-{i}"))
-        for text in scripts:
+        for helper, render, args in renders:
+            try:
+                scripts.append((helper, render(*args)))
+            except UserError as e:  # a control character: refused in one line, by every renderer
+                assert control_char(value) and "\n" not in str(e), (value, e)
+                refused += 1
+        assert not scripts or not control_char(value), value
+        for helper, text in scripts:
             assert subprocess.run(["/bin/bash", "-n"], input=text, text=True, capture_output=True).returncode == 0
             done = run_sandboxed(text, work, record, logs)
             assert "syntax error" not in done.stderr and "command not found" not in done.stderr, done.stderr
@@ -150,7 +163,7 @@ def test_hundreds_of_hostile_values_render_inert_scripts(tmp_path):
             strangers = [c for c in calls if c[0] == "CMD" and c[1] not in ALLOWED]
             assert not strangers, (value, strangers)
             py = [c[1:] for c in calls if c[0] == "PY"]
-            starts = [a for a in py if a[:4] == ["-m", "prime_hpc.job.attempt", "start", out]]
+            starts = [a for a in py if a[:4] == ["-m", f"prime_hpc.job.{helper}", "start", out]]
             assert starts, (value, py)  # the output dir reached the interpreter as one exact argument
             # ...and so did the interpreter's own path (locally: started through prime_hpc.job.child)
             launched = [
@@ -162,4 +175,4 @@ def test_hundreds_of_hostile_values_render_inert_scripts(tmp_path):
                     assert f"#SBATCH --{opt}=" in text
             ran += 1
         assert not list(work.iterdir()), (value, list(work.iterdir()))  # nothing created (no PWNED, no >out)
-    assert ran >= N_VALUES and refused < N_VALUES
+    assert ran >= N_VALUES and 0 < refused < 3 * N_VALUES

@@ -6,9 +6,11 @@ line would be (no SLURM, no servers)."""
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from prime_hpc.cli import main
 
@@ -86,6 +88,20 @@ BAD_OVERRIDES = [
     (["bench.steps=0"], "bench.steps"),
     (["bench.mode=all", "bench.samples_per_step=60"], "bench.samples_per_step"),
     (["bench.mode=inference", "bench.completion_len=80"], "bench.completion_len"),
+    # a control character in a value that reaches a job script: a newline in the run's name
+    # ended the comment of the extra inference job's script and ran the rest as a command
+    (["name='x\ntouch /tmp/x #'"], "name"),
+    (["output_dir='{tmp}/run\x1b]0;pwned\x07'"], "output_dir"),
+    (["cluster.partition='batch\rx'"], "cluster.partition"),
+    (["cluster.account='a\u2028b'"], "cluster.account"),
+    (["cluster.qos='normal\x85'"], "cluster.qos"),
+    (["cluster.constraint='a\x7f'"], "cluster.constraint"),
+    (["cluster.exclude='n1\tn2'"], "cluster.exclude"),
+    (["cluster.time='1:00:00\n'"], "cluster.time"),
+    (["cluster.python='/usr/bin/python3\n'"], "cluster.python"),
+    (["cluster.cache_dir='{tmp}/c\nx'"], "cluster.cache_dir"),
+    (["cluster.address='127.0.0.1\n'"], "cluster.address"),
+    (["cluster.sbatch_extra=['--mail-type=END\x0b']"], "cluster.sbatch_extra.0"),
 ]
 
 
@@ -102,9 +118,10 @@ def _reject(argv: list[str], capsys) -> str:
 @pytest.mark.parametrize("overrides, key", BAD_OVERRIDES, ids=[" ".join(o) for o, _ in BAD_OVERRIDES])
 def test_a_bad_override_is_rejected_in_one_line_and_nothing_is_written(overrides, key, tmp_path, capsys):
     out = tmp_path / "run"
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
     line = _reject(["submit", *RL, f"output_dir={out}", *overrides], capsys)
     assert key in line, line
-    assert not out.exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_unknown_group_option_and_misplaced_option(tmp_path, capsys):
@@ -171,3 +188,93 @@ def test_a_model_on_the_command_line_is_the_warm_ups_and_the_run_continues_from_
     assert model_overrides(overrides) == [model]
     assert warmup_overrides(run, [model])[-1] == model
     assert not out.exists()
+
+
+def _reaches_the_script(cfg) -> bool:
+    """Whether a control character of `cfg` reaches the job's plan (what the scripts render,
+    but for `cluster.env_setup`, which is shell the user writes)."""
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.launcher.plan import make_plan
+    from prime_hpc.launcher.render import check_plain
+
+    try:
+        plan = make_plan(cfg, cores=[0, 1])
+    except Exception:  # a value the plan cannot even use: it reaches no script
+        return False
+    try:
+        check_plain(plan, "plan")
+    except UserError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "base",
+    [
+        [*RL, "cluster=dev"],
+        [*RL, "cluster=slurm", "cluster.inference_job=own"],
+        [*RL, "orchestrator.training_mode=opd", "orchestrator.teacher.model=tiny-35m", "cluster=dev"],
+        ["+experiment=reverse_text_sft", "cluster=dev"],
+    ],
+    ids=["rl", "own-fleet", "own-teacher", "sft"],
+)
+def test_every_key_that_reaches_a_job_script_refuses_a_control_character(base, tmp_path):
+    """Each string of the schema in turn holds a control character: wherever that reaches
+    the job's plan (and so a script), validation refuses it in one error naming the key.
+    The keys are found by the walk, not listed here: a new one that reaches a script and is
+    not checked fails this test. (A field with choices is refused by its own rule.)"""
+    from prime_hpc.config import walk
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.validate import validate
+    from prime_hpc.core.errors import ConfigError
+
+    cfg = compose([*base, f"output_dir={tmp_path}/run", f"cluster.cache_dir={tmp_path}/cache"])
+    validate(cfg)
+    assert not _reaches_the_script(cfg)
+    reached = set()
+    for site in walk.config_fields(cfg):
+        hint = walk.bare(site.hint)
+        if site.section is not None or site.entries is not None or hint not in (str, list[str], typing.List[str]):
+            continue
+        trial = cfg.copy()
+        node = trial
+        for part in site.key.split(".")[:-1]:
+            node = node[int(part)] if part.isdigit() else node[part]
+        value = f"{site.value if isinstance(site.value, str) else 'v'}\nx"
+        node[site.name] = [value] if hint is not str else value
+        if not _reaches_the_script(trial):
+            continue
+        reached.add(site.key)
+        with pytest.raises(ConfigError) as e:
+            validate(trial)
+        assert e.value.key.removesuffix(".0") == site.key and len(str(e.value).splitlines()) == 1, e.value
+    assert {"name", "output_dir", "cluster.partition", "cluster.python"} <= reached  # the walk found them
+
+
+def test_a_plan_holding_a_control_character_never_renders(tmp_path):
+    """The renderer refuses on its own what validation refuses (a plan built from a recorded
+    config that was never validated, a caller that skipped it): the name with a newline that
+    once rendered `touch /tmp/x` as a line of the extra inference job's script."""
+    from prime_hpc.config.compose import compose
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.launcher.plan import inference_job_plan, make_plan
+    from prime_hpc.launcher.render import render_inference, render_local, render_sbatch
+
+    cfg = compose([*RL, "cluster=dev", f"output_dir={tmp_path}/run", f"cluster.cache_dir={tmp_path}/cache"])
+    assert "#!/bin/bash" in render_inference(inference_job_plan(cfg, 1, cores=[0, 1]))
+    for key, value in [
+        ("name", "x\ntouch /tmp/x #"),
+        ("cluster.partition", "p\r#SBATCH --uid=0"),
+        ("output_dir", f"{tmp_path}/r\x1b[2J"),
+    ]:
+        bad = cfg.copy()
+        OmegaConf.update(bad, key, value)
+        plan = make_plan(bad, cores=[0, 1])
+        for render, args in (
+            (render_inference, (inference_job_plan(bad, 1, cores=[0, 1]),)),
+            (render_sbatch, (plan,)),
+            (render_local, (plan, "local-1")),
+        ):
+            with pytest.raises(UserError, match="holds the control character") as e:
+                render(*args)
+            assert len(str(e.value).splitlines()) == 1
