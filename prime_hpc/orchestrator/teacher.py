@@ -20,7 +20,8 @@ kept for the run (opened on first use, closed by `aclose`). A request whose conn
 broke before its answer was whole (a teacher server that died mid-answer, a router
 restarting) is sent again after `RETRY_DELAYS_S` (~15 s in all, as the policy's client): the
 run's own teacher router then waits for the restarted server. A request that still fails, or
-that timed out or was answered with an error, raises.
+that timed out or was answered with an error or without the sequence's logprobs, raises
+(`UserError`: one line naming the teacher's URL).
 """
 
 from __future__ import annotations
@@ -139,10 +140,23 @@ class Teacher:
                 f"the teacher at {self.url} answered HTTP {resp.status_code} for a sequence of "
                 f"{len(r.input_ids)} tokens: {error_detail(resp)}"
             )
-        body = resp.json()
-        plp = body["choices"][0].get("prompt_logprobs") or body.get("prompt_logprobs")
-        r.teacher_logprobs = [0.0] + [float(entry[str(tok)]["logprob"]) for tok, entry in zip(r.input_ids[1:], plp[1:])]
+        r.teacher_logprobs = [0.0] + self.logprobs(resp, r.input_ids)
         r.token_advantages = opd_token_advantages(r)
+
+    def logprobs(self, resp: Any, ids: list[int]) -> list[float]:
+        """The teacher's log-probability of each token of `ids` after the first, from its
+        answer's `prompt_logprobs` (vLLM's: one `{token id: {"logprob": x}}` per token). An
+        answer without them for exactly these tokens (a server that does not give them, not
+        JSON) raises in one line naming the teacher."""
+        try:
+            body = resp.json()
+            plp = body["choices"][0].get("prompt_logprobs") or body.get("prompt_logprobs")
+            return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(ids[1:], plp[1:], strict=True)]
+        except (ValueError, LookupError, TypeError, AttributeError) as e:
+            raise UserError(
+                f"the teacher at {self.url} answered without the logprobs of a sequence of {len(ids)} tokens "
+                f"(vLLM's prompt_logprobs; {type(e).__name__}: {e}): {resp.text[:200]}"
+            ) from None
 
     async def aclose(self) -> None:
         if self._http is not None:
