@@ -4,10 +4,11 @@ inference jobs (`prime-hpc scale`) under its run, and a sweep's points under the
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
-from prime_hpc.core.text import columns
+from prime_hpc.core.text import columns, printable
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -23,7 +24,8 @@ def run(a: argparse.Namespace) -> int:
     if not refs:
         print("no jobs submitted yet (prime-hpc submit ...)")
         return 0
-    records = {r.output_dir: jobs.read_job(r.run) for r in refs}
+    records = readable_records(refs)
+    refs = [r for r in refs if r.output_dir in records]
     live, note = live_states(refs, records)
     rows = [("JOB", "NAME", "STATE", "KIND", "SUBMITTED", "OUTPUT DIR")]
     shown: set = set()
@@ -48,8 +50,24 @@ def run(a: argparse.Namespace) -> int:
     if note:
         print(note)
     for line in columns(rows):
-        print(line)
+        print(printable(line))  # names and states come from files: no control sequence reaches the terminal
     return 0
+
+
+def readable_records(refs: list) -> dict[str, dict]:
+    """{output dir: job.json} of the jobs `refs` name; a job.json that is no job record is
+    left out, named in one line on stderr (the other jobs are still listed)."""
+    from prime_hpc.rundir import jobs
+
+    records: dict[str, dict] = {}
+    for r in refs:
+        if r.output_dir in records:
+            continue
+        try:
+            records[r.output_dir] = jobs.read_job(r.run)
+        except jobs.BadJobFile as e:
+            print(f"prime-hpc list: skipped job {r.job_id}: {e}", file=sys.stderr)
+    return records
 
 
 def _row(r: Any, job: dict, live: dict, indent: str, swept: str) -> tuple:
@@ -72,7 +90,7 @@ def _extra_rows(r: Any, job: dict, indent: str) -> list[tuple]:
     for x in job["extra_jobs"]:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(x.get("submitted_at") or 0))
         kind = f"inference/{x.get('backend', r.backend)}/extra"
-        rows.append((indent + str(x["job_id"]), f"{r.name} +{x['nodes']}", state_of(x, live), kind, when, ""))
+        rows.append((indent + str(x.get("job_id")), f"{r.name} +{x.get('nodes')}", state_of(x, live), kind, when, ""))
     return rows
 
 

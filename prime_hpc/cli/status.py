@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from prime_hpc.core.text import ago, columns
+from prime_hpc.core.text import ago, columns, printable
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -255,7 +255,7 @@ def run(a: argparse.Namespace) -> int:
             if a.watch:
                 sys.stdout.write("\x1b[H\x1b[2J")  # clear the terminal
                 lines = [time.strftime("%H:%M:%S") + f"  (every {a.watch:g}s, Ctrl-C to stop)"] + lines
-            print("\n".join(lines), flush=True)
+            print("\n".join(printable(line) for line in lines), flush=True)  # what runs wrote, escaped
         if not a.watch:
             return 0
         try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from prime_hpc.core.errors import JobNotFound
+from prime_hpc.core.errors import JobNotFound, UserError
 from prime_hpc.rundir import COMPONENTS, RunDir, atomic_write_json, read_json
 
 # job.json "state" values (SLURM's vocabulary where it has one)
@@ -75,10 +75,62 @@ def on_node(record: dict) -> str:
     return f" on node {record['node']}" + (f" ({record['host']})" if record.get("host") else "")
 
 
+class BadJobFile(UserError):
+    """A job.json that is no job record: cut short, not a JSON object, or a field of another
+    type than prime-hpc writes (`JOB_FIELDS`), or a file that cannot be read."""
+
+
+# The types of the fields that readers use (None is allowed for each: a field not set)
+JOB_FIELDS: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("name", "state", "backend", "kind", "mode", "output_dir", "git_sha", "pid_start"), (str,)),
+    **dict.fromkeys(("job_ids", "attempts", "extra_jobs", "groups", "overrides", "runs"), (list,)),
+    **dict.fromkeys(("pipeline", "sweep", "failure", "cluster"), (dict,)),
+    **dict.fromkeys(("submitted_at", "updated_at", "ended_at", "cancelled_at"), (int, float)),
+    **dict.fromkeys(("pid", "attempt", "requeues", "fleet_nodes"), (int,)),
+}
+
+
+def job_shape_error(job: Any) -> Optional[str]:
+    """What makes `job` (parsed JSON) no job record, or None: it is an object, every field of
+    `JOB_FIELDS` it has is of its type or null, every attempt and extra job is an object, and
+    every extra job has its id."""
+    if not isinstance(job, dict):
+        return f"it holds {type(job).__name__}, not an object"
+    for key, types in JOB_FIELDS.items():
+        value = job.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            return f"its {key!r} is {type(value).__name__}, not {' or '.join(t.__name__ for t in types)}"
+    for key in ("attempts", "extra_jobs"):
+        if not all(isinstance(x, dict) for x in job.get(key) or []):
+            return f"an entry of its {key!r} is not an object"
+    if not all("job_id" in x for x in job.get("extra_jobs") or []):
+        return "an entry of its 'extra_jobs' has no 'job_id'"
+    return None
+
+
 def read_job(run: RunDir) -> dict[str, Any]:
+    """The run's job.json ({} when it has none): the one reader of it. A file that is no job
+    record (`job_shape_error`), or that cannot be read, raises `BadJobFile` naming it."""
+    path = run.job_json
     try:
-        return read_json(run.job_json)
+        job = read_json(path)
     except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # ValueError: cut short, not JSON, not UTF-8
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise BadJobFile(f"{path}: cannot be read as a job record ({why}); restore it or remove the run") from None
+    problem = job_shape_error(job)
+    if problem:
+        raise BadJobFile(f"{path}: not a job record prime-hpc wrote ({problem}); restore it or remove the run")
+    return job
+
+
+def readable_job(run: RunDir) -> dict[str, Any]:
+    """`read_job`, with {} for a job.json that is no job record (a scan over many runs, which
+    one bad file must not stop)."""
+    try:
+        return read_job(run)
+    except BadJobFile:
         return {}
 
 
@@ -217,7 +269,7 @@ def resolve(name: str) -> JobRef:
         if ref.name == name:
             return ref
     for ref in refs:  # a job id of an earlier attempt (resume/requeue) recorded in job.json
-        if name in [str(i) for i in read_job(ref.run).get("job_ids", [])]:
+        if name in [str(i) for i in readable_job(ref.run).get("job_ids") or []]:
             return ref
     hint = f"; known: {', '.join(r.job_id + ' (' + r.name + ')' for r in refs[:5])}" if refs else ""
     raise JobNotFound(f"no job {name!r} (give a SLURM job id, a run name or an output dir){hint}")

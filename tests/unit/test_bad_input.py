@@ -278,3 +278,45 @@ def test_a_plan_holding_a_control_character_never_renders(tmp_path):
             with pytest.raises(UserError, match="holds the control character") as e:
                 render(*args)
             assert len(str(e.value).splitlines()) == 1
+
+
+def _indexed_runs(tmp_path, monkeypatch, n: int) -> list:
+    """`n` ended local runs in the user's index (newest last), each with its job.json."""
+    import time
+
+    from prime_hpc.rundir import RunDir, jobs
+
+    monkeypatch.setenv("PRIME_HPC_STATE_DIR", str(tmp_path / "state"))
+    runs = []
+    for i in range(n):
+        run = RunDir(tmp_path / f"run{i}")
+        run.root.mkdir()
+        jobs.update_job(run, name=f"run{i}", state="COMPLETED", backend="local", job_ids=[f"local-{i}"])
+        jobs.record(jobs.JobRef(f"local-{i}", f"run{i}", str(run.root), "local", time.time()))
+        runs.append(run)
+    return runs
+
+
+def test_list_skips_a_job_json_that_is_no_job_record_naming_it_and_lists_the_others(tmp_path, monkeypatch, capsys):
+    runs = _indexed_runs(tmp_path, monkeypatch, 3)
+    runs[1].job_json.write_text('{"name": "run1", "state": "COMPL')  # cut short
+    assert main(["list"]) == 0
+    out, err = capsys.readouterr()
+    assert "local-0" in out and "local-2" in out and "local-1" not in out, out
+    assert err.strip().splitlines() == [err.strip()] and str(runs[1].job_json) in err and "local-1" in err, err
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("content", ['["RUNNING"]', '{"attempts": 3}', '{"state": "RUN'])
+@pytest.mark.parametrize("command", [["status"], ["tail", "--no-follow"], ["cancel"], ["resume"], ["scale"]])
+def test_commands_on_a_job_json_that_is_no_job_record_name_it_in_one_line(
+    command, content, tmp_path, monkeypatch, capsys
+):
+    (run,) = _indexed_runs(tmp_path, monkeypatch, 1)
+    run.job_json.write_text(content)
+    extra = ["inference=+1"] if command == ["scale"] else []
+    for job in (str(run.root), "local-0", "run0", None):  # its directory, its id, its name; status: the newest
+        if job is None and command != ["status"]:
+            continue
+        line = _reject([command[0], *([job] if job else []), *command[1:], *extra], capsys)
+        assert str(run.job_json) in line, line

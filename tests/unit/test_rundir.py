@@ -206,3 +206,44 @@ def test_fresh_rules(tmp_path):
     assert run.is_fresh()  # a dry run leaves only launch files
     run.job_json.write_text("{}")
     assert not run.is_fresh()
+
+
+# ----------------------------------------------------------------------------- job.json
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"name": "r", "state": "RUNN', "cannot be read as a job record (JSONDecodeError"),  # cut short
+        ("", "cannot be read as a job record (JSONDecodeError"),
+        (b"\xff\xfe{}", "cannot be read as a job record (UnicodeDecodeError"),
+        ('["RUNNING"]', "it holds list, not an object"),
+        ('"RUNNING"', "it holds str, not an object"),
+        ('{"attempts": {"0": {}}}', "its 'attempts' is dict, not list"),
+        ('{"attempts": [3]}', "an entry of its 'attempts' is not an object"),
+        ('{"extra_jobs": [{"nodes": 1}]}', "an entry of its 'extra_jobs' has no 'job_id'"),
+        ('{"pipeline": ["x"]}', "its 'pipeline' is list, not dict"),
+        ('{"pid": "123"}', "its 'pid' is str, not int"),
+        ('{"submitted_at": true}', "its 'submitted_at' is bool, not int or float"),
+    ],
+)
+def test_a_job_json_that_is_no_job_record_is_refused_in_one_line_naming_it(tmp_path, text, why):
+    from prime_hpc.rundir import jobs
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    (run.job_json.write_bytes if isinstance(text, bytes) else run.job_json.write_text)(text)
+    with pytest.raises(jobs.BadJobFile) as e:
+        jobs.read_job(run)
+    assert str(e.value).startswith(f"{run.job_json}: ") and why in str(e.value), e.value
+    assert len(str(e.value).splitlines()) == 1
+    assert jobs.readable_job(run) == {}  # a scan over many runs goes on past it
+
+
+def test_a_job_json_as_prime_hpc_writes_it_reads_back(tmp_path):
+    from prime_hpc.rundir import jobs
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    assert jobs.read_job(run) == {}  # none yet
+    jobs.update_job(run, name="r", state="RUNNING", job_ids=["1"], pipeline=None, pid=12, pid_start="99")
+    jobs.add_extra_job(run, {"job_id": "2", "nodes": 1})
+    assert jobs.read_job(run)["extra_jobs"] == [{"job_id": "2", "nodes": 1}]
