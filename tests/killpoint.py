@@ -2,14 +2,18 @@
 instant it is about to create, rename or delete a given file, in whichever thread does it.
 
     python -m tests.killpoint EVENT REGEX N -m MODULE [ARGS...]
+    python -m tests.killpoint EVENT REGEX N -c CODE [ARGS...]
 
 EVENT is `write` (a file opened for writing or created), `rename` (`os.rename`/`os.replace`,
 matched on the destination) or `remove` (`os.unlink`/`os.remove`, also those `shutil.rmtree`
 makes). At the Nth such operation whose absolute path matches REGEX (`re.search`), the
 process prints one line to stderr (`killpoint: SIGKILL before <event> <path> in thread
-<name>`) and sends itself SIGKILL: the kernel ends every thread at once, before that
-operation happens, as `kill -9` from outside would at that instant. The hook is Python's
-audit hook (PEP 578): the program itself is not changed, only watched.
+<name>`; for a rename, `before rename <path> from <source> (<n> bytes) in thread <name>`:
+the file about to be renamed into place, and its size at that instant, which shows the kill
+landed inside an atomic write, its data written and not yet in place) and sends itself
+SIGKILL: the kernel ends every thread at once, before that operation happens, as `kill -9`
+from outside would at that instant. The hook is Python's audit hook (PEP 578): the program
+itself is not changed, only watched.
 """
 
 from __future__ import annotations
@@ -50,6 +54,17 @@ def _target(event: str, args: tuple) -> tuple[str, str | None] | None:
     return None
 
 
+def _source(event: str, args: tuple) -> str:
+    """For a rename: ` from <source> (<n> bytes)`, the file about to be renamed as it is now."""
+    if event != "os.rename":
+        return ""
+    src = _path(args[0], args[2])
+    try:
+        return f" from {src} ({os.stat(src).st_size} bytes)" if src else ""
+    except OSError as e:
+        return f" from {src} ({e.strerror})"
+
+
 def install(kind: str, pattern: str, nth: int) -> None:
     regex = re.compile(pattern)
     seen = [0]
@@ -60,21 +75,24 @@ def install(kind: str, pattern: str, nth: int) -> None:
             return
         seen[0] += 1
         if seen[0] == nth:
-            os.write(
-                2, f"killpoint: SIGKILL before {kind} {hit[1]} in thread {threading.current_thread().name}\n".encode()
-            )
+            where = f"{kind} {hit[1]}{_source(event, args)} in thread {threading.current_thread().name}"
+            os.write(2, f"killpoint: SIGKILL before {where}\n".encode())
             os.kill(os.getpid(), signal.SIGKILL)
 
     sys.addaudithook(hook)
 
 
 def main() -> None:
-    kind, pattern, nth, flag, module, *args = sys.argv[1:]
-    if kind not in ("write", "rename", "remove") or flag != "-m":
+    kind, pattern, nth, flag, what, *args = sys.argv[1:]
+    if kind not in ("write", "rename", "remove") or flag not in ("-m", "-c"):
         raise SystemExit(__doc__)
     install(kind, pattern, int(nth))
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    if flag == "-c":
+        sys.argv = ["-c", *args]
+        exec(compile(what, "<string>", "exec"), {"__name__": "__main__"})
+        return
+    sys.argv = [what, *args]
+    runpy.run_module(what, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

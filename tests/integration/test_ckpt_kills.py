@@ -5,7 +5,8 @@ kill the test first checks that the kill left what it meant to (a torn, unmarked
 checkpoint), then resumes as `prime-hpc resume` does: the step picked is the previous
 complete one, it loads, and training continues from it. A checkpoint the disk has no room
 for (a real ENOSPC, on a small tmpfs) fails the trainer in one line and keeps the earlier
-ones."""
+ones. The orchestrator's part is killed the same way, inside the write of its state, of its
+marker and inside rotation's deletion; each kill is checked to have landed there."""
 
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from prime_hpc.job.attempt import resume_point
-from prime_hpc.rundir import STABLE, RunDir
+from prime_hpc.rundir import STABLE, TMP_PREFIX, RunDir
 from tests.trainer_support import child_env, explain, run_trainer, trainer_yaml
 
 SFT = "prime_hpc.trainer.sft"
@@ -175,7 +175,6 @@ def test_a_checkpoint_directory_that_cannot_be_made_fails_in_one_line_and_keeps_
     assert os.path.isfile(run.checkpoint_step(2))
 
 
-KILLS = 4
 ORCHESTRATOR_SAVES = r"""
 import sys
 from prime_hpc.config.component import component_config
@@ -184,41 +183,80 @@ from prime_hpc.orchestrator.loop import Orchestrator
 
 cfg = compose(["+experiment=reverse_text", f"output_dir={sys.argv[1]}", "ckpt.keep_last=2"])
 orch = Orchestrator(component_config(cfg, "orchestrator"))
-step = int(sys.argv[2])
-print("saving", flush=True)
-while True:
+for step in range(int(sys.argv[2]), int(sys.argv[3])):
     orch.snapshots[step] = {"step": step, "policy": step, "totals": {"tokens": step}, "sampler": {"pad": "x" * 200000}}
     orch.save_checkpoint(step)
-    step += 1
 """
+PAD = 200000  # the size of a saved state is a little more
+
+
+def _orchestrator_saves(run: RunDir, first: int, end: int, kill: tuple[str, int, str] | None = None) -> str:
+    """The orchestrator saves its part of steps first..end-1 (rotation keeps 2), SIGKILLed
+    (`tests/killpoint.py`) before its first `kind` operation on `checkpoints/step_<step>/
+    orchestrator/<name>` when `kill` = (kind, step, name) is given; returns the killpoint's line."""
+    code = [sys.executable, "-c", ORCHESTRATOR_SAVES, str(run.root), str(first), str(end)]
+    if kill is not None:
+        kind, step, name = kill
+        pattern = re.escape(f"{run.checkpoint_part(step, 'orchestrator')}/{name}") + "$"
+        code = [sys.executable, "-m", "tests.killpoint", kind, pattern, "1", *code[1:]]
+    proc = subprocess.run(code, capture_output=True, text=True, timeout=300, env=child_env())
+    if kill is None:
+        assert proc.returncode == 0, explain(proc)
+        return ""
+    assert proc.returncode == -signal.SIGKILL, explain(proc)
+    return next(line for line in proc.stderr.splitlines() if line.startswith("killpoint: "))
+
+
+def _orchestrator_parts(run: RunDir, step: int) -> dict[str, int]:
+    d = run.checkpoint_part(step, "orchestrator")
+    return {p.name: p.stat().st_size for p in d.iterdir()}
+
+
+def _assert_loadable(run: RunDir, complete: list[int]) -> None:
+    """The complete parts are `complete`, and each is whole: what resume could pick loads."""
+    assert run.complete_checkpoint_steps(("orchestrator",)) == complete
+    for step in complete:
+        state = json.loads((run.checkpoint_part(step, "orchestrator") / "state.json").read_text())
+        assert state["step"] == step and len(state["sampler"]["pad"]) == PAD
+
+
+def _killed_inside_a_write(where: str, run: RunDir, step: int, name: str) -> None:
+    """The kill landed inside the atomic write of `name`: its data whole in a temporary file
+    of the same directory (the killpoint saw it there, and it is still there), not yet in
+    place under its name."""
+    part = run.checkpoint_part(step, "orchestrator")
+    m = re.fullmatch(
+        rf"killpoint: SIGKILL before rename {re.escape(f'{part}/{name}')} from (\S+) \((\d+) bytes\) .*", where
+    )
+    assert m, where
+    tmp, size = Path(m[1]), int(m[2])
+    assert tmp.parent == part and tmp.name.startswith(f"{TMP_PREFIX}{name}."), where
+    files = _orchestrator_parts(run, step)
+    assert files.get(tmp.name) == size > 0 and name not in files and STABLE not in files, files
 
 
 def test_an_orchestrator_killed_while_saving_its_state_leaves_only_loadable_parts(tmp_path):
-    import random
-    import sys
-
+    """SIGKILL at three moments of the orchestrator's save, each checked to have landed
+    inside it: its state's file written and not in place, the state in place and its marker
+    not, and rotation's deletion of an old part halfway. No moment leaves a part that looks
+    complete and does not load, and the next saves' rotation removes what the kills left."""
     run = RunDir(tmp_path / "run")
-    rng = random.Random(3)
-    first = 1
-    for _ in range(KILLS):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", ORCHESTRATOR_SAVES, str(run.root), str(first)],
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert proc.stdout.readline().strip() == "saving", proc.stderr.read()
-            time.sleep(rng.uniform(0.05, 0.5))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        complete = run.complete_checkpoint_steps(("orchestrator",))
-        assert complete, "no complete orchestrator state after the kill"
-        for step in complete:  # every part resume could pick is whole
-            state = json.loads((run.checkpoint_part(step, "orchestrator") / "state.json").read_text())
-            assert state["step"] == step and len(state["sampler"]["pad"]) == 200000
-        first = max(run.checkpoint_steps("orchestrator")) + 1
+    # 1. step 3's state.json whole in its temporary file, not renamed into place
+    where = _orchestrator_saves(run, 1, 99, ("rename", 3, "state.json"))
+    _killed_inside_a_write(where, run, 3, "state.json")
+    assert int(re.search(r"\((\d+) bytes\)", where)[1]) > PAD  # the state's data, all of it
+    _assert_loadable(run, [1, 2])
+    # 2. step 4's state.json in place, its marker written to its temporary file, not in place
+    where = _orchestrator_saves(run, 4, 99, ("rename", 4, STABLE))
+    _killed_inside_a_write(where, run, 4, STABLE)
+    assert _orchestrator_parts(run, 4)["state.json"] > PAD
+    _assert_loadable(run, [1, 2])
+    # 3. step 5 saved; rotation (keep 2) deletes step 1 first: its marker gone, its state not yet
+    where = _orchestrator_saves(run, 5, 99, ("remove", 1, "state.json"))
+    assert where.startswith(f"killpoint: SIGKILL before remove {run.checkpoint_part(1, 'orchestrator')}/state.json")
+    assert set(_orchestrator_parts(run, 1)) == {"state.json"}
+    _assert_loadable(run, [2, 5])
+    # 4. the next saves: every part the kills left (1, 3, 4) and the rotated ones are gone
+    _orchestrator_saves(run, 6, 8)
+    _assert_loadable(run, [6, 7])
+    assert run.checkpoint_steps("orchestrator") == [6, 7]
