@@ -11,8 +11,8 @@ lost        --component C --rc N: a server (its slot, inference_<n> or teacher_<
             (the run goes on without it while other servers are left)
 hung        --request FILE: the watchdog found a server hung (control/restart_<slot>.json):
             record why, print "<slot> <SLURM step>" for the supervisor to kill it
-node-lost   exit 0 when a node of the job is down (SLURM): a component that died with
-            it ends the attempt, which is requeued
+node-lost   exit 0 when a node of the job is down (SLURM; recorded in the attempt, named by
+            its end): a component that died with it ends the attempt, which is requeued
 checkpoint  --reason R: ask the trainer and the orchestrator to checkpoint and exit
 requeue     --reason R: record the attempt as ended by R and put the job back in the queue
             (SLURM), unless cluster.max_requeues is reached (then exit 1)
@@ -62,6 +62,7 @@ from prime_hpc.sched import local
 from prime_hpc.sched.registry import of
 
 STOP_REASONS = ("TIMEOUT", "PREEMPTED", "REQUEUED")  # why a job checkpoints and continues later
+NODE_FAIL = "NODE_FAIL"  # an attempt ended by a component that died with its node (or by its job script's)
 
 
 # ----------------------------------------------------------------------------- start
@@ -162,13 +163,13 @@ def unrecorded_requeue(run: RunDir, job_id: str) -> dict:
     with editing_job(run) as job:
         if not unended(job):
             return dict(job)
-        _end_attempt(job, job_id, "NODE_FAIL", "the attempt ended without its job script (its node failed?)")
+        _end_attempt(job, job_id, NODE_FAIL, "the attempt ended without its job script (its node failed?)")
         done = int(job.get("requeues", 0))
         if done >= limit:
             job["failure"] = {
                 "component": None,
                 "rc": 0,
-                "reason": f"NODE_FAIL by SLURM: not continued (cluster.max_requeues={limit} reached); "
+                "reason": f"{NODE_FAIL} by SLURM: not continued (cluster.max_requeues={limit} reached); "
                 f"continue with: prime-hpc resume {run.root}",
                 "log": str(of(job).batch_log(run, job_id)),
                 "max_requeues": limit,
@@ -431,6 +432,31 @@ def _end_attempt(job: dict, job_id: str, how: str, reason: str = "") -> None:
     last.update(ended_at=time.time(), end=how, reason=reason or None)
 
 
+# ----------------------------------------------------------------------------- a lost node
+def node_lost(run: RunDir, job_id: str) -> Optional[str]:
+    """A component of the job exited with an error: is a node of the job down (the
+    scheduler's `down_nodes`: down, drained, failing, not responding)? If so, the nodes go
+    into the attempt (`down_nodes`), for its end (`requeue` NODE_FAIL) to name them, and
+    the line saying so is returned; None when every node is up (the component failed on
+    its own)."""
+    down = of(read_job(run)).down_nodes(job_id)
+    if not down:
+        return None
+    with editing_job(run) as job:
+        last = (job.get("attempts") or [{}])[-1]
+        if str(last.get("job_id")) == str(job_id) and not last.get("ended_at"):
+            last["down_nodes"] = down
+    return f"prime-hpc: node(s) of the job down: {', '.join(down)}"
+
+
+def end_reason(job: dict, job_id: str, how: str) -> str:
+    """What the end of this job's open attempt records beside `how`: for NODE_FAIL, the
+    nodes that were down (`node_lost`)."""
+    last = (job.get("attempts") or [{}])[-1]
+    down = last.get("down_nodes") if str(last.get("job_id")) == str(job_id) and not last.get("ended_at") else None
+    return f"node(s) of the job down: {', '.join(down)}" if how == NODE_FAIL and down else ""
+
+
 # ----------------------------------------------------------------------------- stop and requeue
 def request_checkpoint(run: RunDir, reason: str) -> None:
     atomic_write_json(run.checkpoint_request, {"reason": reason, "requested_at": time.time()})
@@ -470,13 +496,15 @@ def requeue(run: RunDir, job_id: str, reason: str) -> tuple[str, bool]:
         if job.get("state") == CANCELLED:  # cancelled while it checkpointed: a cancel stays a cancel
             _end_attempt(job, job_id, CANCELLED, "cancelled")
             return "prime-hpc: run cancelled; not requeued", False
-        _end_attempt(job, job_id, reason)
+        nodes = end_reason(job, job_id, reason)
+        _end_attempt(job, job_id, reason, nodes)
         done = int(job.get("requeues", 0))
         if done >= limit or not backend.requeues:
             why = (
                 f"cluster.max_requeues={limit} reached" if backend.requeues else f"{backend.name} runs are not requeued"
             )
             what = f"{reason} by SLURM: not continued" if reason == REQUEUED else f"{reason}: not requeued"
+            what = f"{what} ({nodes})" if nodes else what
             what += f" ({why})"
             job["state"] = FAILED if reason == REQUEUED else reason
             job["failure"] = {
@@ -606,10 +634,10 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "hung":
             print(hung(run, Path(a.request)))
         elif a.cmd == "node-lost":
-            down = of(read_job(run)).down_nodes(a.job_id)
-            if down:
-                print(f"prime-hpc: node(s) of the job down: {', '.join(down)}", file=sys.stderr)
-            return 0 if down else 1
+            line = node_lost(run, a.job_id)
+            if line:
+                print(line, file=sys.stderr)
+            return 0 if line else 1
         elif a.cmd == "checkpoint":
             request_checkpoint(run, a.reason)
         elif a.cmd == "requeue":

@@ -162,6 +162,7 @@ def stop_cause(info: dict[str, str], restart_count: int) -> str:
 
 
 DOWN_STATES = ("down", "drain", "fail", "maint", "power", "unk")  # sinfo %T prefixes of a node lost to the job
+LOST_FLAGS = ("drain", "fail", "not_responding")  # flags of the `+`-joined form that say the same
 
 
 def job_nodes(job_id: str) -> list[str]:
@@ -184,9 +185,20 @@ def job_nodes(job_id: str) -> list[str]:
 
 def node_failed(sinfo_state: str) -> bool:
     """A node's `sinfo -o %T` state says it is lost to its jobs: down, drained or failing
-    (also "draining"/"drained"), or not responding (a trailing `*`)."""
+    (also "draining"/"drained"), or not responding (a trailing `*`); also in the `+`-joined
+    form of `scontrol show node` and `sinfo -O StateComplete` (`MIXED+DRAIN`,
+    `IDLE+NOT_RESPONDING`). A node that only works (`allocated`, `mixed`, `completing`), or
+    is powering up or rebooting for the job (`allocated#`, `mixed@`), is not."""
     state = sinfo_state.strip().lower()
-    return state.endswith("*") or state.startswith(DOWN_STATES)
+    base, *flags = state.split("+")
+    return state.endswith("*") or base.startswith(DOWN_STATES) or any(f.startswith(LOST_FLAGS) for f in flags)
+
+
+def failed_nodes(sinfo_out: str) -> dict[str, str]:
+    """{node: state} of the nodes `node_failed` says are lost, from `sinfo -h -N -o "%N %T"`
+    (a node listed once per partition; a line that is not `<node> <state>` is skipped)."""
+    rows = [line.split() for line in sinfo_out.splitlines()]
+    return {row[0]: row[1] for row in rows if len(row) == 2 and node_failed(row[1])}
 
 
 def job_fields(job_id: str) -> dict[str, str]:
@@ -330,8 +342,7 @@ class Slurm(Backend):
             ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return []
-        rows = [line.split() for line in out.splitlines() if len(line.split()) == 2]
-        return sorted({n for n, state in rows if node_failed(state)})
+        return sorted(failed_nodes(out))
 
     def stop_cause(self, run: RunDir, job_id: str) -> str:
         """SLURM's answer (`stop_cause` of `scontrol show job`), against this attempt's
