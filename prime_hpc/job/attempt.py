@@ -19,7 +19,9 @@ requeue     --reason R: record the attempt as ended by R and put the job back in
 cause       [--checkpoint] print why the job is being stopped: CANCELLED, TIMEOUT, PREEMPTED
             or REQUEUED; with --checkpoint, for the last three also ask for the checkpoint
 wait-for    DIR: (local pipelines) wait until the run in DIR completed; fail otherwise
-rendezvous  print <address>:<port> of this node with a port free there (torchrun c10d)
+rendezvous  make the run's private rendezvous/ (0700) ready for this attempt's file stores
+            (torchrun's rendezvous, the trainer's process group): emptied; print it. A
+            directory or store there that is not the user's alone fails in one line
 """
 
 from __future__ import annotations
@@ -582,12 +584,21 @@ def wait_for(run: RunDir, job_id: str, before: RunDir, poll_s: float = 2.0, any_
 
 
 # ----------------------------------------------------------------------------- rendezvous
-def rendezvous() -> str:
-    """This node's address (the run's) and a port that is free there right now."""
-    from prime_hpc.core.net import free_port, node_address
+def rendezvous(run: RunDir) -> str:
+    """The run's private rendezvous directory, emptied for this attempt: torchrun's agents
+    and the trainer's ranks meet in file stores there (on every node, through the shared
+    filesystem), never in a TCP store that whoever holds or reaches its port would serve."""
+    from prime_hpc.rundir import private
 
-    host = node_address()
-    return f"{host}:{free_port(host)}"
+    try:
+        return str(private.ensure(run.rendezvous_dir, empty=True))
+    except private.Untrusted as e:
+        raise UserError(
+            f"the trainer's rendezvous: {e}; its processes meet only in a directory of yours that nobody else "
+            f"can enter: remove it"
+        ) from None
+    except OSError as e:
+        raise UserError(f"the trainer's rendezvous: cannot make {run.rendezvous_dir}: {e.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -618,12 +629,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", action="store_true", help="cause: ask for the checkpoint when the job stops")
     p.add_argument("--request", help="hung: the watchdog's restart request")
     a = p.parse_intermixed_args(argv)
-    if a.cmd == "rendezvous":
-        print(rendezvous())
-        return 0
     run = RunDir(a.output_dir)
     try:
-        if a.cmd == "start":
+        if a.cmd == "rendezvous":
+            print(rendezvous(run))
+        elif a.cmd == "start":
             print(start(run, a.job_id))
         elif a.cmd == "end":
             print(end(run, a.job_id, a.rc, a.component, a.reason, a.state), file=sys.stderr)

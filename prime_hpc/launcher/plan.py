@@ -3,7 +3,7 @@ environment. A pure function of the config, so tests can pin it and the template
 free of logic.
 
 Het group 0 = orchestrator (head node, + the router), 1 = inference servers (one per
-node, each restartable in its slot), 2 = trainer (torchrun, c10d rendezvous on the first trainer node),
+node, each restartable in its slot), 2 = trainer (torchrun, meeting in file stores of the run's private `rendezvous/`),
 3 = the teacher's servers when the run starts its own (`orchestrator.teacher.model`; their
 router on the head node too).
 """
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from prime_hpc.config.cluster import cache_root, own_teacher, trainer_nproc_per_node
 from prime_hpc.core import jobenv
 from prime_hpc.core.device import CPUS_VAR, core_count, visible_devices_env
-from prime_hpc.core.net import address_env, is_loopback
+from prime_hpc.core.net import address_env
 from prime_hpc.rundir import COMPONENTS, GROUPS, RunDir
 from prime_hpc.rundir.layout import SERVER_GROUPS
 from prime_hpc.sched.registry import choose
@@ -117,12 +117,6 @@ class Plan:
     @property
     def group_names(self) -> list[str]:
         return [g.name for g in self.groups]
-
-    @property
-    def one_host(self) -> bool:
-        """Every "node" is this machine (`cluster.address` is a loopback address): nothing
-        of the job may listen beyond loopback, so the trainer's ranks meet in files."""
-        return bool(self.address) and is_loopback(str(self.address))
 
     @property
     def het(self) -> bool:

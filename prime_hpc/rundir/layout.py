@@ -269,17 +269,26 @@ class RunDir:
         return self.control_dir / f"failure_{component}.json"
 
     @property
+    def rendezvous_dir(self) -> Path:
+        """`rendezvous/` (0700, the user's alone): the file stores where a run's processes
+        meet, which nobody else may read, plant or swap (`job.attempt rendezvous` makes it
+        and empties it at the start of each attempt; `rundir.private`): the trainer's below,
+        and on one host each weight group's, `weights_<hex>.store`
+        (`inference.broadcast`)."""
+        return self.root / "rendezvous"
+
+    @property
     def trainer_rendezvous(self) -> Path:
-        """`control/trainer_rendezvous.store`: where torchrun's agents meet when every node is
-        this machine (a file store: nothing listens, unlike torch's TCP store, which binds
-        every interface); per attempt."""
-        return self.control_dir / "trainer_rendezvous.store"
+        """`rendezvous/trainer_rendezvous.store`: where torchrun's agents meet (a file store
+        on the shared filesystem: nothing listens, unlike torch's TCP store, which binds
+        every interface and lets whoever holds its port in); per attempt."""
+        return self.rendezvous_dir / "trainer_rendezvous.store"
 
     @property
     def trainer_process_group(self) -> Path:
-        """`control/trainer_process_group.store`: the trainer ranks' process-group store
-        when every node is this machine (see `trainer_rendezvous`); per attempt."""
-        return self.control_dir / "trainer_process_group.store"
+        """`rendezvous/trainer_process_group.store`: the trainer ranks' process-group store
+        (see `trainer_rendezvous`); per attempt."""
+        return self.rendezvous_dir / "trainer_process_group.store"
 
     @property
     def checkpoint_request(self) -> Path:

@@ -126,6 +126,13 @@ export PRIME_HPC_LOGS="$LOGS"
   exit 1
 }
 
+# The trainer's rendezvous and process group meet in files of this attempt, in the run's
+# rendezvous/ (0700; on every node through the shared filesystem): torch's TCP stores would
+# listen on every interface, for anyone, and a port taken meanwhile would be someone else's.
+WHY=$(attempt rendezvous 2>&1 >/dev/null) || { record 1 trainer "${WHY#prime-hpc: }"; echo "$WHY" >&2; exit 1; }
+RDZV=/shared/runs/reverse_text/rendezvous/trainer_rendezvous.store; RDZV_CONF=store_type=file
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PRIME_HPC_PG_STORE=/shared/runs/reverse_text/rendezvous/trainer_process_group.store
+
 # Each component in a session of its own, killed by the kernel if this script dies (kill -9 included)
 
 # inference: one server per (simulated) node, in slot inference_<n>; a server that dies (or
@@ -140,9 +147,6 @@ for n in $(seq 0 1); do start_inference "$n"; done
 PIDS[router]=$!; SERVICE[router]=1
 
 # trainer: torchrun on this machine
-# rendezvous and process group in files of this attempt (torch's TCP stores would listen on every interface)
-RDZV=/shared/runs/reverse_text/control/trainer_rendezvous.store; RDZV_CONF=store_type=file
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PRIME_HPC_PG_STORE=/shared/runs/reverse_text/control/trainer_process_group.store
 /opt/venv/bin/python -m prime_hpc.job.child $$ env OMP_NUM_THREADS=2 PRIME_HPC_CPUS=0,1 taskset -c 0,1 /opt/venv/bin/python -u -m torch.distributed.run --nnodes=1 --nproc-per-node=2 \
   --rdzv-backend=c10d --rdzv-endpoint="$RDZV" --rdzv-conf="$RDZV_CONF" --local-addr=127.0.0.1 --rdzv-id=local-7 \
   --log-dir="$LOGS/trainer/torchrun" --redirects=3 --tee=3 \

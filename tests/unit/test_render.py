@@ -115,9 +115,10 @@ def test_golden_script_is_a_three_group_het_job():
     assert re.findall(r"srun --het-group=(\d)", text) == ["1", "0", "2", "0"]
     assert "#SBATCH --no-kill\n" in text  # a failed inference node costs only its server
     assert '--relative="$1"' in text and '--job-name="inference_$1"' in text and "--open-mode=append" in text
-    # every "node" is this machine: the trainer's ranks meet in files (nothing listens beyond loopback)
-    assert "RDZV_CONF=store_type=file" in text and "PRIME_HPC_PG_STORE=/shared/runs/reverse_text/control/" in text
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "job.attempt rendezvous" not in text
+    # the trainer's ranks meet in files of the run's private rendezvous/, made ready before anything starts
+    assert "RDZV_CONF=store_type=file" in text and "PRIME_HPC_PG_STORE=/shared/runs/reverse_text/rendezvous/" in text
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "store_type=tcp" not in text
+    assert text.index("WHY=$(attempt rendezvous") < text.index("start_inference()")
     assert "--overlap" in text and "router_0.log" in text
     assert "--rdzv-backend=c10d" in text and "--redirects=3 --tee=3" in text
     assert '--log-dir="$LOGS/trainer/torchrun"' in text
@@ -133,12 +134,80 @@ def test_golden_script_is_a_three_group_het_job():
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
-def test_a_real_cluster_meets_over_tcp_on_the_first_trainer_nodes_address():
-    cfg = compose(["+experiment=reverse_text", "cluster=slurm", "output_dir=/shared/runs/rt"])
+def test_a_real_cluster_meets_in_files_of_the_runs_private_directory_not_at_a_port():
+    """Several nodes: torchrun's agents and the trainer's ranks meet in file stores of the
+    run's `rendezvous/` on the shared filesystem, as on one host: no TCP store at a port that
+    was free a moment before, which whoever took it meanwhile would serve."""
+    cfg = compose(
+        ["+experiment=reverse_text", "cluster=slurm", "output_dir=/shared/runs/rt", "cluster.trainer.nodes=2"]
+    )
     text = render_sbatch(make_plan(cfg, python="/opt/venv/bin/python"))
-    assert re.findall(r"srun --het-group=(\d)", text) == ["2", "1", "0", "2", "0"]  # the probe first
-    assert "job.attempt rendezvous" in text and "RDZV_CONF=store_type=tcp" in text
-    assert "PRIME_HPC_PG_STORE" not in text and "--local-addr" not in text
+    assert re.findall(r"srun --het-group=(\d)", text) == ["1", "0", "2", "0"]  # no probe of a free port
+    assert "--nnodes=2" in text and "store_type=tcp" not in text and "--local-addr" not in text
+    assert "RDZV=/shared/runs/rt/rendezvous/trainer_rendezvous.store; RDZV_CONF=store_type=file" in text
+    assert "PRIME_HPC_PG_STORE=/shared/runs/rt/rendezvous/trainer_process_group.store" in text
+    assert 'WHY=$(attempt rendezvous 2>&1 >/dev/null) || { record 1 trainer "${WHY#prime-hpc: }"' in text
+
+
+OTHER_UID = 65534  # nobody: "another user" (the tests run as root)
+
+
+def _rendezvous(run_dir, capsys) -> tuple[int, str, str]:
+    from prime_hpc.job import attempt
+
+    rc = attempt.main(["rendezvous", str(run_dir), "--job-id", "7"])
+    out, err = capsys.readouterr()
+    return rc, out.strip(), err.strip()
+
+
+def test_the_rendezvous_directory_is_the_users_alone_and_fresh_for_each_attempt(tmp_path, capsys):
+    """`attempt rendezvous` (the job script's line before anything starts) makes the run's
+    `rendezvous/` 0700 and empties it of an earlier attempt's stores; one of the user's
+    that others could read is narrowed to 0700."""
+    import os
+    import stat
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o750)
+    rc, out, err = _rendezvous(run, capsys)
+    d = run / "rendezvous"
+    assert (rc, out, err) == (0, str(d), "") and stat.S_IMODE(d.stat().st_mode) == 0o700
+    (d / "trainer_rendezvous.store").write_bytes(b"an earlier attempt's state")
+    (d / "weights_ab12.store").write_bytes(b"")
+    os.chmod(d, 0o755)
+    assert _rendezvous(run, capsys)[0] == 0
+    assert list(d.iterdir()) == [] and stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("planted", ["directory", "store", "link"])
+def test_a_rendezvous_directory_or_store_planted_by_another_user_is_refused_in_one_line(tmp_path, capsys, planted):
+    """Another user's `rendezvous/` (made before the run's, where the run's directory let
+    them), a store of theirs in it, or a link to a directory of theirs: the attempt meets
+    in none of them; one line names it, and nothing of it is removed."""
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o750)
+    d = run / "rendezvous"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    if planted == "directory":
+        d.mkdir(mode=0o777)
+        os.chown(d, OTHER_UID, OTHER_UID)
+        named, why = d, "belongs to nobody, not to you"
+    elif planted == "store":
+        d.mkdir(mode=0o700)
+        (d / "trainer_rendezvous.store").write_bytes(b"theirs")
+        os.chown(d / "trainer_rendezvous.store", OTHER_UID, OTHER_UID)
+        named, why = d / "trainer_rendezvous.store", "belongs to nobody, not to you"
+    else:
+        d.symlink_to(theirs)
+        named, why = d, "is a symbolic link"
+    rc, out, err = _rendezvous(run, capsys)
+    assert rc == 1 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"prime-hpc: the trainer's rendezvous: {named} {why};") and err.endswith("remove it"), err
+    assert os.path.lexists(named)
 
 
 def test_hostile_values_survive_quoting(tmp_path):
