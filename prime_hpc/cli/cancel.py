@@ -1,5 +1,6 @@
 """`prime-hpc cancel JOB`: a job (with its extra inference jobs), both jobs of a pipeline,
-or every point of a sweep."""
+or every point of a sweep; only runs of the user's own (`rundir.jobs.own_job`), every one
+checked before any is cancelled."""
 
 from __future__ import annotations
 
@@ -21,16 +22,21 @@ def run(a: argparse.Namespace) -> int:
     from prime_hpc.rundir import jobs
 
     if a.run:
-        return cancel_run(jobs.resolve(a.job), a.run)
+        ref = jobs.resolve(a.job)
+        jobs.own_job(ref.run, "cancel")
+        return cancel_run(ref, a.run)
     # a sweep's last points first: cancelling a point must not release the one that waits for it
-    for point in jobs.resolve_many(a.job)[::-1]:
-        for ref in state.pipeline_refs(point)[::-1]:  # the run first: its warm-up cannot start it any more
-            for x in state.cancel_all(ref.run):  # its extra inference jobs before the run itself
-                print(f"cancelled extra inference job {x['job_id']} ({x['nodes']} node(s)) of {ref.name}")
-            if state.cancel(ref):
-                print(f"cancelled job {ref.job_id} ({ref.name})")
-            else:
-                print(f"job {ref.job_id} ({ref.name}) already ended: {state.job_state(ref)}")
+    # (the run first in a pipeline: its warm-up cannot start it any more)
+    refs = [ref for point in jobs.resolve_many(a.job)[::-1] for ref in state.pipeline_refs(point)[::-1]]
+    for ref in refs:  # every one the user's own before any is cancelled
+        jobs.own_job(ref.run, "cancel")
+    for ref in refs:
+        for x in state.cancel_all(ref.run):  # its extra inference jobs before the run itself
+            print(f"cancelled extra inference job {x['job_id']} ({x['nodes']} node(s)) of {ref.name}")
+        if state.cancel(ref):
+            print(f"cancelled job {ref.job_id} ({ref.name})")
+        else:
+            print(f"job {ref.job_id} ({ref.name}) already ended: {state.job_state(ref)}")
     return 0
 
 

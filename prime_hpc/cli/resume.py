@@ -36,6 +36,7 @@ def run(a: argparse.Namespace) -> int:
     from prime_hpc.rundir import jobs
 
     ref = jobs.resolve(a.job)
+    jobs.own_job(ref.run, "resume")  # a job submitted from its config: only a run of the user's own
     if a.run:
         return _resume_run(a, ref)
     nodes = scale.parse_delta(a.scale) if a.scale else 0

@@ -29,6 +29,7 @@ def run(a: argparse.Namespace) -> int:
 
     delta = scale.parse_delta(a.change)
     ref = jobs.resolve(a.job)
+    jobs.own_job(ref.run, "scale")  # a job submitted from its config, or its jobs cancelled: only the user's own
     done = scale.scale(ref, delta, a.overrides)
     for x in done:
         if delta > 0:

@@ -98,8 +98,9 @@ def cancel_extra(run: RunDir, backend: str, record: dict[str, Any]) -> None:
 
 
 def cancel_all(run: RunDir) -> list[dict[str, Any]]:
-    """Cancel every live extra job of the run (with the run: `prime-hpc cancel`)."""
-    job = jobs.read_job(run)
+    """Cancel every live extra job of the run (with the run: `prime-hpc cancel`); only of a
+    run of the user's own (`jobs.own_job`: its job.json names the jobs cancelled)."""
+    job = jobs.own_job(run, "cancel")
     live = live_extras(run, job)
     for x in reversed(live):
         cancel_extra(run, job["backend"], x)
@@ -108,7 +109,8 @@ def cancel_all(run: RunDir) -> list[dict[str, Any]]:
 
 def cancel(ref: jobs.JobRef) -> bool:
     """Cancel every group of the job, and its extra inference jobs; job.json records who
-    ended it. False if the job had already ended."""
+    ended it. False if the job had already ended. Only a run of the user's own
+    (`jobs.own_job`): another's job.json could name any pid or job id."""
     cancel_all(ref.run)  # the run's extra inference jobs (prime-hpc scale) first: they serve it
     backend = choose(ref.backend)
     if backend.state(ref.run, ref.job_id) in jobs.FINAL_STATES:

@@ -7,6 +7,7 @@ name or output dir. Light imports only: this backs `status` and `list`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -108,21 +109,66 @@ def job_shape_error(job: Any) -> Optional[str]:
     return None
 
 
-def read_job(run: RunDir) -> dict[str, Any]:
-    """The run's job.json ({} when it has none): the one reader of it. A file that is no job
-    record (`job_shape_error`), or that cannot be read, raises `BadJobFile` naming it."""
-    path = run.job_json
+def parse_job(data: bytes, path: Path) -> dict[str, Any]:
+    """job.json's content `data` (of the file `path`) as a job record; `BadJobFile` naming
+    the file when it is none (`job_shape_error`)."""
     try:
-        job = read_json(path)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:  # ValueError: cut short, not JSON, not UTF-8
-        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-        raise BadJobFile(f"{path}: cannot be read as a job record ({why}); restore it or remove the run") from None
+        job = json.loads(data.decode())
+    except ValueError as e:  # cut short, not JSON, not UTF-8
+        raise BadJobFile(
+            f"{path}: cannot be read as a job record ({type(e).__name__}: {e}); restore it or remove the run"
+        ) from None
     problem = job_shape_error(job)
     if problem:
         raise BadJobFile(f"{path}: not a job record prime-hpc wrote ({problem}); restore it or remove the run")
     return job
+
+
+def read_job(run: RunDir) -> dict[str, Any]:
+    """The run's job.json ({} when it has none): the one reader of it (`own_job` reads it
+    the same way, after its checks). A file that is no job record, or that cannot be read,
+    raises `BadJobFile` naming it."""
+    try:
+        data = run.job_json.read_bytes()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise BadJobFile(f"{run.job_json}: cannot be read ({e.strerror})") from None
+    return parse_job(data, run.job_json)
+
+
+class NotYours(UserError):
+    """A command that acts on a job (signals it, cancels it, submits from its config)
+    given a run that is not the user's alone."""
+
+
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO cannot hang the read
+
+
+def own_job(run: RunDir, doing: str) -> dict[str, Any]:
+    """The run's job.json, for `doing` something to its job (`cancel`: a signal to the pid
+    it names, scancel of its job ids; `resume`, `scale`: a job submitted from its config):
+    read only when the run's directory is the user's and writable by nobody else, and
+    job.json the user's regular file (not a link) that nobody else can write: checked on
+    the opened descriptors and read from them (`core.usercache`). Otherwise `NotYours`,
+    one line naming the path and why."""
+    from prime_hpc.core import usercache
+
+    try:
+        with usercache.opened_dir(os.path.realpath(run.root)) as dfd:
+            try:
+                fd = os.open(run.job_json.name, _FILE, dir_fd=dfd)
+            except OSError as e:
+                why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
+                raise usercache.Untrusted(run.job_json, why) from None
+            with os.fdopen(fd, "rb") as f:
+                bad = usercache.problem(os.fstat(fd), directory=False)
+                if bad:
+                    raise usercache.Untrusted(run.job_json, bad)
+                data = f.read()
+    except usercache.Untrusted as e:
+        raise NotYours(f"cannot {doing} the job of {run.root}: {e}; {doing} acts only on runs of your own") from None
+    return parse_job(data, run.job_json)
 
 
 def readable_job(run: RunDir) -> dict[str, Any]:

@@ -320,3 +320,86 @@ def test_commands_on_a_job_json_that_is_no_job_record_name_it_in_one_line(
             continue
         line = _reject([command[0], *([job] if job else []), *command[1:], *extra], capsys)
         assert str(run.job_json) in line, line
+
+
+THEIRS = 65534  # nobody: another user of the cluster (these tests run as root, which may give files away)
+
+
+def _their_local_run(tmp_path, monkeypatch, who: str):
+    """A local run in the user's index whose job.json names a live process (the pid and start
+    time a local job's supervisor records, in a session of its own as a job script runs):
+    `who` owns the directory and job.json ("theirs"), the file only ("their-file"), a link
+    to it ("link"), or the user owns both but group may write job.json ("group-writable")."""
+    import subprocess
+
+    from prime_hpc.rundir import jobs
+
+    if os.getuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    (run,) = _indexed_runs(tmp_path, monkeypatch, 1)
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    jobs.update_job(run, state="RUNNING", pid=proc.pid, pid_start=jobs.start_time(proc.pid))
+    if who == "link":
+        real = tmp_path / "elsewhere.json"
+        run.job_json.rename(real)
+        run.job_json.symlink_to(real)
+    if who == "group-writable":
+        run.job_json.chmod(0o660)
+    if who in ("theirs", "their-file"):
+        os.chown(run.job_json, THEIRS, THEIRS)
+    if who == "theirs":
+        os.chown(run.root, THEIRS, THEIRS)
+    return run, proc
+
+
+@pytest.mark.parametrize("who", ["theirs", "their-file", "link", "group-writable"])
+@pytest.mark.parametrize("command", [["cancel"], ["resume"], ["scale", "inference=+1"], ["scale", "inference=-1"]])
+def test_commands_that_act_on_a_job_refuse_a_run_that_is_not_the_users_alone(
+    command, who, tmp_path, monkeypatch, capsys
+):
+    """cancel signals the pid that job.json names (or scancels its job ids), resume and
+    scale submit jobs from the run's config: given a run that is not the user's alone, each
+    refuses in one line naming job.json, and nothing is signalled or written."""
+    run, proc = _their_local_run(tmp_path, monkeypatch, who)
+    try:
+        before = sorted(p.name for p in run.root.iterdir())
+        for job in (str(run.root), "local-0", "run0"):
+            line = _reject([command[0], job, *command[1:]], capsys)
+            why = {
+                "theirs": f"{run.root} belongs to nobody, not to you",
+                "their-file": f"{run.job_json} belongs to nobody, not to you",
+                "link": f"{run.job_json} is a symbolic link",
+                "group-writable": f"{run.job_json} is writable by group or others",
+            }[who]
+            assert line.endswith(
+                f"cannot {command[0]} the job of {run.root}: {why}; {command[0]} acts only on runs of your own"
+            ), line
+        assert proc.poll() is None  # the process job.json names is untouched
+        assert sorted(p.name for p in run.root.iterdir()) == before
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cancel_of_the_users_own_local_run_still_stops_it(tmp_path, monkeypatch, capsys):
+    run, proc = _their_local_run(tmp_path, monkeypatch, "mine")
+    try:
+        assert main(["cancel", str(run.root)]) == 0
+        assert proc.wait(timeout=10) == -15  # SIGTERM to the session, as to a job script
+        assert "cancelled job local-0 (run0)" in capsys.readouterr().out
+    finally:
+        proc.kill()
+
+
+def test_tail_and_status_of_a_run_that_is_not_the_users_still_read_it(tmp_path, monkeypatch, capsys):
+    """Reading is not acting: tail and status of another user's readable run show it."""
+    run, proc = _their_local_run(tmp_path, monkeypatch, "theirs")
+    try:
+        assert main(["status", str(run.root)]) == 0
+        assert "run0" in capsys.readouterr().out
+        assert main(["tail", str(run.root), "--no-follow"]) == 0
+        assert "local-0" in capsys.readouterr().out
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
