@@ -24,6 +24,13 @@ and stderr are split in two files (a traceback loses its place among the lines b
 it), and torchrun's own messages (a worker that died, a signal) are only in the node log.
 The torchrun directories are still read once, to count the ranks per node.
 
+What is printed is escaped for the terminal (`safe`): a log holds what a model generated,
+an environment printed or, for a run of someone else's, anything its owner wrote; none of it
+may drive the user's terminal (move the cursor, clear the screen, set the window's title or
+the clipboard). Colour sequences are dropped, leaving their text; every other control
+character but the tab (ESC, the rest of C0, DEL, C1) is shown as `\\xNN`. Other Unicode is
+printed as it is.
+
 By default the per-request noise is hidden (`is_noise`): the HTTP access lines of the
 inference servers and of the router, and the `Successfully reset prefix cache` line of
 every weight update; the engine's throughput lines stay. `show_all` prints everything.
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
+from prime_hpc.core.text import printable
 from prime_hpc.rundir import COMPONENTS as RUN_COMPONENTS
 from prime_hpc.rundir import RunDir, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
@@ -57,6 +65,7 @@ Rank = Union[int, str]  # a global trainer rank, or "all"
 StateFn = Callable[[], tuple[str, dict[str, Any]]]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_SGR = re.compile(r"\x1b\[[0-9;]*m")  # colours only
 _NOISE = re.compile(
     r'INFO:\s+\S+ - "[A-Z]+ \S+ HTTP/[\d.]+" [23]\d\d\b'  # uvicorn access line of a successful request
     r"|\b(?:started|finished) processing request\b|\bHTTP request completed\b"  # the router, per request
@@ -67,6 +76,13 @@ _RANK_PREFIX = re.compile(r"\[[A-Za-z_][\w-]*?(\d+)\]:")  # torchrun: [<role><lo
 
 
 # ----------------------------------------------------------------------------- pure helpers
+def safe(text: str) -> str:
+    """`text` as it may reach the terminal: colour sequences (SGR: the router's logs are
+    coloured) dropped, every other control character but the tab written as `\\xNN`
+    (`core.text.printable`)."""
+    return printable(_SGR.sub("", text))
+
+
 def is_noise(line: str) -> bool:
     """True for a line hidden by default: a successful request's access line (uvicorn's
     `INFO: <addr> - "POST /v1/chat/completions HTTP/1.1" 200 OK`, the router's
@@ -310,7 +326,7 @@ class Tail:
 
     def note(self, line: str) -> None:
         """Print a line of tail's own (a separator, a state)."""
-        self.out.write(line + "\n")
+        self.out.write(safe(line) + "\n")
         self.out.flush()
 
     def wait_note(self, message: Optional[str]) -> None:
@@ -321,8 +337,9 @@ class Tail:
 
     def emit(self, label: str, text: str) -> None:
         """Print a source's line under its label."""
+        label = safe(label)
         self.width = max(self.width, len(label))
-        self.out.write(f"{label:<{self.width}} | {text}\n")
+        self.out.write(f"{label:<{self.width}} | {safe(text)}\n")
 
     def _global_rank(self, node: int, local: int) -> int:
         """node * nproc_per_node + local (nproc_per_node looked up until torchrun made it)."""

@@ -403,3 +403,19 @@ def test_tail_and_status_of_a_run_that_is_not_the_users_still_read_it(tmp_path, 
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_status_and_list_print_no_control_sequence_a_run_wrote(tmp_path, monkeypatch, capsys):
+    from prime_hpc.rundir import jobs
+
+    (run,) = _indexed_runs(tmp_path, monkeypatch, 1)
+    jobs.update_job(
+        run,
+        state="FAILED\x1b[2J",
+        failure={"component": "trainer", "rc": 1, "reason": "boom\x1b]0;owned\x07", "log": "l"},
+    )
+    for command in (["status", str(run.root)], ["list"]):
+        assert main(command) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out, out
+        assert "FAILED\\x1b[2J" in out, out

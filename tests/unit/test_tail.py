@@ -219,7 +219,41 @@ def test_noise_hidden_by_default_and_shown_with_show_all(tmp_path):
     assert THROUGHPUT in shown and "prime-hpc router: serving" in shown
     assert ACCESS not in shown and RESET not in shown and ROUTER_DONE not in shown
     shown = [text for label, text in labelled(once(run, components=["inference", "router"], show_all=True)[1])]
-    assert ACCESS in shown and RESET in shown and ROUTER_DONE in shown
+    uncoloured = re.sub(r"\x1b\[[0-9;]*m", "", ROUTER_DONE)  # the router's colours are dropped
+    assert ACCESS in shown and RESET in shown and uncoloured in shown
+    assert "2026-11-23 06:11:50  INFO http_request" in uncoloured
+
+
+# ----------------------------------------------------------------------------- the terminal
+HOSTILE = (
+    "reply: \x1b[2J\x1b[H\x1b]0;owned\x07\x1b]52;c;cm0gLXJmIH4=\x07 done"  # clear, home, title, clipboard
+    "\x9b31m\x7f\x08\x00 \u00e9t\u00e9 \u65e5\u672c \u2603\tcol"  # a C1 CSI, DEL, backspace, NUL; Unicode, a tab
+)
+
+
+def test_what_a_model_or_env_wrote_cannot_drive_the_terminal(tmp_path):
+    """A model's output in a server's or an env's log, and a failure reason in job.json,
+    reach the terminal with every control sequence escaped; Unicode text and tabs stay."""
+    run, logs = make_run(
+        tmp_path,
+        state="FAILED",
+        ended_at=time.time(),
+        failure={"component": "orchestrator", "rc": 1, "reason": "env said \x1b[31mboom\x1b]0;x\x07", "log": "l"},
+    )
+    write(RunDir.component_log(logs, "orchestrator"), HOSTILE)
+    write(RunDir.env_log_dir(logs, "train", "rev\x1b[1Ax") / "env_worker_0.log", "partial\x1b[1A")
+    for kwargs in ({"once": True}, {"poll_s": 0.01}):
+        out = io.StringIO()
+        tail.follow(run, out=out, **kwargs)
+        output = out.getvalue()
+        assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", output), repr(output)
+        got = dict(labelled(output))
+        assert got["orchestrator"] == (
+            "reply: \\x1b[2J\\x1b[H\\x1b]0;owned\\x07\\x1b]52;c;cm0gLXJmIH4=\\x07 done"
+            "\\x9b31m\\x7f\\x08\\x00 \u00e9t\u00e9 \u65e5\u672c \u2603\tcol"
+        ), got
+        assert got["env:train/rev\\x1b[1Ax"] == "partial\\x1b[1A"
+        assert output.rstrip().splitlines()[-1].endswith("env said boom\\x1b]0;x\\x07; log: l)")
 
 
 def test_last_per_label():
