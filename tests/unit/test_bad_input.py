@@ -6,6 +6,7 @@ line would be (no SLURM, no servers)."""
 from __future__ import annotations
 
 import os
+import sys
 import typing
 from pathlib import Path
 
@@ -419,3 +420,57 @@ def test_status_and_list_print_no_control_sequence_a_run_wrote(tmp_path, monkeyp
         out = capsys.readouterr().out
         assert "\x1b" not in out and "\x07" not in out, out
         assert "FAILED\\x1b[2J" in out, out
+
+
+SHADOW_CHECK = """
+import sys
+from pathlib import Path
+project = Path(sys.argv[1])
+planted = ("colorsys", "httpx")  # a module of the standard library, an installed one
+assert not any(m in sys.modules for m in planted), "the test needs modules not imported yet"
+from prime_hpc.orchestrator.envs import import_env_module
+env = import_env_module(str(project))
+assert env.load_environment() == "echo" and env.HELPER == "beside"  # its sibling still imports
+import colorsys, httpx
+for m in (colorsys, httpx):
+    assert project not in Path(m.__file__).parents, m.__file__
+assert str(project) == sys.path[-1]
+print("ok")
+"""
+
+
+def test_an_environments_directory_shadows_no_module_of_the_standard_library_or_installed(tmp_path):
+    """An environment project's directory is appended to sys.path, not put in front of it:
+    a `colorsys.py` or `httpx.py` planted beside the environment's package is never what
+    `import colorsys` or `import httpx` finds afterwards; the package's own siblings still
+    import. (A fresh interpreter: what it imports first is what would be shadowed.)"""
+    import subprocess
+
+    project = tmp_path / "echo-word"
+    (project / "echo_word").mkdir(parents=True)
+    (project / "pyproject.toml").write_text('[project]\nname = "echo-word"\nversion = "0.1.0"\n')
+    (project / "echo_word" / "__init__.py").write_text(
+        "from env_helpers import HELPER\n\ndef load_environment():\n    return 'echo'\n"
+    )
+    (project / "env_helpers.py").write_text("HELPER = 'beside'\n")
+    for name in ("colorsys", "httpx"):
+        (project / f"{name}.py").write_text("raise RuntimeError('planted module imported')\n")
+    done = subprocess.run(
+        [sys.executable, "-c", SHADOW_CHECK, str(project)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("name", ["json", "httpx"])
+def test_an_environment_named_like_a_module_it_would_replace_is_refused_in_one_line(name, tmp_path):
+    from prime_hpc.config.schema import EnvEntry
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.orchestrator.envs import load_env
+
+    package = tmp_path / name
+    package.mkdir()
+    (package / "__init__.py").write_text("def load_environment():\n    return 'mine'\n")
+    before = sys.modules.get(name)
+    with pytest.raises(UserError, match=f"would be loaded as module '{name}', which is") as e:
+        load_env(EnvEntry(id=str(package), args={}))
+    assert len(str(e.value).splitlines()) == 1 and sys.modules.get(name) is before

@@ -425,7 +425,7 @@ def test_an_env_project_directory_loads_by_its_path_and_submit_records_it_absolu
     work = tmp_path / "work"
     project = _env_project(work / "envs" / name, name, layout)
     monkeypatch.chdir(work)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader prepends the project's directory
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader appends the project's directory
     try:
         rel = f"./envs/{name}"
         assert env_import_error(rel) is None
