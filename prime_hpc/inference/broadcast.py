@@ -5,19 +5,30 @@ CPU servers; `NcclBroadcaster`: NCCL, to GPU servers; `broadcaster_for` picks by
 One group per server: the sender (rank 0) and that server's W vLLM workers (ranks
 1..W), `world_size = 1 + W`. A server that joins or leaves the fleet then touches no
 other server's group, and a slow server delays only its own update. gloo's rendezvous is
-the sender's TCP store, on a port of its own; NCCL's is a unique id the sender mints and
-hands over in the join's body (no store listens).
+a file store of the sender's in the run's private `rendezvous/` (0700) when both are on
+one host (the sender's address is a loopback one: nothing listens for it), else the
+sender's TCP store, on a port of its own; NCCL's is a unique id the sender mints and hands
+over in the join's body (no store listens).
+
+Every send carries each tensor's digest (`tensor_digest`, SHA-256 of its bytes as sent)
+in the receive's body, over the keyed route; the server's workers check each tensor as it
+arrives. A policy that differs (someone in the group, or on its path, altered it) is
+refused: the server never serves it, answers 409 with `"refused": "digest"` and the
+directory it loads that step from instead (`weights/step_<n>`, which the sender then
+writes: `DigestRefused`).
 
 Each exchange pairs a call to the server's routes (the control plane) with the collective
 it triggers there (the data plane), run at the same time; the first failure of either is
 raised at once:
 
   join   POST /weights/join {"world_size", "rank_offset", and the rendezvous: gloo's
-         "master_address", "master_port", "timeout_s", or NCCL's "nccl_unique_id_b64"};
-         meanwhile open this side's end of the group as rank 0
-  send   POST /weights/receive {"step", "names", "dtype_names", "shapes"}; meanwhile
-         broadcast each tensor, in exactly the announced order; the server applies it as
-         it applies a filesystem update (paused, one at a time) and serves policy `step`
+         "store_path" (one host) or "master_address", "master_port", with "timeout_s",
+         or NCCL's "nccl_unique_id_b64"}; meanwhile open this side's end of the group as
+         rank 0
+  send   POST /weights/receive {"step", "names", "dtype_names", "shapes", "digests"};
+         meanwhile broadcast each tensor, in exactly the announced order; the server
+         applies it as it applies a filesystem update (paused, one at a time) and serves
+         policy `step`
   leave  POST /weights/leave; then close the group
 
 A failed join or send leaves the group unusable (a collective cannot be cancelled: the
@@ -30,14 +41,19 @@ is vLLM's, imported by the NCCL sender when it opens a group): the trainer impor
 from __future__ import annotations
 
 import base64
+import hashlib
 import ipaddress
+import os
 import queue
+import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
-from prime_hpc.core.net import bound_socket, node_address
+from prime_hpc.core.net import bound_socket, is_loopback, node_address
 
 JOIN_PATH = "/weights/join"
 RECEIVE_PATH = "/weights/receive"
@@ -56,6 +72,45 @@ class BroadcastError(RuntimeError):
 
 class Late(BroadcastError):
     """`together`'s deadline passed (the caller adds which server and which exchange)."""
+
+
+class DigestRefused(BroadcastError):
+    """The server refused policy `step`: what arrived differs from the digests sent over
+    the keyed route. It serves none of it and loads the step from `weight_dir` (the run's
+    `weights/step_<n>`) once that is complete."""
+
+    def __init__(self, message: str, step: int, weight_dir: str) -> None:
+        super().__init__(message)
+        self.step, self.weight_dir = step, weight_dir
+
+
+DIGEST = "sha256"  # hashlib's name; what `tensor_digest` computes
+DIGEST_MISMATCH = "weights differ from their digest"  # the workers' error, as the server recognises it
+DIGEST_THREADS = 8  # tensors hashed at once on the sender (hashlib lets go of the GIL)
+
+
+def tensor_digest(tensor: Any) -> str:
+    """The hex digest of a CPU tensor's bytes, as they go over the group."""
+    t = tensor.detach().contiguous().reshape(-1)
+    h = hashlib.new(DIGEST)
+    if t.numel():
+        import torch
+
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def tensor_digests(tensors: Sequence[Any]) -> list[str]:
+    """`tensor_digest` of each, in order (on up to `DIGEST_THREADS` threads)."""
+    if len(tensors) < 2:
+        return [tensor_digest(t) for t in tensors]
+    with ThreadPoolExecutor(min(DIGEST_THREADS, os.cpu_count() or 1, len(tensors))) as pool:
+        return list(pool.map(tensor_digest, tensors))
+
+
+def file_store_prefix(path: str) -> str:
+    """The prefix of a file-store group's keys (both sides use it, as `store_prefix`)."""
+    return f"file://{path}"
 
 
 def dtype_name(tensor: Any) -> str:
@@ -118,7 +173,9 @@ class Broadcaster:
     """Rank 0 of server `url`'s weight group. `workers`: the server's vLLM workers (None:
     asked from its `GET /policy`); `host`: the address this side binds and announces
     (None: this node's, `prime_hpc.core.net.node_address`); `key`: the API key (None:
-    `$INFERENCE_SERVER_API_KEY`)."""
+    `$INFERENCE_SERVER_API_KEY`); `store_dir`: the run's private `rendezvous/`, where the
+    group meets when `host` is a loopback address (required then: on one host nothing of
+    the run listens for anyone to join)."""
 
     def __init__(
         self,
@@ -127,15 +184,19 @@ class Broadcaster:
         host: Optional[str] = None,
         key: Optional[str] = None,
         timeout_s: float = TIMEOUT_S,
+        store_dir: Optional[os.PathLike | str] = None,
     ) -> None:
         self.url = url
         self.workers = workers
         self.host = host or node_address()
         self.key = key
+        self.store_dir = Path(store_dir) if store_dir is not None else None
         self.timeout_s = timeout_s
         self.margin_s = HTTP_MARGIN_S  # a route's answer (and an exchange) may take this much longer
         self.group: Any = None
         self.port: Optional[int] = None
+        self.store_path: Optional[Path] = None  # one host: the group's file store
+        self.verified = True  # each send carries the tensors' digests, which the server checks
         self.dtype: Optional[str] = None  # the server's weights' dtype (its `/policy`), learnt at the join
         self._in_flight: list[Any] = []  # gloo: (work, tensor) of the sends not yet known to have left
 
@@ -151,6 +212,12 @@ class Broadcaster:
             )
         except httpx.HTTPError as e:
             raise BroadcastError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+        if r.status_code == 409 and path == RECEIVE_PATH:
+            refused = _json_or_none(r)
+            if refused.get("refused") == "digest":
+                raise DigestRefused(
+                    f"{self.url}: {refused.get('error')}", int(body["step"]), str(refused.get("weight_dir"))
+                )
         if r.status_code != 200:
             raise BroadcastError(f"{self.url}{path}: HTTP {r.status_code}: {error_detail(r)}")
         return r.json()
@@ -190,21 +257,71 @@ class Broadcaster:
         """An announcement of the policy as `_served` will send it."""
         return {**announced, "dtype_names": [self._narrowed(d) for d in announced["dtype_names"]]}
 
+    def digests(self, named: Sequence[tuple[str, Any]]) -> list[str]:
+        """Each tensor's digest as it goes to this server (`_served`: narrowed where the
+        server holds a narrower dtype), for `send`."""
+        return tensor_digests([self._served(t) for _, t in named])
+
     # ------------------------------------------------------------------ data plane
     def _rendezvous(self, world_size: int) -> tuple[dict, Callable[[], Any], Callable[[], None]]:
         """What the join's body says of the group, the opening of this side's end (run
-        while the server joins), and what undoes a failed join: gloo's rendezvous is a TCP
+        while the server joins), and what undoes a failed join: gloo's rendezvous is a file
+        store in the run's private directory on one host (`_file_rendezvous`), else a TCP
         store on a port of this side's, whose address and port the body carries."""
+        if is_loopback(self.host):
+            return self._file_rendezvous(world_size)
         sock = bound_socket(self.host)
         sock.listen()
         self.port = sock.getsockname()[1]
         body = {"master_address": self.host, "master_port": self.port, "timeout_s": self.timeout_s}
         return body, lambda: self._open(sock, world_size), sock.close
 
+    def _file_rendezvous(self, world_size: int) -> tuple[dict, Callable[[], Any], Callable[[], None]]:
+        """One host: the group meets in a fresh file store in `store_dir` (made 0700 and
+        checked on its descriptor: `rundir.private`), which only this user can reach; the
+        store file goes with the group (or the failed join)."""
+        from prime_hpc.rundir import private
+
+        if self.store_dir is None:
+            raise BroadcastError(
+                f"{self.url}: on one host ({self.host}) a weight group meets in a file store of the run's "
+                "private rendezvous directory, and none was given (store_dir)"
+            )
+        try:
+            d = private.ensure(self.store_dir)
+        except (private.Untrusted, OSError) as e:
+            raise BroadcastError(f"{self.url}: the weight group's store: {e}") from None
+        path = d / f"weights_{secrets.token_hex(8)}.store"
+        self.port, self.store_path = None, path
+        body = {"store_path": str(path), "timeout_s": self.timeout_s}
+        return body, lambda: self._open_file(str(path), world_size), self._unlink_store
+
+    def _unlink_store(self) -> None:
+        if self.store_path is not None:
+            self.store_path.unlink(missing_ok=True)
+            self.store_path = None
+
+    def _open_file(self, path: str, world_size: int) -> Any:
+        """The group as rank 0 over the file store at `path`, gloo on this side's address."""
+        from torch.distributed import FileStore, PrefixStore
+
+        store = FileStore(path, world_size)
+        store.set_timeout(timedelta(seconds=self.timeout_s))
+        return self._gloo(PrefixStore(file_store_prefix(path), store), world_size)
+
+    def _gloo(self, store: Any, world_size: int) -> Any:
+        from torch.distributed import ProcessGroupGloo
+
+        gloo: Any = ProcessGroupGloo  # its `_Options` (the way to give it a device) is not in torch's stubs
+        options = gloo._Options()
+        options._timeout = timedelta(seconds=self.timeout_s)
+        options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
+        return ProcessGroupGloo(store, 0, world_size, options)
+
     def _open(self, sock: Any, world_size: int) -> Any:
         """The group as rank 0: the store's master on `sock` (bound to this side's
         address), waiting for every worker to join, then gloo on the same address."""
-        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+        from torch.distributed import PrefixStore, TCPStore
 
         timeout = timedelta(seconds=self.timeout_s)
         port = sock.getsockname()[1]
@@ -218,11 +335,7 @@ class Broadcaster:
             multi_tenant=True,
             master_listen_fd=sock.detach(),
         )
-        gloo: Any = ProcessGroupGloo  # its `_Options` (the way to give it a device) is not in torch's stubs
-        options = gloo._Options()
-        options._timeout = timeout
-        options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
-        return ProcessGroupGloo(PrefixStore(store_prefix(self.host, port), store), 0, world_size, options)
+        return self._gloo(PrefixStore(store_prefix(self.host, port), store), world_size)
 
     def _send_tensor(self, tensor: Any) -> int:
         """Broadcast one tensor from here (rank 0); its bytes. The send goes on in gloo's
@@ -291,18 +404,28 @@ class Broadcaster:
             raise
         return reply
 
-    def send(self, step: int, named: Iterable[tuple[str, Any]], announced: Optional[dict[str, list]] = None) -> dict:
+    def send(
+        self,
+        step: int,
+        named: Iterable[tuple[str, Any]],
+        announced: Optional[dict[str, list]] = None,
+        digests: Optional[list[str]] = None,
+    ) -> dict:
         """Make the server serve policy `step`: the tensors of `named` (checkpoint names,
         as the model's `named_parameters` or a HF state dict has them). `announced`
-        (`announcement(...)`): what `named` will yield, so it can be a generator; without
-        it `named` is read once into a list first. The server's answer, plus `bytes`."""
+        (`announcement(...)`) and `digests` (`self.digests(...)`): what `named` will yield,
+        so it can be a generator; without either `named` is read once into a list first.
+        The server's answer, plus `bytes`; `DigestRefused` when what arrived differs."""
         if self.group is None:
             raise BroadcastError(f"{self.url}: no weight group (join first)")
-        if announced is None:
+        if announced is None or (digests is None and self.verified):
             named = list(named)
-            announced = announcement(named)
+            announced = announced or announcement(named)
+            digests = digests if digests is not None or not self.verified else self.digests(named)
         announced = self._announced(announced)
         body = {"step": int(step), **announced}
+        if self.verified:
+            body["digests"] = list(digests or ())
         items = named
         try:
             reply, sent = together(
@@ -312,6 +435,7 @@ class Broadcaster:
             )
         except BaseException as e:
             group, self.group = self.group, None  # a collective may still be under way: unusable
+            self._unlink_store()
             self._abandon(group)
             if isinstance(e, Late):
                 raise BroadcastError(f"{self.url}: sending policy {step}: {e}") from None
@@ -321,12 +445,14 @@ class Broadcaster:
     def close(self, leave: bool = True) -> None:
         """Leave the group (`leave`: the server first, so its workers drop their side)."""
         if self.group is None:
+            self._unlink_store()
             return
         group, self.group = self.group, None
         try:
             if leave:
                 self._post(LEAVE_PATH, {})
         finally:
+            self._unlink_store()
             self._drop(group)
 
 
@@ -363,6 +489,9 @@ class NcclBroadcaster(Broadcaster):
         self.communicator = communicator or _vllm_communicator
         self.mint = mint or _vllm_unique_id
         self.stream: Any = None
+        # vLLM's NCCL engine checks no digest; its group is joined only through the unique id
+        # sent over the keyed route (NCCL's bootstrap also checks the id's random magic)
+        self.verified = False
 
     def _on_device(self) -> None:
         """Each exchange runs in threads of its own: they compute on this rank's GPU."""
@@ -426,12 +555,23 @@ def _vllm_unique_id() -> bytes:
     return bytes(NCCLLibrary().ncclGetUniqueId().internal)
 
 
-def broadcaster_for(device: str, rank_device: Any = None) -> Callable[[str], Broadcaster]:
+def broadcaster_for(
+    device: str, rank_device: Any = None, store_dir: Optional[os.PathLike | str] = None
+) -> Callable[[str], Broadcaster]:
     """What the trainer's sender opens a server's weight group with on `cluster.device`:
     NCCL from `rank_device` (this rank's GPU) to GPU servers, gloo to CPU ones
-    (`core.device.weight_transfer_backend`)."""
+    (`core.device.weight_transfer_backend`), meeting in `store_dir` (the run's private
+    `rendezvous/`) on one host."""
     from prime_hpc.core.device import weight_transfer_backend
 
     if weight_transfer_backend(device) == "nccl":
         return lambda url: NcclBroadcaster(url, device=rank_device)
-    return Broadcaster
+    return lambda url: Broadcaster(url, store_dir=store_dir)
+
+
+def _json_or_none(r: Any) -> dict:
+    try:
+        answer = r.json()
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}

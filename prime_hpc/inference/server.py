@@ -17,10 +17,13 @@ With `weights.transport=broadcast` vLLM is started with a weight-transfer backen
 CPU, NCCL on GPUs) and the trainer sends each policy over a process group of its own, one
 per server (`prime_hpc.inference.broadcast`: it is rank 0, this server's workers the next):
 
-  POST /weights/join       {"master_address", "master_port", "world_size", "rank_offset",
-                           "timeout_s"?}: join the sender's group (answers once joined)
-  POST /weights/receive    {"step", "names", "dtype_names", "shapes"}: receive a policy over
-                           the group and serve it, applied like an update from a directory
+  POST /weights/join       {"store_path" (one host) or "master_address", "master_port",
+                           "world_size", "rank_offset", "timeout_s"?}: join the sender's group
+                           (answers once joined)
+  POST /weights/receive    {"step", "names", "dtype_names", "shapes", "digests"}: receive a
+                           policy over the group and serve it, applied like an update from a
+                           directory; one that differs from its digests is never served: 409
+                           at once, and the step is loaded from the run's weights/step_<n>
   POST /weights/leave      leave the group
 
 An update (`inference.weight_update`, see `gate.py`) either goes in flight: it pauses the
@@ -77,7 +80,7 @@ from prime_hpc.core import device as devices
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
 from prime_hpc.core.net import address_env, node_address, url
-from prime_hpc.inference.broadcast import NCCL_UNIQUE_ID_BYTES
+from prime_hpc.inference.broadcast import DIGEST_MISMATCH, NCCL_UNIQUE_ID_BYTES, TIMEOUT_S
 from prime_hpc.inference.client import LEAVING_STATUS, api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
@@ -208,6 +211,7 @@ class Server:
         self.broadcast = cfg.weights.transport == "broadcast"
         self.joined: Optional[dict] = None  # the weight group joined (broadcast), as the sender gave it
         self.transfer_lock = asyncio.Lock()  # one join, leave or receive at a time
+        self.refused: set = set()  # receives refused by their digests, still loading the step from disk
         self.device_name = devices.inference_device_name(cfg.device)
 
     # ------------------------------------------------------------------ publishing
@@ -468,7 +472,9 @@ class Server:
         refused = self._refuse_transfer()
         if refused is not None:
             return refused
-        info, problem = join_info(body, self.workers, devices.weight_transfer_backend(self.cfg.device))
+        info, problem = join_info(
+            body, self.workers, devices.weight_transfer_backend(self.cfg.device), self.run.rendezvous_dir
+        )
         if problem:
             return _error(400, problem)
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -483,7 +489,7 @@ class Server:
             except Exception as e:
                 return _error(500, f"did not join the weight group: {_one_line(e)}")
             self.joined = info
-        sender = f"{info['master_address']}:{info['master_port']}" if "master_address" in info else "its NCCL unique id"
+        sender = _sender(info)
         print(
             f"prime-hpc inference: {self.slot} joined the weight group of {sender} (ranks {info['rank_offset']}..{info['rank_offset'] + self.workers - 1} "
             f"of {info['world_size']}, {time.monotonic() - t0:.2f}s)",
@@ -492,16 +498,22 @@ class Server:
         return {"status": "ok", "workers": self.workers, "world_size": info["world_size"]}
 
     async def receive_weights(self, body: dict) -> Any:
-        """Receive policy `step` over the group and serve it (as `_swap` applies any update)."""
+        """Receive policy `step` over the group and serve it (as `_swap` applies any update).
+        What arrived differs from the digests the sender gave (gloo): the answer comes at
+        once (409, `"refused": "digest"`, the directory the step is loaded from instead),
+        while the update goes on without serving it (`_load_refused`)."""
         refused = self._refuse_transfer()
         if refused is not None:
             return refused
-        step, info, problem = receive_info(body)
+        step, info, problem = receive_info(body, digests=devices.weight_transfer_backend(self.cfg.device) == "gloo")
         if problem:
             return _error(400, problem)
         if self.joined is None:
             return _error(409, "no weight group: the sender has not joined (POST /weights/join first)")
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        joined, differs = self.joined, asyncio.get_running_loop().create_future()
+        reloaded: list[str] = []
 
         async def load():
             await self.engine.start_weight_update()
@@ -511,15 +523,65 @@ class Server:
             except Exception as e:  # the layers are half loaded (vLLM's layerwise reload): never serve them
                 if self.stopping(e):  # it never serves again anyway
                     raise
-                self.exit_half_loaded(step, e)
+                if DIGEST_MISMATCH not in str(e):
+                    self.exit_half_loaded(step, e)
+                reloaded.append(await self._load_refused(step, joined, e, differs))
 
-        async with self.transfer_lock:
-            try:
-                return await self._swap(load, step, None)
-            except Exception as e:  # the group's state is unknown now: the sender joins again
-                self.joined = None
-                print(f"prime-hpc inference: {self.slot} did not receive policy {step}: {_one_line(e)}", flush=True)
-                return _error(500, f"policy {step} not received: {_one_line(e)}; join again")
+        async def receive() -> Any:
+            async with self.transfer_lock:
+                try:
+                    answer = await self._swap(load, step, None)
+                except Exception as e:  # the group's state is unknown now: the sender joins again
+                    self.joined = None
+                    print(f"prime-hpc inference: {self.slot} did not receive policy {step}: {_one_line(e)}", flush=True)
+                    return _error(500, f"policy {step} not received: {_one_line(e)}; join again")
+                if reloaded and self.gate.step == step:
+                    self.gate.weight_dir = reloaded[0]
+                    self.publish()
+                return answer
+
+        task = asyncio.ensure_future(receive())
+        await asyncio.wait({task, differs}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        self.refused.add(task)  # it goes on: the step from the sender's files
+        task.add_done_callback(self.refused.discard)
+        return _refused_answer(step, differs.result())
+
+    async def _load_refused(self, step: int, joined: dict, e: BaseException, differs: asyncio.Future) -> str:
+        """Policy `step` came over the group but differs from its digests: said in one line
+        naming the sender, the route answered (`differs`), the group dropped (the sender joins
+        a fresh one), and the step loaded from `weights/step_<step>` once the sender has
+        written it, while generation stays paused; never served otherwise (the server exits
+        as half loaded when it does not come within the group's timeout)."""
+        from prime_hpc.rundir import is_stable
+
+        where = self.run.weights_step(step)
+        detail = str(e)[str(e).index(DIGEST_MISMATCH) :].splitlines()[0].rstrip("'\". ")
+        print(
+            f"prime-hpc inference: {self.slot} refused policy {step} from {_sender(joined)}: {detail}; "
+            f"none of it is served, the step is loaded from {where}",
+            flush=True,
+        )
+        self.joined = None
+        differs.set_result(str(where))
+        try:
+            await self.engine.shutdown_weight_transfer_engine()
+            deadline = time.monotonic() + float(joined.get("timeout_s", TIMEOUT_S))
+            while not is_stable(where):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{where} was not written within {joined.get('timeout_s', TIMEOUT_S):g}s")
+                await asyncio.sleep(0.2)
+            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(where)})
+        except Exception as e2:
+            if self.stopping(e2):
+                raise
+            self.exit_half_loaded(step, e2)
+        print(
+            f"prime-hpc inference: {self.slot} loaded policy {step} from {where} in place of the refused one",
+            flush=True,
+        )
+        return str(where)
 
     def exit_half_loaded(self, step: int, e: BaseException) -> None:
         """A policy that failed to arrive midway leaves the model's layers partly loaded
@@ -545,13 +607,14 @@ class Server:
         return {"status": "ok"}
 
 
-def join_info(body: dict, workers: int, backend: str) -> tuple[dict, Optional[str]]:
+def join_info(body: dict, workers: int, backend: str, store_dir: Optional[Path] = None) -> tuple[dict, Optional[str]]:
     """The workers' init info for `POST /weights/join`'s body, or what is wrong with it
-    (one line). The rendezvous is by backend: gloo's (CPU) is the sender's TCP store,
-    `master_address` and `master_port` (and `timeout_s`, which vLLM's NCCL engine takes
-    none of); NCCL's (GPU) is only the unique id the sender minted,
-    `nccl_unique_id_b64`: a store would let anyone who reaches its port into the group,
-    while the id comes through this keyed route."""
+    (one line). The rendezvous is by backend: gloo's (CPU) is the sender's file store
+    on one host, `store_path`, a `weights_<hex>.store` in `store_dir` (the run's private
+    `rendezvous/`, checked: `rundir.private`), else its TCP store, `master_address` and
+    `master_port` (and `timeout_s`, which vLLM's NCCL engine takes none of); NCCL's (GPU)
+    is only the unique id the sender minted, `nccl_unique_id_b64`: a store would let anyone
+    who reaches its port into the group, while the id comes through this keyed route."""
     world, offset = body.get("world_size"), body.get("rank_offset", 1)
     if not _is_int(world) or not _is_int(offset) or offset < 1 or offset + workers > world:
         return {}, (
@@ -573,12 +636,18 @@ def join_info(body: dict, workers: int, backend: str) -> tuple[dict, Optional[st
                 f"body needs 'nccl_unique_id_b64': the sender's NCCL unique id ({NCCL_UNIQUE_ID_BYTES} bytes, base64)",
             )
         return {**info, "nccl_unique_id_b64": uid}, None
-    address, port = body.get("master_address"), body.get("master_port")
-    if not isinstance(address, str) or not address:
-        return {}, "body needs 'master_address': the sender's address"
-    if not _is_int(port) or not 0 < port < 65536:
-        return {}, "body needs 'master_port': the sender's port (1..65535)"
-    info.update(master_address=address, master_port=port)
+    if "store_path" in body:
+        where, problem = _store_path(body, store_dir)
+        if problem:
+            return {}, problem
+        info["store_path"] = where
+    else:
+        address, port = body.get("master_address"), body.get("master_port")
+        if not isinstance(address, str) or not address:
+            return {}, "body needs 'master_address': the sender's address"
+        if not _is_int(port) or not 0 < port < 65536:
+            return {}, "body needs 'master_port': the sender's port (1..65535)"
+        info.update(master_address=address, master_port=port)
     timeout = body.get("timeout_s")
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -587,9 +656,51 @@ def join_info(body: dict, workers: int, backend: str) -> tuple[dict, Optional[st
     return info, None
 
 
-def receive_info(body: dict) -> tuple[int, dict, Optional[str]]:
+def _store_path(body: dict, store_dir: Optional[Path]) -> tuple[str, Optional[str]]:
+    """`store_path` of a join's body, when it is a weight group's store in the run's
+    private rendezvous directory (and that directory is the user's alone), or why not."""
+    from prime_hpc.rundir import private
+
+    path = body.get("store_path")
+    if "master_address" in body or "master_port" in body:
+        return "", "a join names either the sender's file store ('store_path') or its TCP store, not both"
+    if (
+        store_dir is None
+        or not isinstance(path, str)
+        or not re.fullmatch(r"weights_[0-9a-f]{8,64}\.store", Path(path).name)
+    ):
+        return "", f"'store_path' must be a weight group's store (weights_<hex>.store) in {store_dir}"
+    try:
+        d = private.ensure(store_dir)
+    except (private.Untrusted, OSError) as e:
+        return "", f"the weight group's store: {e}"
+    if os.path.realpath(Path(path).parent) != str(d):
+        return "", f"'store_path' must be a weight group's store (weights_<hex>.store) in {store_dir}"
+    return str(d / Path(path).name), None
+
+
+def _sender(joined: dict) -> str:
+    """A joined group's sender, as the log names it."""
+    if "store_path" in joined:
+        return f"the file store {joined['store_path']}"
+    if "master_address" in joined:
+        return f"{joined['master_address']}:{joined['master_port']}"
+    return "its NCCL unique id"
+
+
+def _refused_answer(step: int, where: str) -> Any:
+    return _error(
+        409,
+        f"policy {step} refused: what arrived differs from the sender's digests; none of it is served, "
+        f"the step is loaded from {where} once written",
+        refused="digest",
+        weight_dir=where,
+    )
+
+
+def receive_info(body: dict, digests: bool = True) -> tuple[int, dict, Optional[str]]:
     """(step, the workers' update info) for `POST /weights/receive`'s body, or what is wrong
-    with it (one line)."""
+    with it (one line). `digests` (gloo): each tensor's hex digest must come with it."""
     import torch
 
     step, names = body.get("step"), body.get("names")
@@ -611,7 +722,15 @@ def receive_info(body: dict) -> tuple[int, dict, Optional[str]]:
         return 0, {}, "each of 'shapes' is a list of sizes (integers >= 0)"
     if not all(isinstance(n, str) and n for n in names):
         return 0, {}, "each of 'names' is a tensor's name"
-    return step, {"names": names, "dtype_names": dtypes, "shapes": shapes}, None
+    info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+    if digests:
+        sums = body.get("digests")
+        if not isinstance(sums, list) or len(sums) != len(names):
+            return 0, {}, "body needs 'digests': each tensor's digest as sent (sha256, hex), one per name"
+        if not all(isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d) for d in sums):
+            return 0, {}, "each of 'digests' is a sha256 hex digest of a tensor's bytes"
+        info["digests"] = sums
+    return step, info, None
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -623,10 +742,10 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _error(status: int, message: str) -> Any:
+def _error(status: int, message: str, **more: Any) -> Any:
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(status_code=status, content={"error": message})
+    return JSONResponse(status_code=status, content={"error": message, **more})
 
 
 def add_routes(app: Any, server: Server) -> None:

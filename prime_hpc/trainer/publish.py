@@ -64,7 +64,11 @@ class Publisher:
                     f"weights.transport=broadcast: {API_KEY_VAR} is not set: the servers take weights only with it"
                 )
 
-            self.sender = WeightSender(s.run, make=broadcaster_for(s.cfg.device, s.env.device))
+            self.sender = WeightSender(
+                s.run,
+                make=broadcaster_for(s.cfg.device, s.env.device, store_dir=s.run.rendezvous_dir),
+                write=lambda step, hf: write_refused(s, step, hf),
+            )
 
     def publish(self, s: "Session", step: int, final: bool) -> dict[str, float]:
         """Hand policy `step` on; the step's timers (`time/save_weights`: the gather and
@@ -120,6 +124,19 @@ class Publisher:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+
+def write_refused(s: "Session", step: int, hf: dict) -> None:
+    """`weights/step_<step>` from the policy as it was sent (the merged HF tensors), for a
+    server that refused it by broadcast (what arrived differed from its digests): it loads
+    them in its place. Runs in the sender's thread: the config is a copy of its own."""
+    import copy
+    import dataclasses
+
+    from prime_hpc.trainer.model import write_weights
+
+    pol = dataclasses.replace(s.policy, hf_config=copy.deepcopy(s.policy.hf_config), lora_config=None)
+    write_weights(s.run, step, pol, {}, info=BROADCAST_INFO, hf=hf)
 
 
 def send_metrics(last: dict) -> dict[str, float]:

@@ -17,6 +17,13 @@ one line and left out for `RETRY_S` (15 s, then 60 s, then every 5 min), then jo
 again and sent the newest policy, or at once when its endpoint changes (its supervisor
 restarted it; a server that fails midway exits by itself); the trainer never fails for
 one server.
+
+Each policy's digests (`Broadcaster.digests`, one per tensor as it goes to a server) are
+computed once per dtype the servers hold, by the first thread that needs them. A server
+that refuses a policy because what arrived differs from them (someone in its group, or on
+its path, altered it: `DigestRefused`) is named in one line; the policy is then written to
+`weights/step_<n>` (`write`, unless it is there already), which that server loads in its
+place, and the server is joined again with a fresh group.
 """
 
 from __future__ import annotations
@@ -59,18 +66,32 @@ class Policy:
     named: list  # [(name, tensor)]
     announced: dict
     at: float  # when it was published (time.monotonic)
+    digests: dict = field(default_factory=dict)  # the servers' dtype -> each tensor's digest as sent
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class WeightSender:
-    """The background sender (rank 0 only). `make(url)`: a Broadcaster for a server."""
+    """The background sender (rank 0 only). `make(url)`: a Broadcaster for a server;
+    `write(step, named)`: writes `weights/step_<step>` from a policy's HF-named tensors (for
+    a server that refused what arrived by broadcast)."""
 
-    def __init__(self, run: RunDir, make: Optional[Callable[[str], Any]] = None, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        make: Optional[Callable[[str], Any]] = None,
+        poll_s: float = POLL_S,
+        write: Optional[Callable[[int, dict], Any]] = None,
+    ) -> None:
         if make is None:
             from prime_hpc.inference.broadcast import Broadcaster
 
-            make = Broadcaster
+            def make(url: str) -> Any:
+                return Broadcaster(url, store_dir=run.rendezvous_dir)
+
         self.run = run
         self.make = make
+        self.write = write
+        self._writing = threading.Lock()  # one policy written at a time (two servers may refuse it)
         self.poll_s = poll_s
         self.links: dict[str, Link] = {}
         self.latest: Optional[Policy] = None
@@ -221,15 +242,19 @@ class WeightSender:
                 logger.info(
                     f"weights: joined the weight group of {link.slot} ({link.url}) in {time.monotonic() - t0:.2f}s"
                 )
-            if policy is not None:
+            if policy is not None and link.sent != policy.step:  # a refused one: the server loads it from disk
                 what = f"policy {policy.step}"
-                answer = link.sender.send(policy.step, policy.named, policy.announced)
+                digests = _digests(policy, link.sender)
+                answer = link.sender.send(policy.step, policy.named, policy.announced, digests=digests)
                 with self._cv:
                     link.sent, link.failures = policy.step, 0
                     self.delivered.setdefault(policy.step, []).append((time.monotonic() - policy.at, dict(answer)))
                     for old in sorted(self.delivered)[:-KEPT_STEPS]:
                         del self.delivered[old]
         except Exception as e:
+            if policy is not None and _refused(e):
+                self._refused(link, policy, e)
+                return
             with self._cv:
                 wait = RETRY_S[min(link.failures, len(RETRY_S) - 1)]
                 link.dropped, link.joined = f"{type(e).__name__}: {e}", False
@@ -241,6 +266,46 @@ class WeightSender:
                     f"({(str(e).splitlines() or [''])[0][:300]}); joined again in {wait:g}s, "
                     "or at once if a new server takes its slot"
                 )
+
+    def _refused(self, link: Link, policy: Policy, e: Exception) -> None:
+        """`link`'s server refused `policy`: what arrived differs from its digests. It loads
+        the step from `weights/step_<n>`, written here unless it is there; the link joins a
+        fresh group next (the server dropped its own)."""
+        logger.warning(
+            f"weights: {link.slot} ({link.url}) refused policy {policy.step}: {(str(e).splitlines() or [''])[0][:300]}; "
+            f"it loads the step from {self.run.weights_step(policy.step)}"
+        )
+        try:
+            with self._writing:
+                if not self.run.has_weights(policy.step):
+                    if self.write is None:
+                        raise RuntimeError("this sender writes no weights")
+                    self.write(policy.step, dict(policy.named))
+        except Exception as w:
+            logger.warning(
+                f"weights: policy {policy.step} could not be written for {link.slot}: {type(w).__name__}: {w}; "
+                "that server exits without serving what it refused and is restarted"
+            )
+        with self._cv:
+            link.sent, link.joined = policy.step, False
+
+
+def _refused(e: Exception) -> bool:
+    from prime_hpc.inference.broadcast import DigestRefused
+
+    return isinstance(e, DigestRefused)
+
+
+def _digests(policy: Policy, sender: Any) -> Optional[list[str]]:
+    """`policy`'s digests as `sender` sends it (None: a sender that sends none), computed
+    once per dtype the servers hold."""
+    if not getattr(sender, "verified", False):
+        return None
+    key = str(getattr(sender, "dtype", None))
+    with policy.lock:
+        if key not in policy.digests:
+            policy.digests[key] = sender.digests(policy.named)
+        return policy.digests[key]
 
 
 def _shut(link: Link) -> None:

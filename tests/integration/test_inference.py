@@ -8,6 +8,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -464,8 +465,13 @@ def test_weights_by_broadcast_serve_the_new_policy_exactly(inference, tmp_path):
     servers = inference.endpoints.servers
     one = {"step": 5, "names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}
     r = httpx.post(servers[0] + "/weights/receive", json=one, headers=_auth(inference), timeout=60)
+    assert r.status_code == 400 and "body needs 'digests'" in r.json()["error"], r.text  # never without them
+    r = httpx.post(
+        servers[0] + "/weights/receive", json={**one, "digests": ["0" * 64]}, headers=_auth(inference), timeout=60
+    )
     assert r.status_code == 409 and r.json()["error"].endswith("(POST /weights/join first)"), r.text
-    senders = [Broadcaster(s, host=LOOPBACK, key=inference.key, timeout_s=120) for s in servers]
+    store_dir = inference.run.rendezvous_dir  # one host: each group meets in a file store there
+    senders = [Broadcaster(s, host=LOOPBACK, key=inference.key, timeout_s=120, store_dir=store_dir) for s in servers]
     admin = inference.admin()
     try:
         assert [b.join()["world_size"] for b in senders] == [2, 2]  # the sender and the server's one worker
@@ -520,7 +526,12 @@ def test_the_trainers_sender_brings_every_published_server_to_its_policy(inferen
     first, second = inference.endpoints.servers
     run = RunDir(tmp_path / "run")
     atomic_write_json(run.inference_endpoint(0), {"url": first})
-    sender = WeightSender(run, make=lambda url: Broadcaster(url, host=LOOPBACK, key=inference.key, timeout_s=120))
+    store_dir = inference.run.rendezvous_dir  # the servers' run: the groups meet in its private directory
+
+    def make(url: str) -> Broadcaster:
+        return Broadcaster(url, host=LOOPBACK, key=inference.key, timeout_s=120, store_dir=store_dir)
+
+    sender = WeightSender(run, make=make)
     admin = inference.admin()
     try:
         sender.publish(21, new)
@@ -537,6 +548,94 @@ def test_the_trainers_sender_brings_every_published_server_to_its_policy(inferen
     finally:
         sender.close()
         results = asyncio.run(admin.reload_base())
+    assert [r["policy_step"] for r in results] == [0, 0]
+
+
+@pytest.mark.vllm
+def test_a_policy_altered_on_its_way_is_refused_and_the_servers_load_it_from_the_senders_files(inference, tmp_path):
+    """Someone in a weight group (or on its path) alters a tensor of the policy after the
+    sender digested it: each server refuses what arrived (one line naming the sender, the
+    step and the tensor), serves none of it, and loads the step from the run's
+    `weights/step_<n>`, which the trainer's sender writes on the refusal (`write_refused`,
+    once); the served logprobs are then those of the true weights. The groups are joined
+    again and the next policy arrives whole by broadcast."""
+    import shutil
+
+    import torch
+    from loguru import logger
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from prime_hpc.core.net import LOOPBACK
+    from prime_hpc.inference.broadcast import Broadcaster
+    from prime_hpc.model import build_tiny_model, resolve_model
+    from prime_hpc.trainer.model import Policy
+    from prime_hpc.trainer.publish import write_refused
+    from prime_hpc.trainer.sender import WeightSender
+
+    base_dir, new_dir = Path(resolve_model("tiny")), tmp_path / "new"
+    build_tiny_model(new_dir, seed=13)
+
+    def tensors(d: Path) -> dict:
+        model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, local_files_only=True)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    class Altering(Broadcaster):
+        """Flips the sign of one element of the policy's middle tensor as it goes out, once."""
+
+        sent = 0
+
+        def _send_tensor(self, tensor):
+            self.sent += 1
+            if self.sent == 3:
+                tensor = tensor.clone()
+                tensor.view(-1)[0] = -tensor.view(-1)[0] + 1.0
+            return super()._send_tensor(tensor)
+
+    run = inference.run
+    policy = Policy(None, None, str(new_dir), AutoConfig.from_pretrained(new_dir), None, torch.float32, sharded=False)
+    session = SimpleNamespace(run=run, policy=policy)
+    written: list = []
+
+    def write(step, hf):
+        written.append(step)
+        write_refused(session, step, hf)
+
+    def make(url):
+        return Altering(url, host=LOOPBACK, key=inference.key, timeout_s=120, store_dir=run.rendezvous_dir)
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+    sender = WeightSender(run, make=make, write=write)
+    admin = inference.admin()
+    where = run.weights_step(31)
+    logs = [inference.log(f"inference/node_{n}") for n in (0, 1)]
+    try:
+        sender.publish(31, tensors(new_dir))
+        deadline = time.monotonic() + 240
+        while [(p["policy_step"], p["weight_dir"]) for p in asyncio.run(admin.policies())] != [(31, str(where))] * 2:
+            assert time.monotonic() < deadline, (asyncio.run(admin.policies()), lines)
+            time.sleep(0.2)
+        assert written == [31] and sum("refused policy 31" in line for line in lines) == 2, lines
+        for log in logs:
+            refused = [line for line in log.read_text().splitlines() if "refused policy 31 from" in line]
+            assert len(refused) == 1, refused
+            assert f"from the file store {run.rendezvous_dir}/weights_" in refused[0]
+            assert "differs from the digest its sender gave; none of it is served" in refused[0]
+            assert refused[0].endswith(f"the step is loaded from {where}"), refused[0]
+        for server in inference.endpoints.servers:
+            served, reference, out = _served_and_reference(inference, server, new_dir)
+            assert out["policy_step"] == 31 and max(abs(a - b) for a, b in zip(served, reference)) < TOLERANCE
+        sender.publish(32, tensors(base_dir))  # joined again, nothing altered now: by broadcast
+        deadline = time.monotonic() + 240
+        while [(p["policy_step"], p["weight_dir"]) for p in asyncio.run(admin.policies())] != [(32, None)] * 2:
+            assert time.monotonic() < deadline, (asyncio.run(admin.policies()), lines)
+            time.sleep(0.2)
+        assert written == [31]
+    finally:
+        sender.close()
+        logger.remove(sink)
+        results = asyncio.run(admin.reload_base())
+        shutil.rmtree(where, ignore_errors=True)
     assert [r["policy_step"] for r in results] == [0, 0]
 
 

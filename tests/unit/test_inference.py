@@ -173,7 +173,13 @@ def test_a_gpu_server_joins_only_by_the_senders_nccl_unique_id():
         assert why is not None and problem in why and "\n" not in why, (bad, why)
 
 
-RECEIVE = {"step": 3, "names": ["a.weight", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[2, 3], []]}
+RECEIVE = {
+    "step": 3,
+    "names": ["a.weight", "b"],
+    "dtype_names": ["float32", "bfloat16"],
+    "shapes": [[2, 3], []],
+    "digests": ["0" * 64, "f" * 64],
+}
 
 
 @pytest.mark.parametrize(
@@ -186,6 +192,9 @@ RECEIVE = {"step": 3, "names": ["a.weight", "b"], "dtype_names": ["float32", "bf
         ({**RECEIVE, "dtype_names": ["float32", "float33"]}, "float33"),
         ({**RECEIVE, "dtype_names": ["float32", "Tensor"]}, "Tensor"),
         ({**RECEIVE, "shapes": [[2, -3], []]}, "shapes"),
+        ({k: v for k, v in RECEIVE.items() if k != "digests"}, "digests"),  # gloo: never without them
+        ({**RECEIVE, "digests": ["0" * 64]}, "digests"),
+        ({**RECEIVE, "digests": ["0" * 64, "sha256:x"]}, "digests"),
     ],
 )
 def test_a_bad_receive_names_the_field(body, problem):

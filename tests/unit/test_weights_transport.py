@@ -10,6 +10,7 @@ import base64
 import json
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -96,20 +97,35 @@ def test_the_policy_handed_to_the_sender_is_a_copy_of_the_live_parameters():
 # ----------------------------------------------------------------------------- the trainer's sender
 class FakeBroadcaster:
     """Records joins and sends; `fail` holds the URLs whose next send fails, `hold` the
-    URLs whose sends wait until their event is set (a frozen server)."""
+    URLs whose sends wait until their event is set (a frozen server), `refuse` those whose
+    sends are refused by their digests (what arrived was altered)."""
 
-    def __init__(self, url: str, log: list, fail: set, hold: dict) -> None:
-        self.url, self.log, self.fail, self.hold = url, log, fail, hold
+    verified = True  # it sends digests: computed once per policy and dtype, by the sender
+    dtype = "float32"
+
+    def __init__(self, url: str, log: list, fail: set, hold: dict, refuse: set = frozenset()) -> None:
+        self.url, self.log, self.fail, self.hold, self.refuse = url, log, fail, hold, refuse
 
     def join(self) -> dict:
         self.log.append(("join", self.url))
         return {}
 
-    def send(self, step, named, announced) -> dict:
+    def digests(self, named) -> list:
+        from prime_hpc.inference.broadcast import tensor_digests
+
+        self.log.append(("digests", self.url))
+        return tensor_digests([t for _, t in named])
+
+    def send(self, step, named, announced, digests=None) -> dict:
+        from prime_hpc.inference.broadcast import DigestRefused, tensor_digest
+
         assert [n for n, _ in named] == announced["names"]
+        assert digests == [tensor_digest(t) for _, t in named]
         self.log.append(("send", self.url, step))
         if self.url in self.fail:
             raise RuntimeError(f"{self.url}: the group timed out")
+        if self.url in self.refuse:
+            raise DigestRefused(f"{self.url}: policy {step} refused: differs", step, "w")
         if self.url in self.hold:
             assert self.hold[self.url].wait(30)
         time.sleep(0.05)
@@ -224,6 +240,49 @@ def test_a_server_left_out_after_a_failure_that_did_not_end_it_is_joined_again_l
         assert sender.wait(5) and sender.stats()["step"] == 2
     finally:
         sender.close()
+
+
+def test_a_server_that_refuses_a_policy_by_its_digests_gets_it_from_disk_and_a_fresh_group(tmp_path):
+    """A server whose received policy differs from the digests the sender gave refuses it
+    (`DigestRefused`): the sender names it in one line, writes `weights/step_<n>` (which the
+    server loads in its place) once even if several refuse it, and joins that server
+    again with a fresh group; the others are not held back. Each policy's digests are
+    computed once for all servers of one dtype."""
+    from prime_hpc.trainer.sender import WeightSender
+
+    run = RunDir(tmp_path)
+    log: list = []
+    lines: list[str] = []
+    written: list = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+
+    def write(step, named):
+        written.append((step, sorted(named)))
+        _full(run, step)
+
+    atomic_write_json(run.inference_endpoint(0), {"url": "http://a"})
+    atomic_write_json(run.inference_endpoint(1), {"url": "http://b"})
+    atomic_write_json(run.inference_endpoint(2), {"url": "http://c"})
+    refuse = {"http://b", "http://c"}
+    make = lambda url: FakeBroadcaster(url, log, set(), {}, refuse)  # noqa: E731
+    sender = WeightSender(run, make=make, poll_s=0.02, write=write)
+    try:
+        _until(lambda: sum(e[0] == "join" for e in log) == 3)
+        sender.publish(1, {"w": torch.ones(2), "b": torch.zeros(1)})
+        assert sender.wait(10) and sender.behind() == []
+        assert written == [(1, ["b", "w"])] and run.has_weights(1)  # written once, for both
+        assert sum(e[0] == "digests" for e in log) == 1  # once for the three servers
+        refused = [line for line in lines if "refused policy 1" in line]
+        assert len(refused) == 2 and all(f"loads the step from {run.weights_step(1)}" in line for line in refused)
+        _until(lambda: log.count(("join", "http://b")) == 2 and log.count(("join", "http://c")) == 2)
+        assert log.count(("join", "http://a")) == 1  # a fresh group for the refusing servers only
+        refuse.clear()
+        sender.publish(2, {"w": torch.full((2,), 2.0), "b": torch.zeros(1)})
+        assert sender.wait(10) and {("send", u, 2) for u in ("http://a", "http://b", "http://c")} <= set(log)
+        assert written == [(1, ["b", "w"])] and len(sender.delivered[2]) == 3
+    finally:
+        sender.close()
+        logger.remove(sink)
 
 
 # ----------------------------------------------------------------------------- the relay
@@ -680,3 +739,168 @@ def test_a_server_whose_workers_never_join_fails_the_join_in_one_line_instead_of
     finally:
         released.set()
         server.close()
+
+
+# ----------------------------------------------------------------------------- one host, digests
+class FakeCpuServer:
+    """A CPU server's routes as the gloo sender meets them on one host, its one worker
+    played by a thread of this process (vLLM's engine is the integration tests'): `/weights/
+    join` is checked as the server checks it (`join_info`, the run's rendezvous directory)
+    and joins the sender's file store as rank 1; `/weights/receive` (checked by
+    `receive_info`) receives each announced tensor and records it with the body."""
+
+    def __init__(self, run: RunDir) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from torch.distributed import BroadcastOptions
+
+        from prime_hpc.inference import server as srv
+
+        self.run, self.bodies, self.received, self.group = run, [], [], None
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(200, {"workers": 1, "dtype": "float32", "policy_step": 0})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.bodies.append((self.path, body))
+                if self.path == "/weights/join":
+                    info, why = srv.join_info(body, 1, "gloo", fake.run.rendezvous_dir)
+                    if why:
+                        return self._answer(400, {"error": why})
+                    fake.group = _file_peer(info["store_path"], info["world_size"])
+                elif self.path == "/weights/receive":
+                    step, info, why = srv.receive_info(body)
+                    assert why is None, why
+                    options = BroadcastOptions()
+                    options.rootRank = 0
+                    for shape, dtype in zip(info["shapes"], info["dtype_names"]):
+                        t = torch.empty(shape, dtype=getattr(torch, dtype))
+                        fake.group.broadcast([t], options).wait()
+                        fake.received.append(t)
+                self._answer(200, {"status": "ok", "policy_step": body.get("step")})
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def _file_peer(path: str, world_size: int):
+    """Rank 1 of a group meeting in the file store at `path` (as the workers join it)."""
+    from datetime import timedelta
+
+    from torch.distributed import FileStore, PrefixStore, ProcessGroupGloo
+
+    from prime_hpc.inference.broadcast import file_store_prefix
+
+    store = FileStore(path, world_size)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=30)
+    options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return ProcessGroupGloo(PrefixStore(file_store_prefix(path), store), 1, world_size, options)
+
+
+def test_on_one_host_a_weight_group_meets_in_a_private_file_store_and_each_tensor_carries_its_digest(
+    tmp_path, monkeypatch
+):
+    """Sender and server on one host (a loopback address): the join names a fresh file
+    store in the run's private `rendezvous/` (0700), not a port: no store of the group
+    listens. The receive's body carries each tensor's SHA-256 as sent, which the bytes that
+    arrive match; the store file goes with the group."""
+    import os
+    import stat
+
+    from prime_hpc.inference.broadcast import Broadcaster, tensor_digest
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    run = RunDir(tmp_path)
+    server = FakeCpuServer(run)
+    sender = Broadcaster(server.url, host="127.0.0.1", store_dir=run.rendezvous_dir, timeout_s=30)
+    try:
+        sender.join()
+        ((path, join),) = server.bodies
+        store = Path(join["store_path"])
+        assert path == "/weights/join" and "master_port" not in join and sender.port is None
+        assert store.parent == run.rendezvous_dir and stat.S_IMODE(os.stat(store.parent).st_mode) == 0o700
+        named = [("a.weight", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.int64)), ("c", torch.ones(()))]
+        assert sender.send(4, named)["policy_step"] == 4
+        body = server.bodies[-1][1]
+        assert body["digests"] == [tensor_digest(t) for _, t in named]
+        assert [tensor_digest(t) for t in server.received] == body["digests"]
+        assert all(torch.equal(a, b) for (_, a), b in zip(named, server.received))
+    finally:
+        sender.close(leave=False)
+        server.close()
+    assert not store.exists()
+
+
+def test_a_weight_group_on_one_host_meets_nowhere_but_the_runs_private_directory(tmp_path, monkeypatch):
+    """No private directory given, another user's `rendezvous/` planted in the run's
+    directory, a store outside it or named otherwise: the sender opens no group, the
+    server joins none, each in one line."""
+    import os
+
+    from prime_hpc.inference import server as srv
+    from prime_hpc.inference.broadcast import Broadcaster, BroadcastError
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    with pytest.raises(BroadcastError, match="a weight group meets in a file store of the run's private"):
+        Broadcaster("http://s", workers=1, host="127.0.0.1")._rendezvous(2)
+    good = {"store_path": str(run.rendezvous_dir / "weights_0123abcd.store"), "world_size": 2, "rank_offset": 1}
+    info, why = srv.join_info(good, 1, "gloo", run.rendezvous_dir)
+    assert why is None and info["store_path"] == good["store_path"]
+    for bad, problem in [
+        ({**good, "store_path": str(tmp_path / "weights_0123abcd.store")}, "must be a weight group's store"),
+        ({**good, "store_path": str(run.rendezvous_dir / "trainer_rendezvous.store")}, "must be a weight group's"),
+        ({**good, "master_address": "127.0.0.1", "master_port": 29500}, "not both"),
+    ]:
+        info, why = srv.join_info(bad, 1, "gloo", run.rendezvous_dir)
+        assert why is not None and problem in why and "\n" not in why, (bad, why)
+    os.rmdir(run.rendezvous_dir)
+    run.rendezvous_dir.mkdir(mode=0o777)
+    os.chown(run.rendezvous_dir, 65534, 65534)  # someone else's, made before the run's
+    info, why = srv.join_info(good, 1, "gloo", run.rendezvous_dir)
+    assert why == f"the weight group's store: {run.rendezvous_dir} belongs to nobody, not to you", why
+    with pytest.raises(BroadcastError) as e:
+        Broadcaster("http://s", workers=1, host="127.0.0.1", store_dir=run.rendezvous_dir)._rendezvous(2)
+    assert str(e.value) == f"http://s: the weight group's store: {run.rendezvous_dir} belongs to nobody, not to you"
+
+
+def test_digests_are_of_the_bytes_as_sent():
+    """A tensor's digest is SHA-256 of its bytes as they go to the server: one flipped
+    element changes it; a float32 policy sent narrowed to a bfloat16 server is digested
+    narrowed; empty and 0-d tensors too."""
+    import hashlib
+
+    from prime_hpc.inference.broadcast import Broadcaster, tensor_digest
+
+    t = torch.randn(4, 5)
+    assert tensor_digest(t) == hashlib.sha256(t.numpy().tobytes()).hexdigest()
+    flipped = t.clone()
+    flipped[2, 3] = -flipped[2, 3]
+    assert tensor_digest(flipped) != tensor_digest(t)
+    assert tensor_digest(t.t()) == tensor_digest(t.t().contiguous())  # the bytes as sent (contiguous)
+    assert tensor_digest(torch.empty(0)) == hashlib.sha256(b"").hexdigest()
+    assert len(tensor_digest(torch.ones((), dtype=torch.bfloat16))) == 64
+    sender = Broadcaster("http://s", workers=1, host="127.0.0.1")
+    sender.dtype = "bfloat16"
+    named = [("w", t), ("i", torch.arange(3))]
+    assert sender.digests(named) == [tensor_digest(t.to(torch.bfloat16)), tensor_digest(torch.arange(3))]
