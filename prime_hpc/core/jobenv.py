@@ -14,7 +14,9 @@ components read them here and nowhere else.
 - `PRIME_HPC_CACHE`: the run's shared cache (`cluster.cache_dir`: built models, compile
   caches); also honoured outside a job;
 - `INFERENCE_SERVER_API_KEY`: the key every inference server of the job demands (the
-  user's, or one the launcher made for the job); never written to a file;
+  user's, or one the launcher made for the job); in no file of the run but the one kept
+  for its owner alone (`private/api_key`, `prime_hpc.core.keyfile`), never sent to a
+  server by the run's router or relay (`prime_hpc.inference.gate.Proofs`);
 - `PRIME_HPC_PG_STORE`: when every node is this machine, the file where the trainer's
   ranks set up their process group (torch's TCP store would listen on every interface).
 

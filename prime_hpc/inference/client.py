@@ -2,14 +2,23 @@
 admin calls (weight updates) to every server directly. Generation goes through the router
 with any OpenAI client (`base_url = endpoints.router + "/v1"`).
 
-Light imports (httpx only); the API key comes from `$INFERENCE_SERVER_API_KEY` and is
-never written anywhere.
+Light imports (httpx only); the API key comes from `$INFERENCE_SERVER_API_KEY`. It is
+sent only to the run's router: a server gets nothing until it has proven it holds the key
+(`challenge`: an HMAC of a nonce, without the key being sent), and then requests signed
+for that server's instance (`Signed`), never the key itself
+(`prime_hpc.inference.gate.Proofs`).
+
+An endpoint a user names (`eval`/`synthesize` `client.base_url=`) is asked with a key of
+its own, `$ENDPOINT_API_KEY` (`endpoint_key`), never the job's variable; `serve=<job>` of
+the user's own serve job, with the key that job was submitted with (its key file).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,17 +26,109 @@ from typing import Any, Optional
 
 from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.core.net import IDLE_CONNECTION_S
+from prime_hpc.inference.gate import IDENTITY_PATH, Proofs, signature_header
 from prime_hpc.rundir import RunDir, read_json, wait_for
 
 POLICY_TIMEOUT_S = 10.0  # a `GET /policy` answers at once, even while the server loads weights
+CHALLENGE_TIMEOUT_S = 10.0  # a server answers its identity challenge at once
+ENDPOINT_KEY_VAR = "ENDPOINT_API_KEY"  # the key of an endpoint eval/synthesize are given (client.base_url=)
+SERVE_DIR = "serve.dir"  # in eval's/synthesize's words once serve=<job> is resolved: that job's directory
 
 
 class InferenceError(RuntimeError):
     """An admin call failed; the message names the server and what it answered."""
 
 
+class NotProven(InferenceError):
+    """A listener at a server's address did not prove it holds the job's key: nothing is
+    sent to it."""
+
+
 def api_key(var: str = API_KEY_VAR) -> Optional[str]:
     return os.environ.get(var) or None
+
+
+def endpoint_key(opts: dict) -> Optional[str]:
+    """The key `eval`/`synthesize` send to the endpoint they were given: for `serve=<job>`
+    of the user's own serve job, the key it was submitted with (its key file, checked as
+    `prime_hpc.core.keyfile` says); for any other endpoint, `$ENDPOINT_API_KEY`. Never the
+    job's own variable: a base URL someone gave is not the job's."""
+    served = opts.get(SERVE_DIR)
+    if served and _owned(served):
+        from prime_hpc.core import keyfile
+
+        stored = keyfile.read(RunDir(served).private_dir)
+        if stored:
+            return stored
+    return os.environ.get(ENDPOINT_KEY_VAR) or None
+
+
+def _owned(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+async def challenge(client: Any, base: str, proofs: Proofs, record: Optional[dict] = None) -> str:
+    """Ask the listener at `base` to prove it holds the job's key (`GET /identity` with a
+    fresh nonce; no key is sent) as the server `record` the run published there (its
+    `instance` and `pid`; None: as whatever instance it names). Its instance, or
+    `NotProven` naming `base` and why; `httpx.HTTPError` when it does not answer."""
+    nonce = secrets.token_hex(16)
+    r = await client.get(base + IDENTITY_PATH, params={"nonce": nonce}, timeout=CHALLENGE_TIMEOUT_S, auth=None)
+    try:
+        answer = r.json() if r.status_code == 200 else None
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise NotProven(f"{base} answered the identity challenge with HTTP {r.status_code}: not a server of this run")
+    claimed = record if record is not None else answer
+    instance, pid = str(claimed.get("instance") or ""), claimed.get("pid")
+    if not instance:
+        raise NotProven(f"{base}: its endpoint names no instance to prove")
+    expected = proofs.identity(nonce, base, instance, pid)
+    if not secrets.compare_digest(str(answer.get("proof", "")), expected):
+        raise NotProven(
+            f"{base} did not prove it holds the job's key as the server the run published there "
+            f"(instance {instance}, pid {pid}): nothing is sent to it"
+        )
+    return instance
+
+
+def signed(proofs: Proofs, instances: dict[str, str]) -> Any:
+    """httpx auth: each request signed for the instance its server proved it is
+    (`instances`, base URL -> instance) in place of the key, and its answer taken only with
+    that instance's proof (`gate.PROOF_HEADER`); a request to a server that has not proven
+    itself is not sent, an answer without the proof not taken (`NotProven`)."""
+    return _signed_class()(proofs, instances)
+
+
+@functools.cache
+def _signed_class() -> Any:
+    import httpx
+
+    class Signed(httpx.Auth):
+        requires_request_body = True
+
+        def __init__(self, proofs: Proofs, instances: dict[str, str]) -> None:
+            self.proofs = proofs
+            self.instances = instances
+
+        def auth_flow(self, request: httpx.Request) -> Any:
+            base = f"{request.url.scheme}://{request.url.netloc.decode('ascii')}"
+            instance = self.instances.get(base)
+            if instance is None:
+                raise NotProven(f"{base} has not proven it holds the job's key: nothing is sent to it")
+            token = self.proofs.signature(
+                instance, request.method, request.url.path, request.url.query.decode("latin-1"), request.content
+            )
+            request.headers["Authorization"] = signature_header(token)
+            response = yield request
+            if not self.proofs.answered(token, response.headers):
+                raise NotProven(f"{base} answered without the proof of the server it was sent to: not taken")
+
+    return Signed
 
 
 def headers(key: Optional[str] = None) -> dict[str, str]:
@@ -130,10 +231,14 @@ class Admin:
     answers at all (connection refused or cut, no `/health`) is lost: it is dropped from
     this and every later call (`lost` says which and why, `on_lost` is told) and the run
     goes on with the others (with none, a call reaches no server and returns []); so is one
-    that answers it is on its way out (`LEAVING_STATUS`). Any other failure
-    (a server that answers with an error) raises one `InferenceError` naming it. Servers
-    join (`add`, after they loaded the current policy: `to=[url]`) and leave (`remove`)
-    while the run goes on."""
+    that answers it is on its way out (`LEAVING_STATUS`), and so is a listener at a
+    server's address that does not prove it holds the key (`challenge`: asked before the
+    first call to a server and again after any broken connection, against the endpoint it
+    published when `expect` was told it). Any other failure (a server that answers with an
+    error) raises one `InferenceError` naming it. Servers join (`add`, after they loaded
+    the current policy: `to=[url]`) and leave (`remove`) while the run goes on. Requests
+    are signed for the instance each server proved it is (`signed`); the key is never
+    sent."""
 
     def __init__(
         self, servers: list[str], key: Optional[str] = None, timeout_s: float = 900.0, on_lost: Any = None
@@ -143,6 +248,8 @@ class Admin:
         self.timeout_s = timeout_s
         self.lost: dict[str, str] = {}  # server URL -> why it was dropped
         self.on_lost = on_lost  # on_lost(url, why): called once per lost server
+        self.instances: dict[str, str] = {}  # server URL -> the instance it proved it is
+        self.published: dict[str, dict] = {}  # server URL -> the endpoint it published (`expect`)
         self._client: Any = None  # kept open: one connection per server, reused by every update
         self._loop: Any = None  # the event loop it belongs to
 
@@ -153,11 +260,27 @@ class Admin:
         if self._client is None or self._loop is not loop:
             self._client = httpx.AsyncClient(
                 timeout=self.timeout_s,
-                headers=headers(self.key),
+                auth=signed(self.proofs, self.instances),
                 limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S),
             )
             self._loop = loop
         return self._client
+
+    @functools.cached_property
+    def proofs(self) -> Proofs:
+        return Proofs(self.key or "")
+
+    def expect(self, server: str, record: dict) -> None:
+        """`server` must prove it is the server `record` (its endpoint) names before it is
+        sent anything more."""
+        if self.published.get(server, {}).get("instance") != record.get("instance"):
+            self.instances.pop(server, None)
+        self.published[server] = record
+
+    async def verify(self, server: str) -> None:
+        """`server` proves it holds the key (`challenge`), as the endpoint it published when
+        known; `NotProven` otherwise."""
+        self.instances[server] = await challenge(self.client(), server, self.proofs, self.published.get(server))
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -179,13 +302,15 @@ class Admin:
         if server in self.servers:
             self.servers.remove(server)
         self.lost.pop(server, None)
+        self.instances.pop(server, None)
+        self.published.pop(server, None)
 
     async def _gone(self, client: Any, base: str) -> bool:
         """Does the server no longer answer at all? (It may only have been slow.)"""
         import httpx
 
         try:
-            await client.get(base + "/health", timeout=5)
+            await client.get(base + "/health", timeout=5, auth=None)  # liveness: open, nothing signed
             return False
         except httpx.HTTPError:
             return True
@@ -210,8 +335,13 @@ class Admin:
 
         async def one(base: str) -> dict:
             try:
+                if base not in self.instances:
+                    await self.verify(base)
                 r = await client.request(method, base + path, json=body, timeout=timeout_s or self.timeout_s)
+            except NotProven as e:
+                return {"lost": str(e)}
             except httpx.HTTPError as e:
+                self.instances.pop(base, None)  # proven again before anything more is sent
                 why = f"{type(e).__name__}: {e}"
                 if (
                     isinstance(e, httpx.TransportError)
@@ -222,6 +352,8 @@ class Admin:
                 raise InferenceError(f"{base}{path}: {why}") from None
             if r.status_code == LEAVING_STATUS:  # on its way out: as good as lost, not a failed update
                 return {"lost": error_detail(r)}
+            if r.status_code == 401:  # not the instance it proved it was: proven again first
+                self.instances.pop(base, None)
             if r.status_code != 200:
                 raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {error_detail(r)}")
             return r.json()
@@ -263,6 +395,9 @@ class Admin:
         return dict(await self._call_all("GET", "/policy", None, to, timeout_s=POLICY_TIMEOUT_S))
 
     async def policies(self) -> list[dict]:
+        for s in self.live:
+            if s not in self.instances:
+                await self.verify(s)
         rs = await asyncio.gather(*(self.client().get(s + "/policy", timeout=30) for s in self.live))
         return [r.json() for r in rs]
 

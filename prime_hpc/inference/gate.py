@@ -25,6 +25,20 @@ The server stamps on each response the policy it started under and the one it en
 `policy_step` (the oldest, what the off-policy bound counts) and `policy_step_end` in the
 JSON body, and the `x-policy-step` header (the start: streams get only the header).
 
+The job's key is proven without being sent where a listener may not be the run's (`Proofs`):
+a server answers `GET /identity?nonce=<hex>` (open, like `/health`) with an HMAC of the
+nonce, its URL, its instance (a random id it publishes in its endpoint) and its pid; the
+router and the weight relay send a server anything only once it has answered that for the
+endpoint it published, and then sign each request for that instance
+(`Authorization: prime-hpc-signature <hmac>` over the instance, the method, the path, the
+query and the body's digest) instead of sending the key. A listener that took a dead
+server's port can neither answer the challenge nor use a signature: it is bound to an
+instance that no longer runs. A server answers a signed request with its own proof
+(`x-prime-hpc-proof`: an HMAC of that signature), so a caller takes an answer only from the
+instance it signed for: whatever answers at a dead server's address in the seconds before
+anyone noticed is not taken for the server. The bearer key is still accepted from the
+run's own callers.
+
 Pure ASGI, no vLLM import: unit-testable with any ASGI app.
 """
 
@@ -34,6 +48,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import re
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
@@ -48,6 +63,10 @@ SALTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/genera
 SALT_MAX = 128  # vLLM's longest salt
 # Open without a key: liveness only (the router and load balancers probe it).
 OPEN_PATHS = ("/health", "/ping")
+IDENTITY_PATH = "/identity"  # open: a server proves it holds the key without it being sent
+SIGNATURE_SCHEME = "prime-hpc-signature"  # a request signed for one server instance, in place of the key
+PROOF_HEADER = "x-prime-hpc-proof"  # a server's answer to a signed request: it is the instance signed for
+NONCE = re.compile(r"[0-9a-f]{32,128}")  # a challenge's nonce: 16 to 64 random bytes, in hex
 
 Scope = dict
 Message = dict
@@ -165,29 +184,82 @@ def is_preflight(scope: Scope) -> bool:
     return b"origin" in names and b"access-control-request-method" in names
 
 
+def _mac(key: bytes, *parts: str) -> str:
+    return hmac.new(key, json.dumps(parts).encode(), hashlib.sha256).hexdigest()
+
+
+class Proofs:
+    """What the job's key proves without being sent, each an HMAC under a key derived from
+    it for that purpose alone: a server's identity (its answer to a nonce) and a request's
+    signature for one server instance."""
+
+    def __init__(self, key: str) -> None:
+        if not key:
+            raise MissingKey("no API key: nothing can be proven without one")
+        self._identity = hmac.new(key.encode(), b"prime-hpc: a server's identity", hashlib.sha256).digest()
+        self._request = hmac.new(key.encode(), b"prime-hpc: a request to one server", hashlib.sha256).digest()
+        self._answer = hmac.new(key.encode(), b"prime-hpc: a server's answer", hashlib.sha256).digest()
+
+    def identity(self, nonce: str, url: str, instance: str, pid: Any) -> str:
+        """A server's answer to `nonce`: bound to the URL it serves at, its instance and pid."""
+        return _mac(self._identity, nonce, url, instance, str(pid))
+
+    def signature(self, instance: str, method: str, path: str, query: str, body: bytes) -> str:
+        """A request to the server `instance`, in place of the key."""
+        return _mac(self._request, instance, method.upper(), path, query, hashlib.sha256(body).hexdigest())
+
+    def answer(self, signature: str) -> str:
+        """A server's proof, on its answer, that it is the instance a request was signed for."""
+        return _mac(self._answer, signature)
+
+    def answered(self, signature: str, headers: Any) -> bool:
+        """`headers` (an answer's) carry the proof for the request signed `signature`."""
+        return hmac.compare_digest(str(headers.get(PROOF_HEADER, "")).encode(), self.answer(signature).encode())
+
+
 class ApiKey:
     """The API key a listener demands on every route but liveness (`OPEN_PATHS`) and a
     real CORS preflight. There is no open mode: a missing key is refused when the listener
-    is built (`MissingKey`). Only its hash is kept."""
+    is built (`MissingKey`). Only its hash and the keys derived from it (`Proofs`) are kept."""
 
     def __init__(self, key: Optional[str]) -> None:
         if not key:
             raise MissingKey("no API key: a prime-hpc listener never serves without one")
         self.key_hash = hashlib.sha256(key.encode()).digest()
+        self.proofs = Proofs(key)
 
     def allows(self, scope: Scope) -> bool:
         if scope.get("path", "") in OPEN_PATHS or is_preflight(scope):
             return True
-        for name, value in scope.get("headers", []):
-            if name.lower() == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.key_hash)
-        return False
+        scheme, token = authorization(scope)
+        return scheme == "bearer" and hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.key_hash)
+
+    def signed(self, scope: Scope, instance: str, body: bytes) -> Optional[str]:
+        """The request's signature when it is valid for this server `instance`
+        (`Proofs.signature`), else None."""
+        scheme, token = authorization(scope)
+        if scheme != SIGNATURE_SCHEME:
+            return None
+        query = scope.get("query_string", b"").decode("latin-1")
+        expected = self.proofs.signature(instance, scope.get("method", ""), scope.get("path", ""), query, body)
+        return token if hmac.compare_digest(token.encode(), expected.encode()) else None
 
     @staticmethod
     async def refuse(send: Send) -> None:
         await send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
+
+
+def authorization(scope: Scope) -> tuple[str, str]:
+    """The request's `Authorization` header as (scheme in lower case, credentials)."""
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return scheme.lower(), token.strip()
+    return "", ""
+
+
+def signature_header(token: str) -> str:
+    return f"{SIGNATURE_SCHEME} {token}"
 
 
 async def send_json(send: Send, status: int, obj: Any) -> None:
@@ -203,21 +275,41 @@ async def send_json(send: Send, status: int, obj: Any) -> None:
 
 
 class GateMiddleware:
-    """API key on everything but liveness; the policy gate and stamp on generation routes."""
+    """API key (or a signature for this server) on everything but liveness and the identity
+    challenge; the policy gate and stamp on generation routes. `identity()`: this server's
+    `url`, `instance`, `pid` and `slot` (None until it knows its port); without it the
+    server answers no challenge and takes no signature."""
 
-    def __init__(self, app: Callable, gate: PolicyGate, api_key: Optional[str]) -> None:
+    def __init__(
+        self,
+        app: Callable,
+        gate: PolicyGate,
+        api_key: Optional[str],
+        identity: Optional[Callable[[], Optional[dict]]] = None,
+    ) -> None:
         self.app = app
         self.gate = gate
         self.key = ApiKey(api_key)
+        self.identity = identity
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        if scope["type"] == "http" and path == IDENTITY_PATH:
+            return await self.answer_challenge(scope, send)
         if not self.key.allows(scope):
-            if scope["type"] == "http":
+            if scope["type"] != "http":
+                return None  # websocket: close without accepting
+            me = self.identity() if self.identity is not None else None
+            if me is None or authorization(scope)[0] != SIGNATURE_SCHEME:
                 return await self.key.refuse(send)
-            return None  # websocket: close without accepting
+            got, _ = await read_body(receive)
+            body = got[0].get("body", b"") if got[0]["type"] == "http.request" else None
+            signature = self.key.signed(scope, str(me["instance"]), body) if body is not None else None
+            if signature is None:
+                return await self.key.refuse(send)
+            receive, send = _replay(got, receive), _proving(send, self.key.proofs.answer(signature))
         if scope["type"] == "http" and scope.get("method") == "POST" and path in GENERATION_PATHS:
             async with self.gate.shared():
                 got, obj = await read_body(receive)
@@ -227,6 +319,20 @@ class GateMiddleware:
                     scope, got = with_body(scope, json.dumps(obj).encode())
                 return await self.app(scope, _replay(got, receive), stamper)
         return await self.app(scope, receive, send)
+
+    async def answer_challenge(self, scope: Scope, send: Send) -> None:
+        """`GET /identity?nonce=<hex>`: who this server is and its proof for the nonce
+        (`Proofs.identity`), which only a holder of the job's key can give."""
+        from urllib.parse import parse_qs
+
+        nonce = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("nonce") or [""])[0]
+        if scope.get("method") != "GET" or not NONCE.fullmatch(nonce):
+            return await send_json(send, 400, {"error": "ask GET /identity?nonce=<32 to 128 hex digits>"})
+        me = self.identity() if self.identity is not None else None
+        if me is None:
+            return await send_json(send, 503, {"error": "this server does not know its address yet"})
+        proof = self.key.proofs.identity(nonce, str(me["url"]), str(me["instance"]), me["pid"])
+        return await send_json(send, 200, {**me, "nonce": nonce, "proof": proof})
 
 
 def policy_salt(step: int, salt: Any = None) -> str:
@@ -263,6 +369,17 @@ def with_body(scope: Scope, body: bytes) -> tuple[Scope, list[Message]]:
     headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
     scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
     return scope, [{"type": "http.request", "body": body, "more_body": False}]
+
+
+def _proving(send: Send, proof: str) -> Send:
+    """`send` with this server's proof (`PROOF_HEADER`) on the answer's start."""
+
+    async def proving(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (PROOF_HEADER.encode(), proof.encode())]}
+        await send(message)
+
+    return proving
 
 
 def _replay(first: list[Message], receive: Receive) -> Receive:

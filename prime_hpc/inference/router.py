@@ -15,8 +15,15 @@ job's key (`INFERENCE_SERVER_API_KEY`; without it the router does not start), a 
 goes round robin to a server that is up (on a connection error, to the next one), servers
 are health-checked every `HEALTH_EVERY_S` and taken out of rotation after
 `HEALTH_FAILURES` failures in a row, and requests are forwarded only to servers this run
-published in `endpoints/`: `/add_worker` refuses any other address, so the job's key (the
-`Authorization` header it forwards) never reaches an address the run did not start.
+published in `endpoints/` (`/add_worker` refuses any other address) that proved they hold
+the key as the instance they published (`client.challenge`: an HMAC of a fresh nonce, the
+key never sent), at admission and at every health check; after a broken connection a
+server is proven again before anything more is sent to it. The key itself never leaves
+the router: each request it forwards carries a signature for the instance of the server
+it goes to instead of the caller's `Authorization` header (`gate.Proofs`), and an answer
+is relayed only when it carries that server's proof for the signature (`PROOF_HEADER`):
+a listener that took a dead server's port gets no key, proves nothing, and no answer of
+its reaches a caller (the request goes to the next server, and it is out of rotation).
 Membership is the orchestrator's weight relay's (it adds a server once it loaded the
 current policy, and removes one that left); the router also drops a server whose endpoint
 file is gone, and a restarted router serves the servers the relay lists as serving
@@ -43,8 +50,8 @@ from urllib.parse import parse_qs
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.net import IDLE_CONNECTION_S, node_address, url
-from prime_hpc.inference.client import api_key, wait_for_servers
-from prime_hpc.inference.gate import ApiKey, is_preflight, send_json
+from prime_hpc.inference.client import NotProven, api_key, challenge, wait_for_servers
+from prime_hpc.inference.gate import ApiKey, is_preflight, send_json, signature_header
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
 from prime_hpc.rundir.fleet import serving_urls
 from prime_hpc.runtime.stopping import die_with_parent
@@ -53,6 +60,7 @@ POLICY = "round_robin"
 MAX_RESTARTS = 3  # a router that dies is started again at most this often per attempt
 HEALTH_EVERY_S = 5.0  # how often each server's /health is asked
 HEALTH_FAILURES = 2  # failed checks in a row that take a server out of rotation
+CHECK_TIMEOUT_S = 5.0  # a health check's or an identity challenge's answer
 READY_TIMEOUT_S = 120.0  # a (re)started router must answer within this
 NO_SERVER_WAIT_S = 600.0  # a request that finds no server waits this long for one to join
 # Tries of one request on one server before the next: a connection that breaks once (the
@@ -63,7 +71,12 @@ HOP_HEADERS = (b"host", b"content-length", b"transfer-encoding", b"connection", 
 
 def published_urls(run: RunDir) -> set[str]:
     """The server URLs this run published (`endpoints/<slot>.json`)."""
-    return {str(r["url"]) for r in run.server_endpoints().values() if isinstance(r, dict) and r.get("url")}
+    return set(published(run))
+
+
+def published(run: RunDir) -> dict[str, dict]:
+    """The endpoint record of each server URL this run published."""
+    return {str(r["url"]): r for r in run.server_endpoints().values() if isinstance(r, dict) and r.get("url")}
 
 
 class Router:
@@ -83,17 +96,21 @@ class Router:
         self.workers = list(dict.fromkeys(workers))  # in rotation order
         self.failures = {w: 0 for w in self.workers}  # failed health checks (or connections) in a row
         self.run = run  # where the run's servers are published (None: any address may be added)
+        self.verified: dict[str, str] = {}  # server URL -> the instance it proved it is
+        self.unproven: set[str] = set()  # server URLs whose listener failed the challenge (said once)
         self._turn = itertools.count()
         self.client: Any = None
+        self.checker: Any = None  # health checks and identity challenges (no key, no signature)
 
     # ------------------------------------------------------------------ membership
     def up(self) -> list[str]:
-        return [w for w in self.workers if self.failures.get(w, 0) < HEALTH_FAILURES]
+        return [w for w in self.workers if w in self.verified and self.failures.get(w, 0) < HEALTH_FAILURES]
 
     def pick(self, tried: set[str]) -> Optional[str]:
         """The next server in turn that is up and not tried yet for this request (if every
-        server is down, one not tried yet: a health check may just be behind)."""
-        for pool in (self.up(), self.workers):
+        server is down, one not tried yet that proved itself: a health check may just be
+        behind). A server that has not proven itself is never picked."""
+        for pool in (self.up(), [w for w in self.workers if w in self.verified]):
             candidates = [w for w in pool if w not in tried]
             if candidates:
                 return candidates[next(self._turn) % len(candidates)]
@@ -117,7 +134,38 @@ class Router:
             return False
         self.workers.remove(worker)
         self.failures.pop(worker, None)
+        self.verified.pop(worker, None)
         return True
+
+    def check_client(self) -> Any:
+        import httpx
+
+        if self.checker is None:
+            self.checker = httpx.AsyncClient(timeout=CHECK_TIMEOUT_S)
+        return self.checker
+
+    async def verify(self, worker: str) -> Optional[str]:
+        """`worker` proves it holds the key as the server the run published at its URL
+        (`client.challenge`); the reason it did not (it is out of rotation until it does),
+        or None."""
+        import httpx
+
+        record = published(self.run).get(worker) if self.run is not None else None
+        try:
+            if self.run is not None and record is None:
+                raise NotProven(f"{worker} is not a server of this run (endpoints/<slot>.json)")
+            instance = await challenge(self.check_client(), worker, self.key.proofs, record)
+        except (NotProven, httpx.HTTPError, ValueError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            was = self.verified.pop(worker, None)
+            if was is not None or (isinstance(e, NotProven) and worker not in self.unproven):
+                print(f"prime-hpc router: {worker} is not routed to: {why}", file=sys.stderr, flush=True)
+            if isinstance(e, NotProven):
+                self.unproven.add(worker)
+            return why
+        self.verified[worker] = instance
+        self.unproven.discard(worker)
+        return None
 
     def drop_unpublished(self) -> None:
         """Forget the servers whose endpoint file is gone (they left the run)."""
@@ -128,23 +176,25 @@ class Router:
             self.remove(w)
 
     async def check_health(self) -> None:
-        """Ask every server's /health every `HEALTH_EVERY_S` (it needs no key)."""
+        """Ask every server's /health every `HEALTH_EVERY_S` (it needs no key), and have it
+        prove who it is (`verify`): a server is up only while it does both."""
         import httpx
 
-        async with httpx.AsyncClient(timeout=HEALTH_EVERY_S) as client:
-            while True:
-                self.drop_unpublished()
+        client = self.check_client()
+        while True:
+            self.drop_unpublished()
 
-                async def one(w: str) -> None:
-                    try:
-                        ok = (await client.get(w + "/health")).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    if w in self.failures:
-                        self.failures[w] = 0 if ok else self.failures[w] + 1
+            async def one(w: str) -> None:
+                try:
+                    ok = (await client.get(w + "/health")).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                ok = ok and await self.verify(w) is None
+                if w in self.failures:
+                    self.failures[w] = 0 if ok else self.failures[w] + 1
 
-                await asyncio.gather(*(one(w) for w in list(self.workers)))
-                await asyncio.sleep(HEALTH_EVERY_S)
+            await asyncio.gather(*(one(w) for w in list(self.workers)))
+            await asyncio.sleep(HEALTH_EVERY_S)
 
     # ------------------------------------------------------------------ requests
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -174,6 +224,8 @@ class Router:
             return await send_json(send, 400, {"error": "give the server as ?url=http://host:port"})
         if path == "/add_worker":
             why = self.add(worker)
+            if not why and (why := await self.verify(worker.rstrip("/"))):
+                self.remove(worker)
             if why:
                 return await send_json(send, 403, {"error": f"not added: {why}"})
             return await send_json(send, 200, {"status": "ok", "workers": self.workers})
@@ -198,24 +250,52 @@ class Router:
             )
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in HOP_HEADERS]
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (*HOP_HEADERS, b"authorization")]
         tried: set[str] = set()
         tries: dict[str, int] = {}
         errors: list[str] = []
         while (worker := await self.next_worker(tried)) is not None:
             tries[worker] = tries.get(worker, 0) + 1
-            request = self.client.build_request(scope["method"], worker + target, headers=headers, content=body)
+            if (instance := self.verified.get(worker)) is None:  # it failed a challenge meanwhile
+                self.out(worker, tried)
+                continue
+            signature = self.key.proofs.signature(instance, scope["method"], scope["path"], query, body)
+            request = self.client.build_request(
+                scope["method"],
+                worker + target,
+                headers=[*headers, (b"authorization", signature_header(signature).encode())],
+                content=body,
+            )
             try:
                 response = await self.client.send(request, stream=True)
-            except httpx.TransportError as e:  # nothing was answered: again, then the next server
+            except httpx.TransportError as e:  # nothing was answered: proven again, then again, else the next
                 errors.append(f"{worker}: {type(e).__name__}")
-                if tries[worker] >= TRIES_PER_SERVER:
-                    tried.add(worker)
-                    if worker in self.failures:
-                        self.failures[worker] = HEALTH_FAILURES  # out until a health check says it is back
+                if tries[worker] >= TRIES_PER_SERVER or await self.verify(worker) is not None:
+                    self.out(worker, tried)
+                continue
+            if not self.key.proofs.answered(signature, response.headers):  # not the instance signed for
+                await response.aclose()
+                errors.append(f"{worker}: answered without the proof of the server it was sent to")
+                if self.verified.pop(worker, None) is not None:
+                    print(f"prime-hpc router: {worker} answered without its proof; not routed to", file=sys.stderr)
+                self.out(worker, tried)
+                continue
+            if await self.aborted(response):  # its engine stopped under the request: the next server
+                errors.append(f"{worker}: aborted the generation (the server is stopping)")
+                print(f"prime-hpc router: {worker} aborted a generation (it is stopping); sent on", file=sys.stderr)
+                tried.add(worker)
+                if worker in self.failures:
+                    self.failures[worker] = HEALTH_FAILURES  # out until a health check says it is back
                 continue
             return await self.relay(response, send)
         return await send_json(send, 503, {"error": "no inference server answered: " + ("; ".join(errors) or "none")})
+
+    def out(self, worker: str, tried: set[str]) -> None:
+        """`worker` takes no more of this request, nor any other until a health check finds
+        it back (and proven again)."""
+        tried.add(worker)
+        if worker in self.failures:
+            self.failures[worker] = HEALTH_FAILURES
 
     async def next_worker(self, tried: set[str]) -> Optional[str]:
         """`pick`, waiting (at most `no_server_wait_s`) while no server is left to try: one
@@ -224,6 +304,31 @@ class Router:
         while (worker := self.pick(tried)) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         return worker
+
+    @staticmethod
+    async def aborted(response: Any) -> bool:
+        """Is the server's answer a generation it aborted (a choice's `finish_reason` is
+        "abort": vLLM's engine stopped under the request, as SLURM's SIGTERM to a server's
+        step does)? Such an answer is no answer: the request goes to the next server. A
+        whole JSON answer is read for it (and kept for `relay`); any other is not read."""
+        import json
+
+        kind, encoded = response.headers.get("content-type", ""), response.headers.get("content-encoding")
+        if response.status_code != 200 or not kind.startswith("application/json") or encoded:
+            return False
+        body = await response.aread()
+        if b'"abort"' not in body:
+            return False
+        try:
+            choices = json.loads(body).get("choices")
+        except (ValueError, AttributeError):
+            return False
+        if not isinstance(choices, list) or not any(
+            isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices
+        ):
+            return False
+        await response.aclose()
+        return True
 
     @staticmethod
     async def relay(response: Any, send: Any) -> None:
@@ -235,6 +340,9 @@ class Router:
                     "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS],
                 }
             )
+            if response.is_stream_consumed:  # read whole already (`aborted`)
+                await send({"type": "http.response.body", "body": response.content})
+                return
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -251,8 +359,9 @@ class Router:
             elif message["type"] == "lifespan.shutdown":
                 if checker is not None:
                     checker.cancel()
-                if self.client is not None:
-                    await self.client.aclose()
+                for client in (self.client, self.checker):
+                    if client is not None:
+                        await client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

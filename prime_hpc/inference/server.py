@@ -38,8 +38,11 @@ start.
 
 The server is named by its slot (`inference_<node>`; `rundir.server_slot`; a server of an
 extra inference job, `prime-hpc scale`: `inference_<job id>.<node>`, `--extra-job`). Once
-healthy, it publishes `endpoints/<slot>.json` (address, port, slot, job, node, pid, model,
-policy step) and rewrites it after each update; it removes it when it stops. Generation
+healthy, it publishes `endpoints/<slot>.json` (address, port, slot, job, node, pid, its
+`instance`: a random id of this process, model, policy step) and rewrites it after each
+update; it removes it when it stops. It answers `GET /identity?nonce=` (open) with its
+proof that it holds the job's key as that instance, and takes requests signed for that
+instance (`gate.Proofs`): the router and the weight relay send it nothing before. Generation
 reaches it only through the router, to which the orchestrator's weight relay adds it once
 it has loaded the run's current policy (docs/inference.md#the-fleet).
 
@@ -61,6 +64,7 @@ import base64
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -197,6 +201,7 @@ class Server:
         self.extra_job = extra_job  # the id of the extra inference job this server belongs to (None: the run's)
         self.slot = jobenv.slot() or server_slot(self.node, extra_job, cfg.group)
         self.draining: Optional[str] = None  # why it leaves, once it does
+        self.instance = secrets.token_hex(16)  # this process, in its endpoint: what it proves it is
         self.engine_stopping = False  # vLLM's engine refused a call: it was signalled to stop
         self.run = RunDir(cfg.output_dir, cfg.group)
         self.gate = PolicyGate(step=0, weight_dir=None)
@@ -227,6 +232,7 @@ class Server:
             "extra": self.extra_job is not None,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
+            "instance": self.instance,
             "model": self.cfg.model.name,
             "policy_step": self.gate.step,
             "weight_dir": self.gate.weight_dir,
@@ -237,6 +243,13 @@ class Server:
             "device_name": self.device_name,  # what it computes on, and on how many devices (bench MFU)
             "devices": max(1, int(self.cfg.gpus_per_node)),
         }
+
+    def identity(self) -> Optional[dict]:
+        """What it proves to be at its identity challenge (`gate.GateMiddleware`); None
+        until it knows its port."""
+        if not self.port:
+            return None
+        return {"url": url(self.host, self.port), "instance": self.instance, "pid": os.getpid(), "slot": self.slot}
 
     def publish(self) -> None:
         if self.draining:  # it has left: never announced again
@@ -893,7 +906,7 @@ async def serve(cfg: InferenceRunConfig, log: str, extra_job: Optional[str] = No
             server.app = app
             add_routes(app, server)
             app.middleware_stack = None  # built early by vLLM's bootstrap; rebuilt lazily with ours outermost
-            app.add_middleware(GateMiddleware, gate=server.gate, api_key=api_key())
+            app.add_middleware(GateMiddleware, gate=server.gate, api_key=api_key(), identity=server.identity)
             await init_app_state(engine, app.state, args, tasks)
             loop = asyncio.get_running_loop()
             background = [loop.create_task(_publish_when_healthy(server, float(cfg.inference.startup_timeout_s), log))]

@@ -232,7 +232,10 @@ def submit_and_follow(cfg: Any, overrides: list[str], what: Optional[str] = None
 
 def serving_endpoint(job: str) -> dict[str, str]:
     """`serve=<job>`: the `client.base_url` and `client.model` of a serve job that serves
-    now; one line when it does not, or when its key's variable is not set here."""
+    now, and its directory (`client.SERVE_DIR`: its key, when the job is the user's own,
+    is the one it kept, `client.endpoint_key`); one line when it does not serve, or when
+    there is no key to send it."""
+    from prime_hpc.inference.client import ENDPOINT_KEY_VAR, SERVE_DIR, endpoint_key
     from prime_hpc.rundir.jobs import served
 
     ref = jobs.resolve(job)
@@ -241,9 +244,10 @@ def serving_endpoint(job: str) -> dict[str, str]:
         raise UserError(
             f"serve job {ref.job_id} ({ref.output_dir}) does not serve now; see prime-hpc status {ref.job_id}"
         )
-    if not os.environ.get(found["key_var"]):
-        raise UserError(f"serve job {ref.job_id} answers only with its key: set ${found['key_var']} here")
-    return {"client.base_url": found["url"], "client.model": found["model"]}
+    words = {"client.base_url": found["url"], "client.model": found["model"], SERVE_DIR: str(ref.run.root)}
+    if not endpoint_key(words):
+        raise UserError(f"serve job {ref.job_id} answers only with its key: set ${ENDPOINT_KEY_VAR} to it here")
+    return words
 
 
 ENV_ARGS_PREFIX = "args."
@@ -336,13 +340,13 @@ def run_standalone(args: list[str], here: bool = False) -> int:
     """`prime-hpc eval model=<name|path> env=<id>[,<id>...] [args.<id>.<arg>=V ...]
     [rollouts=K] [examples=N] [client.base_url=URL [client.model=NAME]] [out=DIR]
     [overrides]`: any model (a server is started for it) or any running OpenAI-compatible
-    endpoint (with the key in `$INFERENCE_SERVER_API_KEY`, when it wants one), on any env
+    endpoint (with the key in `$ENDPOINT_API_KEY`, when it wants one: `client.endpoint_key`), on any env
     ids, each with its own `load_environment` arguments. Writes `<out>/eval.json`, every
     rollout to `<out>/samples.jsonl`, and prints one row per env: avg@k and pass@k."""
     from prime_hpc.config.cluster import cache_root
     from prime_hpc.config.schema import EnvEntry
     from prime_hpc.core import usercache
-    from prime_hpc.inference.client import api_key
+    from prime_hpc.inference.client import endpoint_key
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import env_name
 
@@ -363,7 +367,7 @@ def run_standalone(args: list[str], here: bool = False) -> int:
         if "client.base_url" in opts:
             base = opts["client.base_url"].rstrip("/")
             metrics = evaluate(
-                base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, api_key()
+                base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, endpoint_key(opts)
             )
             where = base
         elif here or runs_here(cfg):

@@ -98,21 +98,51 @@ def check_owner(run: RunDir) -> None:
         raise ConfigError("output_dir", f"{path} belongs to {who}, not to you; choose an output_dir of your own")
 
 
-@contextlib.contextmanager
-def job_api_key() -> Iterator[None]:
+def keep_job_key(run: RunDir) -> str:
     """The key every server of the job demands (`$INFERENCE_SERVER_API_KEY`): the user's,
-    or one made at random for this job. It reaches the job only through the environment
-    sbatch (or the local script) inherits from this process, never through a file."""
-    if os.environ.get(API_KEY_VAR):
+    else the one kept for the run by an earlier submit (a resume), else one made at random
+    for this job; kept for its owner in `private/api_key` (0600, in a 0700 directory:
+    `prime_hpc.core.keyfile`), which `scale`, `eval serve=` and `synthesize serve=` read.
+    No other file of the run holds it. `KeyFileError` (one line) when the kept one is not
+    the user's alone."""
+    from prime_hpc.core import keyfile
+
+    check_chosen_key()
+    key = os.environ.get(API_KEY_VAR) or keyfile.read(run.private_dir)
+    if not key:
+        import secrets
+
+        key = secrets.token_urlsafe(32)
+    keyfile.write(run.private_dir, key)
+    return key
+
+
+@contextlib.contextmanager
+def job_api_key(key: str) -> Iterator[None]:
+    """`key` in this process's environment while the job is submitted: it reaches the job
+    only through the environment sbatch (or the local script) inherits from it."""
+    if os.environ.get(API_KEY_VAR) == key:
         yield
         return
-    import secrets
-
-    os.environ[API_KEY_VAR] = secrets.token_urlsafe(32)
+    os.environ[API_KEY_VAR] = key
     try:
         yield
     finally:
         os.environ.pop(API_KEY_VAR, None)
+
+
+def check_chosen_key() -> None:
+    """A key the user exported for the job (`$INFERENCE_SERVER_API_KEY`) is at least
+    `keyfile.MIN_BYTES` bytes long: anyone who can reach a server may guess a short one."""
+    from prime_hpc.core import keyfile
+
+    key = os.environ.get(API_KEY_VAR)
+    if key and keyfile.too_short(key):
+        raise ConfigError(
+            API_KEY_VAR,
+            f"the exported key is {len(key.encode())} bytes, shorter than {keyfile.MIN_BYTES}: export a longer one "
+            "(python -c 'import secrets; print(secrets.token_urlsafe(32))') or unset it and the job makes its own",
+        )
 
 
 def config_components(plan: Plan) -> list[str]:
@@ -155,6 +185,7 @@ def prepare(
     the run dir used by the job (the run's own, or `<output_dir>/doctor/` for a preflight)."""
     if not validated:
         validate(cfg)
+    check_chosen_key()
     run = RunDir(cfg.output_dir)
     with with_umask(cfg.cluster.umask):  # as submit: a dry run's files are the run's
         if mode == "run":
@@ -255,6 +286,7 @@ def _submit(
     runs: Sequence[DictConfig] = (),
 ) -> Submitted:
     run, plan = prepare(cfg, mode, resume, extra_env, after=after, runs=runs)
+    key = keep_job_key(run)
     task = HeadTask(mode, str(run.root), expected_reports(plan) if mode == "doctor" else {})
     prior = jobs.read_job(run) if resume else {}
     now = time.time()
@@ -277,7 +309,7 @@ def _submit(
         submitted_at=now,
         state=jobs.PENDING,
     )
-    with job_api_key():  # the run's job and its servers' own job (inference_job=own) demand the same key
+    with job_api_key(key):  # the run's job and its servers' own job (inference_job=own) demand the same key
         try:
             job_id, record = choose(plan.backend).submit(job_spec(run, plan, task))
         except BaseException:

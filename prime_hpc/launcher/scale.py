@@ -154,17 +154,21 @@ def check_kind(ref: jobs.JobRef) -> dict[str, Any]:
     return job
 
 
-def check_key(run: RunDir) -> None:
-    """The extra servers must demand the run's own key (the router forwards it, the relay
-    sends it): it must be in this environment, and, where the run's router answers, be
-    the one it accepts."""
+def check_key(run: RunDir) -> str:
+    """The run's own key, which its extra servers must demand (the router signs for them,
+    the relay proves them with it): the one its submit kept for the user
+    (`private/api_key`, read only when it is the user's alone: `prime_hpc.core.keyfile`),
+    else, for a run submitted before keys were kept, `$INFERENCE_SERVER_API_KEY`; where the
+    run's router answers, the one it accepts."""
     import os
 
-    key = os.environ.get(API_KEY_VAR)
+    from prime_hpc.core import keyfile
+
+    key = keyfile.read(run.private_dir) or os.environ.get(API_KEY_VAR)
     if not key:
         raise ScaleError(
-            f"export {API_KEY_VAR}, the key the run was submitted with: its extra servers must demand the same "
-            "key (a run submitted without one has a random key nobody else knows, and cannot take extra servers)"
+            f"{run.key_file} does not exist and {API_KEY_VAR} is not set: export the key the run was submitted "
+            "with; its extra servers must demand the same key"
         )
     import httpx
 
@@ -174,9 +178,10 @@ def check_key(run: RunDir) -> None:
         router = str(read_json(run.router_endpoint)["url"])
         answer = httpx.get(router + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code
     except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
-        return  # not started yet, or not reachable from here: the servers would find out
+        return key  # not started yet, or not reachable from here: the servers would find out
     if answer == 401:
         raise ScaleError(f"the run's router refuses this {API_KEY_VAR}: export the key the run was submitted with")
+    return key
 
 
 def scale_up(
@@ -187,7 +192,7 @@ def scale_up(
     what it waits for, `after`), or again for a new attempt."""
     settings = cluster_overrides(overrides)
     job = check_run(ref)
-    check_key(ref.run)
+    key = check_key(ref.run)
     from prime_hpc.config.compose import recorded_config
     from prime_hpc.config.validate import (
         check_cache_dir,
@@ -198,6 +203,7 @@ def scale_up(
         check_slurm,
         validate,
     )
+    from prime_hpc.launcher.launch import job_api_key
     from prime_hpc.launcher.plan import inference_job_plan
     from prime_hpc.launcher.render import render_inference
     from prime_hpc.rundir import atomic_write_text, with_umask
@@ -212,7 +218,8 @@ def scale_up(
         script = run.extra_script(index)
         atomic_write_text(script, render_inference(plan))
         run.extra_logs_root.mkdir(parents=True, exist_ok=True)
-        job_id = backend.submit_script(script)
+        with job_api_key(key):  # its servers get the run's key through their job's environment only
+            job_id = backend.submit_script(script)
     record = {
         "job_id": job_id,
         "nodes": nodes,

@@ -17,7 +17,7 @@ def run_command(args: list[str], here: bool = False) -> int:
     with the synthesize runner beside it, its files in `<out>/job/`; with `cluster=local`
     or `--here`, one server on this machine."""
     from prime_hpc.core.errors import UserError
-    from prime_hpc.inference.client import api_key
+    from prime_hpc.inference.client import endpoint_key
     from prime_hpc.launcher import evaluate
     from prime_hpc.orchestrator.synthesize import DATA, SUMMARY, synthesize_here
     from prime_hpc.rundir import with_umask
@@ -35,7 +35,7 @@ def run_command(args: list[str], here: bool = False) -> int:
     cfg.orchestrator.eval.env = []
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts or here or evaluate.runs_here(cfg):
-            summary = synthesize_here(cfg, opts, name, out, k, n, min_reward, api_key())
+            summary = synthesize_here(cfg, opts, name, out, k, n, min_reward, endpoint_key(opts))
         else:
             cfg.synthesize.out, cfg.synthesize.rollouts = str(out), k
             cfg.synthesize.examples, cfg.synthesize.min_reward = n, min_reward

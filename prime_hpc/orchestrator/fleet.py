@@ -6,9 +6,11 @@ Consumes: `endpoints/<slot>.json` (each server publishes its own once healthy an
 it when it leaves; a supervisor removes the file of a server that died), polled every
 `POLL_S`, and the admin client's losses (a server that stopped answering during an
 update). Produces: a joining server first loaded with the relay's current policy (`load`,
-to that server alone), then added to the router (`/add_worker`), then a member of every
-later update (`Admin.add`); with `weights.transport=broadcast`, where the trainer sends a
-joining server the current policy, `load` only says whether it has arrived (None: not yet)
+to that server alone, once it proved it holds the job's key as the instance its endpoint
+names: `inference.client.Admin.expect`; the router proves it again before it routes to
+it), then added to the router (`/add_worker`), then a member of every later update
+(`Admin.add`); with `weights.transport=broadcast`, where the trainer sends a joining
+server the current policy, `load` only says whether it has arrived (None: not yet)
 and the server stays `loading weights` until it has (one line in the log after
 `JOIN_TIMEOUT_S`; it goes on waiting); a server whose endpoint file is gone or was
 replaced, or that stopped answering, taken out of the router and of later updates; the
@@ -56,9 +58,12 @@ class Membership:
 
     def start_with(self, records: list[dict], policy: int) -> None:
         """The servers the attempt started with: the router and the admin have them already."""
+        expect = getattr(self.admin, "expect", None)
         for r in records:
             slot = r.get("slot") or server_slot(int(r.get("node", 0)))
             self.members[slot] = self._record(r, SERVING, policy)
+            if expect is not None and r.get("url"):
+                expect(str(r["url"]), r)
         self.write()
 
     def serving(self) -> int:
@@ -94,6 +99,9 @@ class Membership:
         if member is None or member["url"] != url or member["state"] != LOADING:
             self.members[slot] = self._record(record, LOADING, record.get("policy_step"))
             self.write()
+        expect = getattr(self.admin, "expect", None)
+        if expect is not None:  # it is sent nothing before it proves it is the server it published
+            expect(url, record)
         try:
             step = await asyncio.wait_for(self.load(url, record), JOIN_TIMEOUT_S)
             if step is None:  # its policy is on its way (broadcast): asked again at the next poll

@@ -151,7 +151,9 @@ def run_job(cfg: Any) -> dict:
 def synthesize_here(
     cfg: Any, opts: dict, name: str, out: Path, k: int, n: Optional[int], min_reward: Optional[float], key: Any
 ) -> dict:
-    """Synthesize from this machine: through the endpoint given, or one server started here."""
+    """Synthesize from this machine: through the endpoint given (`client.base_url=`, or a
+    serve job's; asked with `key`, the endpoint's own: `inference.client.endpoint_key`,
+    never the job's variable), or one server started here (with a key made for it)."""
     from prime_hpc.config.cluster import cache_root
     from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
     from prime_hpc.core import usercache

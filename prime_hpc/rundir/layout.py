@@ -157,6 +157,17 @@ class RunDir:
         """`submit/submitit/<job id>_batch.out`: a SLURM job's batch script output."""
         return self.submitit_dir / f"{job_id}_batch.out"
 
+    @property
+    def private_dir(self) -> Path:
+        """`private/` (0700): what only the run's owner may read; `private/api_key` (0600)
+        holds the job's key, written at submit (`prime_hpc.core.keyfile`)."""
+        return self.root / "private"
+
+    @property
+    def key_file(self) -> Path:
+        """`private/api_key`: the job's key (the user's, or the one made for the job)."""
+        return self.private_dir / "api_key"
+
     # --- extra inference jobs (`prime-hpc scale`): jobs of their own that outlive attempts
     def extra_script(self, index: int) -> Path:
         """`submit/inference_<k>.sbatch`: the script of the run's k-th extra inference job
@@ -664,8 +675,9 @@ class RunDir:
     # --- lifecycle helpers
     def is_fresh(self) -> bool:
         """True when no run ever started here: the directory is missing, empty, or holds
-        only what `--dry-run` and `doctor` write (never a job.json)."""
-        launch_only = {"config.yaml", "configs", "submit", "doctor", "warmup", ".job.json.lock"}
+        only what `--dry-run` and `doctor` write, or the key kept by a submit that failed
+        (never a job.json)."""
+        launch_only = {"config.yaml", "configs", "submit", "doctor", "warmup", "private", ".job.json.lock"}
         try:
             return all(e.name in launch_only for e in os.scandir(self.root))
         except FileNotFoundError:

@@ -192,9 +192,11 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(
         out = cli("status", str(run.root)).stdout
         assert f"failed: {named}" in out and str(f["log"]) in out, out
         assert_nothing_left(logs, listed)
-        if key:  # no secret of the environment lands in a file of the run
+        if key:  # no secret of the environment lands in a file of the run but the key kept for its owner
+            assert run.key_file.read_text() == key
+            assert (run.private_dir.stat().st_mode & 0o777, run.key_file.stat().st_mode & 0o777) == (0o700, 0o600)
             for path in run.root.rglob("*"):
-                if path.is_file() and path.stat().st_size < 50_000_000:
+                if path.is_file() and path != run.key_file and path.stat().st_size < 50_000_000:
                     data = path.read_bytes()
                     for secret in (key, *tokens.values()):
                         assert secret.encode() not in data, (path, secret)

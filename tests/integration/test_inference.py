@@ -129,6 +129,20 @@ def test_endpoints_are_published_with_real_addresses(inference):
     assert router["workers"] == [r["url"] for r in recs]
     for f in inference.run.endpoints_dir.iterdir():  # the key is never written
         assert inference.key not in f.read_text()
+    # each proves it holds the key as the instance it published, without the key being sent
+    from prime_hpc.inference.client import NotProven, challenge
+    from prime_hpc.inference.gate import Proofs
+
+    async def prove(key: str) -> list:
+        async with httpx.AsyncClient() as client:
+            return [await challenge(client, r["url"], Proofs(key), r) for r in recs]
+
+    assert (
+        asyncio.run(prove(inference.key)) == [r["instance"] for r in recs]
+        and len(set(r["instance"] for r in recs)) == 2
+    )
+    with pytest.raises(NotProven, match="did not prove it holds the job's key"):
+        asyncio.run(prove(inference.key + "-not"))
 
 
 @pytest.mark.vllm

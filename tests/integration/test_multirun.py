@@ -23,7 +23,7 @@ from tests.integration.test_env_failures import wait_ended
 from tests.runs import release_held, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
-ENV = {"INFERENCE_SERVER_API_KEY": "together-test-key-81f3", "SBATCH_EXPORT": "NONE"}
+ENV = {"INFERENCE_SERVER_API_KEY": "together-test-key-81f3e60b2c9d4a7f", "SBATCH_EXPORT": "NONE"}
 STALL_S = 60
 
 FLAKY = REPO / "tests" / "envs" / "flaky_reverse.py"

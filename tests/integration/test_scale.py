@@ -5,7 +5,10 @@ from an extra job (`prime-hpc scale +1` at step 5) and loses it again (`scale -1
 requests, loaded every policy the run loaded while it was in (its own log against the
 relay's), left by draining (endpoint first, out of the router, no request in flight, exit
 0) and left nothing behind; the run's job.json records the extra job and how it ended, and
-`status`, `list` and `tail` show it."""
+`status`, `list` and `tail` show it. The run is submitted without an exported key, as a
+new user would: `scale` takes the key the submit kept for its owner (`private/api_key`,
+0600 in 0700), and that key is in no other file of the run, nor on any command line of
+its processes."""
 
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ from tests.runs import wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-KEY = "scale-test-key-7c41"
 STEPS = 30  # 10 steps after the extra job is told to leave: it drains within a few
 
 
@@ -67,8 +69,23 @@ def _relay_while_in(orchestrator_log: str, slot: str) -> tuple[int, list[int]]:
     return joined, during
 
 
+def _key_nowhere_else(run: RunDir, key: str) -> None:
+    """The kept key: the user's alone; no other file of the run, nor any command line, has it."""
+    assert run.key_file.read_text() == key
+    assert (run.private_dir.stat().st_mode & 0o777, run.key_file.stat().st_mode & 0o777) == (0o700, 0o600)
+    for path in run.root.rglob("*"):
+        if path.is_file() and path != run.key_file and path.stat().st_size < 50_000_000:
+            assert key.encode() not in path.read_bytes(), path
+    for pid in procs.table():
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        assert key.encode() not in argv, (pid, argv)
+
+
 def test_an_extra_inference_job_joins_at_step_5_and_leaves_at_step_20(tmp_path, monkeypatch):
-    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)  # scale needs the run's key: it is the user's
+    monkeypatch.delenv("INFERENCE_SERVER_API_KEY", raising=False)  # the job makes its own; scale finds it
     cfg = compose(
         [
             "+experiment=reverse_text",
@@ -106,6 +123,7 @@ def test_an_extra_inference_job_joins_at_step_5_and_leaves_at_step_20(tmp_path, 
         assert f"  {xid} " in status and slot in status and "serving" in status, status
         listed = cli("list").stdout
         assert f" + {xid}" in listed and "inference/slurm/extra" in listed, listed
+        _key_nowhere_else(run, run.key_file.read_text())  # the run's, its extra job's processes: all running
 
         # out again at step 20, or later where its start took long: it serves five policies or more first
         wait_for_step(run, max(20, joined_at + 7))
@@ -143,3 +161,4 @@ def test_an_extra_inference_job_joins_at_step_5_and_leaves_at_step_20(tmp_path, 
     ]
     tail = cli("tail", job_id, "--no-follow", "--component", "inference", "-n", "3").stdout
     assert f"inference[{xid}.0]" in tail, tail
+    _key_nowhere_else(run, run.key_file.read_text())  # nor in what the run wrote until its end

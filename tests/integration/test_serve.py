@@ -1,6 +1,7 @@
 """`prime-hpc serve` on the dev cluster: the tiny model on two servers behind the router as
 a job of its own, with the user's key. Its URL is in `serve.json` and in `status`; `eval
-serve=<job>` scores through it (with an argument of the env's own); a run's teacher named by
+serve=<job>` scores through it (with an argument of the env's own, and the key the job
+kept for its owner: nothing exported); a run's teacher named by
 it (`orchestrator.teacher.serve`) is refused without its key and answers the teacher's
 prompt logprobs with it; a server killed is restarted in its slot and rejoins the router; `cancel` ends the job, leaves no process and removes `serve.json`. Without a key
 it is refused in one line, before anything is submitted."""
@@ -21,7 +22,7 @@ from tests.runs import run_processes, wait_fleet
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-KEY = "serve-test-key"
+KEY = "serve-test-key-5d0c9a7e41b3f8266c1d"  # a key the user chose: 32 bytes at least
 
 
 def _teacher_from_the_serve_job(job_id: str, tmp_path) -> None:
@@ -104,7 +105,7 @@ def test_serve_is_a_job_that_eval_names_heals_its_fleet_and_ends_at_cancel(tmp_p
             "examples=3",
             "orchestrator.sampling.max_tokens=8",
             f"out={tmp_path / 'ev'}",
-            env=env,
+            env={"INFERENCE_SERVER_API_KEY": "", "ENDPOINT_API_KEY": ""},  # its own serve job: the key it kept
             timeout=600,
         )
         assert e.returncode == 0, e.stdout + e.stderr

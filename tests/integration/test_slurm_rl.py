@@ -52,7 +52,7 @@ from tests.runs import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-KEY = "slurm-test-key-5e2a"
+KEY = "slurm-test-key-5e2a90c4d7b1e36f8a"  # a key the user chose: 32 bytes at least
 
 
 def _server_processes(logs, pid: int) -> dict[int, int]:

@@ -355,7 +355,7 @@ def _gated(step=0, api_key=KEY):
     return model, gate, GateMiddleware(model, gate, api_key=api_key)
 
 
-async def _call(app, path, body=None, headers=AUTH, method="POST"):
+async def _call(app, path, body=None, headers=AUTH, method="POST", query=b""):
     raw = json.dumps(body or {}).encode()
     sent = []
     done = False
@@ -370,7 +370,8 @@ async def _call(app, path, body=None, headers=AUTH, method="POST"):
     async def send(m):
         sent.append(m)
 
-    await app({"type": "http", "method": method, "path": path, "headers": list(headers)}, receive, send)
+    scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": list(headers)}
+    await app(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")
     hdrs = {k.decode(): v.decode() for k, v in start["headers"]}
     content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -396,6 +397,70 @@ def test_api_key_guards_every_route_but_health():
         assert (await _call(app, "/update_weights", method="OPTIONS", headers=()))[0] == 401
         preflight = [(b"origin", b"http://x"), (b"access-control-request-method", b"POST")]
         assert (await _call(app, "/pause", method="OPTIONS", headers=preflight))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_a_server_proves_the_key_without_it_being_sent_and_takes_only_requests_signed_for_itself():
+    """The identity challenge (`GET /identity?nonce=`, open) is answered with an HMAC bound
+    to the nonce, the server's URL, instance and pid: only a holder of the key gives it, and
+    the key is not in it. A request signed for this instance (method, path, query, body) is
+    served, with the server's proof on its answer; one signed for another instance, or with
+    any part changed, is refused like a wrong key."""
+    from prime_hpc.inference.gate import PROOF_HEADER, Proofs, signature_header
+
+    me = {"url": "http://127.0.0.1:5", "instance": "i-one", "pid": 7, "slot": "inference_0"}
+    known: dict = {}
+    model, gate = FakeModel(), PolicyGate()
+    app = GateMiddleware(model, gate, api_key=KEY, identity=lambda: known or None)
+    proofs, other = Proofs(KEY), Proofs(KEY + "-not")
+    nonce = "ab" * 16
+
+    def signed(instance, path="/update_weights", body=b'{"name": "u"}', query="", method="POST"):
+        token = proofs.signature(instance, method, path, query, body)
+        return token, [(b"authorization", signature_header(token).encode())]
+
+    async def main():
+        q = f"nonce={nonce}".encode()
+        assert (await _call(app, "/identity", method="GET", headers=(), query=q))[0] == 503  # no port yet
+        known.update(me)
+        status, _, content = await _call(app, "/identity", method="GET", headers=(), query=q)
+        answer = json.loads(content)
+        assert status == 200 and answer["instance"] == "i-one" and answer["url"] == me["url"]
+        assert (
+            answer["proof"]
+            == proofs.identity(nonce, me["url"], "i-one", 7)
+            != other.identity(nonce, me["url"], "i-one", 7)
+        )
+        assert answer["proof"] != proofs.identity(nonce, "http://127.0.0.1:6", "i-one", 7)  # bound to its URL
+        assert KEY.encode() not in content
+        for bad in (b"", b"nonce=xyz", b"nonce=" + b"a" * 31):
+            assert (await _call(app, "/identity", method="GET", headers=(), query=bad))[0] == 400
+        # signed for this instance: served, and answered with its proof
+        token, auth = signed("i-one")
+        status, hdrs, _ = await _call(app, "/update_weights", {"name": "u"}, auth)
+        assert status == 200 and hdrs[PROOF_HEADER] == proofs.answer(token)
+        model.release.setdefault("g", asyncio.Event()).set()
+        token, auth = signed("i-one", "/v1/chat/completions", json.dumps({"name": "g"}).encode())
+        status, hdrs, _ = await _call(app, "/v1/chat/completions", {"name": "g"}, auth)
+        assert status == 200 and hdrs[PROOF_HEADER] == proofs.answer(token) and gate.served == 1
+        # signed for another instance (a server that died at this address), or altered: refused
+        for auth in (
+            signed("i-two")[1],
+            signed("i-one", "/reload_weights")[1],
+            signed("i-one", body=b'{"name": "v"}')[1],
+            signed("i-one", query="x=1")[1],
+            signed("i-one", method="PUT")[1],
+            [
+                (
+                    b"authorization",
+                    signature_header(other.signature("i-one", "POST", "/update_weights", "", b"")).encode(),
+                )
+            ],
+        ):
+            status, hdrs, _ = await _call(app, "/update_weights", {"name": "u"}, auth)
+            assert status == 401 and PROOF_HEADER not in hdrs
+        assert set(model.bodies) == {"u", "g"}
 
     asyncio.run(main())
 
@@ -648,7 +713,7 @@ def test_a_server_on_its_way_out_takes_no_update_and_the_run_drops_it_instead_of
     import httpx
     from fastapi import FastAPI
 
-    from prime_hpc.inference.client import LEAVING_STATUS, Admin, InferenceError, headers
+    from prime_hpc.inference.client import LEAVING_STATUS, Admin, InferenceError, signed
 
     class Engine:
         errored = False  # vLLM's AsyncLLM: True once the engine died
@@ -685,14 +750,17 @@ def test_a_server_on_its_way_out_takes_no_update_and_the_run_drops_it_instead_of
     for n, (name, refuse) in enumerate((("a", False), ("b", True))):
         server = srv.Server(_typed(cfg), "m", "127.0.0.1")
         server.engine, server.slot = Engine(refuse), f"inference_{n}"
-        apps[name] = FastAPI()
-        srv.add_routes(apps[name], server)
+        app = FastAPI()
+        srv.add_routes(app, server)
+        me = {"url": f"http://{name}", "instance": server.instance, "pid": n, "slot": server.slot}
+        apps[name] = GateMiddleware(app, server.gate, KEY, identity=lambda me=me: me)  # as the server is served
         servers[f"http://{name}"] = server
 
     async def main():
         admin = Admin(list(servers), key=KEY)
         admin._client = httpx.AsyncClient(
-            headers=headers(KEY), mounts={f"http://{n}": httpx.ASGITransport(app=app) for n, app in apps.items()}
+            auth=signed(admin.proofs, admin.instances),
+            mounts={f"http://{n}": httpx.ASGITransport(app=app) for n, app in apps.items()},
         )
         admin._loop = asyncio.get_running_loop()
         answers = await admin.update_weights(weights, 3)

@@ -1,10 +1,15 @@
 """The run's router (prime_hpc.inference.router) in front of small real HTTP servers on
-loopback: the key on every route but liveness, round robin, failover, membership limited
-to the run's published servers, preflights answered without forwarding."""
+loopback, each behind the inference server's own gate: the key on every route but
+liveness, round robin, failover, membership limited to the run's published servers that
+prove they hold the key, the key never forwarded (each request signed for its server),
+preflights answered without forwarding."""
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -13,12 +18,13 @@ import time
 import httpx
 import pytest
 
-from prime_hpc.core.net import LOOPBACK, bound_socket, url
-from prime_hpc.inference.gate import MissingKey
+from prime_hpc.core.net import LOOPBACK, url
+from prime_hpc.inference import router as router_mod
+from prime_hpc.inference.gate import SIGNATURE_SCHEME, GateMiddleware, MissingKey, PolicyGate
 from prime_hpc.inference.router import Router
 from prime_hpc.rundir import RunDir, atomic_write_json
 
-KEY = "router-unit-key"
+KEY = "router-unit-key-0123456789abcdef0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -45,14 +51,24 @@ class Worker:
 
 
 class Served:
-    """An ASGI app served by uvicorn on a loopback port, in a thread of this process."""
+    """An ASGI app served by uvicorn on a loopback port (`port`: that one), in a thread of
+    this process. `gated`: behind the inference server's gate with the job's key (it
+    answers the identity challenge as `instance` and takes signed requests), as a server
+    of the run is; else a plain listener that holds no key."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, port: int = 0, gated: bool = False) -> None:
         import uvicorn
 
-        self.sock = bound_socket(LOOPBACK)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((LOOPBACK, port))
         self.sock.listen(64)
-        self.url = url(LOOPBACK, self.sock.getsockname()[1])
+        self.instance = secrets.token_hex(16)
+        self.port = self.sock.getsockname()[1]
+        me = {"url": url(LOOPBACK, self.port), "instance": self.instance, "pid": os.getpid(), "slot": "x"}
+        if gated:
+            app = GateMiddleware(app, PolicyGate(), KEY, identity=lambda: me)
+        self.url = me["url"]
         self.server = uvicorn.Server(uvicorn.Config(app, fd=self.sock.fileno(), log_level="error", lifespan="auto"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -66,18 +82,33 @@ class Served:
         self.thread.join(timeout=10)
         self.sock.close()
 
+    def endpoint(self, node: int = 0, **more) -> dict:
+        """Its endpoint record, as a server publishes it."""
+        return {"url": self.url, "node": node, "instance": self.instance, "pid": os.getpid(), **more}
+
+
+def _until(pred, timeout_s: float = 20.0, what: str = "a condition"):
+    deadline = time.monotonic() + timeout_s
+    while not (value := pred()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
 
 @pytest.fixture
-def fleet(tmp_path):
-    """Two workers published as the run's servers, and the router in front of them."""
+def fleet(tmp_path, monkeypatch):
+    """Two workers published as the run's servers, and the router in front of them (its
+    health checks and challenges every 0.2 s), once it routes to both."""
+    monkeypatch.setattr(router_mod, "HEALTH_EVERY_S", 0.2)
     run = RunDir(tmp_path / "run")
     workers = {name: Worker(name) for name in ("a", "b")}
-    served = {name: Served(w) for name, w in workers.items()}
+    served = {name: Served(w, gated=True) for name, w in workers.items()}
     for node, s in enumerate(served.values()):
-        atomic_write_json(run.inference_endpoint(node), {"url": s.url, "node": node})
+        atomic_write_json(run.inference_endpoint(node), s.endpoint(node))
     router = Router([s.url for s in served.values()], KEY, run)
     front = Served(router)
     try:
+        _until(lambda: len(router.up()) == 2, what="the router to prove both servers")
         yield router, front.url, workers, served, run
     finally:
         for s in (front, *served.values()):
@@ -119,11 +150,12 @@ def test_every_route_but_health_needs_the_key_and_nothing_unauthorised_reaches_a
     assert len(router.workers) == 2
 
 
-def test_requests_go_round_robin_with_the_callers_key(fleet):
+def test_requests_go_round_robin_signed_for_each_server_never_with_the_key(fleet):
     _, base, workers, _, _ = fleet
     answers = [_generate(base).json()["worker"] for _ in range(6)]
     assert sorted(answers) == ["a", "a", "a", "b", "b", "b"]
-    assert all(auth == AUTH["Authorization"] for w in workers.values() for _, _, auth in w.seen)
+    seen = [auth for w in workers.values() for _, _, auth in w.seen]
+    assert len(seen) == 6 and all(a.startswith(SIGNATURE_SCHEME + " ") and KEY not in a for a in seen), seen
 
 
 def test_a_cors_preflight_is_answered_by_the_router_itself(fleet):
@@ -138,23 +170,29 @@ def test_a_cors_preflight_is_answered_by_the_router_itself(fleet):
     assert all(not w.seen for w in workers.values())
 
 
-def test_only_servers_the_run_published_can_be_added(fleet):
+def test_only_servers_the_run_published_that_prove_the_key_can_be_added(fleet):
     router, base, workers, served, run = fleet
-    stranger = Served(Worker("stranger"))
+    plain_app = Worker("plain")
+    own, plain = Served(Worker("own"), gated=True), Served(plain_app)
     try:
-        r = httpx.post(base + "/add_worker", params={"url": stranger.url}, headers=AUTH, timeout=10)
+        r = httpx.post(base + "/add_worker", params={"url": own.url}, headers=AUTH, timeout=10)
         assert r.status_code == 403 and "not a server of this run" in r.json()["error"]
-        assert stranger.url not in router.workers
-        # once the run publishes it (a server of its own), it can join
-        atomic_write_json(run.inference_endpoint(2), {"url": stranger.url, "node": 2})
-        assert (
-            httpx.post(base + "/add_worker", params={"url": stranger.url}, headers=AUTH, timeout=10).status_code == 200
-        )
-        assert stranger.url in [
-            w["url"] for w in httpx.get(base + "/workers", headers=AUTH, timeout=10).json()["workers"]
-        ]
+        assert own.url not in router.workers
+        # once the run publishes it (a server of its own, which holds the key), it can join
+        atomic_write_json(run.inference_endpoint(2), own.endpoint(2))
+        assert httpx.post(base + "/add_worker", params={"url": own.url}, headers=AUTH, timeout=10).status_code == 200
+        assert own.url in [w["url"] for w in httpx.get(base + "/workers", headers=AUTH, timeout=10).json()["workers"]]
+        # a listener published in the run's name that cannot prove the key is refused
+        atomic_write_json(run.inference_endpoint(3), plain.endpoint(3))
+        r = httpx.post(base + "/add_worker", params={"url": plain.url}, headers=AUTH, timeout=10)
+        assert r.status_code == 403 and "did not prove it holds the job's key" in r.json()["error"], r.text
+        assert plain.url not in router.workers and plain_app.seen == [("GET", "/identity", "")]  # the challenge only
+        # nor can a server of the run at an address another one published (the proof names its own)
+        atomic_write_json(run.inference_endpoint(3), {**own.endpoint(3), "url": plain.url})
+        assert httpx.post(base + "/add_worker", params={"url": plain.url}, headers=AUTH, timeout=10).status_code == 403
     finally:
-        stranger.stop()
+        own.stop()
+        plain.stop()
 
 
 def test_a_stranger_never_receives_the_key(fleet):
@@ -168,6 +206,69 @@ def test_a_stranger_never_receives_the_key(fleet):
         assert stranger_app.seen == []
     finally:
         stranger.stop()
+
+
+def test_a_listener_on_a_dead_servers_port_gets_no_key_and_no_place_and_a_restarted_server_rejoins(fleet):
+    """Server b dies and, before its endpoint file is removed, someone else binds its freed
+    port (a plain HTTP server that records every Authorization header). No request it gets
+    carries the key, no answer of its reaches a caller, and it is never routed to again. A
+    server of the run that comes back at that address is routed to only once it published
+    its endpoint (a new instance) and proved it; one that did not publish is not."""
+    router, base, workers, served, run = fleet
+    b = served["b"]
+    b.stop()  # dead; endpoints/inference_1.json still names it
+    stranger_app = Worker("stranger")
+    stranger = Served(stranger_app, port=b.port)
+    try:
+        answers = [_generate(base).json()["worker"] for _ in range(20)]
+        assert set(answers) == {"a"}, answers
+        _until(lambda: b.url not in router.up(), what="b out of rotation")
+        time.sleep(1.0)  # five more rounds of health checks and challenges
+        assert [_generate(base).json()["worker"] for _ in range(6)] == ["a"] * 6
+        assert b.url not in router.up() and b.url not in router.verified
+        heard = [auth for _, _, auth in stranger_app.seen]
+        assert all(KEY not in auth for auth in heard), heard  # at most signatures for b, dead
+        # the relay's admin client does not send it the key either, and drops it as lost
+        admin = _admin([s.url for s in served.values()], [s.endpoint(n) for n, s in enumerate(served.values())])
+        assert admin.instances == {} and _update(admin) == [served["a"].url]
+        assert list(admin.lost) == [b.url] and "did not prove" in admin.lost[b.url], admin.lost
+        assert all(KEY not in auth for _, _, auth in stranger_app.seen), stranger_app.seen
+    finally:
+        stranger.stop()
+    # a server of the run back at b's address: routed to only once its endpoint names it
+    back_app = Worker("back")
+    back = Served(back_app, port=b.port, gated=True)
+    try:
+        time.sleep(1.0)
+        assert b.url not in router.up()  # it proves its own instance, not the one published
+        atomic_write_json(run.inference_endpoint(1), back.endpoint(1))  # it publishes its endpoint
+        _until(lambda: b.url in router.up(), what="the restarted server back in rotation")
+        assert {_generate(base).json()["worker"] for _ in range(6)} == {"a", "back"}
+        assert all(KEY not in auth for w in (*workers.values(), back_app) for _, _, auth in w.seen)
+    finally:
+        back.stop()
+
+
+def _admin(servers: list, records: list):
+    from prime_hpc.inference.client import Admin
+
+    admin = Admin(servers, key=KEY)
+    for r in records:
+        admin.expect(r["url"], r)
+    return admin
+
+
+def _update(admin) -> list:
+    """An update through the admin client: the servers that answered it."""
+    import asyncio
+
+    async def go() -> list:
+        try:
+            return [s for s, _ in await admin._call_all("POST", "/update_weights", {"weight_dir": "/w", "step": 1})]
+        finally:
+            await admin.aclose()
+
+    return asyncio.run(go())
 
 
 def test_a_removed_or_dead_server_gets_no_more_requests(fleet):
@@ -201,9 +302,9 @@ def test_a_request_that_finds_no_server_waits_for_one_to_join_else_a_503_naming_
     assert r.status_code == 503 and "no inference server answered" in r.json()["error"]
     assert time.monotonic() - t0 >= 1.0  # it waited for a server to join
     router.no_server_wait_s = 30.0
-    late = Served(Worker("late"))  # a restarted server: published, then added by the relay
+    late = Served(Worker("late"), gated=True)  # a restarted server: published, then added by the relay
     try:
-        atomic_write_json(run.inference_endpoint("inference_7.0"), {"url": late.url, "node": 0})
+        atomic_write_json(run.inference_endpoint("inference_7.0"), late.endpoint())
 
         def join() -> None:
             time.sleep(1.0)
@@ -233,7 +334,7 @@ def test_a_connection_that_breaks_once_is_tried_again_on_the_same_server(fleet):
     router.no_server_wait_s = 30.0
     router.client = httpx.AsyncClient(transport=BreaksOnce())
     r = _generate(base)
-    assert r.status_code == 200 and r.json() == {"worker": "a"}, r.text
+    assert r.status_code == 200 and r.json()["worker"] == "a", r.text
     assert broken == [served["a"].url + "/v1/chat/completions"] and router.up() == [served["a"].url]
     # idle pooled connections are dropped well before a server's own keep-alive (5 s) would
     from prime_hpc.core.net import IDLE_CONNECTION_S
@@ -284,15 +385,15 @@ def test_the_relay_loads_a_joining_server_before_the_router_sends_it_anything_an
     monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     router, base, workers, served, run = fleet
     joiner = Worker("late")
-    late = Served(joiner)
+    late = Served(joiner, gated=True)
     try:
 
         async def go() -> None:
             admin = Admin([s.url for s in served.values()])
             relay = WeightRelay(run, admin, "m", router=base)
-            relay.members.start_with([{"url": s.url, "node": n} for n, s in enumerate(served.values())], 0)
+            relay.members.start_with([s.endpoint(n) for n, s in enumerate(served.values())], 0)
             relay.policy, relay.loaded = 3, ("full", str(tmp_path / "weights" / "step_3"))
-            atomic_write_json(run.inference_endpoint("inference_7.0"), {"url": late.url, "node": 0, "policy_step": 0})
+            atomic_write_json(run.inference_endpoint("inference_7.0"), late.endpoint(policy_step=0))
             await relay.members.poll(force=True)
             assert joiner.seen[0][:2] == ("POST", "/update_weights")  # loaded before it joined
             assert late.url in router.workers and late.url in admin.live
