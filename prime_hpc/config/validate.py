@@ -548,6 +548,16 @@ def check_cache_dir(cfg: DictConfig) -> None:
     usercache.compile_dir(cache_root(cfg), create=False)
 
 
+def check_umask(cfg: DictConfig) -> None:
+    """`cluster.umask` leaves group and others no write permission on what the run writes
+    (`core.umask.others_write`)."""
+    from prime_hpc.core.umask import others_write
+
+    why = others_write(str(cfg.cluster.umask))
+    if why:
+        raise ConfigError("cluster.umask", why)
+
+
 def check_name(cfg: DictConfig) -> None:
     if not str(cfg.name).strip():
         raise ConfigError("name", "must not be empty")
@@ -615,6 +625,7 @@ RULES: tuple[Callable[[DictConfig], None], ...] = (
     check_bench,
     check_output_dir,
     check_cache_dir,
+    check_umask,
 )
 
 

@@ -71,8 +71,9 @@ def inference_env(
     """Environment variables the vLLM engine needs on this device. Its compile caches go
     to the user's private directory of the run's shared cache
     (`$PRIME_HPC_CACHE/compile-<uid>/{vllm,inductor}`, `usercache.compile_dir`: checked
-    here, just before the engine loads from it, and refused with a one-line
-    `ConfigError` if it is not the user's alone), so every node and every start of the
+    here, with every directory above it, just before the engine loads from it, named by
+    its real path, and refused with a one-line `ConfigError` if it is not the user's
+    alone), so every node and every start of the
     same model and settings reuses it. On CPU,
     `cpu_ids` (the cores the server is pinned to) become the engine's OpenMP binding, so
     its compute threads stay on them instead of vLLM's own NUMA-based choice."""

@@ -7,6 +7,8 @@ value behind. So:
 
 - `current()` reads it without setting it where the kernel tells (Linux: the `Umask:`
   line of `/proc/self/status`); elsewhere it sets and restores it under `LOCK`;
+- `others_write(value)`: why a umask that lets group or others write is refused (at submit,
+  and by eval before its server starts);
 - `applied(value)` sets it for a block (and for the processes started in it) and restores
   the previous one; each change is made under `LOCK`, so it never interleaves with the
   fallback read of `current()`.
@@ -86,3 +88,15 @@ def file_mode() -> int:
 def dir_mode() -> int:
     """0o777 minus the umask: what mkdir() would give a new directory."""
     return 0o777 & ~current()
+
+
+def others_write(value: str | int) -> str | None:
+    """Why the umask `value` is refused (None when it is not): one that leaves group or
+    others write permission (000, 002, 020 ...) lets them change what the run writes, the
+    configs its servers read included."""
+    if parse(value) & 0o022 == 0o022:
+        return None
+    return (
+        f"{value} lets group or others write what the run writes (the configs its processes load); "
+        "use 027 (the default: nothing for others) or 022 (others may read)"
+    )

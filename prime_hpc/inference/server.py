@@ -78,7 +78,7 @@ from typing import Any, Iterable, Optional, TypeGuard
 
 from fastapi import Request
 
-from prime_hpc.config.component import InferenceRunConfig, load
+from prime_hpc.config.component import InferenceRunConfig, typed
 from prime_hpc.config.schema import InferenceConfig
 from prime_hpc.core import device as devices
 from prime_hpc.core import jobenv
@@ -107,7 +107,25 @@ TIED_ON_CPU = (
 
 
 def load_config(path: str) -> InferenceRunConfig:
-    return load(path, InferenceRunConfig, "inference")
+    """The server's config, read from a file that is the user's alone, checked on the
+    descriptor it is read from (`usercache.read_own`): a config that someone else wrote,
+    can write, or swaps in through a link could turn on remote code or a vLLM plugin
+    (`inference.extra_args`), run as this user. One line naming it otherwise."""
+    import yaml
+
+    from prime_hpc.core import usercache
+
+    try:
+        raw = yaml.safe_load(usercache.read_own(path)) or {}
+    except usercache.Untrusted as e:
+        raise UserError(
+            f"inference config {e}: a server loads only a config of yours that nobody else can write"
+        ) from None
+    except OSError as e:
+        raise UserError(f"cannot read inference config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"inference config {path} is not valid YAML: {e}") from None
+    return typed(InferenceRunConfig, raw, f"inference config {path}")
 
 
 def data_parallel_size(inf: InferenceConfig, gpus_per_node: int, device: str) -> int:
@@ -960,8 +978,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # inductor's default cache (its C++ precompiled headers, ~150 MB and seconds to build,
-    # even where TORCHINDUCTOR_CACHE_DIR is set) stays the node's, shared by every start
-    private = private_tmp_dir(shared=[Path(default_cache_dir())])
+    # even where TORCHINDUCTOR_CACHE_DIR is set) stays the node's, shared by every start,
+    # when it is the user's alone; else it is kept in the run's private compile cache
+    from prime_hpc.core.usercache import Untrusted
+
+    compiled = env.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        private = private_tmp_dir([Path(default_cache_dir())], Path(compiled).parent if compiled else None)
+    except (OSError, Untrusted) as e:  # the compile cache changed since engine_env checked it
+        print(f"prime-hpc inference: {e}", file=sys.stderr, flush=True)
+        return 2
     os.environ.update(TMPDIR=str(private), VLLM_RPC_BASE_PATH=str(private))
     tempfile.tempdir = str(private)
     try:
@@ -984,15 +1010,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def private_tmp_dir(shared: Iterable[Path] = ()) -> Path:
+def private_tmp_dir(shared: Iterable[Path] = (), fallback: Optional[Path] = None) -> Path:
     """A temporary directory of this server's own (0700, in the node's, `$TMPDIR` where SLURM
     gives the job one), for what vLLM's processes put there: the sockets they talk through
     (`<tmp>/<uuid>`) and their rendezvous file (`<tmp>/vllm_dist_<hex>`), which vLLM leaves
     behind, a few per start, readable by the node's other users. Here only this user can
     reach them, and the directory goes with the server (one a SIGKILL left is removed by the
     next server start of this user, once the process it names is gone). The caches in
-    `shared` (directories of the node's temporary directory) stay where they are: the private
-    directory links to them under their names."""
+    `shared` (directories of the node's temporary directory, such as inductor's
+    `torchinductor_<user>`, whose headers it includes in every kernel it compiles) stay
+    where they are, linked from the private directory under their names, but only when
+    they are the user's alone (`usercache.private_dir`: anyone may create that name
+    first); otherwise the link goes to one of that name in `fallback` (the user's private
+    compile cache), or a directory of the private one (lost with it) without one."""
     tmp = Path(tempfile.gettempdir())
     me = os.getuid()
     for old in tmp.glob(f"{TMP_DIR_PREFIX}*"):
@@ -1005,6 +1035,23 @@ def private_tmp_dir(shared: Iterable[Path] = ()) -> Path:
             continue
     private = Path(tempfile.mkdtemp(prefix=f"{TMP_DIR_PREFIX}{os.getpid()}.", dir=tmp))
     for cache in shared:
-        cache.mkdir(parents=True, exist_ok=True)
-        (private / cache.name).symlink_to(cache)
+        kept = own_cache(cache, fallback)
+        if kept is None:
+            (private / cache.name).mkdir(mode=0o700)
+        else:
+            (private / cache.name).symlink_to(kept)
     return private
+
+
+def own_cache(cache: Path, fallback: Optional[Path]) -> Optional[Path]:
+    """`cache` (made 0700 if missing) when it is the user's alone, with every directory
+    above it; else `<fallback>/<its name>`, or None without a fallback; one line in the
+    log when the node's is passed over."""
+    from prime_hpc.core import usercache
+
+    try:
+        return usercache.private_dir(cache)
+    except (usercache.Untrusted, OSError) as e:
+        instead = fallback / cache.name if fallback is not None else "this server's temporary directory"
+        print(f"prime-hpc inference: {cache} is not used ({e}); inductor's cache is kept in {instead}", flush=True)
+    return None if fallback is None else usercache.private_dir(fallback / cache.name)
