@@ -106,17 +106,30 @@ def recorded_config(path: Path | IO[str], overrides: Sequence[str] = ()) -> Dict
     """A run's recorded `config.yaml` (a path, or the file opened) on the typed schema, with
     `key=value` overrides applied (typed: a wrong type or unknown key fails like at
     submit). Config groups cannot be switched on a resolved config, and a run keeps its
-    output_dir."""
+    output_dir. A recorded config holds values only (submit writes it resolved): one that
+    holds an interpolation (`${...}`, escaped or not) is refused in one line naming the
+    file and the key, unless an override restates that key. Resolved here, it would read
+    the environment of whoever runs the command (`${oc.env:HF_TOKEN}`) into the files
+    written next (`configs/*.yaml`), or, written back as text, in a component's."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     _register_schema()
     from prime_hpc.config.schema import RunConfig
 
-    cfg = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path)))
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as e:
         raise UserError(one_line(e)) from None
+    loaded = OmegaConf.load(path)
+    key = interpolated_key(OmegaConf.to_container(loaded, resolve=False), {o.key_or_group for o in parsed})
+    if key is not None:
+        name = path if isinstance(path, Path) else getattr(path, "name", "config.yaml")
+        key = key if key.isprintable() else ascii(key)  # the file's text, shown as text only
+        raise UserError(
+            f"{name}: {key} holds an interpolation (${{...}}), which a recorded config never does (submit writes "
+            f"values): refusing to resolve it in your environment; give its value as an override ({key}=...)"
+        )
+    cfg = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(RunConfig), loaded))
     for o in parsed:
         key = o.key_or_group
         if key == "output_dir":
@@ -136,6 +149,26 @@ def recorded_config(path: Path | IO[str], overrides: Sequence[str] = ()) -> Dict
             raise explain(e) from None
     _check_schema(cfg)
     return cfg
+
+
+def interpolated_key(node: object, restated: set[str], prefix: str = "") -> str | None:
+    """The first dotted key of the plain data `node` whose value holds `${` (an
+    interpolation, a resolver's call, or one escaped that would be one once written back),
+    leaving out keys in `restated` and below them; None when there is none."""
+    if isinstance(node, dict):
+        items: list = list(node.items())
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    else:
+        return prefix if isinstance(node, str) and "${" in node else None
+    for k, v in items:
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if key in restated:
+            continue
+        found = interpolated_key(v, restated, key)
+        if found is not None:
+            return found
+    return None
 
 
 def defaults_choices(overrides: Sequence[str] = ()) -> list[tuple[str, str]]:

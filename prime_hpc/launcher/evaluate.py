@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -68,12 +69,17 @@ def parse_steps(value: str) -> list[int]:
 def recorded_run(run: RunDir, overrides: list[str]) -> tuple[Any, int]:
     """The run's `config.yaml` on the typed schema with `overrides` applied as `resume`
     applies them (an unknown key or a wrong type fails in one line naming the key), and
-    the uid owning the file, read from the descriptor the config was read from."""
+    whose run it is: the uid owning the file, read from the descriptor the config was read
+    from, or the run directory's owner where that is not the user (a file of the user's in
+    someone else's directory is not the user's run)."""
     from prime_hpc.config.compose import recorded_config
 
     with open(run.config_yaml) as f:
         owner = os.fstat(f.fileno()).st_uid
-        return recorded_config(f, overrides), owner
+        cfg = recorded_config(f, overrides)
+    if owner == os.getuid():
+        owner = os.lstat(run.root).st_uid
+    return cfg, owner
 
 
 def _restated(key: str, overrides: list[str]) -> bool:
@@ -121,12 +127,9 @@ def check_foreign_run(run: RunDir, owner: int, cfg: Any, overrides: list[str], t
 
 
 def run_eval(target: str, args: list[str], trust_run_code: bool = False, base: bool = True, here: bool = False) -> int:
-    from prime_hpc.config.cluster import cache_root
-    from prime_hpc.core import usercache
-
     run, one_step = target_run(target)
     steps_arg = [a for a in args if a.startswith("steps=")]
-    overrides = [a for a in args if not a.startswith("steps=")]
+    out, overrides = results_word([a for a in args if not a.startswith("steps=")])
     if not run.config_yaml.exists():
         raise UserError(f"{run.config_yaml} is missing: not a prime-hpc run directory")
     steps = scoring.eval_steps(run, parse_steps(steps_arg[-1][6:]) if steps_arg else None, one_step, base)
@@ -134,28 +137,92 @@ def run_eval(target: str, args: list[str], trust_run_code: bool = False, base: b
     if not cfg.orchestrator.eval.env:
         raise UserError("the run has no eval environments (orchestrator.eval.env is empty)")
     check_foreign_run(run, owner, cfg, overrides, trust_run_code)
-    foreign = owner != os.getuid() and not trust_run_code
-    if foreign and not (here or runs_here(cfg)):  # a job would run their cluster settings (env_setup ...) as you
-        print(
-            f"prime-hpc eval: {run.root} is not yours: scored on this machine, not in a job with its cluster "
-            "settings (--trust-run-code submits the job)",
-            flush=True,
-        )
-    if not (here or runs_here(cfg) or foreign):
-        job_cfg = eval_job_config(cfg, steps, run.eval_dir, run)
-        rc = submit_and_follow(job_cfg, overrides)
+    results = out or run.eval_dir if owner == os.getuid() else foreign_results(run, cfg, out, overrides, trust_run_code)
+    if not (here or runs_here(cfg)):
+        rc = submit_and_follow(eval_job_config(cfg, steps, results, run), overrides)
         if rc == 0:
             for step in steps:
-                row = read_json(run.eval_result(step))
+                row = read_json(Path(results) / f"step_{int(step)}.json")
                 scoring.print_row(step, {k: v for k, v in row.items() if k.startswith("eval/")})
-            print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json (and .samples.jsonl) for steps {steps}")
+            print(f"prime-hpc eval: wrote {results}/step_<n>.json (and .samples.jsonl) for steps {steps}")
         return rc
-    cache = cache_root(cfg)  # the run's cache: its built models (and the user's compile cache there) are reused
+    from prime_hpc.config.cluster import cache_root
+    from prime_hpc.core import usercache
+
+    cache = cache_root(cfg)  # the run's (your own for a run of someone else's): built models are reused
     usercache.compile_dir(cache, create=False)
-    with with_umask(cfg.cluster.umask), scoring.eval_server(cfg, RunDir(run.eval_dir), cache) as (url, key):
-        scoring.score_steps(run, cfg, steps, url, key)
-    print(f"prime-hpc eval: wrote {run.eval_dir}/step_<n>.json (and .samples.jsonl) for steps {steps}")
+    with with_umask(cfg.cluster.umask), scoring.eval_server(cfg, RunDir(results), cache) as (url, key):
+        scoring.score_steps(run, cfg, steps, url, key, Path(results))
+    print(f"prime-hpc eval: wrote {results}/step_<n>.json (and .samples.jsonl) for steps {steps}")
     return 0
+
+
+def results_word(args: list[str]) -> tuple[Optional[Path], list[str]]:
+    """`out=DIR` (or `output_dir=DIR`, the same: where eval writes its results and its
+    server's files) and the other words; one line when both are given and differ."""
+    given = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in RESULT_WORDS}
+    rest = [a for a in args if a.split("=", 1)[0] not in RESULT_WORDS]
+    paths = {Path(v).expanduser().absolute() for v in given.values()}
+    if len(paths) > 1:
+        raise UserError(f"out={given['out']} and output_dir={given['output_dir']}: give one, where eval writes")
+    if any(not v.strip() for v in given.values()):
+        raise UserError(f"{next(iter(given))}= is empty: give the directory eval writes to")
+    return (paths.pop() if paths else None), rest
+
+
+RESULT_WORDS = ("out", "output_dir")
+
+
+def foreign_results(run: RunDir, cfg: Any, out: Optional[Path], overrides: list[str], trust: bool) -> Path:
+    """A run of someone else's: nothing of theirs is read again after the check (their
+    config was read once, from one descriptor) and nothing eval writes goes into their
+    tree: it goes to a directory of the user's alone (`private_results`), with the user's
+    cluster settings (`callers_cluster`). Says so in a line; the directory."""
+    results = private_results(run, out)
+    theirs = str(cfg.cluster.device)
+    callers_cluster(cfg, overrides, results, keep=trust)
+    settings = "its cluster settings but your umask and cache" if trust else "your cluster settings, not its"
+    device = f" (it ran on {theirs}: cluster.device={theirs} for that)" if theirs != cfg.cluster.device else ""
+    print(
+        f"prime-hpc eval: {run.root} is not yours: scored with {settings}{device}; eval writes to {results}", flush=True
+    )
+    return results
+
+
+def private_results(run: RunDir, out: Optional[Path]) -> Path:
+    """Where eval writes for a run of someone else's: `out` or `outputs/eval/<run>-<time>`,
+    a directory of the user's alone (0700 when made; `usercache.private_dir`), its real
+    path; one line when it is not."""
+    from prime_hpc.core import usercache
+
+    slug = re.sub(r"[^A-Za-z0-9._-]", "_", run.root.name) or "run"
+    path = out or Path("outputs") / "eval" / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        return usercache.private_dir(path)
+    except (usercache.Untrusted, OSError) as e:
+        raise UserError(
+            f"out={path}: {e}; a run that is not yours is scored into a directory of your own that nobody "
+            "else can change: give out=DIR"
+        ) from None
+
+
+def callers_cluster(cfg: Any, overrides: list[str], results: Path, keep: bool) -> None:
+    """A run of someone else's is scored with the user's cluster settings: those a submit of
+    the user's gets by default (`cluster=local`) with the user's `cluster.*` overrides,
+    the cache next to `results` unless `cluster.cache_dir` is given (their umask would
+    decide who may write the user's files, their cache what the user loads). `keep`
+    (`--trust-run-code`: a job on their cluster, their `env_setup` and all): only their
+    umask and cache are replaced."""
+    from prime_hpc.config.cluster import cache_root
+    from prime_hpc.config.compose import compose
+
+    mine = compose([o for o in overrides if o.lstrip("+~").startswith("cluster.")])
+    mine.output_dir = str(results)
+    if keep:
+        cfg.cluster.umask = mine.cluster.umask
+    else:
+        cfg.cluster = mine.cluster
+    cfg.cluster.cache_dir = cache_root(mine)
 
 
 EVAL_JOB_DIR = "job"  # an eval job's own files (configs, logs, job.json) under its results directory
@@ -273,7 +340,17 @@ def parse_env_args(given: list[str], envs: list[str]) -> dict[str, dict[str, Any
     return out
 
 
-STANDALONE_KEYS = ("model", "env", "rollouts", "examples", "out", "client.base_url", "client.model", "serve")
+STANDALONE_KEYS = (
+    "model",
+    "env",
+    "rollouts",
+    "examples",
+    "out",
+    "output_dir",
+    "client.base_url",
+    "client.model",
+    "serve",
+)
 
 
 def is_standalone(target: str) -> bool:
@@ -311,7 +388,9 @@ class ModelWords:
 def model_words(args: list[str], keys: tuple[str, ...], verb: str) -> ModelWords:
     """Parse `args` of a command that runs envs against a model (`keys`: its own words;
     `verb`: "eval" or "synthesize", the default `outputs/<verb>/<model>-<time>`); one line
-    for what is missing or wrong."""
+    for what is missing or wrong. `output_dir=DIR` is `out=DIR` (what every other command
+    calls the directory it writes)."""
+    given_out, args = results_word(args)
     opts = dict(a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in keys)
     given_args = [a for a in args if a.startswith(ENV_ARGS_PREFIX)]
     overrides = [a for a in args if a.split("=", 1)[0] not in keys and a not in given_args]
@@ -332,7 +411,7 @@ def model_words(args: list[str], keys: tuple[str, ...], verb: str) -> ModelWords
     if k < 1 or (n is not None and n < 1):
         raise UserError("rollouts=K and examples=N must be >= 1")
     name = opts.get("model") or opts.get("client.model") or "served"
-    out = Path(opts.get("out") or Path("outputs") / verb / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = given_out or Path("outputs") / verb / f"{Path(name).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return ModelWords(opts, envs, env_args, k, n, name, out.expanduser().resolve(), overrides)
 
 

@@ -30,14 +30,22 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
     """One inference server for `cfg.model.name` on this machine, its files under `edir`
     (configs, endpoints, logs); yields its URL and the key it demands (made for this
     server, given to it only through its environment), then stops it (and its process
-    group)."""
+    group). The config the server reads is the copy written here, in `edir` (for a run
+    of someone else's, a directory of the user's alone), never a file of the run's; and
+    the umask in force must keep others from writing it (the server refuses a config
+    others can write: refused here first, in one line)."""
     import secrets
 
     from prime_hpc.config.component import write_component_config
+    from prime_hpc.core import umask
+    from prime_hpc.core.errors import ConfigError
     from prime_hpc.core.jobenv import CACHE_VAR
     from prime_hpc.core.net import address_env
     from prime_hpc.inference.client import wait_for_servers
 
+    why = umask.others_write(f"{umask.current():03o}")
+    if why:
+        raise ConfigError("cluster.umask", why)
     key = secrets.token_urlsafe(32)
     cfg.output_dir = str(edir.root)
     cfg.cluster.inference.nodes = 1
@@ -107,10 +115,10 @@ def eval_steps(run: RunDir, asked: Optional[list[int]], one_step: Optional[int],
     return sorted(set(steps))
 
 
-def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str) -> None:
+def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str, results: Path) -> None:
     """Load each step's weights into the server at `url` (step 0: the base model, what it
-    started with), run the eval envs, write `<run>/eval/step_<n>.json` and every rollout
-    to `step_<n>.samples.jsonl`, and print a row."""
+    started with), run the eval envs, write `<results>/step_<n>.json` (`<run>/eval`, or
+    the user's `out`) and every rollout to `step_<n>.samples.jsonl`, and print a row."""
     from prime_hpc.inference.client import Admin
     from prime_hpc.orchestrator.client import make_client
 
@@ -120,7 +128,7 @@ def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str) -> 
         admin = Admin([url], key=key)
         try:
             for step in steps:
-                await score_step(admin, evaluator, run, step, run.eval_dir)
+                await score_step(admin, evaluator, run, step, results)
         finally:
             await admin.aclose()
 

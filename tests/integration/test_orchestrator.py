@@ -259,14 +259,18 @@ def test_eval_of_missing_steps_is_a_one_line_error(tmp_path):
 
 @pytest.mark.vllm
 def test_eval_scores_saved_weights_of_a_run(tmp_path, monkeypatch, capsys):
-    """Here the run is someone else's (its config.yaml belongs to another uid) and names its
+    """Here the run is someone else's (its directory belongs to another uid) and names its
     eval env by path: refused, nothing started or written, until the user says
-    --trust-run-code. The server eval starts demands a key of its own, which eval's calls
-    carry and no file holds; what eval writes gets the run's cluster.umask."""
+    --trust-run-code. Then everything eval writes (the server's config, its endpoint and
+    log, the results) goes to a directory of the user's alone, never into their tree (a
+    config planted in their eval/configs/ that would stop vLLM from starting is never
+    read). The server eval starts demands a key of its own, which eval's calls carry and
+    no file holds; what eval writes gets the user's umask."""
     import contextlib
     import os
 
     import httpx
+    import yaml
 
     from prime_hpc.cli import main
     from prime_hpc.orchestrator import evaluate
@@ -274,12 +278,19 @@ def test_eval_scores_saved_weights_of_a_run(tmp_path, monkeypatch, capsys):
 
     env_path = REPO / "examples" / "reverse_text" / "reverse_text"
     run = _run_with_weights(tmp_path / "run", {1: 5, 2: 6}, f"orchestrator.eval.env=[{{id: '{env_path}'}}]")
-    os.chown(run.config_yaml, 65534, 65534)
+    planted = run.eval_dir / "configs" / "inference.yaml"  # the config eval once wrote there
+    planted.parent.mkdir(parents=True)
+    data = yaml.safe_load(run.config_yaml.read_text())
+    data["inference"]["extra_args"] = ["--no-such-option"]  # vLLM would refuse to start with it
+    planted.write_text(yaml.safe_dump(data))
+    for p in [run.root, *run.root.rglob("*")]:
+        os.chown(p, 65534, 65534)
+    theirs = {p: p.read_bytes() for p in run.root.rglob("*") if p.is_file()}
+    mine = tmp_path / "mine"
     capsys.readouterr()
     assert main(["eval", str(run.root), "steps=1,2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "orchestrator.eval.env.0.id" in err and "--trust-run-code" in err, err
-    assert not run.eval_dir.exists()
     real, seen = evaluate.eval_server, {}
 
     @contextlib.contextmanager
@@ -295,13 +306,15 @@ def test_eval_scores_saved_weights_of_a_run(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("INFERENCE_SERVER_API_KEY", raising=False)  # eval needs none of the user's
     previous = os.umask(0o022)
     try:
-        code = main(["eval", str(run.root), "steps=1,2", "--trust-run-code"])
+        code = main(["eval", str(run.root), "steps=1,2", f"out={mine}", "--trust-run-code"])
     finally:
         os.umask(previous)
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
+    assert {p: p.read_bytes() for p in run.root.rglob("*") if p.is_file()} == theirs  # nothing of theirs changed
+    assert mine.stat().st_mode & 0o777 == 0o700 and (mine / "configs" / "inference.yaml").exists()
     for step in (1, 2):
-        row = json.loads(run.eval_result(step).read_text())
+        row = json.loads((mine / f"step_{step}.json").read_text())
         assert row["step"] == step
         assert 0.0 <= row["eval/reverse_text/avg@1"] <= 1.0 and row["eval/reverse_text/pass@1"] in (
             0.0,
@@ -311,12 +324,12 @@ def test_eval_scores_saved_weights_of_a_run(tmp_path, monkeypatch, capsys):
             1.0,
         )
         assert f"    step {step}  eval/reverse_text/avg@1=" in out, out
-        samples = [json.loads(line) for line in run.eval_samples(step).read_text().splitlines()]
+        samples = [json.loads(line) for line in (mine / f"step_{step}.samples.jsonl").read_text().splitlines()]
         assert len(samples) == 4 and {s["step"] for s in samples} == {step}  # orchestrator.eval.num_examples=4
-    assert not (run.eval_dir / "endpoints" / "inference_0.json").exists()  # its server is gone
+    assert not (mine / "endpoints" / "inference_0.json").exists()  # its server is gone
     key = seen.pop("the key")
     assert seen == {"none": 401, "wrong": 401, "key": 200} and "INFERENCE_SERVER_API_KEY" not in os.environ
-    written = [p for p in run.eval_dir.rglob("*")]
+    written = [p for p in mine.rglob("*")]
     assert all(key.encode() not in p.read_bytes() for p in written if p.is_file())
     assert written and all(p.stat().st_mode & 0o007 == 0 for p in written), [oct(p.stat().st_mode) for p in written]
 

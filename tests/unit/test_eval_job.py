@@ -5,6 +5,7 @@ per-env arguments, and the per-sample record. No server, no job."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from omegaconf import OmegaConf
 
@@ -148,8 +149,11 @@ def test_someone_elses_run_is_scored_here_not_in_a_job_with_their_cluster_settin
 
     run, _ = _run(tmp_path / "run", "cluster=dev")
     os.chown(run.config_yaml, 65534, 65534)
+    monkeypatch.chdir(tmp_path)  # its results go to outputs/eval/run-<time>, the user's own
     assert where_eval_runs(monkeypatch, [str(run.root)]) == ["server"]
-    assert "is not yours: scored on this machine" in capsys.readouterr().out
+    assert "is not yours: scored with your cluster settings, not its; eval writes to " in capsys.readouterr().out
+    (mine,) = (tmp_path / "outputs" / "eval").iterdir()
+    assert mine.name.startswith("run-") and mine.stat().st_mode & 0o777 == 0o700
 
 
 def test_an_eval_job_is_not_resumed_or_scaled(tmp_path, capsys):
@@ -169,3 +173,41 @@ def test_an_eval_job_is_not_resumed_or_scaled(tmp_path, capsys):
     assert "is an eval job, which keeps no checkpoint to resume from" in err and err.count("\n") == 1, err
     assert main(["scale", str(job.root), "inference=+1"]) == 2
     assert "is an eval job" in capsys.readouterr().err
+
+
+def _served_in(monkeypatch) -> dict:
+    seen: dict = {}
+
+    def server(cfg, edir, cache):
+        seen["edir"] = edir.root
+        raise SystemExit(3)
+
+    monkeypatch.setattr(evaluate, "eval_server", server)
+    return seen
+
+
+@pytest.mark.parametrize("word", ["out", "output_dir"])
+def test_output_dir_is_where_eval_writes_as_out_is(tmp_path, monkeypatch, capsys, word):
+    """`output_dir=DIR` names the directory a command writes, for eval as for submit: its
+    results and its server's files go there (a model, or a run of the user's)."""
+    monkeypatch.chdir(tmp_path)
+    seen = _served_in(monkeypatch)
+    given = tmp_path / "here" / "mine"
+    with pytest.raises(SystemExit):
+        main(["eval", "model=tiny", "env=reverse-text", f"{word}={given}", "--here"])
+    assert seen.pop("edir") == given and not (tmp_path / "outputs").exists()
+    run, _ = _run(tmp_path / "run")
+    with pytest.raises(SystemExit):
+        main(["eval", str(run.root), "steps=2", f"{word}={given}"])
+    assert seen.pop("edir") == given and not run.eval_dir.exists()
+
+
+def test_out_and_output_dir_that_differ_are_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _served_in(monkeypatch)
+    run, _ = _run(tmp_path / "run")
+    for target in (["model=tiny", "env=reverse-text"], [str(run.root)]):
+        assert main(["eval", *target, "out=a", "output_dir=b"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "out=a and output_dir=b: give one" in err, err
+    assert not run.eval_dir.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
