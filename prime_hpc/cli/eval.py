@@ -37,8 +37,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument(
         "args",
         nargs="*",
-        help="steps=N,M (default: the base model, 0, and every saved step) and overrides of the run "
-        "config; without a run: env=, args.<env>.<arg>=VALUE, rollouts=K, examples=N, client.model=, out=DIR",
+        help="steps=N,M (default: the base model, 0, and every saved step), out=DIR (or output_dir=DIR: "
+        "where eval writes; a run's eval/ by default) and overrides of the run config; without a run: env=, "
+        "args.<env>.<arg>=VALUE, rollouts=K, examples=N, client.model=",
     )
     return e
 

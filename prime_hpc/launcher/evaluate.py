@@ -6,10 +6,10 @@ instead of a model) any model or running endpoint on any env ids, without a run
 
 On a SLURM cluster it is a job (`eval_job_config`, `submit_and_follow`): the run's
 inference group with the eval runner (`prime_hpc.orchestrator.evaluate.run_job`) in the
-orchestrator's place, its files in `<run>/eval/job/`. With `cluster=local`, `--here`, or a
-run of someone else's, it starts one inference server on this machine instead
+orchestrator's place, its files in `<run>/eval/job/`. With `cluster=local` or `--here` it
+starts one inference server on this machine instead
 (`prime_hpc.orchestrator.evaluate.eval_server`; its files under `<run>/eval/`: configs,
-endpoints, logs). Either way each step is loaded into every server (`/update_weights`; the
+endpoints, logs); `out=DIR` (or `output_dir=DIR`) puts all of it in DIR. Either way each step is loaded into every server (`/update_weights`; the
 base model by `/reload_weights`), every eval env runs (`orchestrator.eval.*`:
 `num_examples`, `rollouts_per_example`), and `<run>/eval/step_<N>.json`
 (`eval/<env>/avg@k`, `eval/<env>/pass@k`) and `step_<N>.samples.jsonl` (every rollout) are
@@ -19,10 +19,13 @@ a wrong type fails in one line naming the key).
 
 The server demands a key (the job's, or one made for the local server and given to it
 only through its environment); eval's own calls carry it. Everything eval writes gets the
-run's `cluster.umask`. A run that belongs to someone else is scored with the user's own
-code only: its eval env ids that are paths, `model.trust_remote_code=true` and
-`inference.extra_args` are refused unless the user restates them as overrides or passes
-`--trust-run-code`.
+run's `cluster.umask`. A run that belongs to someone else (its config.yaml or its
+directory another user's) is scored with the user's own code only: its eval env ids that
+are paths, `model.trust_remote_code=true` and `inference.extra_args` are refused unless
+the user restates them as overrides or passes `--trust-run-code`; its config is read once
+(`recorded_config` refuses one holding an interpolation); everything eval writes goes to
+a directory of the user's alone (`foreign_results`), never into their tree; and the
+cluster settings are the user's (`callers_cluster`).
 """
 
 from __future__ import annotations
