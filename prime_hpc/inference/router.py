@@ -283,9 +283,7 @@ class Router:
             if await self.aborted(response):  # its engine stopped under the request: the next server
                 errors.append(f"{worker}: aborted the generation (the server is stopping)")
                 print(f"prime-hpc router: {worker} aborted a generation (it is stopping); sent on", file=sys.stderr)
-                tried.add(worker)
-                if worker in self.failures:
-                    self.failures[worker] = HEALTH_FAILURES  # out until a health check says it is back
+                self.out(worker, tried)
                 continue
             return await self.relay(response, send)
         return await send_json(send, 503, {"error": "no inference server answered: " + ("; ".join(errors) or "none")})

@@ -7,16 +7,27 @@ One RL run whose two inference servers run in jobs of their own, one node each
 node of the het job fails, so servers that may be lost alone live outside it.
 1. The first inference node is taken away: only its server (and its job) is lost; the run
    goes on with the other in the same attempt (no requeue).
-2. That node is put back, then the trainer's node is taken away: the attempt ends, the job
-   is requeued (counted against `cluster.max_requeues`), SLURM starts it again on nodes that
-   are up, and it continues from the last complete checkpoint to `max_steps`, the remaining
-   server joining it again; the new attempt submits a job for the lost server again. The
-   first attempt leaves no process behind.
-Every node is put back (`state=resume`) however the test ends."""
+2. That node is put back. The trainer's node is drained (what a node health check does to
+   failing hardware) and the trainer dies on it (every process of the run there killed, as
+   the node's failure kills them). SLURM does nothing to the jobs of a node it drains: only
+   the supervisor's own verdict (`attempt node-lost`: the node is `draining` in `sinfo`)
+   ends the attempt as NODE_FAIL, naming the node, and requeues the job (counted against
+   `cluster.max_requeues`); without it the run would fail naming the trainer. SLURM starts
+   the job again on nodes that are up; it continues from the last complete checkpoint, the
+   remaining server joining it again; the new attempt submits a job for the lost server
+   again, which starts once the drained node is back.
+3. The head node (het group 0: the job script, the orchestrator, the router) is taken away:
+   SLURM requeues the job; the next attempt continues from the last complete checkpoint to
+   `max_steps`.
+Each step is trained once, no rollout errored (a lost server's requests went to the other),
+and the ended attempts leave no process behind. Every node is put back (`state=resume`)
+however the test ends."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 
@@ -26,7 +37,7 @@ from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import jobs
 from prime_hpc.rundir.layout import server_slot
-from tests.runs import run_processes, slurm_node, still_alive, wait_for_step
+from tests.runs import rank0_pid, release_held, run_processes, slurm_node, still_alive, wait_for_step, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -41,8 +52,8 @@ def _job_nodes(job_id: str) -> set[str]:
     return set(names.split())
 
 
-def _take_away(node: str) -> None:
-    for state in ("down", "drain"):  # down: its steps end; drained: it stays out of the next allocation
+def _set_state(node: str, *states: str) -> None:
+    for state in states:
         subprocess.run(
             ["scontrol", "update", f"nodename={node}", f"state={state}", "reason=prime-hpc node loss test"],
             check=True,
@@ -50,8 +61,25 @@ def _take_away(node: str) -> None:
         )
 
 
+def _take_away(node: str) -> None:
+    _set_state(node, "down", "drain")  # down: its steps end; drained: it stays out of the next allocation
+
+
 def _put_back(node: str) -> None:
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, timeout=60)
+
+
+def _kill_on(node: str, processes: dict[int, int]) -> list[int]:
+    """SIGKILL every process of the run on `node` (its SLURMD_NODENAME): a node that fails."""
+    killed = []
+    for pid in processes:
+        try:
+            if slurm_node(pid) == node:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except (OSError, StopIteration):  # gone already, or not a step's process
+            continue
+    return killed
 
 
 def _orch_rows(run) -> list[dict]:
@@ -59,8 +87,19 @@ def _orch_rows(run) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_a_lost_inference_node_costs_its_server_and_a_lost_trainer_node_an_attempt(tmp_path):
-    steps = 24
+def _attempts(run, n: int, job_id: str, timeout_s: float = 600) -> dict:
+    """job.json once the run's attempt `n` (1-based) runs (a requeued job held by SLURM is
+    let go sooner)."""
+    deadline = time.monotonic() + timeout_s
+    while len((job := jobs.read_job(run)).get("attempts", [])) < n or job.get("state") != "RUNNING":
+        assert time.monotonic() < deadline and job.get("state") in ("RUNNING", "REQUEUED"), job
+        release_held(job_id)
+        time.sleep(1)
+    return job
+
+
+def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_path):
+    steps = 30
     cfg = compose(
         [
             "+experiment=reverse_text",
@@ -75,20 +114,22 @@ def test_a_lost_inference_node_costs_its_server_and_a_lost_trainer_node_an_attem
         ]
     )
     sub = launch.submit(cfg, [])
-    run = sub.ref.run
+    run, job_id = sub.ref.run, sub.ref.job_id
     xids = [str(x["job_id"]) for x in jobs.extra_jobs(jobs.read_job(run))]
     down: list[str] = []
     try:
         assert [(x["fleet"], x["nodes"]) for x in jobs.extra_jobs(jobs.read_job(run))] == [(True, 1), (True, 1)]
         assert jobs.read_job(run)["groups"] == ["orchestrator", "trainer"]
-        wait_for_step(run, 3)
+        wait_for_step(run, 3)  # both servers serve (one may join after the first steps on a busy machine)
+        wait_until(lambda: (rows := _orch_rows(run)) and rows[-1]["inference/servers"] == 2, 600, "two servers", run)
         eps = run.server_endpoints()
         assert sorted(eps) == sorted(server_slot(0, x) for x in xids), eps
-        assert _orch_rows(run)[0]["inference/servers"] == 2
         # 1. the first inference node: its server is lost, the run goes on in the same attempt
         node = slurm_node(int(eps[server_slot(0, xids[0])]["pid"]))
-        assert _job_nodes(xids[0]) == {node} and node not in _job_nodes(sub.ref.job_id) | _job_nodes(xids[1])
-        _take_away(node)
+        assert _job_nodes(xids[0]) == {node} and node not in _job_nodes(job_id) | _job_nodes(xids[1])
+        beat = run.server_heartbeat(server_slot(0, xids[0]))
+        wait_until(lambda: json.loads(beat.read_text()).get("in_flight"), 120, "requests on the server", run, 0.1)
+        _take_away(node)  # SLURM ends its step: SIGTERM to the server and to vLLM's engine under its requests
         down.append(node)
         deadline = time.monotonic() + 120
         while not any(r["inference/servers"] == 1 for r in _orch_rows(run)):
@@ -101,31 +142,73 @@ def test_a_lost_inference_node_costs_its_server_and_a_lost_trainer_node_an_attem
         _put_back(node)
         down.remove(node)
 
-        # 2. the trainer's node: the attempt ends and is requeued onto nodes that are up
+        # 2. the trainer's node drained and the trainer dead on it: the supervisor's verdict, not SLURM's
         logs = run.latest_logs.resolve()
         listed = run_processes(logs)
-        tnode = slurm_node(int(json.loads(run.heartbeat("trainer", 0).read_text())["pid"]))
+        tnode = slurm_node(rank0_pid(run))
         t0 = time.time()
-        _take_away(tnode)
+        _set_state(tnode, "drain")
         down.append(tnode)
+        assert _kill_on(tnode, listed), f"no process of the run on {tnode}"
         deadline = time.monotonic() + 300
         while not (job := jobs.read_job(run)).get("requeues"):
             assert time.monotonic() < deadline and job.get("state") == "RUNNING", job
             time.sleep(1)
-        first = job["attempts"][0]  # SLURM requeues a het job itself when one of its nodes fails
-        assert first["end"] in ("REQUEUED", "NODE_FAIL") and job["requeues"] == 1, job
-        print(f"node {tnode} down -> requeued after {time.time() - t0:.0f}s")
+        first = job["attempts"][0]
+        assert (first["end"], first["reason"], first["down_nodes"], job["requeues"]) == (
+            "NODE_FAIL",
+            f"node(s) of the job down: {tnode}",
+            [tnode],
+            1,
+        ), job
+        batch = run.slurm_batch_log(job_id).read_text()
+        assert f"prime-hpc: node(s) of the job down: {tnode}" in batch, batch[-3000:]
+        assert "prime-hpc: trainer exited with code " in batch and "a node of the job failed; requeueing" in batch
+        print(f"node {tnode} drained, its trainer killed -> requeued by the supervisor after {time.time() - t0:.0f}s")
         deadline = time.monotonic() + 120
         while still_alive(listed):  # the first attempt leaves nothing behind
             assert time.monotonic() < deadline, still_alive(listed)
             time.sleep(1)
-        assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
-        job = jobs.read_job(run)
-        assert len(job["attempts"]) == 2 and job["attempts"][1]["resumed_from"] >= 4, job  # its last checkpoint
-        assert tnode not in _job_nodes(sub.ref.job_id)  # the second attempt ran on nodes that were up
-        extra = jobs.extra_jobs(job)
+        job = _attempts(run, 2, job_id)
+        assert job["attempts"][1]["resumed_from"] >= 4, job  # its last checkpoint
+        assert tnode not in _job_nodes(job_id)  # the second attempt runs on nodes that are up
+        extra = wait_until(lambda: (x := jobs.extra_jobs(jobs.read_job(run)))[2:] and x, 120, "a new server job", run)
         assert len(extra) == 3 and extra[2]["fleet"], extra  # the lost server's job, submitted again
         assert extra[2]["submitted_at"] > job["attempts"][1]["started_at"] - 1, extra
+        _put_back(tnode)  # repaired: the lost server's new job starts there
+        down.remove(tnode)
+
+        # 3. the head node: the job script, the orchestrator and the router go with it
+        wait_for_step(run, job["attempts"][1]["resumed_from"] + 3)
+        logs = run.latest_logs.resolve()
+        listed = run_processes(logs)
+        head = slurm_node(int(json.loads(run.heartbeat("orchestrator", 0).read_text())["pid"]))
+        assert head not in _job_nodes(xids[1]) | _job_nodes(str(extra[2]["job_id"]))
+        t0 = time.time()
+        _take_away(head)
+        down.append(head)
+        deadline = time.monotonic() + 300
+        while (
+            "PENDING"
+            not in subprocess.run(
+                ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
+            ).stdout
+        ):
+            assert time.monotonic() < deadline and jobs.read_job(run).get("state") in ("RUNNING", "REQUEUED")
+            time.sleep(1)
+        print(f"head node {head} down -> requeued after {time.time() - t0:.0f}s")
+        _put_back(head)  # the only free node besides the trainer's
+        down.remove(head)
+        job = _attempts(run, 3, job_id)
+        print("attempts:", json.dumps(job["attempts"], indent=1))
+        deadline = time.monotonic() + 120
+        while still_alive(listed):  # the second attempt leaves nothing behind
+            assert time.monotonic() < deadline, still_alive(listed)
+            time.sleep(1)
+        assert launch.wait_done(sub, 900) == "COMPLETED", jobs.read_job(run)
+        job = jobs.read_job(run)
+        assert job["requeues"] == 2 and len(job["attempts"]) == 3, job
+        assert job["attempts"][2]["resumed_from"] > job["attempts"][1]["resumed_from"], job  # a later checkpoint
         deadline = time.monotonic() + 120  # the remaining server's job leaves once the run ended
         while not (kept := jobs.extra_jobs(jobs.read_job(run))[1]).get("ended_at"):
             assert time.monotonic() < deadline, kept
@@ -134,9 +217,13 @@ def test_a_lost_inference_node_costs_its_server_and_a_lost_trainer_node_an_attem
     finally:
         for n in down:
             _put_back(n)
-        for j in [x["job_id"] for x in jobs.extra_jobs(jobs.read_job(run))] + [sub.ref.job_id]:
+        for j in [x["job_id"] for x in jobs.extra_jobs(jobs.read_job(run))] + [job_id]:
             subprocess.run(["scancel", str(j)], capture_output=True, timeout=60)
     rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows  # each step trained and recorded once
-    servers = [r["inference/servers"] for r in _orch_rows(run)]
-    assert servers[0] == 2 and servers[-1] == 1, servers  # the server left rejoined the second attempt
+    orch = _orch_rows(run)
+    servers = [r["inference/servers"] for r in orch]
+    assert 1 in servers[servers.index(2) :], servers  # two, then one
+    # losing a server, the trainer's node or the head's failed no request: no rollout errored
+    errored = [{k: v for k, v in r.items() if "errored" in k} for r in orch]
+    assert all(v == 0 for e in errored for v in e.values()), errored
