@@ -303,3 +303,36 @@ def test_inductors_headers_in_the_nodes_tmp_are_used_only_when_the_users_alone(t
     srv.shutil.rmtree(mine)
     mine = srv.private_tmp_dir([node], None)  # no compile cache (no cluster.cache_dir): one of its own
     assert (mine / node.name).is_dir() and not (mine / node.name).is_symlink()
+
+
+def test_eval_refuses_a_umask_that_lets_others_write_before_its_server_starts(tmp_path, monkeypatch, capsys):
+    """Its server would load a config written under it (and refuse one others can write):
+    one line on cluster.umask instead, no server started, for a model and a run of the
+    user's recorded with such a umask."""
+    from omegaconf import OmegaConf
+
+    from prime_hpc.cli import main
+    from prime_hpc.config.compose import compose
+    from prime_hpc.orchestrator import evaluate
+    from prime_hpc.rundir import RunDir, mark_stable
+
+    class NoServer:
+        def Popen(*a, **k):
+            raise AssertionError("a server was started")
+
+    monkeypatch.setattr(evaluate, "subprocess", NoServer)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    OmegaConf.save(
+        compose(["+experiment=reverse_text", f"output_dir={run.root}", "cluster.umask=002"]), run.config_yaml
+    )
+    run.weights_step(1).mkdir(parents=True)
+    mark_stable(run.weights_step(1))
+    for argv in (
+        ["model=tiny", "env=reverse-text", "cluster.umask=002", f"out={tmp_path / 'm'}", "--here"],
+        [str(run.root), "steps=1"],
+    ):
+        assert main(["eval", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "cluster.umask: 002 lets group or others write" in err, err
+    assert not list(tmp_path.glob("**/configs/inference.yaml"))
