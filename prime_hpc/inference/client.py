@@ -352,8 +352,9 @@ class Admin:
                 raise InferenceError(f"{base}{path}: {why}") from None
             if r.status_code == LEAVING_STATUS:  # on its way out: as good as lost, not a failed update
                 return {"lost": error_detail(r)}
-            if r.status_code == 401:  # not the instance it proved it was: proven again first
+            if r.status_code == 401:  # not the instance it proved: another process answers at its address
                 self.instances.pop(base, None)
+                return {"lost": f"{base} refused the signature for the server it proved to be (HTTP 401)"}
             if r.status_code != 200:
                 raise InferenceError(f"{base}{path}: HTTP {r.status_code}: {error_detail(r)}")
             return r.json()

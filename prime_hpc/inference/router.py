@@ -144,13 +144,15 @@ class Router:
             self.checker = httpx.AsyncClient(timeout=CHECK_TIMEOUT_S)
         return self.checker
 
-    async def verify(self, worker: str) -> Optional[str]:
+    async def verify(self, worker: str, records: Optional[dict[str, dict]] = None) -> Optional[str]:
         """`worker` proves it holds the key as the server the run published at its URL
-        (`client.challenge`); the reason it did not (it is out of rotation until it does),
-        or None."""
+        (`client.challenge`; `records`: the run's endpoints, read now if not given); the
+        reason it did not (it is out of rotation until it does), or None."""
         import httpx
 
-        record = published(self.run).get(worker) if self.run is not None else None
+        if records is None and self.run is not None:
+            records = published(self.run)
+        record = records.get(worker) if records is not None else None
         try:
             if self.run is not None and record is None:
                 raise NotProven(f"{worker} is not a server of this run (endpoints/<slot>.json)")
@@ -167,12 +169,13 @@ class Router:
         self.unproven.discard(worker)
         return None
 
-    def drop_unpublished(self) -> None:
-        """Forget the servers whose endpoint file is gone (they left the run)."""
+    def drop_unpublished(self, records: Optional[dict[str, dict]] = None) -> None:
+        """Forget the servers whose endpoint file is gone (they left the run; `records`: the
+        run's endpoints, read now if not given)."""
         if self.run is None or not self.workers:
             return
-        published = published_urls(self.run)
-        for w in [w for w in self.workers if w not in published]:
+        urls = set(records) if records is not None else published_urls(self.run)
+        for w in [w for w in self.workers if w not in urls]:
             self.remove(w)
 
     async def check_health(self) -> None:
@@ -182,18 +185,19 @@ class Router:
 
         client = self.check_client()
         while True:
-            self.drop_unpublished()
+            records = published(self.run) if self.run is not None else None
+            self.drop_unpublished(records)
 
-            async def one(w: str) -> None:
+            async def one(w: str, records: Optional[dict[str, dict]]) -> None:
                 try:
                     ok = (await client.get(w + "/health")).status_code == 200
                 except httpx.HTTPError:
                     ok = False
-                ok = ok and await self.verify(w) is None
+                ok = ok and await self.verify(w, records) is None
                 if w in self.failures:
                     self.failures[w] = 0 if ok else self.failures[w] + 1
 
-            await asyncio.gather(*(one(w) for w in list(self.workers)))
+            await asyncio.gather(*(one(w, records) for w in list(self.workers)))
             await asyncio.sleep(HEALTH_EVERY_S)
 
     # ------------------------------------------------------------------ requests
