@@ -19,7 +19,11 @@ With `--transports ...,broadcast`, a second server per size started with
 `weights.transport=broadcast`: the trainer's own sender (`prime_hpc.inference.broadcast.
 Broadcaster`, the server's weight group joined once) sends each policy to it, against the
 raw gloo broadcast of the same bytes between two processes on this host (goal <= 1.5x);
-of it, the server's load (vLLM's layerwise reload of what it received).
+of it, the server's load (vLLM's layerwise reload of what it received). Every send carries
+each tensor's SHA-256, which the server's worker checks as the tensors arrive: the digest
+columns give the sender's share (the policy's digests, on its threads, inside the
+broadcast's time, after the policy's one cast to the server's dtype) and the worker's (the same bytes hashed here as the worker hashes them,
+`transfer.HASH_THREADS` threads, overlapping its receive and load).
 
 Each server has the machine to itself (the sizes' runs in `sizes.py` measure the same in
 a run, where the trainer's next step shares the cores): the sync's own cost. The servers
@@ -129,23 +133,30 @@ def step_weights(net: Any) -> None:
             p.add_(1e-4)
 
 
-def measure_broadcast(model: Path, url: str, repeats: int) -> dict:
-    """The trainer's sender to one server: join once, then `repeats` policies (after a
-    warm-up one), each from the send to the server's answer that it serves it."""
+def measure_broadcast(root: Path, model: Path, url: str, repeats: int) -> dict:
+    """The trainer's sender to one server: join once (a file store in the run's private
+    directory: one host), then `repeats` policies (after a warm-up one), each from the
+    send, its digests included, to the server's answer that it serves it."""
     from sizes import raw_broadcast_s
 
     from prime_hpc.inference.broadcast import Broadcaster
+    from prime_hpc.rundir import RunDir
 
     net, _ = trainer_model(model)
-    sender = Broadcaster(url, host=LOOPBACK, key=KEY)
+    sender = Broadcaster(url, host=LOOPBACK, key=KEY, store_dir=RunDir(root).rendezvous_dir)
     sender.join()
-    seconds, loads = [], []
+    seconds, loads, digests, checks = [], [], [], []
     nbytes = 0
     try:
         for n in range(1, repeats + 2):
             step_weights(net)
+            named = [(k, v.detach()) for k, v in net.named_parameters()]
             t0 = time.perf_counter()
-            reply = sender.send(n, [(k, v.detach()) for k, v in net.named_parameters()])
+            served = sender.served(named)  # as the trainer's sender does: cast once, then digested
+            ts = time.perf_counter()
+            sums = sender.digests(served)
+            td = time.perf_counter()
+            reply = sender.send(n, served, digests=sums)
             t1 = time.perf_counter()
             if reply.get("policy_step") != n:
                 raise SystemExit(f"[weight_sync] the server answered {reply} for step {n}")
@@ -153,6 +164,8 @@ def measure_broadcast(model: Path, url: str, repeats: int) -> dict:
             if n > 1:
                 seconds.append(t1 - t0)
                 loads.append(float(reply.get("load_s", 0.0)))
+                digests.append(td - ts)
+                checks.append(worker_check_s(served))
     finally:
         sender.close()
     return {
@@ -160,7 +173,23 @@ def measure_broadcast(model: Path, url: str, repeats: int) -> dict:
         "broadcast load": statistics.median(loads),
         "broadcast bytes": nbytes,
         "raw broadcast": raw_broadcast_s(nbytes),
+        "digest": statistics.median(digests),
+        "check": statistics.median(checks),
     }
+
+
+def worker_check_s(served: list) -> float:
+    """The worker's share of the digests: the bytes it receives hashed as it hashes them
+    (`transfer.DigestCheck`'s threads), in this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prime_hpc.inference.broadcast import tensor_digest
+
+    threads = min(4, os.cpu_count() or 1)  # transfer.HASH_THREADS (that module imports vLLM)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(tensor_digest, [t for _, t in served]))
+    return time.perf_counter() - t0
 
 
 def measure(root: Path, model: Path, url: str, repeats: int) -> dict:
@@ -241,7 +270,7 @@ def main() -> int:
             proc, url = start_server(root, model, a.startup_timeout_s, transport)
             try:
                 r.update(measure(root, model, url, a.repeats) if transport == "filesystem" else {})
-                r.update(measure_broadcast(model, url, a.repeats) if transport == "broadcast" else {})
+                r.update(measure_broadcast(root, model, url, a.repeats) if transport == "broadcast" else {})
             finally:
                 stop(proc)
         if "sync" in r:
@@ -268,13 +297,21 @@ def main() -> int:
         print("goal: sync / (copy+fsync) <= 2x; the last two columns: a copy without fsync")
     if "broadcast" in transports:
         print()
-        print(f"{'model':>9} {'MB sent':>8} {'broadcast s':>12} {'load s':>7} {'raw gloo s':>11} {'ratio':>7}")
+        print(
+            f"{'model':>9} {'MB sent':>8} {'broadcast s':>12} {'load s':>7} {'raw gloo s':>11} {'ratio':>7} "
+            f"{'digest s':>9} {'check s':>8} {'digests/broadcast':>18}"
+        )
         for name, r in results.items():
             print(
                 f"{name:>9} {r['broadcast bytes'] / 1e6:8.1f} {r['broadcast']:12.3f} {r['broadcast load']:7.3f} "
-                f"{r['raw broadcast']:11.3f} {r['broadcast'] / r['raw broadcast']:6.1f}x"
+                f"{r['raw broadcast']:11.3f} {r['broadcast'] / r['raw broadcast']:6.1f}x {r['digest']:9.3f} "
+                f"{r['check']:8.3f} {(r['digest'] + r['check']) / r['broadcast']:17.2f}x"
             )
         print("goal: broadcast / raw gloo broadcast of the same bytes <= 1.5x")
+        print(
+            "digest: the sender's SHA-256 of the policy as sent (inside the broadcast's time); check: the "
+            "worker's of the same bytes, overlapping its receive and load"
+        )
     return 0
 
 

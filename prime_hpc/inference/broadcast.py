@@ -87,6 +87,7 @@ class DigestRefused(BroadcastError):
 DIGEST = "sha256"  # hashlib's name; what `tensor_digest` computes
 DIGEST_MISMATCH = "weights differ from their digest"  # the workers' error, as the server recognises it
 DIGEST_THREADS = 8  # tensors hashed at once on the sender (hashlib lets go of the GIL)
+DIGEST_THREADED_BYTES = 64 << 20  # below this a policy is hashed on the calling thread
 
 
 def tensor_digest(tensor: Any) -> str:
@@ -101,8 +102,9 @@ def tensor_digest(tensor: Any) -> str:
 
 
 def tensor_digests(tensors: Sequence[Any]) -> list[str]:
-    """`tensor_digest` of each, in order (on up to `DIGEST_THREADS` threads)."""
-    if len(tensors) < 2:
+    """`tensor_digest` of each, in order (on up to `DIGEST_THREADS` threads, when there are
+    enough bytes for threads to pay)."""
+    if sum(t.numel() * t.element_size() for t in tensors) < DIGEST_THREADED_BYTES:
         return [tensor_digest(t) for t in tensors]
     with ThreadPoolExecutor(min(DIGEST_THREADS, os.cpu_count() or 1, len(tensors))) as pool:
         return list(pool.map(tensor_digest, tensors))
@@ -257,9 +259,13 @@ class Broadcaster:
         """An announcement of the policy as `_served` will send it."""
         return {**announced, "dtype_names": [self._narrowed(d) for d in announced["dtype_names"]]}
 
+    def served(self, named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """`named` as it goes to this server (`_served`: narrowed where the server holds a
+        narrower dtype), once: `send` and `digests` take it as it is."""
+        return [(name, self._served(t)) for name, t in named]
+
     def digests(self, named: Sequence[tuple[str, Any]]) -> list[str]:
-        """Each tensor's digest as it goes to this server (`_served`: narrowed where the
-        server holds a narrower dtype), for `send`."""
+        """Each tensor's digest as it goes to this server (`served`), for `send`."""
         return tensor_digests([self._served(t) for _, t in named])
 
     # ------------------------------------------------------------------ data plane

@@ -26,6 +26,9 @@ The lifecycle, each step a `collective_rpc` from the server's routes:
 
 from __future__ import annotations
 
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Optional
@@ -41,6 +44,8 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdat
 from prime_hpc.inference.broadcast import DIGEST_MISMATCH, file_store_prefix, tensor_digest
 
 DEFAULT_TIMEOUT_S = 600.0
+HASH_THREADS = min(4, os.cpu_count() or 1)  # a worker's threads checking received tensors against their digests
+HASH_AHEAD = 32  # received tensors whose digest may still be under way
 
 
 @dataclass(kw_only=True)
@@ -125,7 +130,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
         model: Any = self.model  # a vLLM model: `load_weights` takes checkpoint-named tensors
         group = self.group
         specs = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
-        differs: list[str] = []
+        check = DigestCheck(digests) if digests is not None else None
 
         def receive(i: int) -> tuple[str, Any, Any]:
             name, dtype_name, shape = specs[i]
@@ -141,20 +146,54 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
                 name, weight, work = pending
                 work.wait()
                 pending = receive(i + 1) if i + 1 < len(specs) else None
-                if digests is not None and not differs and tensor_digest(weight) != digests[i]:
-                    differs.append(name)
+                if check is not None:
+                    check.add(i, name, weight)
                 yield name, weight
 
         # one call for the whole policy, as a load from disk: the model's loader maps the
         # checkpoint's names onto its (fused) parameters once, not once per tensor
-        with disable_mtp_completeness_check():
-            model.load_weights(received())
-        return f"tensor {differs[0]!r} differs from the digest its sender gave" if differs else None
+        try:
+            with disable_mtp_completeness_check():
+                model.load_weights(received())
+        finally:
+            differs = check.result() if check is not None else None
+        return f"tensor {differs!r} differs from the digest its sender gave" if differs else None
 
     def shutdown(self) -> None:
         if self.group is not None:
             group, self.group = self.group, None
             stateless_destroy_torch_distributed_process_group(group)
+
+
+class DigestCheck:
+    """Each received tensor's digest against the sender's, hashed on `HASH_THREADS` threads
+    (hashlib lets go of the GIL) while the next tensors arrive and load; at most
+    `HASH_AHEAD` tensors wait for theirs (their memory is held until then)."""
+
+    def __init__(self, digests: list) -> None:
+        self.digests = digests
+        self.pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="prime-hpc-digest")
+        self.pending: deque = deque()
+        self.differs: Optional[str] = None  # the first tensor whose digest differs
+
+    def add(self, i: int, name: str, tensor: Any) -> None:
+        self.pending.append((i, name, self.pool.submit(tensor_digest, tensor)))
+        while len(self.pending) > HASH_AHEAD:
+            self._settle()
+
+    def _settle(self) -> None:
+        i, name, digest = self.pending.popleft()
+        if digest.result() != self.digests[i] and self.differs is None:
+            self.differs = name
+
+    def result(self) -> Optional[str]:
+        """The first tensor (in the order sent) that differs from its digest, or None."""
+        try:
+            while self.pending:
+                self._settle()
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        return self.differs
 
 
 def _file_group(path: str, rank: int, world_size: int, timeout: timedelta) -> Any:

@@ -18,8 +18,10 @@ again and sent the newest policy, or at once when its endpoint changes (its supe
 restarted it; a server that fails midway exits by itself); the trainer never fails for
 one server.
 
-Each policy's digests (`Broadcaster.digests`, one per tensor as it goes to a server) are
-computed once per dtype the servers hold, by the first thread that needs them. A server
+Each policy is narrowed to the dtype the servers hold and digested (`Broadcaster.served`,
+`Broadcaster.digests`, one SHA-256 per tensor as it goes) once per such dtype, by the first
+thread that needs it, and kept with the policy (a float32 policy for bfloat16 servers: half
+its bytes again in memory, each send then casts nothing). A server
 that refuses a policy because what arrived differs from them (someone in its group, or on
 its path, altered it: `DigestRefused`) is named in one line; the policy is then written to
 `weights/step_<n>` (`write`, unless it is there already), which that server loads in its
@@ -66,7 +68,7 @@ class Policy:
     named: list  # [(name, tensor)]
     announced: dict
     at: float  # when it was published (time.monotonic)
-    digests: dict = field(default_factory=dict)  # the servers' dtype -> each tensor's digest as sent
+    prepared: dict = field(default_factory=dict)  # a server's dtype -> (the policy as sent to it, its digests)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -244,8 +246,8 @@ class WeightSender:
                 )
             if policy is not None and link.sent != policy.step:  # a refused one: the server loads it from disk
                 what = f"policy {policy.step}"
-                digests = _digests(policy, link.sender)
-                answer = link.sender.send(policy.step, policy.named, policy.announced, digests=digests)
+                named, digests = _prepared(policy, link.sender)
+                answer = link.sender.send(policy.step, named, policy.announced, digests=digests)
                 with self._cv:
                     link.sent, link.failures = policy.step, 0
                     self.delivered.setdefault(policy.step, []).append((time.monotonic() - policy.at, dict(answer)))
@@ -296,16 +298,17 @@ def _refused(e: Exception) -> bool:
     return isinstance(e, DigestRefused)
 
 
-def _digests(policy: Policy, sender: Any) -> Optional[list[str]]:
-    """`policy`'s digests as `sender` sends it (None: a sender that sends none), computed
-    once per dtype the servers hold."""
+def _prepared(policy: Policy, sender: Any) -> tuple[list, Optional[list[str]]]:
+    """`policy` as `sender` sends it and its digests (None: a sender that sends none), made
+    once per dtype the servers hold: narrowed once (not once per server), then hashed."""
     if not getattr(sender, "verified", False):
-        return None
+        return policy.named, None
     key = str(getattr(sender, "dtype", None))
     with policy.lock:
-        if key not in policy.digests:
-            policy.digests[key] = sender.digests(policy.named)
-        return policy.digests[key]
+        if key not in policy.prepared:
+            served = sender.served(policy.named)
+            policy.prepared[key] = (served, sender.digests(served))
+        return policy.prepared[key]
 
 
 def _shut(link: Link) -> None:

@@ -110,6 +110,9 @@ class FakeBroadcaster:
         self.log.append(("join", self.url))
         return {}
 
+    def served(self, named) -> list:
+        return list(named)
+
     def digests(self, named) -> list:
         from prime_hpc.inference.broadcast import tensor_digests
 
