@@ -20,6 +20,7 @@ LOST = [
     "down*",
     "DOWN",
     "down~",  # down and powered off
+    "drain",  # `sinfo -o %t`'s short form
     "drained",
     "draining",  # drained while the job still runs on it (a health check's verdict)
     "draining*",
