@@ -234,7 +234,7 @@ class Server:
         self.broadcast = cfg.weights.transport == "broadcast"
         self.joined: Optional[dict] = None  # the weight group joined (broadcast), as the sender gave it
         self.transfer_lock = asyncio.Lock()  # one join, leave or receive at a time
-        self.refused: set = set()  # receives refused by their digests, still loading the step from disk
+        self.receiving: set = set()  # receives under way (one refused by its digests loads the step from disk)
         self.device_name = devices.inference_device_name(cfg.device)
 
     # ------------------------------------------------------------------ publishing
@@ -572,12 +572,12 @@ class Server:
                 return answer
 
         task = asyncio.ensure_future(receive())
+        self.receiving.add(task)  # held until done: a refused one goes on after its answer
+        task.add_done_callback(self.receiving.discard)
         await asyncio.wait({task, differs}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        self.refused.add(task)  # it goes on: the step from the sender's files
-        task.add_done_callback(self.refused.discard)
-        return _refused_answer(step, differs.result())
+        return _refused_answer(step, differs.result())  # it goes on: the step from the sender's files
 
     async def _load_refused(self, step: int, joined: dict, e: BaseException, differs: asyncio.Future) -> str:
         """Policy `step` came over the group but differs from its digests: said in one line
