@@ -131,7 +131,14 @@ def test_a_teacher_the_run_starts_is_supervised_healed_and_requeued_with_the_job
     assert "teacher tiny at http://127.0.0.1:" in orch_log, orch_log[-2000:]
     rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
+    # losing the teacher's server, then the requeue, failed no request: no rollout errored (a teacher's
+    # request that fails for good ends the run)
+    errored = [
+        {k: v for k, v in json.loads(line).items() if "errored" in k}
+        for line in run.metrics("orchestrator").read_text().splitlines()
+    ]
+    assert len(errored) == steps and all(v == 0 for e in errored for v in e.values()), errored
     assert fleet_row(run, "teacher_0")["state"] in ("serving", "ended")
     for path in [run.root, *run.root.rglob("*")]:
-        if path.is_file() and not path.is_symlink() and path.stat().st_size < 50_000_000:
-            assert KEY.encode() not in path.read_bytes(), path  # the key lives in the environment only
+        if path.is_file() and not path.is_symlink() and path != run.key_file and path.stat().st_size < 50_000_000:
+            assert KEY.encode() not in path.read_bytes(), path  # the key: the environment, and its owner's file
