@@ -34,6 +34,15 @@ raised at once:
 A failed join or send leaves the group unusable (a collective cannot be cancelled: the
 one under way ends at the group's timeout): join again.
 
+The job's key is never sent (as with the orchestrator's weight relay,
+`prime_hpc.inference.client.Admin`): the listener at a server's address is sent nothing
+until it has proven that it holds the key as the server the run published there (its
+endpoint's `instance` and `pid`, `expect`; `client.challenge_sync`), before the first call,
+before each join (a join says where the group meets) and after any broken connection. Each
+call then goes signed for that instance (`client.signed`) and its answer is taken only with
+the server's proof. A listener that does not prove it, or answers without the proof (say,
+someone else's on a dead server's freed port), is `Lost`: nothing more is sent to it.
+
 Imports no vLLM at import time (torch and httpx inside the calls; NCCL's communicator
 is vLLM's, imported by the NCCL sender when it opens a group): the trainer imports it.
 """
@@ -68,6 +77,12 @@ B = TypeVar("B")
 
 class BroadcastError(RuntimeError):
     """A join or a send failed; the message names the server and what went wrong."""
+
+
+class Lost(BroadcastError):
+    """The listener at the server's address did not prove it is the server the run
+    published there (or answered without that server's proof): nothing more is sent to it.
+    The server is gone, not failed."""
 
 
 class Late(BroadcastError):
@@ -175,9 +190,11 @@ class Broadcaster:
     """Rank 0 of server `url`'s weight group. `workers`: the server's vLLM workers (None:
     asked from its `GET /policy`); `host`: the address this side binds and announces
     (None: this node's, `prime_hpc.core.net.node_address`); `key`: the API key (None:
-    `$INFERENCE_SERVER_API_KEY`); `store_dir`: the run's private `rendezvous/`, where the
-    group meets when `host` is a loopback address (required then: on one host nothing of
-    the run listens for anyone to join)."""
+    `$INFERENCE_SERVER_API_KEY`), never sent, only proven with; `store_dir`: the run's
+    private `rendezvous/`, where the group meets when `host` is a loopback address
+    (required then: on one host nothing of the run listens for anyone to join); `record`:
+    the endpoint the server published (`endpoints/<slot>.json`), whose instance and pid it
+    must prove it is (None, or until `expect` says: whatever instance the key proves)."""
 
     def __init__(
         self,
@@ -187,8 +204,13 @@ class Broadcaster:
         key: Optional[str] = None,
         timeout_s: float = TIMEOUT_S,
         store_dir: Optional[os.PathLike | str] = None,
+        record: Optional[dict] = None,
     ) -> None:
-        self.url = url
+        self.url = url.rstrip("/")
+        self.record = record
+        self.instance: Optional[str] = None  # the instance the server proved it is (None: prove it first)
+        self._client: Any = None  # httpx.Client: kept while the server answers (its connection reused)
+        self._proofs_made: Any = None  # gate.Proofs of the key, made at the first call
         self.workers = workers
         self.host = host or node_address()
         self.key = key
@@ -203,17 +225,87 @@ class Broadcaster:
         self._in_flight: list[Any] = []  # gloo: (work, tensor) of the sends not yet known to have left
 
     # ------------------------------------------------------------------ control plane
-    def _post(self, path: str, body: dict) -> dict:
-        import httpx
+    def expect(self, record: dict) -> None:
+        """The server must prove it is the one `record` (its endpoint) names before it is
+        sent anything more."""
+        if (self.record or {}).get("instance") != record.get("instance"):
+            self.instance = None
+        self.record = record
 
-        from prime_hpc.inference.client import error_detail, headers
+    def _proofs(self) -> Any:
+        from prime_hpc.inference.client import API_KEY_VAR, api_key
+        from prime_hpc.inference.gate import MissingKey, Proofs
 
         try:
-            r = httpx.post(
-                self.url + path, json=body, headers=headers(self.key), timeout=self.timeout_s + self.margin_s
+            if self._proofs_made is None:
+                self._proofs_made = Proofs(self.key or api_key() or "")
+            return self._proofs_made
+        except MissingKey:
+            raise BroadcastError(
+                f"{self.url}: {API_KEY_VAR} is not set: a server is sent nothing before it proves it holds the job's key"
+            ) from None
+
+    def _http(self) -> Any:
+        import httpx
+
+        from prime_hpc.core.net import IDLE_CONNECTION_S
+
+        if self._client is None:
+            self._client = httpx.Client(limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S))
+        return self._client
+
+    def _forget(self) -> None:
+        """Drop the connection and the proof: the server proves itself again before the next call."""
+        client, self._client, self.instance = self._client, None, None
+        if client is not None:
+            client.close()
+
+    def prove(self) -> str:
+        """The instance the server proved it is, challenged now if not yet (or not since a
+        broken connection): `Lost` when it does not prove it, `BroadcastError` when it does
+        not answer."""
+        import httpx
+
+        from prime_hpc.inference.client import NotProven, challenge_sync
+
+        if self.instance is None:
+            try:
+                self.instance = challenge_sync(self._http(), self.url, self._proofs(), self.record)
+            except NotProven as e:
+                self._forget()
+                raise Lost(str(e)) from None
+            except httpx.HTTPError as e:
+                self._forget()
+                raise BroadcastError(f"{self.url}: its identity challenge: {type(e).__name__}: {e}") from None
+        return self.instance
+
+    def _call(self, method: str, path: str, body: Optional[dict], timeout_s: float) -> Any:
+        """`method` `path` on the server, signed for the instance it proved it is (`prove`);
+        the answer, taken only with that server's proof (`Lost` otherwise)."""
+        import httpx
+
+        from prime_hpc.inference.client import NotProven, signed
+
+        instance = self.prove()
+        try:
+            return self._http().request(
+                method,
+                self.url + path,
+                json=body,
+                timeout=timeout_s,
+                auth=signed(self._proofs(), {self.url: instance}),
             )
+        except NotProven as e:
+            self._forget()
+            raise Lost(str(e)) from None
         except httpx.HTTPError as e:
+            self._forget()  # a broken connection: proven again before anything more is sent
             raise BroadcastError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+
+    def _post(self, path: str, body: dict) -> dict:
+        from prime_hpc.inference.client import error_detail
+
+        r = self._call("POST", path, body, self.timeout_s + self.margin_s)
         if r.status_code == 409 and path == RECEIVE_PATH:
             refused = _json_or_none(r)
             if refused.get("refused") == "digest":
@@ -227,12 +319,11 @@ class Broadcaster:
     def _workers(self) -> int:
         """The server's workers (and the dtype it holds its weights in), from its `/policy`."""
         if self.workers is None:
-            import httpx
+            from prime_hpc.inference.client import error_detail
 
-            from prime_hpc.inference.client import headers
-
-            r = httpx.get(self.url + "/policy", headers=headers(self.key), timeout=30)
-            r.raise_for_status()
+            r = self._call("GET", "/policy", None, 30)
+            if r.status_code != 200:
+                raise BroadcastError(f"{self.url}/policy: HTTP {r.status_code}: {error_detail(r)}")
             answer = r.json()
             self.workers = int(answer["workers"])
             self.dtype = self.dtype or answer.get("dtype")
@@ -393,8 +484,10 @@ class Broadcaster:
 
     # ------------------------------------------------------------------ lifecycle
     def join(self) -> dict:
-        """Open the group with the server's workers (replacing any earlier one)."""
+        """Open the group with the server's workers (replacing any earlier one), once the
+        server has proven itself again (the join says where the group meets)."""
         self.close(leave=False)
+        self.prove()
         world_size = 1 + self._workers()
         rendezvous, open_group, undo = self._rendezvous(world_size)
         body = {**rendezvous, "world_size": world_size, "rank_offset": 1}
@@ -434,6 +527,7 @@ class Broadcaster:
             body["digests"] = list(digests or ())
         items = named
         try:
+            self.prove()  # again after a broken connection, before any tensor goes
             reply, sent = together(
                 lambda: self._post(RECEIVE_PATH, body),
                 lambda: self._broadcast(items, announced),
@@ -449,9 +543,11 @@ class Broadcaster:
         return {**reply, "bytes": sent}
 
     def close(self, leave: bool = True) -> None:
-        """Leave the group (`leave`: the server first, so its workers drop their side)."""
+        """Leave the group (`leave`: the server first, so its workers drop their side);
+        the server proves itself again before anything more is sent to it."""
         if self.group is None:
             self._unlink_store()
+            self._forget()
             return
         group, self.group = self.group, None
         try:
@@ -459,6 +555,7 @@ class Broadcaster:
                 self._post(LEAVE_PATH, {})
         finally:
             self._unlink_store()
+            self._forget()
             self._drop(group)
 
 

@@ -4,9 +4,10 @@ with any OpenAI client (`base_url = endpoints.router + "/v1"`).
 
 Light imports (httpx only); the API key comes from `$INFERENCE_SERVER_API_KEY`. It is
 sent only to the run's router: a server gets nothing until it has proven it holds the key
-(`challenge`: an HMAC of a nonce, without the key being sent), and then requests signed
-for that server's instance (`Signed`), never the key itself
-(`prime_hpc.inference.gate.Proofs`).
+(`challenge`, or `challenge_sync` for a synchronous client: an HMAC of a nonce, without
+the key being sent), and then requests signed for that server's instance (`signed`), never
+the key itself (`prime_hpc.inference.gate.Proofs`). So do the orchestrator's weight relay
+(`Admin`) and the trainer's weight sender (`prime_hpc.inference.broadcast.Broadcaster`).
 
 An endpoint a user names (`eval`/`synthesize` `client.base_url=`) is asked with a key of
 its own, `$ENDPOINT_API_KEY` (`endpoint_key`), never the job's variable; `serve=<job>` of
@@ -77,6 +78,20 @@ async def challenge(client: Any, base: str, proofs: Proofs, record: Optional[dic
     `NotProven` naming `base` and why; `httpx.HTTPError` when it does not answer."""
     nonce = secrets.token_hex(16)
     r = await client.get(base + IDENTITY_PATH, params={"nonce": nonce}, timeout=CHALLENGE_TIMEOUT_S, auth=None)
+    return _proven(r, nonce, base, proofs, record)
+
+
+def challenge_sync(client: Any, base: str, proofs: Proofs, record: Optional[dict] = None) -> str:
+    """`challenge` with a synchronous httpx client (the trainer's weight sender, whose
+    exchanges run in threads of their own)."""
+    nonce = secrets.token_hex(16)
+    r = client.get(base + IDENTITY_PATH, params={"nonce": nonce}, timeout=CHALLENGE_TIMEOUT_S, auth=None)
+    return _proven(r, nonce, base, proofs, record)
+
+
+def _proven(r: Any, nonce: str, base: str, proofs: Proofs, record: Optional[dict]) -> str:
+    """The instance whose proof for `nonce` the answer `r` of the listener at `base`
+    carries (as `record` names it, when given), or `NotProven`."""
     try:
         answer = r.json() if r.status_code == 200 else None
     except ValueError:

@@ -5,8 +5,15 @@ Consumes: `endpoints/<slot>.json` (each server's URL, polled every `POLL_S`) and
 policies `publish(step, named)` hands over (HF-named CPU tensors, what `weights/step_<n>`
 would hold). Produces: each server serving the newest policy, through one
 `prime_hpc.inference.broadcast.Broadcaster` per slot (its own weight group; joined as soon
-as the server is published, joined again when the slot's URL changes: a restarted server
-or one of an extra job); `stats()`, the newest policy's delivery.
+as the server is published, joined again when the slot's URL or instance changes: a
+restarted server or one of an extra job); `stats()`, the newest policy's delivery.
+
+The job's key is never sent: each server is sent nothing until it has proven that it holds
+the key as the server its endpoint names (`Broadcaster.expect`, `prove`), and every call
+goes signed for that instance. A listener at a server's address that does not prove it
+(someone else's on a dead server's freed port, before the supervisor removed its
+endpoint) is lost, not failed: named in one line and skipped until a server publishes its
+endpoint in that slot again.
 
 Each server has a thread of its own, and `publish` never waits for any of them: a server
 still busy with an older policy (slow, or frozen until the watchdog restarts it) gets the
@@ -51,6 +58,7 @@ class Link:
 
     slot: str
     url: str
+    record: dict  # the endpoint the server published: what it must prove it is
     sender: Any  # a Broadcaster
     joined: bool = False
     sent: Optional[int] = None  # the newest policy it got from here
@@ -73,9 +81,10 @@ class Policy:
 
 
 class WeightSender:
-    """The background sender (rank 0 only). `make(url)`: a Broadcaster for a server;
-    `write(step, named)`: writes `weights/step_<step>` from a policy's HF-named tensors (for
-    a server that refused what arrived by broadcast)."""
+    """The background sender (rank 0 only). `make(url)`: a Broadcaster for a server (then
+    told the endpoint it must prove it is: `expect`); `write(step, named)`: writes
+    `weights/step_<step>` from a policy's HF-named tensors (for a server that refused what
+    arrived by broadcast)."""
 
     def __init__(
         self,
@@ -180,20 +189,26 @@ class WeightSender:
             if self._closed:
                 return
             for slot, link in list(self.links.items()):
-                url = published.get(slot, {}).get("url")
-                if url != link.url:
+                record = published.get(slot, {})
+                if record.get("url") != link.url or record.get("instance") != link.record.get("instance"):
                     link.closed = True
                     del self.links[slot]
             for slot, record in published.items():
                 url = record.get("url")
                 if url and slot not in self.links:
-                    link = Link(slot, str(url), self.make(str(url)))
+                    link = Link(slot, str(url), dict(record), self._broadcaster(str(url), record))
                     link.thread = threading.Thread(
                         target=self._serve_link, args=(link,), name=f"prime-hpc-weights-{slot}", daemon=True
                     )
                     self.links[slot] = link
                     link.thread.start()
             self._cv.notify_all()
+
+    def _broadcaster(self, url: str, record: dict) -> Any:
+        """A Broadcaster for the server at `url`, which must prove it is the one `record` names."""
+        sender = self.make(url)
+        sender.expect(record)
+        return sender
 
     # ------------------------------------------------------------------ one server's thread
     def _wanted(self, link: Link) -> bool:
@@ -235,7 +250,7 @@ class WeightSender:
         try:
             if link.dropped is not None:  # a retry: a fresh group (the old one is unusable)
                 _shut(link)
-                link.sender = self.make(link.url)
+                link.sender = self._broadcaster(link.url, link.record)
                 link.dropped = None
             if not link.joined:
                 t0 = time.monotonic()
@@ -257,6 +272,9 @@ class WeightSender:
             if policy is not None and _refused(e):
                 self._refused(link, policy, e)
                 return
+            if _lost(e):
+                self._lost(link, e)
+                return
             with self._cv:
                 wait = RETRY_S[min(link.failures, len(RETRY_S) - 1)]
                 link.dropped, link.joined = f"{type(e).__name__}: {e}", False
@@ -268,6 +286,18 @@ class WeightSender:
                     f"({(str(e).splitlines() or [''])[0][:300]}); joined again in {wait:g}s, "
                     "or at once if a new server takes its slot"
                 )
+
+    def _lost(self, link: Link, e: Exception) -> None:
+        """The listener at `link`'s address is not the server its endpoint names: nothing
+        more goes there (no retry: the slot's next endpoint brings a fresh link)."""
+        with self._cv:
+            link.dropped, link.joined, link.retry_at = f"{type(e).__name__}: {e}", False, float("inf")
+        _shut(link)
+        if not link.closed:
+            logger.warning(
+                f"weights: {link.slot} ({link.url}) lost: {(str(e).splitlines() or [''])[0][:300]}; "
+                "nothing is sent there until a server publishes its endpoint in that slot again"
+            )
 
     def _refused(self, link: Link, policy: Policy, e: Exception) -> None:
         """`link`'s server refused `policy`: what arrived differs from its digests. It loads
@@ -296,6 +326,12 @@ def _refused(e: Exception) -> bool:
     from prime_hpc.inference.broadcast import DigestRefused
 
     return isinstance(e, DigestRefused)
+
+
+def _lost(e: Exception) -> bool:
+    from prime_hpc.inference.broadcast import Lost
+
+    return isinstance(e, Lost)
 
 
 def _prepared(policy: Policy, sender: Any) -> tuple[list, Optional[list[str]]]:

@@ -521,10 +521,16 @@ def test_weights_by_broadcast_serve_the_new_policy_exactly(inference, tmp_path):
 @pytest.mark.vllm
 def test_the_trainers_sender_brings_every_published_server_to_its_policy(inference, tmp_path, monkeypatch):
     """Trainer rank 0's background sender (`prime_hpc.trainer.sender`) against the real
-    servers: it joins every server published in a run's `endpoints/` by itself, sends a
-    policy to all of them at once while the caller goes on, and keeps it: a server that
-    appears in a slot later gets it without another publish."""
+    servers: it joins every server published in a run's `endpoints/` by itself, once each
+    proved it is the server its endpoint names, sends a policy to all of them at once while
+    the caller goes on, and keeps it: a server that appears in a slot later gets it without
+    another publish. A slot whose endpoint names a server that is gone, its port taken by
+    someone else's plain listener, costs nothing: the listener gets an identity challenge
+    and no key, and the slot is named lost in one line."""
+    import secrets
+
     import torch
+    from loguru import logger
     from transformers import AutoModelForCausalLM
 
     from prime_hpc.core.net import LOOPBACK
@@ -532,26 +538,33 @@ def test_the_trainers_sender_brings_every_published_server_to_its_policy(inferen
     from prime_hpc.model import build_tiny_model
     from prime_hpc.rundir import RunDir, atomic_write_json
     from prime_hpc.trainer.sender import WeightSender
+    from tests.unit.test_router import Served, Worker
 
     new_dir = tmp_path / "new"
     build_tiny_model(new_dir, seed=11)
     model = AutoModelForCausalLM.from_pretrained(new_dir, torch_dtype=torch.float32, local_files_only=True)
     new = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    first, second = inference.endpoints.servers
+    (first, second), records = inference.endpoints.servers, inference.endpoints.server_records
     run = RunDir(tmp_path / "run")
-    atomic_write_json(run.inference_endpoint(0), {"url": first})
+    atomic_write_json(run.inference_endpoint(0), records[0])
+    stranger_app = Worker("stranger")
+    stranger = Served(stranger_app)  # on the port of a server that died (its endpoint still names it)
+    gone = {**records[1], "url": stranger.url, "port": stranger.port, "instance": secrets.token_hex(16)}
+    atomic_write_json(run.inference_endpoint(2), gone)
     store_dir = inference.run.rendezvous_dir  # the servers' run: the groups meet in its private directory
 
     def make(url: str) -> Broadcaster:
         return Broadcaster(url, host=LOOPBACK, key=inference.key, timeout_s=120, store_dir=store_dir)
 
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
     sender = WeightSender(run, make=make)
     admin = inference.admin()
     try:
         sender.publish(21, new)
         sender.wait()
         assert sender.stats()["servers"] == 1 and sender.stats()["step"] == 21
-        atomic_write_json(run.inference_endpoint(1), {"url": second})  # a server joins: it gets policy 21 alone
+        atomic_write_json(run.inference_endpoint(1), records[1])  # a server joins: it gets policy 21 alone
         deadline = time.monotonic() + 120
         while [p["policy_step"] for p in asyncio.run(admin.policies())] != [21, 21]:
             assert time.monotonic() < deadline, asyncio.run(admin.policies())
@@ -559,8 +572,14 @@ def test_the_trainers_sender_brings_every_published_server_to_its_policy(inferen
         for server in (first, second):
             served, reference, out = _served_and_reference(inference, server, new_dir)
             assert out["policy_step"] == 21 and max(abs(a - b) for a, b in zip(served, reference)) < TOLERANCE
+        assert stranger_app.seen and all(inference.key not in auth for _, _, auth in stranger_app.seen)
+        assert {(method, path) for method, path, _ in stranger_app.seen} == {("GET", "/identity")}
+        lost = [line for line in lines if "inference_2" in line]
+        assert len(lost) == 1 and " lost: " in lost[0] and "did not prove" in lost[0], lines
     finally:
         sender.close()
+        logger.remove(sink)
+        stranger.stop()
         results = asyncio.run(admin.reload_base())
     assert [r["policy_step"] for r in results] == [0, 0]
 

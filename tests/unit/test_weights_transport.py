@@ -1,7 +1,8 @@
 """`weights.transport=broadcast` without servers: which steps keep full weights and which
 get a marker, the run directory's view of both, the trainer's background sender (against
 stand-in Broadcasters) and the orchestrator's relay waiting for the servers (against a
-stand-in admin client)."""
+stand-in admin client); the sender's calls to servers behind the inference server's own
+gate (the key never sent: each server proves itself, each call is signed for it)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ import time
 from pathlib import Path
 from types import SimpleNamespace as NS
 
+import httpx
 import pytest
 import torch
 from loguru import logger
 
 from prime_hpc.config.component import component_config
 from prime_hpc.config.compose import compose
+from prime_hpc.inference.gate import SIGNATURE_SCHEME
 from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable
 from prime_hpc.rundir.checkpoints import full_weights_due
+from tests.unit.test_router import KEY, Served
 
 
 # ----------------------------------------------------------------------------- what is written
@@ -105,6 +109,9 @@ class FakeBroadcaster:
 
     def __init__(self, url: str, log: list, fail: set, hold: dict, refuse: set = frozenset()) -> None:
         self.url, self.log, self.fail, self.hold, self.refuse = url, log, fail, hold, refuse
+
+    def expect(self, record: dict) -> None:
+        self.record = record
 
     def join(self) -> dict:
         self.log.append(("join", self.url))
@@ -504,51 +511,59 @@ def test_a_tied_model_on_cpu_is_refused_broadcast_up_front():
     assert refusal("filesystem", "cpu", tied) is None  # the servers refuse it themselves (409, the relay stops)
 
 
+class Routes:
+    """An ASGI app answering each request with `handle(method, path, body, auth)` ->
+    (status, JSON object), run in a thread (a route may wait on a weight group)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode()
+        status, answer = await asyncio.to_thread(
+            self.handle, scope["method"], scope["path"], json.loads(raw) if raw else {}, auth
+        )
+        data = json.dumps(answer).encode()
+        await send(
+            {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+        )
+        await send({"type": "http.response.body", "body": data})
+
+
 class FakeGpuServer:
     """A GPU server's routes as the NCCL sender meets them (vLLM's NCCL engine behind them
-    needs a GPU): `/policy` names its workers; `/weights/join` answers once the sender's
-    end of the group is open (NCCL's unique-id rendezvous has every rank enter at once);
-    `/weights/receive` once every announced tensor was broadcast."""
+    needs a GPU), behind the inference server's own gate with the job's key (`KEY`): `/policy`
+    names its workers; `/weights/join` answers once the sender's end of the group is open
+    (NCCL's unique-id rendezvous has every rank enter at once); `/weights/receive` once every
+    announced tensor was broadcast. `record`: the endpoint it publishes."""
 
     def __init__(self, workers: int, dtype=None) -> None:
-
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
         self.workers, self.dtype, self.bodies, self.comms = workers, dtype, [], []
         self.opened = threading.Event()
-        fake = self
+        self.http = Served(Routes(self.handle), gated=True)
+        self.url, self.record = self.http.url, self.http.endpoint()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._answer({"workers": fake.workers, "dtype": fake.dtype, "policy_step": 0})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                fake.bodies.append((self.path, body, self.headers.get("Authorization")))
-                if self.path == "/weights/join":
-                    assert fake.opened.wait(10), "the sender did not open its end while the server joined"
-                elif self.path == "/weights/receive":
-                    comm = fake.comms[-1]
-                    deadline = time.monotonic() + 10
-                    while len(comm.sent) < len(body["names"]) and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                    assert len(comm.sent) == len(body["names"]), "the tensors did not come while the server received"
-                self._answer({"status": "ok", "policy_step": body.get("step")})
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+    def handle(self, method: str, path: str, body: dict, auth: str) -> tuple[int, dict]:
+        if method == "GET":
+            return 200, {"workers": self.workers, "dtype": self.dtype, "policy_step": 0}
+        self.bodies.append((path, body, auth))
+        if path == "/weights/join":
+            assert self.opened.wait(10), "the sender did not open its end while the server joined"
+        elif path == "/weights/receive":
+            comm = self.comms[-1]
+            deadline = time.monotonic() + 10
+            while len(comm.sent) < len(body["names"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(comm.sent) == len(body["names"]), "the tensors did not come while the server received"
+        return 200, {"status": "ok", "policy_step": body.get("step")}
 
     def communicator(self, uid: bytes, rank: int, world_size: int, device) -> "FakeComm":
         comm = FakeComm(uid, rank, world_size, device)
@@ -557,8 +572,7 @@ class FakeGpuServer:
         return comm
 
     def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        self.http.stop()
 
 
 class FakeComm:
@@ -578,20 +592,23 @@ class FakeComm:
 def test_the_nccl_sender_hands_its_unique_id_through_the_keyed_join_and_sends_in_the_announced_order(monkeypatch):
     """The trainer's side of broadcast to GPU servers (what runs there, but for the GPU:
     NCCL's communicator is replaced, and the device is the CPU): the join's body carries
-    the minted unique id and the workers' place, sent with the API key while this side
-    opens its end as rank 0 of 1 + workers; a send announces the tensors and broadcasts
+    the minted unique id and the workers' place, signed for the server's instance once it
+    proved it holds the key as its endpoint says (the key itself never sent), while this
+    side opens its end as rank 0 of 1 + workers; a send announces the tensors and broadcasts
     each, in that order, from this side's device; close leaves the group and destroys the
     communicator. `broadcaster_for` picks it for cuda, gloo's for cpu."""
     from prime_hpc.inference.broadcast import Broadcaster, NcclBroadcaster, announcement, broadcaster_for
 
-    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     server = FakeGpuServer(workers=2)
     uid = bytes(range(128))
     try:
         sender = NcclBroadcaster(server.url, device="cpu", communicator=server.communicator, mint=lambda: uid)
+        sender.expect(server.record)
         sender.join()
         path, body, auth = server.bodies[-1]
-        assert path == "/weights/join" and auth == "Bearer k3y"
+        assert path == "/weights/join" and auth.startswith(f"{SIGNATURE_SCHEME} ") and KEY not in auth
+        assert sender.instance == server.record["instance"]
         assert body == {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "world_size": 3, "rank_offset": 1}
         comm = server.comms[-1]
         assert (comm.uid, comm.rank, comm.world_size) == (uid, 0, 3)
@@ -618,7 +635,7 @@ def test_a_policy_goes_in_the_dtype_the_server_holds_its_weights_in(monkeypatch)
     round it; integer tensors go as they are."""
     from prime_hpc.inference.broadcast import NcclBroadcaster
 
-    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     server = FakeGpuServer(workers=1, dtype="bfloat16")
     try:
         sender = NcclBroadcaster(server.url, device="cpu", communicator=server.communicator, mint=lambda: bytes(128))
@@ -647,7 +664,7 @@ def test_an_nccl_send_that_fails_midway_aborts_its_communicator(monkeypatch):
     the communicator is aborted (destroyed), and the sender must join again."""
     from prime_hpc.inference.broadcast import BroadcastError, NcclBroadcaster
 
-    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     server = FakeGpuServer(workers=1)
     try:
         sender = NcclBroadcaster(server.url, device="cpu", communicator=server.communicator, mint=lambda: bytes(128))
@@ -712,7 +729,7 @@ def test_a_server_whose_workers_never_join_fails_the_join_in_one_line_instead_of
     answer may take), naming the server and what did not come; the sender can join again."""
     from prime_hpc.inference.broadcast import BroadcastError, NcclBroadcaster
 
-    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     server = FakeGpuServer(workers=1)
     released = threading.Event()
 
@@ -746,63 +763,48 @@ def test_a_server_whose_workers_never_join_fails_the_join_in_one_line_instead_of
 
 # ----------------------------------------------------------------------------- one host, digests
 class FakeCpuServer:
-    """A CPU server's routes as the gloo sender meets them on one host, its one worker
-    played by a thread of this process (vLLM's engine is the integration tests'): `/weights/
-    join` is checked as the server checks it (`join_info`, the run's rendezvous directory)
-    and joins the sender's file store as rank 1; `/weights/receive` (checked by
-    `receive_info`) receives each announced tensor and records it with the body."""
+    """A CPU server's routes as the gloo sender meets them on one host, behind the inference
+    server's own gate with the job's key (`KEY`), its one worker played by a thread of this
+    process (vLLM's engine is the integration tests'): `/weights/join` is checked as the
+    server checks it (`join_info`, the run's rendezvous directory) and joins the sender's
+    file store as rank 1; `/weights/receive` (checked by `receive_info`) receives each
+    announced tensor and records it with the body. `port`: listen there; `record`: the
+    endpoint it publishes."""
 
-    def __init__(self, run: RunDir) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    def __init__(self, run: RunDir, port: int = 0) -> None:
+        self.run, self.bodies, self.received, self.group = run, [], [], None
+        self.http = Served(Routes(self.handle), port=port, gated=True)
+        self.url, self.port = self.http.url, self.http.port
 
+    def endpoint(self, node: int = 0) -> dict:
+        return self.http.endpoint(node)
+
+    def handle(self, method: str, path: str, body: dict, auth: str) -> tuple[int, dict]:
         from torch.distributed import BroadcastOptions
 
         from prime_hpc.inference import server as srv
 
-        self.run, self.bodies, self.received, self.group = run, [], [], None
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._answer(200, {"workers": 1, "dtype": "float32", "policy_step": 0})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                fake.bodies.append((self.path, body))
-                if self.path == "/weights/join":
-                    info, why = srv.join_info(body, 1, "gloo", fake.run.rendezvous_dir)
-                    if why:
-                        return self._answer(400, {"error": why})
-                    fake.group = _file_peer(info["store_path"], info["world_size"])
-                elif self.path == "/weights/receive":
-                    step, info, why = srv.receive_info(body)
-                    assert why is None, why
-                    options = BroadcastOptions()
-                    options.rootRank = 0
-                    for shape, dtype in zip(info["shapes"], info["dtype_names"]):
-                        t = torch.empty(shape, dtype=getattr(torch, dtype))
-                        fake.group.broadcast([t], options).wait()
-                        fake.received.append(t)
-                self._answer(200, {"status": "ok", "policy_step": body.get("step")})
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        if method == "GET":
+            return 200, {"workers": 1, "dtype": "float32", "policy_step": 0}
+        self.bodies.append((path, body))
+        if path == "/weights/join":
+            info, why = srv.join_info(body, 1, "gloo", self.run.rendezvous_dir)
+            if why:
+                return 400, {"error": why}
+            self.group = _file_peer(info["store_path"], info["world_size"])
+        elif path == "/weights/receive":
+            step, info, why = srv.receive_info(body)
+            assert why is None, why
+            options = BroadcastOptions()
+            options.rootRank = 0
+            for shape, dtype in zip(info["shapes"], info["dtype_names"]):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.group.broadcast([t], options).wait()
+                self.received.append(t)
+        return 200, {"status": "ok", "policy_step": body.get("step")}
 
     def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        self.http.stop()
 
 
 def _file_peer(path: str, world_size: int):
@@ -832,10 +834,12 @@ def test_on_one_host_a_weight_group_meets_in_a_private_file_store_and_each_tenso
 
     from prime_hpc.inference.broadcast import Broadcaster, tensor_digest
 
-    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k3y")
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
     run = RunDir(tmp_path)
     server = FakeCpuServer(run)
-    sender = Broadcaster(server.url, host="127.0.0.1", store_dir=run.rendezvous_dir, timeout_s=30)
+    sender = Broadcaster(
+        server.url, host="127.0.0.1", store_dir=run.rendezvous_dir, timeout_s=30, record=server.endpoint()
+    )
     try:
         sender.join()
         ((path, join),) = server.bodies
@@ -852,6 +856,128 @@ def test_on_one_host_a_weight_group_meets_in_a_private_file_store_and_each_tenso
         sender.close(leave=False)
         server.close()
     assert not store.exists()
+
+
+class Stranger:
+    """Someone else's plain HTTP listener, holding no key, that answers every request as a
+    server would (200, a server's fields) and records each whole: method, path, query,
+    headers, body."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, str, str, dict, bytes]] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        self.heard.append((scope["method"], scope["path"], scope["query_string"].decode(), headers, b"".join(chunks)))
+        data = json.dumps({"workers": 1, "dtype": "float32", "policy_step": 0, "status": "ok"}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+
+def test_a_listener_on_a_dead_servers_port_gets_no_key_and_nothing_to_replay_and_the_others_get_the_weights(
+    tmp_path,
+):
+    """Server b dies and, before its endpoint file is removed, someone else binds its freed
+    port. The trainer's sender proves each server against the endpoint it published before
+    sending it anything: the listener gets an identity challenge and nothing else (no key,
+    no signed request it could replay to another server), is named lost in one line (not a
+    failed update, and not asked again), and server a gets every policy over its group. A
+    server of the run back at that address gets the policy once it published its endpoint
+    (a new instance)."""
+    from prime_hpc.core.net import LOOPBACK
+    from prime_hpc.inference.broadcast import Broadcaster
+    from prime_hpc.trainer.sender import WeightSender
+
+    run = RunDir(tmp_path)
+    a, b = FakeCpuServer(run), FakeCpuServer(run)
+    for node, server in enumerate((a, b)):
+        atomic_write_json(run.inference_endpoint(node), server.endpoint(node))
+    b.close()  # dead; endpoints/inference_1.json still names it
+    stranger_app = Stranger()
+    stranger = Served(stranger_app, port=b.port)
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+
+    def make(url: str) -> Broadcaster:
+        return Broadcaster(url, host=LOOPBACK, key=KEY, store_dir=run.rendezvous_dir, timeout_s=30)
+
+    sender = WeightSender(run, make=make, poll_s=0.05)
+    back = None
+    policy = [("a.weight", torch.randn(3, 4)), ("b", torch.arange(5))]
+    try:
+        sender.publish(3, dict(policy))
+        _until(lambda: len(a.received) == 2 and stranger_app.heard, timeout_s=20)
+        heard = list(stranger_app.heard)
+        assert not any(KEY in json.dumps([query, headers]) for _, _, query, headers, _ in heard), heard
+        assert {(method, path) for method, path, *_ in heard} == {("GET", "/identity")}, heard
+        assert not any("authorization" in headers or body for *_, headers, body in heard), heard
+        assert sender.wait(20)
+        stats = sender.stats()
+        assert (stats["step"], stats["servers"], stats["bytes"]) == (3, 1, 3 * 4 * 4 + 5 * 8)
+        assert [p for p, _ in a.bodies] == ["/weights/join", "/weights/receive"]
+        assert all(torch.equal(t, got) for (_, t), got in zip(policy, a.received))
+        assert stranger_app.heard == heard
+        said = [line for line in lines if "inference_1" in line]
+        assert len(said) == 1 and "inference_1" in said[0] and " lost: " in said[0], lines
+        assert "did not prove it holds the job's key" in said[0] and not any("left out" in line for line in lines)
+        assert sender.links["inference_1"].failures == 0 and sender.behind() == []
+        sender.publish(4, dict(policy))  # a alone; the listener is not asked again
+        assert sender.wait(20) and sender.stats()["step"] == 4 and len(a.received) == 4
+        assert len(stranger_app.heard) == len(heard)
+        stranger.stop()
+        back = FakeCpuServer(run, port=b.port)  # a server of the run back at b's address
+        atomic_write_json(run.inference_endpoint(1), back.endpoint(1))  # publishes its endpoint
+        _until(lambda: len(back.received) == 2, timeout_s=20)
+        assert all(torch.equal(t, got) for (_, t), got in zip(policy, back.received))
+        assert sender.wait(20) and len(sender.delivered[4]) == 2
+    finally:
+        sender.close()
+        logger.remove(sink)
+        stranger.stop()
+        for server in (a, back):
+            if server is not None:
+                server.close()
+
+
+def test_a_listener_that_took_a_proven_servers_port_gets_nothing_another_server_takes_and_is_not_believed():
+    """Server a proved itself and joined its group, then died; someone else binds its port
+    before anything noticed. The next send goes out signed for a's instance, never with the
+    key: the listener's answer (200, but without a's proof) is not taken (`Lost`, not a
+    policy served), and the signed request it got is refused by every other server it could
+    be replayed to (401). (NCCL's sender, its communicator replaced: no collective is left
+    under way in this process.)"""
+    from prime_hpc.inference.broadcast import Lost, NcclBroadcaster
+
+    a, c = FakeGpuServer(workers=1), FakeGpuServer(workers=1)
+    sender = NcclBroadcaster(a.url, device="cpu", key=KEY, communicator=a.communicator, mint=lambda: bytes(128))
+    sender.expect(a.record)
+    stranger_app, stranger = Stranger(), None
+    try:
+        sender.join()
+        a.close()  # dead, its group joined
+        stranger = Served(stranger_app, port=a.http.port)
+        with pytest.raises(Lost, match="answered without the proof of the server it was sent to"):
+            sender.send(2, [("w", torch.ones(3))])
+        assert sender.group is None
+        ((method, path, query, headers, body),) = stranger_app.heard
+        assert (method, path) == ("POST", "/weights/receive") and KEY not in json.dumps([query, headers])
+        assert headers["authorization"].startswith(f"{SIGNATURE_SCHEME} ")
+        kept = {k: v for k, v in headers.items() if k not in ("host", "content-length")}
+        replayed = httpx.request(method, c.url + path, headers=kept, content=body, timeout=10)
+        assert replayed.status_code == 401 and c.bodies == []
+    finally:
+        sender.close(leave=False)
+        for server in (c, a):
+            server.close()
+        if stranger is not None:
+            stranger.stop()
 
 
 def test_a_weight_group_on_one_host_meets_nowhere_but_the_runs_private_directory(tmp_path, monkeypatch):
