@@ -113,18 +113,21 @@ class TrainerModelConfig:
     """must agree with model.name"""
     ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    optimization_dtype: str = one_of("float32", "bfloat16", "float32")
-    """forward/backward"""
+    optimization_dtype: str = one_of("auto", "auto", "bfloat16", "float32")
+    """forward/backward; auto = bfloat16 on cuda, float32 on cpu (master weights and optimizer
+    state stay float32)"""
     reduce_dtype: str = one_of("float32", "bfloat16", "float32")
     """gradient reduction"""
     grad_sync: str = one_of("last", "last", "every")
     """several ranks: reduce-scatter the gradients after the step's last micro-batch (each
     rank accumulates the whole gradient until then: less traffic) or after every one (each
     rank holds only its shard of it: less memory)"""
-    chunked_logprobs: bool = True
-    """log-probabilities from the output layer a few positions at a time (Qwen, Llama,
-    Mistral: the whole [positions, vocabulary] logits are never held; each chunk is
-    recomputed in backward); false: from the whole logits (no recomputation, more memory)"""
+    chunked_logprobs: str = ruled("auto", pattern="(?i)auto|true|false", example="auto, true or false")
+    """the output layer's log-probabilities at the trained positions (Qwen, Llama, Mistral)
+    a chunk at a time, each chunk recomputed in backward: auto = only when one pass would not
+    fit in half the device's free memory; true = always; false = never"""
+    compile: str = ruled("auto", pattern="(?i)auto|true|false", example="auto, true or false")
+    """torch.compile every decoder layer and the loss; auto = where it measured faster (cuda)"""
 
 
 @dataclass
@@ -217,7 +220,9 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = ruled(1, ge=1)
-    """packed sequences per forward pass"""
+    """packed rows of seq_len per forward pass (the token budget when micro_batch_tokens is null)"""
+    micro_batch_tokens: Optional[int] = ruled(None, ge=1)
+    """tokens per forward pass (packed rows x the longest row); null = micro_batch_size x seq_len"""
     max_concurrent_runs: int = ruled(1, ge=1)
     """rl with LoRA: one trainer trains up to this many runs of the job at once (runs/<name>/),
     each its own adapter, optimizer, schedule, steps and checkpoints; 1 = the run alone"""

@@ -243,3 +243,92 @@ def set_rng_state(device: str, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if _check(device) == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def train_matmul_precision(device: str) -> None:
+    """A trainer's float32 matmuls on this device: TF32 tensor cores on CUDA (as the
+    autocast-free parts of a bfloat16 step, and a float32 one, are run there); nothing
+    changes on CPU."""
+    if _check(device) != "cuda":
+        return
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+
+
+def free_memory_bytes(device: str) -> Optional[int]:
+    """Memory this process could still allocate now: on a GPU what the driver has free plus
+    what torch holds cached but unused; on CPU the system's available memory, or the room
+    left under this process's cgroup limit when that is lower (None where unknown)."""
+    if _check(device) == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+    avail = _meminfo_available()
+    room = _cgroup_room()
+    known = [v for v in (avail, room) if v is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> Optional[int]:
+    """memory.max - memory.current of this process's cgroup (v2), None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
+        if rel is None:
+            return None
+        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            return max(0, int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def oom_message(
+    device: str,
+    shape: tuple[int, ...],
+    trained: int,
+    ac_freq: Optional[int],
+    micro_batch_tokens: Optional[int],
+    chunked: Any,
+    local_rank: Optional[int] = None,
+    in_use: Optional[tuple[int, int]] = None,
+) -> str:
+    """The one line a trainer ends with when the device runs out of memory in a
+    micro-batch of `shape` ([rows, tokens]) with `trained` positions: the memory in use and
+    the knobs that lower it. `in_use`: (bytes allocated, bytes of the device), asked of the
+    device when not given."""
+    if in_use is None and _check(device) == "cuda":
+        import torch
+
+        idx = torch.cuda.current_device() if local_rank is None else local_rank
+        in_use = (torch.cuda.memory_allocated(idx), torch.cuda.get_device_properties(idx).total_memory)
+    rows, tokens = (shape[0], shape[1]) if len(shape) >= 2 else (1, shape[0] if shape else 0)
+    mem = f"{in_use[0] / 2**30:.1f} of {in_use[1] / 2**30:.1f} GiB in use" if in_use else "memory use unknown"
+    ac = "on every layer already" if ac_freq == 1 else f"now every {ac_freq}" if ac_freq else "now off"
+    budget = f"now {micro_batch_tokens:,}" if micro_batch_tokens else "now micro_batch_size x seq_len"
+    head = "true already" if str(chunked).lower() == "true" else f"now {str(chunked).lower()}"
+    return (
+        f"{device} out of memory in a micro-batch of {rows} x {tokens} tokens ({trained:,} trained positions), "
+        f"{mem}; lower it with trainer.model.ac.freq=1 (activation checkpointing, {ac}), a smaller "
+        f"trainer.micro_batch_tokens ({budget}), or trainer.model.chunked_logprobs=true (the output layer in "
+        f"chunks, {head})"
+    )

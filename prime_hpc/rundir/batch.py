@@ -22,6 +22,17 @@ Position t of every per-token tensor refers to token `input_ids[t]`: the trainer
 the log-probability its logits at t-1 assign to token t with `inference_logprobs[t]`.
 Every rank gets the same number of micro-batches (FSDP ranks must run the same number of
 forward passes); missing ones are empty (B=1, all masks False).
+
+The trainer does not compute on these right-padded rows: it takes a rank's samples back
+out of them (`unpack`) and packs them (`pack`) into rows of up to `seq_len` tokens, several
+samples per row, positions restarting at 0 at each sample (the model then keeps samples
+from attending to each other), a row's unused tail padding of its own, and the rows into
+micro-batches of at most a token budget (rows x longest row). A packed micro-batch holds
+`input_ids`, `position_ids`, `loss_mask` (never on a sample's first token), `advantages`,
+`inference_logprobs` ([R, T] as above), `sample_index` ([R, T]: each token's sample, 0 ..
+S - 1 in the micro-batch, S on the padding), `policy_steps` and `policy_spans` ([S]), and
+`num_tokens` / `num_samples` (its real tokens and samples). Samples without a loss token
+are left out (nothing of them reaches the loss).
 """
 
 from __future__ import annotations
@@ -140,6 +151,131 @@ def shard(samples: list[Sample], ranks: int, micro_batch_size: int) -> list[list
     for mbs in out:
         mbs.extend(_empty_micro_batch() for _ in range(n - len(mbs)))
     return out
+
+
+def unpack(micro_batches: list[dict[str, Any]]) -> list[Sample]:
+    """The samples of right-padded (`collate`) or packed (`pack`) micro-batches, in order,
+    each with its per-token advantages; samples without a loss token are left out."""
+    out = []
+    for mb in micro_batches:
+        for r, lo, hi, k in _segments(mb):
+            mask = mb["loss_mask"][r, lo:hi]
+            if not bool(mask.any()):
+                continue
+            out.append(
+                Sample(
+                    input_ids=mb["input_ids"][r, lo:hi].tolist(),
+                    loss_mask=mask.tolist(),
+                    inference_logprobs=mb["inference_logprobs"][r, lo:hi].tolist(),
+                    advantage=0.0,
+                    token_advantages=mb["advantages"][r, lo:hi].tolist(),
+                    policy_step=int(mb["policy_steps"][k]),
+                    policies=int(mb["policy_spans"][k]) if "policy_spans" in mb else 1,
+                )
+            )
+    return out
+
+
+def _segments(mb: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    """(row, start, end, sample) of every sample of a micro-batch."""
+    if "sample_index" not in mb:  # right-padded: a sample per row
+        lengths = mb["attention_mask"].sum(-1).tolist()
+        return [(r, 0, int(n), r) for r, n in enumerate(lengths)]
+    out = []
+    n = mb["policy_steps"].shape[0]
+    for r, row in enumerate(mb["sample_index"].tolist()):
+        t = 0
+        while t < len(row) and row[t] < n:
+            end = t
+            while end < len(row) and row[end] == row[t]:
+                end += 1
+            out.append((r, t, end, row[t]))
+            t = end
+    return out
+
+
+def pack(samples: list[Sample], seq_len: int, micro_batch_tokens: int) -> list[dict[str, Any]]:
+    """`samples` packed into rows of up to min(seq_len, micro_batch_tokens) tokens (first
+    fit, longest first; a longer sample has a row of its own), the rows into micro-batches
+    of at most `micro_batch_tokens` computed tokens (rows x the longest row; at least one
+    row each). See the module docstring for the tensors."""
+    if seq_len < 1 or micro_batch_tokens < 1:
+        raise ValueError("seq_len and micro_batch_tokens must be >= 1")
+    cap = min(seq_len, micro_batch_tokens)
+    rows: list[list[Sample]] = []
+    room: list[int] = []
+    for s in sorted((s for s in samples if any(s.loss_mask)), key=len, reverse=True):
+        i = next((i for i, free in enumerate(room) if free >= len(s)), None)
+        if i is None:
+            rows.append([s])
+            room.append(cap - len(s))
+        else:
+            rows[i].append(s)
+            room[i] -= len(s)
+    rows.sort(key=lambda r: sum(len(s) for s in r), reverse=True)
+    mbs: list[dict[str, Any]] = []
+    group: list[list[Sample]] = []
+    width = 0
+    for row in rows:
+        n = sum(len(s) for s in row)
+        if group and (len(group) + 1) * max(width, n) > micro_batch_tokens:
+            mbs.append(collate_packed(group))
+            group, width = [], 0
+        group.append(row)
+        width = max(width, n)
+    if group:
+        mbs.append(collate_packed(group))
+    return mbs
+
+
+def collate_packed(rows: list[list[Sample]]) -> dict[str, Any]:
+    """One micro-batch of packed rows (each a list of samples); see the module docstring."""
+    import torch
+
+    samples = [s for row in rows for s in row]
+    b, t, n = len(rows), max(1, max(sum(len(s) for s in row) for row in rows)), len(samples)
+    mb = {
+        "input_ids": torch.zeros(b, t, dtype=torch.long),
+        "position_ids": torch.zeros(b, t, dtype=torch.long),
+        "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+        "advantages": torch.zeros(b, t),
+        "inference_logprobs": torch.zeros(b, t),
+        "sample_index": torch.full((b, t), n, dtype=torch.long),
+        "policy_steps": torch.tensor([s.policy_step for s in samples], dtype=torch.long),
+        "policy_spans": torch.tensor([s.policies for s in samples], dtype=torch.long),
+        "num_tokens": torch.tensor(sum(len(s) for s in samples)),
+        "num_samples": torch.tensor(n),
+    }
+    k = 0
+    for i, row in enumerate(rows):
+        at = 0
+        for s in row:
+            end = at + len(s)
+            mb["input_ids"][i, at:end] = torch.tensor(s.input_ids, dtype=torch.long)
+            mb["position_ids"][i, at:end] = torch.arange(len(s))
+            mb["loss_mask"][i, at:end] = torch.tensor(s.loss_mask, dtype=torch.bool)
+            mb["loss_mask"][i, at] = False  # nothing of this sample predicts its first token
+            adv = s.token_advantages if s.token_advantages is not None else [float(s.advantage)] * len(s)
+            mb["advantages"][i, at:end] = torch.tensor(adv, dtype=torch.float32)
+            mb["inference_logprobs"][i, at:end] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
+            mb["sample_index"][i, at:end] = k
+            at, k = end, k + 1
+        mb["position_ids"][i, at:] = torch.arange(t - at)  # the padding: a segment of its own
+    return mb
+
+
+def empty_packed() -> dict[str, Any]:
+    """A packed micro-batch with nothing to train (a rank with fewer micro-batches than
+    another runs these: FSDP needs the same number of forward passes on every rank)."""
+    mb = collate_packed([[]])
+    return mb
+
+
+def padding_share(micro_batches: list[dict[str, Any]]) -> float:
+    """The share of the positions computed that are padding (right-padded or packed)."""
+    computed = sum(mb["input_ids"].numel() for mb in micro_batches)
+    real = sum(int(mb["num_tokens"]) if "num_tokens" in mb else int(mb["attention_mask"].sum()) for mb in micro_batches)
+    return 1.0 - real / computed if computed else 0.0
 
 
 def write_step(run: RunDir, step: int, per_rank: list[list[dict[str, Any]]], info: Optional[dict] = None) -> Path:

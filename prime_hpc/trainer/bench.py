@@ -2,19 +2,32 @@
 session and step (`runner.session`, `Engine.train_step` with the run's loss, micro-batching
 and sharding) on synthetic batches of the configured shape, instead of waiting for rollouts.
 
-RL: `bench.samples_per_step` samples of `seq_len` tokens, random token ids within the
-vocabulary, the loss mask over the last `bench.completion_len` tokens, random advantages
-and inference log-probabilities, split over the ranks and into micro-batches of
-`trainer.micro_batch_size` by the orchestrator's own `prime_hpc.rundir.batch.shard`.
-SFT: `trainer.data.batch_size // trainer.data.seq_len` packed rows of `trainer.data.seq_len`
-tokens, split and collated by `prime_hpc.trainer.sft_data` as a real step is.
+RL (`rl_samples`, `rl_batch`): `bench.samples_per_step` samples, each a prompt of
+`seq_len - bench.completion_len` tokens and a completion whose length is drawn uniformly
+from 1 .. `bench.completion_len` (`completion_lengths`: the spread of real rollouts, so the
+figures show what padding costs), random token ids within the vocabulary, the loss mask
+over the completion, random advantages and inference log-probabilities. They go the way a
+real step's go: split over the ranks into right-padded micro-batches of
+`trainer.micro_batch_size` by the orchestrator's own `prime_hpc.rundir.batch.shard`, then,
+as the trainer does with its file (`runner.packed`), each rank's samples taken back out
+(`batch.unpack`) and packed into rows of up to `seq_len` tokens and micro-batches of at
+most `trainer.micro_batch_tokens` (default `micro_batch_size x seq_len`; `batch.pack`),
+every rank as many micro-batches as the rank with the most (empty ones added). A packed
+micro-batch's layout is in `prime_hpc.rundir.batch`'s module docstring: `position_ids`
+restart at 0 at each sample, a row's unused tail is padding (a segment of its own, loss
+mask False, `sample_index` equal to the micro-batch's number of samples), and
+`batch.unpack` gives its samples back in order.
+SFT (`sft_batch`): `trainer.data.batch_size // trainer.data.seq_len` packed rows of
+`trainer.data.seq_len` tokens, split and collated by `prime_hpc.trainer.sft_data` as a real
+step is (micro-batches of `trainer.micro_batch_tokens // seq_len` rows when that is set).
 
 Each rank builds the same step from the same seed and takes its share, as it would read its
 file. With `bench.mode=all` it starts once the inference part is measured (one after the
 other: on a shared host neither measures the other's load). Runs `bench.warmup_steps` uncounted steps, then `bench.steps` measured ones (step time:
 forward, backward and optimizer, synchronised; no weights are written), logs each to
-`metrics/trainer.jsonl`, and rank 0 writes `bench/trainer.json` (and `bench.json` when the
-trainer is the only part benched).
+`metrics/trainer.jsonl` (with `perf/padding_share`, and `time/compile` for the steps that
+compiled), and rank 0 writes `bench/trainer.json` (and `bench.json` when the trainer is the
+only part benched).
 """
 
 from __future__ import annotations
@@ -29,25 +42,49 @@ from prime_hpc.rundir import bench
 from prime_hpc.trainer import runner
 
 
-def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:
-    """This rank's micro-batches of one synthetic RL step."""
+def completion_lengths(n: int, longest: int, seed: int) -> list[int]:
+    """`n` completion lengths drawn uniformly from 1 .. `longest` (seeded)."""
     import torch
 
-    from prime_hpc.rundir.batch import Sample, shard
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, longest + 1, (n,), generator=g).tolist()
+
+
+def rl_samples(cfg: TrainerRunConfig, vocab_size: int, seed: int) -> list:
+    """The samples of one synthetic RL step (`rundir.batch.Sample`), in the order drawn."""
+    import torch
+
+    from prime_hpc.rundir.batch import Sample
 
     b = cfg.bench
     n, seq = required(b.samples_per_step, "bench.samples_per_step"), int(cfg.seq_len)
-    completion = bench.completion_len(b.completion_len, seq)
+    longest = bench.completion_len(b.completion_len, seq)
+    prompt = seq - longest
+    lengths = completion_lengths(n, longest, seed)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq), generator=g).tolist()
     logprobs = (-torch.rand(n, seq, generator=g) * 4).tolist()
     adv = torch.randn(n, generator=g).tolist()
-    mask = [False] * (seq - completion) + [True] * completion
-    samples = [
-        Sample(input_ids=ids[i], loss_mask=list(mask), inference_logprobs=logprobs[i], advantage=adv[i])
-        for i in range(n)
+    return [
+        Sample(
+            input_ids=ids[i][: prompt + c],
+            loss_mask=[False] * prompt + [True] * c,
+            inference_logprobs=logprobs[i][: prompt + c],
+            advantage=adv[i],
+        )
+        for i, c in enumerate(lengths)
     ]
-    return shard(samples, world, int(cfg.trainer.micro_batch_size))[rank]
+
+
+def rl_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:
+    """This rank's micro-batches of one synthetic RL step: packed, as the trainer trains them."""
+    from prime_hpc.rundir import batch
+    from prime_hpc.trainer.model import micro_batch_tokens
+
+    per_rank = batch.shard(rl_samples(cfg, vocab_size, seed), world, int(cfg.trainer.micro_batch_size))
+    packed = [batch.pack(batch.unpack(mbs), int(cfg.seq_len), micro_batch_tokens(cfg)) for mbs in per_rank]
+    n = max(len(p) for p in packed)
+    return packed[rank] + [batch.empty_packed() for _ in range(n - len(packed[rank]))]
 
 
 def sft_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, seed: int) -> list[dict]:
@@ -55,6 +92,7 @@ def sft_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, see
     import torch
 
     from prime_hpc.trainer import sft_data
+    from prime_hpc.trainer.sft import rows_per_micro_batch
 
     d = cfg.trainer.data
     seq = int(d.seq_len)
@@ -65,27 +103,30 @@ def sft_batch(cfg: TrainerRunConfig, vocab_size: int, rank: int, world: int, see
     mask = [False] * (seq - completion) + [True] * completion
     rows = sft_data.pack([(row, list(mask)) for row in ids], seq)
     mine = sft_data.split_rows(rows, rank, world, rows_per_rank)
-    return sft_data.micro_batches(mine, int(cfg.trainer.micro_batch_size), pad_id=0)
+    return sft_data.micro_batches(mine, rows_per_micro_batch(cfg), pad_id=0)
 
 
-def loss_for(cfg: TrainerRunConfig) -> Any:
+def loss_for(cfg: TrainerRunConfig, compile: bool = False) -> Any:
     if cfg.trainer.type == "sft":
         from prime_hpc.trainer.loss import sft_loss
 
         return lambda lp, mb, normalizer: sft_loss(lp, mb["loss_mask"], normalizer)
     from prime_hpc.trainer.rl import make_loss_fn
 
-    return make_loss_fn(cfg.trainer.loss, step=1, mode="rl")
+    return make_loss_fn(cfg.trainer.loss, step=1, mode="rl", compile=compile)
 
 
 def shape(cfg: TrainerRunConfig, world: int) -> dict:
+    from prime_hpc.trainer.model import micro_batch_tokens
+    from prime_hpc.trainer.sft import rows_per_micro_batch
+
     t = cfg.trainer
     if t.type == "sft":
         return {
             "type": "sft",
             "rows": max(1, int(t.data.batch_size) // int(t.data.seq_len)),
             "seq_len": int(t.data.seq_len),
-            "micro_batch_size": int(t.micro_batch_size),
+            "micro_batch_size": rows_per_micro_batch(cfg),
             "ranks": world,
         }
     return {
@@ -93,7 +134,8 @@ def shape(cfg: TrainerRunConfig, world: int) -> dict:
         "samples": required(cfg.bench.samples_per_step, "bench.samples_per_step"),
         "seq_len": int(cfg.seq_len),
         "completion_len": bench.completion_len(cfg.bench.completion_len, int(cfg.seq_len)),
-        "micro_batch_size": int(t.micro_batch_size),
+        "completion_lengths": "uniform",
+        "micro_batch_tokens": micro_batch_tokens(cfg),
         "ranks": world,
     }
 
@@ -136,7 +178,7 @@ def run(cfg: TrainerRunConfig) -> None:
         env = s.env
         vocab = int(s.policy.hf_config.vocab_size)
         make = sft_batch if cfg.trainer.type == "sft" else rl_batch
-        loss_fn = loss_for(cfg)
+        loss_fn = loss_for(cfg, s.policy.compiled)
         times, tokens, samples = [], [], []
         total = int(b.warmup_steps) + int(b.steps)
         runner.beat(s, 0)

@@ -40,17 +40,22 @@ the `masked_advantage_{positive,negative}/mean` metrics.
 
 SFT loss: `-sum(m * lp) / normalizer` (token-level cross-entropy).
 
-Log-probabilities from the output layer (`head_logprobs`): the logits of every position
-are [positions, vocabulary] (151,936 ids for Qwen3: 0.6 MB per position in float32, and
-log-softmax, its float copy and the entropy each hold as much again). They are computed
-`chunk_rows(vocabulary)` positions at a time, and backward recomputes each chunk's
-logits from the hidden states instead of keeping them (`torch.utils.checkpoint`), so no
-more than one chunk's [rows, vocabulary] tensors exist at once. The results are those of
-`token_logprobs` on the whole logits, position by position.
+Log-probabilities from the output layer (`head_logprobs`) are computed only where they are
+used: at the trained positions (`trained_positions`: the loss mask, whose tokens are also
+the only ones the KL terms and the entropy metric read), from the hidden state of the
+position before each. The logits there are [positions, vocabulary] (151,936 ids for
+Qwen3: 0.6 MB per position in float32; log-softmax, the entropy and backward hold about
+`HEAD_BYTES_PER_LOGIT` bytes per logit at their peak). They are computed in one pass when
+that fits in `ONE_PASS_SHARE` of the device's free memory (`head_chunk_rows`), else
+`rows` positions at a time, backward recomputing each chunk's logits from the hidden
+states instead of keeping them (`torch.utils.checkpoint`), so no more than one chunk's
+[rows, vocabulary] tensors exist at once. The results are those of `token_logprobs` on
+the whole logits, position by position.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +64,9 @@ import torch
 from prime_hpc.config.schema import LOSS_TYPES
 
 MAX_LOG_RATIO = 20.0  # |lp - ilp| is clamped before exp() so the weight stays finite
-LOGITS_CHUNK_BYTES = 64 * 2**20  # one chunk's float32 logits in `head_logprobs`
+LOGITS_CHUNK_BYTES = 64 * 2**20  # one chunk's float32 logits in `head_logprobs` when chunking is forced
+HEAD_BYTES_PER_LOGIT = 16  # the head's peak per logit: its output, the float32 log-softmax, entropy or gradients
+ONE_PASS_SHARE = 0.5  # the share of the free memory one pass through the head may take
 
 
 @dataclass
@@ -74,11 +81,11 @@ def token_logprobs(
     """Log-probability of each token given the ones before it, and the entropy of that
     next-token distribution: `lp[:, t] = log softmax(logits[:, t-1] / temperature)[input_ids[:, t]]`.
     Position 0 has no prediction and gets 0 in both."""
-    lp, ent = _next_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy)
+    lp, ent = next_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy)
     return torch.nn.functional.pad(lp, (1, 0)), None if ent is None else torch.nn.functional.pad(ent, (1, 0))
 
 
-def _next_token_logprobs(
+def next_token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[targets] and the entropy (no gradient) of each row."""
@@ -95,9 +102,36 @@ def _next_token_logprobs(
 
 
 def chunk_rows(vocab_size: int, budget_bytes: int | None = None) -> int:
-    """Positions per chunk of `head_logprobs`: float32 logits of `budget_bytes`
-    (`LOGITS_CHUNK_BYTES`)."""
+    """Positions per chunk of `head_logprobs` when chunking is forced: float32 logits of
+    `budget_bytes` (`LOGITS_CHUNK_BYTES`)."""
     return max(1, (budget_bytes or LOGITS_CHUNK_BYTES) // (4 * max(1, vocab_size)))
+
+
+def head_chunk_rows(positions: int, vocab_size: int, mode: str, free_bytes: int | None) -> int | None:
+    """How `head_logprobs` takes `positions` trained positions: None = in one pass, else
+    the positions per chunk. `mode` (`trainer.model.chunked_logprobs`): `false` one pass,
+    `true` chunks of `chunk_rows`, `auto` one pass when its `HEAD_BYTES_PER_LOGIT` bytes
+    per logit fit in `ONE_PASS_SHARE` of `free_bytes` (the device's free memory; None:
+    unknown, one pass), else chunks as large as that share allows."""
+    mode = str(mode).lower()
+    if mode == "false" or positions <= 0:
+        return None
+    if mode == "true":
+        return chunk_rows(vocab_size)
+    per_row = HEAD_BYTES_PER_LOGIT * max(1, vocab_size)
+    if free_bytes is None or positions * per_row <= ONE_PASS_SHARE * free_bytes:
+        return None
+    return max(1, int(ONE_PASS_SHARE * free_bytes) // per_row)
+
+
+def trained_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The flat indices (into [B * T]) of the positions whose log-probability the loss,
+    the KL terms and the metrics read: the loss mask's, without each row's position 0
+    (nothing predicts it; it gets 0, as in `token_logprobs`). On the mask's device: a CPU
+    mask gives them without touching the accelerator."""
+    m = loss_mask.clone()
+    m[:, 0] = False
+    return m.reshape(-1).nonzero().squeeze(1)
 
 
 def _head_chunk(
@@ -108,40 +142,62 @@ def _head_chunk(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return _next_token_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature, with_entropy)
+    return next_token_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature, with_entropy)
 
 
 def head_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    input_ids: torch.Tensor,
+    targets: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = True,
     bias: torch.Tensor | None = None,
     rows: int | None = None,
+    compile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` of the logits `linear(hidden, weight, bias)` ([B, T, H] hidden
-    states, the output layer's [V, H] weight), `rows` positions at a time (default
-    `chunk_rows(V)`), each chunk's logits recomputed in backward rather than kept."""
+    """log softmax(linear(hidden, weight, bias) / temperature)[targets] and the entropy of
+    each of the [N, H] hidden states (the output layer's [V, H] weight, [N] targets): in one
+    pass (`rows` None, or at least N), else `rows` positions at a time, each chunk's logits
+    recomputed in backward rather than kept. `compile`: through `torch.compile` (`compiled`:
+    the log-softmax, gather and entropy fused)."""
     from torch.utils.checkpoint import checkpoint
 
-    b, t, h = hidden.shape
-    x = hidden[:, :-1].reshape(-1, h)
-    y = input_ids[:, 1:].reshape(-1)
-    n = rows or chunk_rows(weight.shape[0])
+    chunk = compiled(_head_chunk) if compile else _head_chunk
+    if rows is None or rows >= hidden.shape[0]:
+        return chunk(hidden, weight, bias, targets, temperature, with_entropy)
     keep = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (hidden, weight, bias))
     lps, ents = [], []
-    for s in range(0, x.shape[0], n):
-        args = (x[s : s + n], weight, bias, y[s : s + n], temperature, with_entropy)
-        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if keep else _head_chunk(*args)
+    for s in range(0, hidden.shape[0], rows):
+        args = (hidden[s : s + rows], weight, bias, targets[s : s + rows], temperature, with_entropy)
+        lp, ent = checkpoint(chunk, *args, use_reentrant=False) if keep else chunk(*args)
         lps.append(lp)
         ents.append(ent)
-    lp = torch.cat(lps) if lps else x.new_zeros(0, dtype=torch.float32)
-    out = torch.nn.functional.pad(lp.view(b, t - 1), (1, 0))
-    if not with_entropy:
-        return out, None
-    ent_all = torch.cat(ents) if ents else x.new_zeros(0, dtype=torch.float32)  # type: ignore[arg-type]
-    return out, torch.nn.functional.pad(ent_all.view(b, t - 1), (1, 0))
+    return torch.cat(lps), torch.cat(ents) if with_entropy else None  # type: ignore[arg-type]
+
+
+def at_positions(values: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[N] values of the flat `positions` as a [B, T] tensor of `shape`, 0 elsewhere
+    (differentiable in `values`)."""
+    out = values.new_zeros(shape[0] * shape[1])
+    return out.index_put((positions,), values).view(shape[0], shape[1])
+
+
+def sample_sums(values: torch.Tensor, sample_index: torch.Tensor | None, num_samples: int) -> torch.Tensor:
+    """[B, T] values summed per sample: per row when `sample_index` is None (right-padded
+    rows, a sample each), else by `sample_index`, the sample of each token in packed rows
+    (`prime_hpc.rundir.batch.pack`: 0 .. num_samples - 1, and num_samples on padding)."""
+    if sample_index is None:
+        return values.sum(-1)
+    flat = values.new_zeros(num_samples + 1).index_add(0, sample_index.reshape(-1), values.reshape(-1))
+    return flat[:num_samples]
+
+
+def to_tokens(per_sample: torch.Tensor, sample_index: torch.Tensor | None) -> torch.Tensor:
+    """Each token's value of its sample (the inverse of `sample_sums`): [B, 1] for rows, else
+    [B, T] (padding gets 0)."""
+    if sample_index is None:
+        return per_sample.unsqueeze(-1)
+    return torch.cat([per_sample, per_sample.new_zeros(1)])[sample_index]
 
 
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -159,10 +215,34 @@ def rl_loss(
     cfg: Any,
     normalizer: float,
     ref_logprobs: torch.Tensor | None = None,
+    sample_index: torch.Tensor | None = None,
+    num_samples: int = 0,
+    compile: bool = False,
 ) -> LossOutput:
-    """The RL objective of `cfg.type` (dppo | cispo | gspo); see the module docstring."""
+    """The RL objective of `cfg.type` (dppo | cispo | gspo); see the module docstring.
+    `sample_index` / `num_samples`: the sample of each token in packed rows (`sample_sums`);
+    None: each row is one sample. `compile`: its per-token arithmetic through `torch.compile`
+    (`compiled`), the same numbers."""
     if cfg.type not in LOSS_TYPES:
         raise ValueError(f"unknown loss type {cfg.type!r}; choose from {', '.join(LOSS_TYPES)}")
+    terms = compiled(_rl_terms) if compile else _rl_terms
+    total, sums = terms(
+        logprobs, inference_logprobs, advantages, loss_mask, cfg, ref_logprobs, sample_index, num_samples
+    )
+    return LossOutput(loss=total / normalizer, sums=sums)
+
+
+def _rl_terms(
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: Any,
+    ref_logprobs: torch.Tensor | None,
+    sample_index: torch.Tensor | None,
+    num_samples: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`rl_loss`'s token-loss sum and its metric sums."""
     m = loss_mask.to(logprobs.dtype)
     log_ratio = torch.where(loss_mask, logprobs - inference_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
@@ -173,9 +253,10 @@ def rl_loss(
         masked_neg = neg & (delta < -cfg.mask_low)
         weight = ratio * (~(masked_pos | masked_neg)).to(ratio.dtype)
     elif cfg.type == "gspo":
-        tokens = m.sum(-1, keepdim=True).clamp(min=1)
-        seq_log_ratio = (log_ratio.detach() * m).sum(-1, keepdim=True) / tokens
-        seq_ratio = torch.exp(seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)).expand_as(ratio)
+        tokens = sample_sums(m, sample_index, num_samples).clamp(min=1)
+        seq_log_ratio = sample_sums(log_ratio.detach() * m, sample_index, num_samples) / tokens
+        seq_ratio = to_tokens(torch.exp(seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), sample_index)
+        seq_ratio = seq_ratio.expand_as(ratio)
         masked_pos = pos & (seq_ratio > 1 + cfg.seq_clip_high)
         masked_neg = neg & (seq_ratio < 1 - cfg.seq_clip_low)
         weight = seq_ratio * (~(masked_pos | masked_neg)).to(ratio.dtype)
@@ -201,7 +282,14 @@ def rl_loss(
     }
     if ref_kl is not None:
         sums["ref_kl"] = ref_kl.detach().sum()
-    return LossOutput(loss=total / normalizer, sums=sums)
+    return total, sums
+
+
+@functools.cache
+def compiled(fn: Any) -> Any:
+    """`fn` through `torch.compile` (made once per function; shapes dynamic from the first
+    call: micro-batches differ in rows, length and trained positions)."""
+    return torch.compile(fn, dynamic=True)
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normalizer: float) -> LossOutput:

@@ -71,7 +71,10 @@ class Policy:
     sharded: bool = True  # FSDP2 (several ranks); a single rank trains the plain module
     autocast_dtype: Optional[torch.dtype] = None  # unsharded: the forward/backward dtype when not float32
     grad_sync: str = "last"  # sharded: reduce-scatter after the step's last micro-batch, or after `every` one
-    chunked_logprobs: bool = True  # from the output layer in chunks (`engine.logprobs_head`) where it can
+    chunked_logprobs: str = "auto"  # the output layer in chunks: auto | true | false (`loss.head_chunk_rows`)
+    ac_freq: Optional[int] = None  # trainer.model.ac.freq, for the out-of-memory line
+    micro_batch_tokens: Optional[int] = None  # the token budget of a micro-batch, for the out-of-memory line
+    compiled: bool = False  # trainer.model.compile: decoder layers, output layer's log-probabilities and the loss
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -80,6 +83,21 @@ class Policy:
 
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def optimization_dtype(cfg: TrainerRunConfig) -> torch.dtype:
+    """`trainer.model.optimization_dtype`; `auto`: bfloat16 on CUDA, float32 on CPU (where
+    bfloat16 matmuls are no faster without hardware for them)."""
+    name = cfg.trainer.model.optimization_dtype
+    if name == "auto":
+        name = "bfloat16" if cfg.device == "cuda" else "float32"
+    return _dtype(name)
+
+
+def chunk_mode(value: object) -> str:
+    """`trainer.model.chunked_logprobs` as auto | true | false (a config of an earlier
+    version says true or false as a boolean)."""
+    return str(value).lower()
 
 
 def load_tokenizer(cfg: TrainerRunConfig) -> Any:
@@ -127,6 +145,16 @@ def load_hf(cfg: TrainerRunConfig) -> tuple[nn.Module, Any, str, Any]:
     return model, tokenizer, source, src_dtype
 
 
+def micro_batch_tokens(cfg: TrainerRunConfig) -> int:
+    """Tokens one forward pass computes at most (rows x longest row): `trainer.micro_batch_tokens`,
+    or `micro_batch_size` rows of `seq_len` (SFT: `trainer.data.seq_len`)."""
+    t = cfg.trainer
+    if t.micro_batch_tokens:
+        return int(t.micro_batch_tokens)
+    seq = t.data.seq_len if t.type == "sft" else cfg.seq_len
+    return int(t.micro_batch_size) * int(seq)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks (`model.model.layers` for Llama/Qwen-style models)."""
     for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
@@ -152,6 +180,49 @@ def apply_activation_checkpointing(layers: nn.ModuleList, freq: Optional[int]) -
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=True)
             wrapped.append(i)
     return wrapped
+
+
+def compiles(cfg: TrainerRunConfig) -> bool:
+    """`trainer.model.compile`: true, false, or auto = where the benchmark measured it faster
+    (`CPU_COMPILE`; on CUDA always)."""
+    mode = str(cfg.trainer.model.compile).lower()
+    return mode == "true" or (mode == "auto" and (cfg.device == "cuda" or CPU_COMPILE))
+
+
+CPU_COMPILE = False  # measured on CPU (docs/trainer.md): the compiled layers' steps were no faster
+
+
+def compile_cache() -> Path:
+    """Where inductor keeps the compiled code this process loads: the user's private
+    directory of the run's shared cache (`usercache.compile_dir`: `<cache>/compile-<uid>`,
+    refused in one line if it is not the user's alone), else of the user's own cache
+    (`~/.cache/prime-hpc/compile`), never a directory of /tmp that others can write into.
+    Set for this process as `TORCHINDUCTOR_CACHE_DIR` (Triton's goes inside)."""
+    import os
+
+    from prime_hpc.core import jobenv, usercache
+
+    shared = jobenv.cache_dir()
+    base = usercache.compile_dir(shared) if shared else usercache.directory("compile")
+    if base is None:
+        raise UserError(
+            f"trainer.model.compile: cannot make a private compile cache at {usercache.path('compile')}; "
+            "set cluster.cache_dir to a directory of your own, or trainer.model.compile=false"
+        )
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
+    return base / "inductor"
+
+
+def compile_layers(layers: nn.ModuleList) -> None:
+    """`torch.compile` each decoder layer's forward (under its activation checkpointing, if
+    any; the parameters' names and so the checkpoints stay as they are). Shapes are dynamic
+    from the first call (packed micro-batches differ in rows and length): the first steps
+    compile (a graph shared by every layer; one more for a micro-batch of one row), later
+    ones reuse."""
+    compile_cache()
+    for layer in layers:
+        inner = getattr(layer, "_checkpoint_wrapped_module", layer)
+        inner.forward = torch.compile(inner.forward, dynamic=True)
 
 
 def vocabulary_units(model: nn.Module) -> list[nn.Module]:
@@ -181,6 +252,9 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
     with the same seed: un-sharded initial values must agree across ranks."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from prime_hpc.core import device as devices
+
+    devices.train_matmul_precision(cfg.device)
     model, tokenizer, source, src_dtype = load_hf(cfg)
     mcfg = cfg.trainer.model
     pol = Policy(
@@ -191,7 +265,9 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
         generation_config=getattr(model, "generation_config", None),
         save_dtype=src_dtype,
         grad_sync=mcfg.grad_sync,
-        chunked_logprobs=mcfg.chunked_logprobs,
+        chunked_logprobs=chunk_mode(mcfg.chunked_logprobs),
+        ac_freq=mcfg.ac.freq,
+        micro_batch_tokens=micro_batch_tokens(cfg),
     )
     if mcfg.lora.enabled:
         lc = mcfg.lora
@@ -207,13 +283,16 @@ def build_policy(cfg: TrainerRunConfig, mesh: Any) -> Policy:
         )
     layers = decoder_layers(model)
     apply_activation_checkpointing(layers, mcfg.ac.freq)
+    if compiles(cfg):
+        compile_layers(layers)
+        pol.compiled = True
     model.to(mesh.device_type)
     if mesh.size() == 1:
         pol.sharded = False
-        dtype = _dtype(mcfg.optimization_dtype)
+        dtype = optimization_dtype(cfg)
         pol.autocast_dtype = None if dtype == torch.float32 else dtype
     else:
-        mp = MixedPrecisionPolicy(param_dtype=_dtype(mcfg.optimization_dtype), reduce_dtype=_dtype(mcfg.reduce_dtype))
+        mp = MixedPrecisionPolicy(param_dtype=optimization_dtype(cfg), reduce_dtype=_dtype(mcfg.reduce_dtype))
         shard(model, layers, mesh, mp)
     model.train()
     return pol
@@ -233,7 +312,7 @@ def build_reference(cfg: TrainerRunConfig, mesh: Any) -> nn.Module:
             model,
             decoder_layers(model),
             mesh,
-            MixedPrecisionPolicy(param_dtype=_dtype(cfg.trainer.model.optimization_dtype)),
+            MixedPrecisionPolicy(param_dtype=optimization_dtype(cfg)),
         )
     model.eval()
     return model

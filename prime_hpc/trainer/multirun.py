@@ -305,10 +305,13 @@ class MultiRun:
         )
         timers = {"time/read_batch": time.perf_counter() - t0}
         lora.activate(self.policy.model, lane.slot)
-        loss_fn = make_loss_fn(lane.cfg.trainer.loss, step, str(data.info.get("mode", "rl")))
+        loss_fn = make_loss_fn(lane.cfg.trainer.loss, step, str(data.info.get("mode", "rl")), self.policy.compiled)
         try:
             result = lane.engine.train_step(
-                data.micro_batches, loss_fn, temperature=float(data.info.get("temperature", 1.0)), step=step
+                runner.packed(s, data.micro_batches),
+                loss_fn,
+                temperature=float(data.info.get("temperature", 1.0)),
+                step=step,
             )
         except Diverged as e:  # this run's adapter alone: the others never saw its gradient
             self._fail(lane, str(e))

@@ -44,7 +44,7 @@ def main(
     (it does not return: see the end)."""
     from prime_hpc.rundir.checkpoints import CheckpointWriteError
     from prime_hpc.trainer.config import load_config, parse_args
-    from prime_hpc.trainer.engine import Diverged
+    from prime_hpc.trainer.engine import Diverged, OutOfMemory
 
     args = parse_args(prog, description, argv)
     rank = int(os.environ.get("RANK", 0))
@@ -64,8 +64,14 @@ def main(
     except WaitTimeout as e:
         print(f"{prog}: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         code = 1
-    except (CheckpointWriteError, Diverged) as e:
+    except (CheckpointWriteError, Diverged, OutOfMemory) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        code = 1
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        # beyond a micro-batch (the optimizer's state, a weights export): the device's own words
+        print(f"{prog}: error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
         code = 1
     # the rank's work is on disk (or its error said) and its process groups destroyed: it
     # leaves without the interpreter's teardown, where torch's gloo threads, still held by
@@ -75,6 +81,12 @@ def main(
     from prime_hpc.runtime.stopping import leave
 
     leave(code)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """`torch.OutOfMemoryError` (a device's allocator), without importing torch to ask."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ()))
 
 
 @dataclass
@@ -197,6 +209,21 @@ def checkpoint_if_due(s: Session, step: int, final: bool, state: dict) -> tuple[
     return True, time.perf_counter() - t0
 
 
+def packed(s: Session, micro_batches: list[dict]) -> list[dict]:
+    """This rank's rollouts (right-padded micro-batches as the orchestrator wrote them)
+    packed into rows of up to `seq_len` tokens and micro-batches of the token budget
+    (`rundir.batch.pack`, `model.micro_batch_tokens`), and as many micro-batches as the
+    rank with the most has (empty ones added: FSDP runs the same forward passes on every
+    rank; one small all-reduce)."""
+    from prime_hpc.rundir import batch
+    from prime_hpc.trainer.dist import all_reduce_max
+    from prime_hpc.trainer.model import micro_batch_tokens
+
+    mbs = batch.pack(batch.unpack(micro_batches), int(s.cfg.seq_len), micro_batch_tokens(s.cfg))
+    n = all_reduce_max([len(mbs)], s.env)[0] if s.env.world_size > 1 else len(mbs)
+    return mbs + [batch.empty_packed() for _ in range(n - len(mbs))]
+
+
 def step_metrics(s: Session, result: "StepResult", t_step: float, t_wait: float) -> dict[str, Any]:
     """Optimizer and performance metrics of one step (`result`: engine.StepResult)."""
     from prime_hpc.core import device as devices
@@ -215,7 +242,12 @@ def step_metrics(s: Session, result: "StepResult", t_step: float, t_wait: float)
         "time/step": t_step,
         "time/wait_for_batch": t_wait,
         "time/forward_backward": result.time_forward_backward_s,
+        # of the positions computed, the share that is padding (packed rows: a row's unused tail)
+        "perf/padding_share": 1.0 - tokens / sums["computed_tokens"] if sums.get("computed_tokens") else 0.0,
+        "perf/logprob_chunks": result.logprob_chunks,
     }
+    if result.compile_s:  # trainer.model.compile: the first steps' compilation, apart
+        out["time/compile"] = result.compile_s
     util = mfu(tokens / busy / s.env.world_size, s.num_params, devices.peak_flops(s.cfg.device, s.env.local_rank))
     if util is not None:
         out["perf/mfu"] = util

@@ -3,7 +3,8 @@
 Trains on `trainer.data` (see `prime_hpc.trainer.sft_data` for the accepted datasets,
 loss masks and packing). A step takes `data.batch_size // data.seq_len` packed rows
 (rounded up to a multiple of the number of ranks), split round robin over the ranks and
-into micro-batches of `micro_batch_size` rows; the loss is the token-level NLL over the
+into micro-batches of `micro_batch_size` rows (`micro_batch_tokens // seq_len` when that is
+set); the loss is the token-level NLL over the
 trained tokens of all ranks. Validation loss (`val/loss`) runs before the first step and
 every `val.interval` steps (and at the last one) on `val.data`.
 
@@ -59,6 +60,15 @@ def validation_batches(samples: list, seq_len: int, env: DistEnv, micro_batch_si
     return sft_data.micro_batches(mine, micro_batch_size, pad_id)
 
 
+def rows_per_micro_batch(cfg: TrainerRunConfig) -> int:
+    """Packed rows per forward pass: `trainer.micro_batch_tokens // data.seq_len` when set
+    (at least one), else `trainer.micro_batch_size`."""
+    t = cfg.trainer
+    if t.micro_batch_tokens:
+        return max(1, int(t.micro_batch_tokens) // int(t.data.seq_len))
+    return int(t.micro_batch_size)
+
+
 def _nll(lp, mb, normalizer):
     from prime_hpc.trainer.loss import sft_loss
 
@@ -111,7 +121,7 @@ def start(s: Session, cfg: TrainerRunConfig, tokenizer: Any, samples: list, val_
         stream.load_state(s.resumed["dataloader"])
     return Epochs(
         stream=stream,
-        val=validation_batches(val_samples, t.val.data.seq_len, env, t.micro_batch_size, pad_id)
+        val=validation_batches(val_samples, t.val.data.seq_len, env, rows_per_micro_batch(cfg), pad_id)
         if val_samples
         else None,
         rows_per_rank=math.ceil(max(1, t.data.batch_size // t.data.seq_len) / env.world_size),
@@ -131,7 +141,7 @@ def train_step(
 
     t, env = cfg.trainer, s.env
     mbs = sft_data.micro_batches(
-        sft_data.split_rows(rows, env.rank, env.world_size, data.rows_per_rank), t.micro_batch_size, data.pad_id
+        sft_data.split_rows(rows, env.rank, env.world_size, data.rows_per_rank), rows_per_micro_batch(cfg), data.pad_id
     )
     t_data = time.perf_counter() - t0
     result = s.engine.train_step(mbs, _nll, step=step)

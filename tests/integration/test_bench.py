@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from prime_hpc.trainer import bench
 from tests.conftest import cli
 
 RL = ["+experiment=reverse_text"]
@@ -36,8 +37,11 @@ def test_bench_reverse_text_locally_without_an_env(tmp_path):
     res = json.loads((run / "bench.json").read_text())
     assert res["mode"] == "all" and res["steps"] == 2 and res["warmup_steps"] == 1
     tr, inf = res["trainer"], res["inference"]
-    # the configured shape: 64 samples of seq_len 80 (trainer), 8 prompts x 8 completions of 32 tokens
-    assert tr["samples_per_step"] == 64 and tr["tokens_per_step"] == 64 * 80
+    # the configured shape: 64 samples of seq_len 80 whose completions are drawn from 1 .. 32
+    # tokens (trainer; the seeds of the measured steps 2 and 3), 8 prompts x 8 completions of 32 tokens
+    drawn = [sum(bench.completion_lengths(64, 32, 42 + step)) for step in (2, 3)]
+    assert tr["samples_per_step"] == 64 and tr["tokens_per_step"] == 64 * (80 - 32) + sum(drawn) / 2
+    assert tr["shape"]["completion_lengths"] == "uniform" and tr["shape"]["micro_batch_tokens"] == 32 * 80
     assert inf["samples_per_step"] == 64 and inf["tokens_per_step"] == 64 * 32
     for part in (tr, inf):
         assert len(part["step_times_s"]) == 2 and all(t > 0 for t in part["step_times_s"])

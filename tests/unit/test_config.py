@@ -31,7 +31,7 @@ def test_reference_defaults(tmp_path):
     assert cfg.async_level == 2
     assert cfg.orchestrator.max_off_policy_steps == 8
     assert cfg.orchestrator.eval.interval == 100
-    assert cfg.trainer.model.optimization_dtype == "float32" and cfg.trainer.model.reduce_dtype == "float32"
+    assert cfg.trainer.model.optimization_dtype == "auto" and cfg.trainer.model.reduce_dtype == "float32"
     assert cfg.inference.dtype == "float32"  # the default model's (tiny, float32: vLLM's "auto" would halve it)
     assert compose([f"output_dir={tmp_path}", "model=qwen3_0_6b"]).inference.dtype == "auto"  # the reference's
     assert cfg.ckpt.interval is None and cfg.ckpt.keep_last is None  # checkpointing off by default

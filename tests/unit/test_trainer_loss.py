@@ -181,24 +181,75 @@ def test_token_logprobs_are_aligned_to_the_predicted_token():
     assert lp_t[0, 1].item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
 
 
-def test_head_logprobs_in_chunks_match_the_whole_logits_with_their_gradients():
-    """Log-probabilities computed a few positions at a time from the hidden states (backward
-    recomputing each chunk's logits) are those of the whole logits, and so are the gradients."""
-    from prime_hpc.trainer.loss import head_logprobs
+def test_head_logprobs_at_the_trained_positions_in_chunks_match_the_whole_logits_with_their_gradients():
+    """Log-probabilities computed from the hidden states of the trained positions only, in
+    one pass or a few positions at a time (backward recomputing each chunk's logits), are
+    those of the whole logits there, and so are the gradients; elsewhere they are 0."""
+    from prime_hpc.trainer.loss import at_positions, head_logprobs, trained_positions
 
     torch.manual_seed(0)
     hidden = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 11, (2, 7))
+    mask = torch.tensor([[True, False, True, True, False, False, True], [False] * 4 + [True] * 3])
     g = torch.randn(2, 7, dtype=torch.float64)
 
     lp_ref, ent_ref = token_logprobs(torch.nn.functional.linear(hidden, weight), ids, temperature=0.7)
+    trained = mask.clone()
+    trained[:, 0] = False  # nothing predicts a row's first token
+    lp_ref, ent_ref = lp_ref * trained, ent_ref * trained
     grads_ref = torch.autograd.grad((lp_ref * g).sum(), (hidden, weight))
-    for rows in (1, 3, 5, 100):  # chunks of one position, uneven, and all at once
-        lp, ent = head_logprobs(hidden, weight, ids, temperature=0.7, rows=rows)
+    positions = trained_positions(mask)
+    assert positions.tolist() == [2, 3, 6, 11, 12, 13]
+    h = hidden.reshape(-1, 5).index_select(0, positions - 1)
+    y = ids.reshape(-1).index_select(0, positions)
+    for rows in (None, 1, 4, 100):  # one pass; chunks of one position, uneven, and all at once
+        lp, ent = head_logprobs(h, weight, y, temperature=0.7, rows=rows)
+        lp, ent = at_positions(lp, positions, ids.shape), at_positions(ent, positions, ids.shape)
         assert torch.allclose(lp, lp_ref) and torch.allclose(ent, ent_ref)
-        grads = torch.autograd.grad((lp * g).sum(), (hidden, weight))
+        grads = torch.autograd.grad((lp * g).sum(), (hidden, weight), retain_graph=True)
         assert all(torch.allclose(a, b) for a, b in zip(grads, grads_ref))
     with torch.no_grad():
-        lp, ent = head_logprobs(hidden, weight, ids, temperature=0.7, with_entropy=False, rows=4)
-    assert ent is None and torch.allclose(lp, lp_ref)
+        lp, ent = head_logprobs(h, weight, y, temperature=0.7, with_entropy=False, rows=4)
+    assert ent is None and torch.allclose(at_positions(lp, positions, ids.shape), lp_ref)
+
+
+def test_the_head_runs_in_one_pass_unless_the_free_memory_says_otherwise():
+    """`chunked_logprobs=auto`: one pass when its bytes fit in the share of the free memory
+    (or the free memory is unknown), else chunks as large as that share allows; true:
+    fixed chunks always (an earlier config's boolean is read the same); false: one pass."""
+    from prime_hpc.trainer.loss import HEAD_BYTES_PER_LOGIT, ONE_PASS_SHARE, chunk_rows, head_chunk_rows
+
+    per_row = HEAD_BYTES_PER_LOGIT * 1000
+    fits = int(1000 * per_row / ONE_PASS_SHARE)
+    assert head_chunk_rows(1000, 1000, "auto", fits) is None
+    assert head_chunk_rows(1000, 1000, "auto", None) is None
+    assert head_chunk_rows(1000, 1000, "auto", fits // 4) == 250  # four chunks
+    assert head_chunk_rows(1000, 1000, "false", 1) is None
+    assert head_chunk_rows(1000, 1000, "true", fits * 100) == chunk_rows(1000)
+    assert head_chunk_rows(1000, 1000, True, fits * 100) == chunk_rows(1000)  # type: ignore[arg-type]
+    assert head_chunk_rows(1000, 1000, False, 1) is None  # type: ignore[arg-type]
+
+
+def test_gspo_of_packed_rows_takes_each_sample_s_own_ratio():
+    """Two samples packed in one row (and padding) get the loss, gradient and masks of the
+    same two samples as right-padded rows: the sequence ratio is per sample, not per row."""
+    lp_rows = torch.tensor([[0.0, -1.0, -0.5, 0.0], [0.0, -0.2, -0.3, -0.9]], dtype=torch.float64)
+    ilp_rows = torch.tensor([[0.0, -1.1, -0.4, 0.0], [0.0, -0.1, -0.3, -0.2]], dtype=torch.float64)
+    adv_rows = torch.tensor([[1.0] * 4, [-1.0] * 4], dtype=torch.float64)
+    mask_rows = torch.tensor([[False, True, True, False], [False, True, True, True]])
+    lengths = (3, 4)  # the first row's last token is padding
+    packed = [torch.cat([t[0, :3], t[1], t.new_zeros(1)])[None] for t in (lp_rows, ilp_rows, adv_rows, mask_rows)]
+    index = torch.tensor([[0] * lengths[0] + [1] * lengths[1] + [2]])
+    c = cfg(type="gspo", seq_clip_low=0.05, seq_clip_high=0.05)
+    lp_r = lp_rows.clone().requires_grad_(True)
+    lp_p = packed[0].clone().requires_grad_(True)
+    rows = rl_loss(lp_r, ilp_rows, adv_rows, mask_rows, c, normalizer=5)
+    pack = rl_loss(lp_p, packed[1], packed[2], packed[3], c, normalizer=5, sample_index=index, num_samples=2)
+    assert pack.loss.item() == pytest.approx(rows.loss.item(), abs=1e-12)
+    for k in rows.sums:
+        assert pack.sums[k].item() == pytest.approx(rows.sums[k].item(), abs=1e-12), k
+    assert rows.sums["masked_negative"].item() > 0  # the second sample's ratio is past the clip
+    rows.loss.backward()
+    pack.loss.backward()
+    assert torch.allclose(lp_p.grad[0, :7], torch.cat([lp_r.grad[0, :3], lp_r.grad[1]]))
