@@ -79,6 +79,8 @@ def start(run: RunDir, job_id: str) -> str:
             f"job {job_id} was requeued after it had reached cluster.max_requeues={limit}; not "
             f"continued (continue with: prime-hpc resume {run.root})"
         )
+    if restarted:
+        stop_leftovers(run, job_id)
     k, logs = run.new_attempt()
     # endpoints, requests and the fleet are per attempt: nobody may find a previous attempt's servers
     for d in (run.endpoints_dir, run.control_dir, run.heartbeats_dir, run.fleet_dir):
@@ -180,6 +182,30 @@ def unrecorded_requeue(run: RunDir, job_id: str) -> dict:
         else:
             job["requeues"] = done + 1
         return dict(job)
+
+
+def stop_leftovers(run: RunDir, job_id: str) -> None:
+    """A restarted job: what an earlier attempt still runs (the scheduler's `stop_leftovers`:
+    SLURM leaves a het job's other components running when it requeues the head's after
+    its node failed) is stopped before anything of this attempt reads the run, said in one
+    line; steps that would not stop fail the run in one line naming them (two trainers
+    would write into it)."""
+    found, left = of(read_job(run)).stop_leftovers(job_id)
+    if found:
+        print(
+            f"prime-hpc: stopped what an earlier attempt of job {job_id} still ran: steps {', '.join(found)}",
+            file=sys.stderr,
+        )
+    if not left:
+        return
+    why = f"steps of an earlier attempt of job {job_id} still run after SIGKILL: {', '.join(left)}; not continued"
+    with editing_job(run) as job:
+        job.update(
+            state=FAILED,
+            ended_at=time.time(),
+            failure={"component": None, "rc": 1, "reason": why, "log": str(of(job).batch_log(run, job_id))},
+        )
+    raise UserError(f"{why} (continue with: prime-hpc resume {run.root} once they are gone)")
 
 
 def start_fleet(run: RunDir, job_id: str, logs: Path, group: str = "inference") -> None:

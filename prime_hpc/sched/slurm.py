@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -201,6 +202,29 @@ def failed_nodes(sinfo_out: str) -> dict[str, str]:
     return {row[0]: row[1] for row in rows if len(row) == 2 and node_failed(row[1])}
 
 
+LEFTOVER_WAIT_S = 60.0  # steps of an earlier attempt, killed, must be gone within this
+OWN_STEPS = (".batch", ".extern", ".interactive")  # steps that are the job script's own, not a component's
+
+
+def component_ids(scontrol_out: str) -> list[str]:
+    """The job id of each component of a job (`scontrol show job -o`: one line each; a het
+    job's components are `<id>`, `<id + 1>`, ...)."""
+    fields = (dict(f.split("=", 1) for f in line.split() if "=" in f) for line in scontrol_out.splitlines())
+    return [f["JobId"] for f in fields if f.get("JobId")]
+
+
+def job_steps(job_ids: list[str]) -> list[str]:
+    """The steps the job's components run (`squeue -s`: `<component id>.<step>`), but the
+    job script's own (batch, extern)."""
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-s", "-j", ",".join(job_ids), "-o", "%i"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [s for s in out.split() if not s.endswith(OWN_STEPS)]
+
+
 def job_fields(job_id: str) -> dict[str, str]:
     """`scontrol show job -o <id>` of the job (its first record: the het leader)."""
     try:
@@ -343,6 +367,30 @@ class Slurm(Backend):
         except (OSError, subprocess.TimeoutExpired):
             return []
         return sorted(failed_nodes(out))
+
+    def stop_leftovers(self, job_id: str) -> tuple[list[str], list[str]]:
+        """SLURM requeues only the leader's component of a het job whose leader's node (the
+        head's: it runs the job script) failed, and starts the job script again while the
+        other components' steps still run (22.05, measured): the previous attempt's trainer
+        would go on beside the new one, into the same run. Called as a restarted attempt
+        starts, before it starts any step: every step of the job but the script's own is
+        an earlier attempt's, killed (SIGKILL) and waited for, at most LEFTOVER_WAIT_S.
+        Returns (the steps found, those still there)."""
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return [], []
+        ids = component_ids(out)
+        steps = job_steps(ids) if ids else []
+        if not steps:
+            return [], []
+        subprocess.run(["scancel", "--signal=KILL", *steps], capture_output=True, timeout=60)
+        deadline = time.monotonic() + LEFTOVER_WAIT_S
+        while (left := [s for s in job_steps(ids) if s in steps]) and time.monotonic() < deadline:
+            time.sleep(1)
+        return steps, left
 
     def stop_cause(self, run: RunDir, job_id: str) -> str:
         """SLURM's answer (`stop_cause` of `scontrol show job`), against this attempt's

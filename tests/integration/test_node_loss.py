@@ -17,8 +17,9 @@ node of the het job fails, so servers that may be lost alone live outside it.
    remaining server joining it again; the new attempt submits a job for the lost server
    again, which starts once the drained node is back.
 3. The head node (het group 0: the job script, the orchestrator, the router) is taken away:
-   SLURM requeues the job; the next attempt continues from the last complete checkpoint to
-   `max_steps`.
+   SLURM requeues the head's component only (22.05: the trainer's keeps running its step); the
+   next attempt's start stops what the previous one still runs before anything else, and
+   continues from the last complete checkpoint to `max_steps`.
 Each step is trained once, no rollout errored (a lost server's requests went to the other),
 and the ended attempts leave no process behind. Every node is put back (`state=resume`)
 however the test ends."""
@@ -37,6 +38,7 @@ from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.rundir import jobs
 from prime_hpc.rundir.layout import server_slot
+from prime_hpc.sched.slurm import Slurm, component_ids, job_steps
 from tests.runs import rank0_pid, release_held, run_processes, slurm_node, still_alive, wait_for_step, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
@@ -200,7 +202,21 @@ def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_p
         _put_back(head)  # the only free node besides the trainer's
         down.remove(head)
         job = _attempts(run, 3, job_id)
-        print("attempts:", json.dumps(job["attempts"], indent=1))
+        # its job script was killed with the node, mostly before it could record the requeue: the next
+        # attempt's start records it; either way counted against cluster.max_requeues
+        second = job["attempts"][1]
+        assert (second["end"], second["reason"]) in (
+            ("NODE_FAIL", "the attempt ended without its job script (its node failed?)"),
+            ("REQUEUED", None),
+        ), job
+        # SLURM requeued the head's component only: where the trainer's step outlived the head's srun (a
+        # node that dies, not one set DOWN whose srun still aborts its steps), the third attempt's start
+        # stopped it (else it trained on, on the third attempt's rollouts: steps trained twice, below)
+        stopped = (
+            f"prime-hpc: stopped what an earlier attempt of job {job_id} still ran"
+            in run.slurm_batch_log(job_id).read_text()
+        )
+        print(f"the trainer's step of the second attempt {'outlived' if stopped else 'ended with'} the head's srun")
         deadline = time.monotonic() + 120
         while still_alive(listed):  # the second attempt leaves nothing behind
             assert time.monotonic() < deadline, still_alive(listed)
@@ -227,3 +243,38 @@ def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_p
     # losing a server, the trainer's node or the head's failed no request: no rollout errored
     errored = [{k: v for k, v in r.items() if "errored" in k} for r in orch]
     assert all(v == 0 for e in errored for v in e.values()), errored
+
+
+def test_a_restarted_attempt_stops_the_steps_an_earlier_one_left_running(tmp_path):
+    """What SLURM leaves when it requeues a het job's head component alone (its node failed):
+    the step another component ran for the earlier attempt, still running. The SLURM side of
+    what a restarted attempt does first (`Slurm.stop_leftovers`): every step of the job but
+    the script's own killed and waited for."""
+    script = tmp_path / "het.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --output={tmp_path}/out.txt --job-name=prime-hpc-leftovers\n"
+        "#SBATCH --nodes=1 --ntasks-per-node=1 --cpus-per-task=1\n"
+        "#SBATCH hetjob\n"
+        "#SBATCH --nodes=1 --ntasks-per-node=1 --cpus-per-task=1\n"
+        "srun --het-group=1 sleep 300 &\n"
+        "sleep 300\n"
+    )
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, timeout=60)
+    job_id = job.stdout.strip().split(";")[0]
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+        ids = component_ids(out.stdout)
+        assert len(ids) == 2, out.stdout
+        deadline = time.monotonic() + 120
+        while not (steps := job_steps(ids)):
+            assert time.monotonic() < deadline, "the component's step never ran"
+            time.sleep(0.5)
+        assert [s.split(".")[0] for s in steps] == [ids[1]], steps  # the other component's
+        found, left = Slurm().stop_leftovers(job_id)
+        assert (found, left) == (steps, []) and job_steps(ids) == []
+        listed = subprocess.run(["squeue", "-h", "-s", "-j", ",".join(ids), "-o", "%i"], capture_output=True, text=True)
+        assert listed.stdout.split() == [f"{job_id}.batch"], listed.stdout  # the job script's own step goes on
+        assert Slurm().stop_leftovers(job_id) == ([], [])
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=60)

@@ -4,16 +4,19 @@ prints: SLURM's `node_state_string`, lowercased, and the `+`-joined form of `sco
 node`), which nodes of an `sinfo` listing are lost (`failed_nodes`), and what an attempt
 that a component ended with its node records (`job.attempt.node_lost`, then `requeue`
 NODE_FAIL): the nodes, named by the attempt's end and by the run's failure past
-`cluster.max_requeues`. The dev cluster's run is `tests/integration/test_node_loss.py`."""
+`cluster.max_requeues`; and a restarted attempt that first stops what an earlier one still
+runs (`attempt.stop_leftovers`). The dev cluster's run is
+`tests/integration/test_node_loss.py`."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
+from prime_hpc.core.errors import UserError
 from prime_hpc.job import attempt
 from prime_hpc.rundir import RunDir, atomic_write_json, jobs
-from prime_hpc.sched.slurm import Slurm, failed_nodes, node_failed
+from prime_hpc.sched.slurm import Slurm, component_ids, failed_nodes, node_failed
 
 LOST = [
     "down",
@@ -140,3 +143,40 @@ def test_other_ends_name_no_node(tmp_path, monkeypatch):
     assert jobs.read_job(run)["attempts"][-1]["reason"] is None
     assert attempt.node_lost(run, "7") is not None  # said, but recorded in no ended attempt
     assert jobs.read_job(run)["attempts"][0].get("down_nodes") is None
+
+
+def test_the_components_of_a_job_from_scontrol():
+    out = (
+        "JobId=65 HetJobId=65 HetJobOffset=0 JobName=run JobState=RUNNING NodeList=node3\n"
+        "JobId=66 HetJobId=65 HetJobOffset=1 JobName=run JobState=RUNNING NodeList=node4\n"
+    )
+    assert component_ids(out) == ["65", "66"]
+    assert component_ids("JobId=7 JobName=sft NodeList=node1\n") == ["7"] and component_ids("") == []
+
+
+def test_a_restarted_attempt_stops_what_an_earlier_one_still_runs_before_it_starts(tmp_path, monkeypatch, capsys):
+    """SLURM requeued only the head's component after its node failed: the trainer's step of
+    the attempt before still runs. It is stopped, and said, before the new attempt reads
+    the run; the attempt starts."""
+    run = RunDir(tmp_path / "run")
+    _running(run, max_requeues=2)
+    asked = []
+    monkeypatch.setattr(Slurm, "stop_leftovers", lambda self, job_id: asked.append(job_id) or (["66.2"], []))
+    logs = attempt.start(run, "7")
+    assert asked == ["7"] and "prime-hpc: stopped what an earlier attempt of job 7 still ran: steps 66.2" in (
+        capsys.readouterr().err
+    )
+    job = jobs.read_job(run)
+    assert job["state"] == "RUNNING" and job["attempts"][-1]["logs"] == logs, job
+    assert job["attempts"][1]["end"] == "NODE_FAIL", job  # the attempt its job script could not record
+
+
+def test_steps_of_an_earlier_attempt_that_do_not_stop_fail_the_run_naming_them(tmp_path, monkeypatch):
+    run = RunDir(tmp_path / "run")
+    _running(run, max_requeues=2)
+    monkeypatch.setattr(Slurm, "stop_leftovers", lambda self, job_id: (["66.2", "66.3"], ["66.3"]))
+    with pytest.raises(UserError, match=r"steps of an earlier attempt of job 7 still run after SIGKILL: 66.3; "):
+        attempt.start(run, "7")
+    job = jobs.read_job(run)
+    assert job["state"] == "FAILED" and "66.3" in job["failure"]["reason"] and len(job["attempts"]) == 2, job
+    assert not run.logs_root.exists()  # nothing of the attempt started
