@@ -1,13 +1,18 @@
 """Talking to a run's inference: find the servers and the router in `endpoints/`, and send
 admin calls (weight updates) to every server directly. Generation goes through the router
-with any OpenAI client (`base_url = endpoints.router + "/v1"`).
+(`Endpoints.openai_base_url`, with `orchestrator.client.make_client`).
 
-Light imports (httpx only); the API key comes from `$INFERENCE_SERVER_API_KEY`. It is
-sent only to the run's router: a server gets nothing until it has proven it holds the key
+Light imports (httpx only); the API key comes from `$INFERENCE_SERVER_API_KEY`. It is sent
+to no listener of the run: a server gets nothing until it has proven it holds the key
 (`challenge`, or `challenge_sync` for a synchronous client: an HMAC of a nonce, without
 the key being sent), and then requests signed for that server's instance (`signed`), never
 the key itself (`prime_hpc.inference.gate.Proofs`). So do the orchestrator's weight relay
 (`Admin`) and the trainer's weight sender (`prime_hpc.inference.broadcast.Broadcaster`).
+The router is proven the same way against its `endpoints/router.json` (`RouterLink`: its
+`instance` and supervisor's pid) before a client's first request and after a broken
+connection, and sent only requests signed for it (`RouterLink.auth`); the URLs `discover`
+gives (`Endpoints.router`, `.openai_base_url`) carry that link (`RouterURL`), so every
+client made from them (generation, the relay's `add_worker`, a teacher client) signs.
 
 An endpoint a user names (`eval`/`synthesize` `client.base_url=`) is asked with a key of
 its own, `$ENDPOINT_API_KEY` (`endpoint_key`), never the job's variable; `serve=<job>` of
@@ -20,6 +25,7 @@ import asyncio
 import functools
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +34,7 @@ from typing import Any, Optional
 from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.core.net import IDLE_CONNECTION_S
 from prime_hpc.inference.gate import IDENTITY_PATH, Proofs, signature_header
-from prime_hpc.rundir import RunDir, read_json, wait_for
+from prime_hpc.rundir import RunDir, WaitTimeout, read_json, wait_for
 
 POLICY_TIMEOUT_S = 10.0  # a `GET /policy` answers at once, even while the server loads weights
 CHALLENGE_TIMEOUT_S = 10.0  # a server answers its identity challenge at once
@@ -92,23 +98,41 @@ def challenge_sync(client: Any, base: str, proofs: Proofs, record: Optional[dict
 def _proven(r: Any, nonce: str, base: str, proofs: Proofs, record: Optional[dict]) -> str:
     """The instance whose proof for `nonce` the answer `r` of the listener at `base`
     carries (as `record` names it, when given), or `NotProven`."""
-    try:
-        answer = r.json() if r.status_code == 200 else None
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict):
-        raise NotProven(f"{base} answered the identity challenge with HTTP {r.status_code}: not a server of this run")
-    claimed = record if record is not None else answer
+    claimed = record if record is not None else _answer(r) or {}
     instance, pid = str(claimed.get("instance") or ""), claimed.get("pid")
-    if not instance:
+    why = _disproof(r, nonce, base, proofs, instance, pid)
+    if why == "http":
+        raise NotProven(f"{base} answered the identity challenge with HTTP {r.status_code}: not a server of this run")
+    if why == "instance":
         raise NotProven(f"{base}: its endpoint names no instance to prove")
-    expected = proofs.identity(nonce, base, instance, pid)
-    if not secrets.compare_digest(str(answer.get("proof", "")), expected):
+    if why:
         raise NotProven(
             f"{base} did not prove it holds the job's key as the server the run published there "
             f"(instance {instance}, pid {pid}): nothing is sent to it"
         )
     return instance
+
+
+def _answer(r: Any) -> Optional[dict]:
+    """An identity challenge's answer as a JSON object (None: not one, or not HTTP 200)."""
+    try:
+        answer = r.json() if r.status_code == 200 else None
+    except ValueError:
+        answer = None
+    return answer if isinstance(answer, dict) else None
+
+
+def _disproof(r: Any, nonce: str, base: str, proofs: Proofs, instance: str, pid: Any) -> str:
+    """Why the answer `r` is not the proof of `instance` and `pid` at `base` for `nonce`:
+    "http" (no JSON answer), "instance" (none to prove), "proof" (a wrong one); "" when it
+    is."""
+    answer = _answer(r)
+    if answer is None:
+        return "http"
+    if not instance:
+        return "instance"
+    expected = proofs.identity(nonce, base, instance, pid)
+    return "" if secrets.compare_digest(str(answer.get("proof", "")), expected) else "proof"
 
 
 def signed(proofs: Proofs, instances: dict[str, str]) -> Any:
@@ -146,6 +170,180 @@ def _signed_class() -> Any:
     return Signed
 
 
+class RouterLink:
+    """The run's router as its clients reach it, found through `path` (`endpoints/router.json`,
+    the teacher's `teacher_router.json`: its `url`, `instance` and `supervisor_pid`). It is
+    proven (`GET /identity` with a fresh nonce, answered with an HMAC under a key derived
+    from the job's `key`, default `$INFERENCE_SERVER_API_KEY`) before the first request and
+    again after a broken connection or an answer without its proof; every request then goes
+    signed for its instance instead of carrying the key (`auth`), and its answer is taken
+    only with the router's proof for that signature. A listener at the address that cannot
+    prove it (a `router.json` left by a supervisor killed outright, its port someone
+    else's) gets a nonce and nothing else: `NotProven`, one line naming the file and the
+    address."""
+
+    def __init__(self, path: os.PathLike | str, key: Optional[str] = None) -> None:
+        self.path = Path(path)
+        self.key = key
+        self.url: Optional[str] = None  # the router proven, at this URL ...
+        self.instance: Optional[str] = None  # ... as this instance (None: prove it first)
+        self.record: dict = {}  # router.json as it was when proven
+
+    @functools.cached_property
+    def proofs(self) -> Proofs:
+        return Proofs(self.key or api_key() or "")
+
+    def using(self, key: Optional[str]) -> RouterLink:
+        """This link, proving with `key` (None: its own)."""
+        return self if key is None or key == self.key else RouterLink(self.path, key)
+
+    def forget(self) -> None:
+        """Prove the router again before the next request."""
+        self.instance = None
+
+    def read(self) -> dict:
+        """`router.json` as it is now; `NotProven` naming it when it names no router."""
+        try:
+            record = read_json(self.path)
+        except (OSError, ValueError) as e:
+            raise NotProven(f"{self.path} names no router ({type(e).__name__}): nothing is sent") from None
+        if not isinstance(record, dict) or not record.get("url"):
+            raise NotProven(f"{self.path} names no router URL: nothing is sent")
+        return record
+
+    def probe(self) -> tuple[str, dict, Any]:
+        """(nonce, router.json, the identity challenge to send to the router it names)."""
+        import httpx
+
+        record, nonce = self.read(), secrets.token_hex(16)
+        request = httpx.Request(
+            "GET",
+            str(record["url"]) + IDENTITY_PATH,
+            params={"nonce": nonce},
+            extensions={"timeout": httpx.Timeout(CHALLENGE_TIMEOUT_S).as_dict()},
+        )
+        return nonce, record, request
+
+    def take(self, answer: Any, nonce: str, record: dict) -> str:
+        """The router's instance, once `answer` (to `probe`'s challenge) proves it as
+        `record` names it; else `NotProven` naming the file and the address."""
+        base, instance, pid = str(record["url"]), str(record.get("instance") or ""), record.get("supervisor_pid")
+        why = _disproof(answer, nonce, base, self.proofs, instance, pid)
+        if why:
+            detail = {
+                "http": f"it answered the identity challenge with HTTP {answer.status_code}",
+                "instance": "the file names no instance to prove",
+                "proof": f"not as the instance {instance} of pid {pid}",
+            }[why]
+            raise NotProven(
+                f"{self.path} names the router at {base}, which did not prove it holds the job's key ({detail}): "
+                "nothing is sent to it (a router that is gone left the file?)"
+            )
+        self.url, self.instance, self.record = base, instance, record
+        return instance
+
+    def prove(self, client: Any) -> str:
+        """Prove the router with the synchronous httpx `client`; its instance."""
+        nonce, record, request = self.probe()
+        return self.take(client.send(request), nonce, record)
+
+    def proven_for(self, request: Any) -> bool:
+        """Is the router `request` goes to proven? (Not yet, not since a broken connection,
+        or another than router.json named then: it is proven again first.)"""
+        return self.instance is not None and _base(request) == self.url
+
+    def sign(self, request: Any) -> str:
+        """Sign `request` for the proven router; the signature."""
+        base = _base(request)
+        if base != self.url or self.instance is None:
+            raise NotProven(f"{self.path} names the router at {self.url}, not {base}: nothing is sent there")
+        token = self.proofs.signature(
+            self.instance, request.method, request.url.path, request.url.query.decode("latin-1"), request.content
+        )
+        request.headers["Authorization"] = signature_header(token)
+        return token
+
+    def check(self, token: str, response: Any) -> None:
+        """`response` carries the router's proof for the request signed `token`; else the
+        router is proven again before the next request and `NotProven`."""
+        if not self.proofs.answered(token, response.headers):
+            self.forget()
+            raise NotProven(
+                f"{self.path}: the answer from {self.url} does not carry the router's proof "
+                f"(HTTP {response.status_code}): not taken"
+            )
+
+    def auth(self) -> Any:
+        """httpx auth (sync or async clients) that proves, signs and checks as above."""
+        return _router_auth_class()(self)
+
+
+@functools.cache
+def _router_auth_class() -> Any:
+    import httpx
+
+    class RouterAuth(httpx.Auth):
+        def __init__(self, link: RouterLink) -> None:
+            self.link = link
+
+        def sync_auth_flow(self, request: httpx.Request) -> Any:
+            request.read()
+            if not self.link.proven_for(request):
+                nonce, record, probe = self.link.probe()
+                answer = yield probe
+                answer.read()
+                self.link.take(answer, nonce, record)
+            token = self.link.sign(request)
+            try:
+                response = yield request
+            except GeneratorExit:  # no answer (a broken connection): proven again before the next
+                self.link.forget()
+                raise
+            self.link.check(token, response)
+
+        async def async_auth_flow(self, request: httpx.Request) -> Any:
+            await request.aread()
+            if not self.link.proven_for(request):
+                nonce, record, probe = self.link.probe()
+                answer = yield probe
+                await answer.aread()
+                self.link.take(answer, nonce, record)
+            token = self.link.sign(request)
+            try:
+                response = yield request
+            except GeneratorExit:  # no answer (a broken connection): proven again before the next
+                self.link.forget()
+                raise
+            self.link.check(token, response)
+
+    return RouterAuth
+
+
+def _base(request: Any) -> str:
+    """The scheme and address an httpx request goes to (`http://host:port`)."""
+    return f"{request.url.scheme}://{request.url.netloc.decode('ascii')}"
+
+
+class RouterURL(str):
+    """A URL of the run's router (its base, or its OpenAI base `.../v1`) that carries the
+    `RouterLink` to prove it and sign for it: a client made with it sends no key."""
+
+    link: RouterLink
+
+    def __new__(cls, value: str, link: RouterLink) -> RouterURL:
+        made = super().__new__(cls, value)
+        made.link = link
+        return made
+
+
+def router_link(router: str) -> RouterLink:
+    """The link a router URL carries (`RouterURL`); a plain URL has none: `NotProven`."""
+    link = getattr(router, "link", None)
+    if not isinstance(link, RouterLink):
+        raise NotProven(f"{router}: no router.json to prove this router against: nothing is sent to it")
+    return link
+
+
 def headers(key: Optional[str] = None) -> dict[str, str]:
     key = key if key is not None else api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
@@ -165,13 +363,14 @@ def error_detail(r: Any) -> str:
 
 @dataclass
 class Endpoints:
-    router: str  # base URL (no /v1)
+    router: str  # base URL (no /v1); from `discover`, a `RouterURL`
     servers: list[str]  # base URLs, node order
     server_records: list[dict]
 
     @property
     def openai_base_url(self) -> str:
-        return self.router + "/v1"
+        link = getattr(self.router, "link", None)
+        return RouterURL(self.router + "/v1", link) if isinstance(link, RouterLink) else self.router + "/v1"
 
 
 LEAVING_STATUS = 410  # a server's answer to an update once it is on its way out (the run drops it: it left)
@@ -225,20 +424,53 @@ def discover(
     logs: Optional[Path] = None,
     alive: Any = None,
     own_job: bool = False,
+    key: Optional[str] = None,
 ) -> Endpoints:
-    """Wait until every server and the router have published their endpoints."""
+    """Wait until every server has published its endpoint and the router its own, and
+    (with a key: `key`, else `$INFERENCE_SERVER_API_KEY`) proved itself against it
+    (`RouterLink`): a `router.json` whose router does not prove itself is waited past,
+    named in one line, until a router publishes one again (a process without a key sends
+    none: it only waits for the file)."""
     records = wait_for_servers(run, nodes, timeout_s, logs, alive, own_job)
-    path = run.router_endpoint
-    wait_for(
-        lambda: path.exists(),
-        what=str(path),
-        timeout_s=timeout_s,
-        producer="router" if run.group == "inference" else f"{run.group} router",
-        producer_log=RunDir.router_log(logs, 0, run.group) if logs else None,
-        alive=alive,
+    link = RouterLink(run.router_endpoint, key)
+    said: set[str] = set()  # why the router named was not taken, each said once
+    latest: list[str] = []  # the last of them
+
+    def proven() -> Optional[dict]:
+        import httpx
+
+        if not link.path.exists():
+            return None
+        if not (link.key or api_key()):
+            return read_json(link.path)
+        try:
+            with httpx.Client() as client:
+                link.prove(client)
+            return link.record
+        except (NotProven, httpx.HTTPError) as e:
+            why = str(e) if isinstance(e, NotProven) else f"{link.path}: its router does not answer ({e})"
+            if why not in said:
+                print(f"prime-hpc: {why}; waiting for a router that proves itself", file=sys.stderr, flush=True)
+            said.add(why)
+            latest[:] = [why]
+            link.forget()
+            return None
+
+    what = f"{link.path}, naming a router that proves it holds the job's key"
+    try:
+        router = wait_for(
+            proven,
+            what=what,
+            timeout_s=timeout_s,
+            producer="router" if run.group == "inference" else f"{run.group} router",
+            producer_log=RunDir.router_log(logs, 0, run.group) if logs else None,
+            alive=alive,
+        )
+    except WaitTimeout as e:
+        raise WaitTimeout(str(e).replace(what, f"{what} (last: {latest[0]})" if latest else what, 1)) from None
+    return Endpoints(
+        router=RouterURL(str(router["url"]), link), servers=[r["url"] for r in records], server_records=records
     )
-    router = read_json(path)
-    return Endpoints(router=router["url"], servers=[r["url"] for r in records], server_records=records)
 
 
 class Admin:
@@ -419,12 +651,15 @@ class Admin:
 
 
 async def add_worker(router: str, server: str) -> None:
-    """Ask the router to send requests to `server` too (it must be published in
-    `endpoints/`); raises `InferenceError` when the router refuses or does not answer."""
+    """Ask the router (a `RouterURL`: proven against its router.json, the request signed)
+    to send requests to `server` too (it must be published in `endpoints/`); raises
+    `InferenceError` when the router refuses, does not answer or does not prove itself
+    (`NotProven`)."""
     import httpx
 
+    link = router_link(router)
     try:
-        async with httpx.AsyncClient(timeout=30, headers=headers()) as client:
+        async with httpx.AsyncClient(timeout=30, auth=link.auth()) as client:
             r = await client.post(router + "/add_worker", params={"url": server})
     except httpx.HTTPError as e:
         raise InferenceError(f"{router}/add_worker: {type(e).__name__}: {e}") from None
@@ -433,12 +668,13 @@ async def add_worker(router: str, server: str) -> None:
 
 
 async def forget_worker(router: str, server: str) -> None:
-    """Ask the router to stop sending requests to `server` (best effort: a router that
-    does not answer finds the dead server by its own health checks)."""
+    """Ask the router (a `RouterURL`, as `add_worker`) to stop sending requests to
+    `server` (best effort: a router that does not answer, or does not prove itself, finds
+    the dead server by its own health checks, or is not the run's)."""
     import httpx
 
     try:
-        async with httpx.AsyncClient(timeout=10, headers=headers()) as client:
+        async with httpx.AsyncClient(timeout=10, auth=router_link(router).auth()) as client:
             await client.post(router + "/remove_worker", params={"url": server})
-    except httpx.HTTPError:
+    except (httpx.HTTPError, InferenceError):
         pass

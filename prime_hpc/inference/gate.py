@@ -36,8 +36,10 @@ server's port can neither answer the challenge nor use a signature: it is bound 
 instance that no longer runs. A server answers a signed request with its own proof
 (`x-prime-hpc-proof`: an HMAC of that signature), so a caller takes an answer only from the
 instance it signed for: whatever answers at a dead server's address in the seconds before
-anyone noticed is not taken for the server. The bearer key is still accepted from the
-run's own callers.
+anyone noticed is not taken for the server. The run's router answers the same challenge for
+the instance its `endpoints/router.json` names, and takes signed requests the same way
+(`ApiKey.admit`, `answer_identity`), so its clients never send it the key either. The
+bearer key is still accepted from the user's own tools.
 
 Pure ASGI, no vLLM import: unit-testable with any ASGI app.
 """
@@ -244,9 +246,41 @@ class ApiKey:
         expected = self.proofs.signature(instance, scope.get("method", ""), scope.get("path", ""), query, body)
         return token if hmac.compare_digest(token.encode(), expected.encode()) else None
 
+    async def admit(
+        self, scope: Scope, receive: Receive, send: Send, me: Optional[dict]
+    ) -> Optional[tuple[Receive, Send]]:
+        """An HTTP request this listener takes: (`receive`, `send`) to serve it with, or
+        None to refuse it (`refuse`). A request signed for this listener's instance
+        (`me["instance"]`; its body read whole to check the signature and given back) is
+        answered with the listener's proof for it (`PROOF_HEADER`); else the bearer key, or
+        an open route, as `allows` says. `me` None: signatures are not taken."""
+        if me is not None and authorization(scope)[0] == SIGNATURE_SCHEME:
+            got, _ = await read_body(receive)
+            body = got[0].get("body", b"") if got[0]["type"] == "http.request" else None
+            signature = self.signed(scope, str(me["instance"]), body) if body is not None else None
+            if signature is not None:
+                return _replay(got, receive), _proving(send, self.proofs.answer(signature))
+            receive = _replay(got, receive)
+        return (receive, send) if self.allows(scope) else None
+
     @staticmethod
     async def refuse(send: Send) -> None:
         await send_json(send, 401, {"error": "Unauthorized: missing or wrong API key"})
+
+
+async def answer_identity(key: ApiKey, scope: Scope, send: Send, me: Optional[dict]) -> None:
+    """`GET /identity?nonce=<hex>`: who this listener is (`me`: its `url`, `instance` and
+    `pid`, and what else it tells) and its proof for the nonce (`Proofs.identity`), which
+    only a holder of the job's key can give."""
+    from urllib.parse import parse_qs
+
+    nonce = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("nonce") or [""])[0]
+    if scope.get("method") != "GET" or not NONCE.fullmatch(nonce):
+        return await send_json(send, 400, {"error": "ask GET /identity?nonce=<32 to 128 hex digits>"})
+    if me is None:
+        return await send_json(send, 503, {"error": "this listener does not know its address yet"})
+    proof = key.proofs.identity(nonce, str(me["url"]), str(me["instance"]), me["pid"])
+    return await send_json(send, 200, {**me, "nonce": nonce, "proof": proof})
 
 
 def authorization(scope: Scope) -> tuple[str, str]:
@@ -297,19 +331,15 @@ class GateMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         if scope["type"] == "http" and path == IDENTITY_PATH:
-            return await self.answer_challenge(scope, send)
-        if not self.key.allows(scope):
-            if scope["type"] != "http":
-                return None  # websocket: close without accepting
             me = self.identity() if self.identity is not None else None
-            if me is None or authorization(scope)[0] != SIGNATURE_SCHEME:
+            return await answer_identity(self.key, scope, send, me)
+        if scope["type"] != "http" and not self.key.allows(scope):
+            return None  # websocket: close without accepting
+        if scope["type"] == "http" and (authorization(scope)[0] == SIGNATURE_SCHEME or not self.key.allows(scope)):
+            admitted = await self.key.admit(scope, receive, send, self.identity() if self.identity else None)
+            if admitted is None:
                 return await self.key.refuse(send)
-            got, _ = await read_body(receive)
-            body = got[0].get("body", b"") if got[0]["type"] == "http.request" else None
-            signature = self.key.signed(scope, str(me["instance"]), body) if body is not None else None
-            if signature is None:
-                return await self.key.refuse(send)
-            receive, send = _replay(got, receive), _proving(send, self.key.proofs.answer(signature))
+            receive, send = admitted
         if scope["type"] == "http" and scope.get("method") == "POST" and path in GENERATION_PATHS:
             async with self.gate.shared():
                 got, obj = await read_body(receive)
@@ -319,20 +349,6 @@ class GateMiddleware:
                     scope, got = with_body(scope, json.dumps(obj).encode())
                 return await self.app(scope, _replay(got, receive), stamper)
         return await self.app(scope, receive, send)
-
-    async def answer_challenge(self, scope: Scope, send: Send) -> None:
-        """`GET /identity?nonce=<hex>`: who this server is and its proof for the nonce
-        (`Proofs.identity`), which only a holder of the job's key can give."""
-        from urllib.parse import parse_qs
-
-        nonce = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("nonce") or [""])[0]
-        if scope.get("method") != "GET" or not NONCE.fullmatch(nonce):
-            return await send_json(send, 400, {"error": "ask GET /identity?nonce=<32 to 128 hex digits>"})
-        me = self.identity() if self.identity is not None else None
-        if me is None:
-            return await send_json(send, 503, {"error": "this server does not know its address yet"})
-        proof = self.key.proofs.identity(nonce, str(me["url"]), str(me["instance"]), me["pid"])
-        return await send_json(send, 200, {**me, "nonce": nonce, "proof": proof})
 
 
 def policy_salt(step: int, salt: Any = None) -> str:

@@ -10,8 +10,20 @@ meanwhile wait in the socket's queue); after that it exits with the child's code
 job ends naming `router`. It publishes `endpoints/router.json` once the router answers
 and lives as long as the child does (SIGTERM/SIGINT are passed on).
 
-The router is small and checks everything itself: every route but `/health` needs the
-job's key (`INFERENCE_SERVER_API_KEY`; without it the router does not start), a request
+The router is proven to its own clients as it proves the servers: `router.json` names an
+`instance` (a random id the supervisor draws once, kept by every restarted child: the
+listening socket is the supervisor's) and the supervisor's pid (`supervisor_pid`), and
+the router answers `GET /identity?nonce=<hex>` with its proof for them (`gate.
+answer_identity`). Its clients (the orchestrator's generation and weight relay, a teacher
+client, a leaving server, `scale`: `client.RouterLink`) prove it before their first request
+and after a broken connection, then sign each request for that instance instead of sending
+the key (`gate.ApiKey.admit`), and take an answer only with the router's proof. So a
+`router.json` that a killed supervisor left behind leads no client to give the key, or
+anything it could replay, to whoever binds that port next.
+
+The router is small and checks everything itself: every route but `/health` and
+`/identity` needs the job's key (`INFERENCE_SERVER_API_KEY`; without it the router does not
+start) or a signature for the router's instance, a request
 goes round robin to a server that is up (on a connection error, to the next one), servers
 are health-checked every `HEALTH_EVERY_S` and taken out of rotation after
 `HEALTH_FAILURES` failures in a row, and requests are forwarded only to servers this run
@@ -40,6 +52,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -51,7 +64,15 @@ from urllib.parse import parse_qs
 from prime_hpc.core import jobenv
 from prime_hpc.core.net import IDLE_CONNECTION_S, node_address, url
 from prime_hpc.inference.client import NotProven, api_key, challenge, wait_for_servers
-from prime_hpc.inference.gate import ApiKey, is_preflight, send_json, signature_header
+from prime_hpc.inference.gate import (
+    IDENTITY_PATH,
+    PROOF_HEADER,
+    ApiKey,
+    answer_identity,
+    is_preflight,
+    send_json,
+    signature_header,
+)
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
 from prime_hpc.rundir.fleet import serving_urls
 from prime_hpc.runtime.stopping import die_with_parent
@@ -67,6 +88,8 @@ NO_SERVER_WAIT_S = 600.0  # a request that finds no server waits this long for o
 # server closed it as the request went out) is no sign the server is gone; twice is.
 TRIES_PER_SERVER = 2
 HOP_HEADERS = (b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive")
+# never relayed from a server: its proof is for the router's signature, not the caller's
+ANSWER_DROPPED = (*HOP_HEADERS, PROOF_HEADER.encode())
 
 
 def published_urls(run: RunDir) -> set[str]:
@@ -80,9 +103,11 @@ def published(run: RunDir) -> dict[str, dict]:
 
 
 class Router:
-    """ASGI app: the key on every route but liveness, the admin routes, and every other
-    request forwarded as it came (method, path, query, headers, body) to one server that
-    is up, its answer streamed back."""
+    """ASGI app: the key (or a signature for `identity`'s instance) on every route but
+    liveness and the identity challenge, the admin routes, and every other request
+    forwarded as it came (method, path, query, headers, body) to one server that is up,
+    its answer streamed back. `identity`: the `url`, `instance` and `pid` it proves to be
+    (None: it answers no challenge and takes no signature)."""
 
     def __init__(
         self,
@@ -90,8 +115,10 @@ class Router:
         key: Optional[str],
         run: Optional[RunDir] = None,
         no_server_wait_s: float = NO_SERVER_WAIT_S,
+        identity: Optional[dict] = None,
     ) -> None:
         self.key = ApiKey(key)
+        self.identity = identity
         self.no_server_wait_s = no_server_wait_s
         self.workers = list(dict.fromkeys(workers))  # in rotation order
         self.failures = {w: 0 for w in self.workers}  # failed health checks (or connections) in a row
@@ -209,11 +236,15 @@ class Router:
         path, method = scope.get("path", ""), scope.get("method", "GET")
         if path == "/health":
             return await send_json(send, 200, {"status": "ok", "workers_up": len(self.up())})
+        if path == IDENTITY_PATH:  # open: its proof, for the instance router.json names
+            return await answer_identity(self.key, scope, send, self.identity)
         if is_preflight(scope):  # answered here, never forwarded; no cross-origin use is allowed
             await send({"type": "http.response.start", "status": 204, "headers": [(b"content-length", b"0")]})
             return await send({"type": "http.response.body", "body": b""})
-        if not self.key.allows(scope):
+        admitted = await self.key.admit(scope, receive, send, self.identity)
+        if admitted is None:
             return await self.key.refuse(send)
+        receive, send = admitted
         if path in ("/workers", "/list_workers") and method == "GET":
             return await send_json(
                 send, 200, {"workers": [{"url": w, "up": w in self.up()} for w in self.workers], "policy": POLICY}
@@ -339,7 +370,7 @@ class Router:
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS],
+                    "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in ANSWER_DROPPED],
                 }
             )
             if response.is_stream_consumed:  # read whole already (`aborted`)
@@ -368,11 +399,12 @@ class Router:
                 return
 
 
-def serve(fd: int, workers: list[str], run: Optional[RunDir]) -> None:
-    """Serve the router on the listening socket `fd` until SIGTERM/SIGINT (the child)."""
+def serve(fd: int, workers: list[str], run: Optional[RunDir], identity: Optional[dict] = None) -> None:
+    """Serve the router on the listening socket `fd` until SIGTERM/SIGINT (the child), as
+    `identity` (the supervisor's instance, URL and pid)."""
     import uvicorn
 
-    app = Router(workers, api_key(), run)
+    app = Router(workers, api_key(), run, identity=identity)
     config = uvicorn.Config(app, fd=fd, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=30)
     uvicorn.Server(config).run()
 
@@ -403,7 +435,9 @@ def listening_socket(host: str) -> socket.socket:
     return sock
 
 
-def child_argv(config: str, fd: int, workers: list[str]) -> list[str]:
+def child_argv(config: str, fd: int, workers: list[str], base: str, instance: str) -> list[str]:
+    """The child's command line: it serves `fd` as the router at `base`, `instance` (an
+    id, no secret) of this supervisor."""
     return [
         sys.executable,
         "-u",
@@ -413,6 +447,10 @@ def child_argv(config: str, fd: int, workers: list[str]) -> list[str]:
         config,
         "--serve-fd",
         str(fd),
+        "--url",
+        base,
+        "--instance",
+        instance,
         "--workers",
         *workers,
     ]
@@ -421,6 +459,7 @@ def child_argv(config: str, fd: int, workers: list[str]) -> list[str]:
 def supervise(config: str, run: RunDir, sock: socket.socket, workers: list[str]) -> int:
     """Run the router child on `sock`, restarting it at most `MAX_RESTARTS` times."""
     host, port = sock.getsockname()[:2]
+    instance = secrets.token_hex(16)  # what every child proves to be: the socket is this process's
     state: dict = {"proc": None, "stopping": False}
 
     def on_signal(sig: int, _frame: object) -> None:
@@ -433,7 +472,9 @@ def supervise(config: str, run: RunDir, sock: socket.socket, workers: list[str])
     restarts, rc = 0, 0
     while True:
         proc = state["proc"] = subprocess.Popen(
-            child_argv(config, sock.fileno(), workers), pass_fds=[sock.fileno()], preexec_fn=die_with_parent
+            child_argv(config, sock.fileno(), workers, url(host, port), instance),
+            pass_fds=[sock.fileno()],
+            preexec_fn=die_with_parent,
         )  # never outlives this process
         try:
             wait_ready(proc, url(host, port), timeout_s=READY_TIMEOUT_S)
@@ -449,6 +490,7 @@ def supervise(config: str, run: RunDir, sock: socket.socket, workers: list[str])
                 "port": port,
                 "pid": proc.pid,
                 "supervisor_pid": os.getpid(),
+                "instance": instance,
                 "policy": POLICY,
                 "workers": workers,
                 "restarts": restarts,
@@ -500,6 +542,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--config", required=True, help="the run's configs/inference.yaml")
     p.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)  # the child: serve this socket
     p.add_argument("--workers", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)  # the child: the router's URL and instance
+    p.add_argument("--instance", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if not jobenv.require_key("prime-hpc router", "the router"):
         return 2
@@ -510,7 +554,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     run = RunDir(cfg.output_dir, cfg.group)
     if a.serve_fd is not None:
-        serve(a.serve_fd, a.workers, run)
+        me = {"url": a.url, "instance": a.instance, "pid": os.getppid(), "role": "router"} if a.instance else None
+        serve(a.serve_fd, a.workers, run, me)
         return 0
     try:
         servers = wait_for_servers(

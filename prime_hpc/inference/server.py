@@ -339,17 +339,22 @@ class Server:
 
     async def _wait_unrouted(self, deadline: float) -> bool:
         """Until the run's router no longer lists this server (True), or `deadline`
-        (False). No router to ask: True."""
+        (False). No router to ask, or none that proves itself against `router.json`
+        (`client.RouterLink`: asked signed, never with the key): True."""
         import httpx
 
-        from prime_hpc.inference.client import headers
+        from prime_hpc.inference.client import NotProven, RouterLink
 
         me = url(self.host, self.port)
-        async with httpx.AsyncClient(timeout=5, headers=headers()) as client:
+        link = RouterLink(self.run.router_endpoint)
+        async with httpx.AsyncClient(timeout=5, auth=link.auth()) as client:
             while time.monotonic() < deadline:
                 try:
                     router = str(read_json(self.run.router_endpoint)["url"])
                     workers = (await client.get(router + "/workers")).json()["workers"]
+                except NotProven as e:
+                    print(f"prime-hpc inference: {self.slot} does not ask the router: {e}", flush=True)
+                    return True
                 except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
                     return True
                 if me not in [w.get("url") for w in workers]:

@@ -159,7 +159,9 @@ def check_key(run: RunDir) -> str:
     the relay proves them with it): the one its submit kept for the user
     (`private/api_key`, read only when it is the user's alone: `prime_hpc.core.keyfile`),
     else, for a run submitted before keys were kept, `$INFERENCE_SERVER_API_KEY`; where the
-    run's router answers, the one it accepts."""
+    run's router answers, the one it proves to hold (`inference.client.RouterLink`: the
+    router is asked signed, never sent the key; a listener at its address that does not
+    prove it, a wrong key or a router.json left by a router that is gone, is one line)."""
     import os
 
     from prime_hpc.core import keyfile
@@ -172,13 +174,22 @@ def check_key(run: RunDir) -> str:
         )
     import httpx
 
-    from prime_hpc.rundir import read_json
+    from prime_hpc.inference.client import NotProven, RouterLink
 
+    link = RouterLink(run.router_endpoint, key)
     try:
-        router = str(read_json(run.router_endpoint)["url"])
-        answer = httpx.get(router + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code
-    except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
-        return key  # not started yet, or not reachable from here: the servers would find out
+        router = str(link.read()["url"])
+    except NotProven:
+        return key  # not started yet: the servers would find out
+    try:
+        with httpx.Client(timeout=5, auth=link.auth()) as client:
+            answer = client.get(router + "/workers").status_code
+    except NotProven as e:
+        raise ScaleError(
+            f"{e}; if the run's router runs, the key is not the run's: export the key the run was submitted with"
+        ) from None
+    except httpx.HTTPError:
+        return key  # not reachable from here: the servers would find out
     if answer == 401:
         raise ScaleError(f"the run's router refuses this {API_KEY_VAR}: export the key the run was submitted with")
     return key

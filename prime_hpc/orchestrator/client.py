@@ -15,6 +15,14 @@
   seq_len) stops there; and a turn whose prompt leaves no room for a single token (vLLM
   answers 400 "max_tokens must be at least 1") counts like any other over-long prompt.
   Both raise verifiers' OverlongPromptError, which ends the rollout with `is_truncated`.
+
+The run's router (a base URL `discover` gave: `inference.client.RouterURL`) is sent no key:
+the client proves it against its `router.json` before the first request and after a broken
+connection, signs every request for its instance and takes an answer only with its proof
+(`RouterLink.auth`, on the SDK's HTTP client); a listener there that does not prove itself
+fails the request with `NotProven`, one line naming the file and the address (not retried).
+Any other endpoint (a teacher of `client.base_url=`, an endpoint eval is given) gets `key`
+as a bearer token.
 """
 
 from __future__ import annotations
@@ -103,7 +111,23 @@ def make_client(base_url: str, key: Optional[str], coalesce: bool = True, max_co
                     f.set_result(_one_choice(response, i) if len(twins) > 1 else response)
 
     # retried with backoff (~15 s in all): a restarting router or a server that just died
-    return PolicyClient(AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", max_retries=5, timeout=3600))
+    return PolicyClient(AsyncOpenAI(max_retries=5, timeout=3600, **_sdk_auth(base_url, key)))
+
+
+SIGNED = "prime-hpc-signed"  # the SDK's api_key for the run's router: replaced by each request's signature
+
+
+def _sdk_auth(base_url: str, key: Optional[str]) -> dict:
+    """The OpenAI SDK's `base_url`, `api_key` and, for the run's router, the HTTP client
+    that proves it and signs for it (`key`: the job's, to prove and sign with)."""
+    link = getattr(base_url, "link", None)
+    if link is None:
+        return {"base_url": base_url, "api_key": key or "EMPTY"}
+    import httpx
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)  # the SDK's own
+    http = httpx.AsyncClient(auth=link.using(key).auth(), limits=limits, timeout=3600)
+    return {"base_url": str(base_url), "api_key": SIGNED, "http_client": http}
 
 
 def _one_choice(response: Any, i: int) -> Any:

@@ -8,7 +8,9 @@ it when it leaves; a supervisor removes the file of a server that died), polled 
 update). Produces: a joining server first loaded with the relay's current policy (`load`,
 to that server alone, once it proved it holds the job's key as the instance its endpoint
 names: `inference.client.Admin.expect`; the router proves it again before it routes to
-it), then added to the router (`/add_worker`), then a member of every later update
+it), then added to the router (`/add_worker`, signed for the router that proved itself
+against the group's `router.json`: `inference.client.RouterLink`; never the key), then a
+member of every later update
 (`Admin.add`); with `weights.transport=broadcast`, where the trainer sends a joining
 server the current policy, `load` only says whether it has arrived (None: not yet)
 and the server stays `loading weights` until it has (one line in the log after
@@ -27,7 +29,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from loguru import logger
 
-from prime_hpc.inference.client import InferenceError, add_worker, forget_worker
+from prime_hpc.inference.client import InferenceError, RouterLink, RouterURL, add_worker, forget_worker
 from prime_hpc.rundir import RunDir, atomic_write_json, server_slot
 from prime_hpc.rundir.fleet import LOADING, REMOVED, SERVING
 
@@ -47,7 +49,8 @@ class Membership:
         self.run = run
         self.kind = f"{run.group} server"  # "inference server", "teacher server": the log's word for one
         self.admin = admin
-        self.router = router
+        # the router, proven against the group's router.json (`discover` gives one that is)
+        self.router = router if isinstance(router, RouterURL) else RouterURL(router, RouterLink(run.router_endpoint))
         self.load = load  # load(url, endpoint record) -> the policy step it now serves (None: not yet)
         self.members: dict[str, dict] = {}  # slot -> the relay's record (rundir.fleet)
         self.failed_at: dict[str, float] = {}  # url -> when it last failed to join

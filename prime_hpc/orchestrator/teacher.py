@@ -8,7 +8,11 @@ orchestrator starts), its key in `client.api_key_var` too; `orchestrator.teacher
 servers the run starts itself (a group of its job, slots `teacher_<n>`, a router of their
 own at `endpoints/teacher_router.json`), asked with the job's own key: the orchestrator
 waits for them like for the inference servers and keeps their membership (`fleet.
-keep_fixed`: a teacher restarted in its slot rejoins its router).
+keep_fixed`: a teacher restarted in its slot rejoins its router). A router of the run's
+own, or of a serve job (its `endpoints/router.json`), is never sent the key: it is proven
+against its router.json before the first request and after a broken connection, and each
+request is signed for it (`inference.client.RouterLink`); a listener there that does not
+prove itself ends the run in one line naming the file and the address.
 
 Consumes: an accepted group of rollouts; the teacher's endpoint and its model name (without
 one, the name the student is served under). Produces, on each
@@ -34,7 +38,16 @@ from loguru import logger
 
 from prime_hpc.config.schema import ClientConfig, TeacherConfig
 from prime_hpc.core.errors import UserError
-from prime_hpc.inference.client import Endpoints, api_key, discover, error_detail, headers
+from prime_hpc.inference.client import (
+    Endpoints,
+    NotProven,
+    RouterLink,
+    RouterURL,
+    api_key,
+    discover,
+    error_detail,
+    headers,
+)
 from prime_hpc.orchestrator.rollouts import Rollout, opd_token_advantages
 from prime_hpc.rundir import RunDir, jobs
 
@@ -71,12 +84,15 @@ def locate(t: TeacherConfig, run: RunDir, nodes: int, timeout_s: float, logs: Op
         ep = discover(run.of_group("teacher"), nodes, timeout_s, logs)
         return TeacherAt(ep.openai_base_url, api_key(), t.client.model or t.model, ep)
     if t.serve:
-        found = jobs.served(jobs.serve_job(t.serve))
+        serving = jobs.serve_job(t.serve)
+        found = jobs.served(serving)
         if found is None:
             raise UserError(
                 f"orchestrator.teacher.serve={t.serve}: the serve job does not serve now; see prime-hpc status {t.serve}"
             )
-        return TeacherAt(str(found["url"]), api_key(t.client.api_key_var), t.client.model or found.get("model"))
+        key = api_key(t.client.api_key_var)
+        url = RouterURL(str(found["url"]), RouterLink(serving.router_endpoint, key))
+        return TeacherAt(url, key, t.client.model or found.get("model"))
     return TeacherAt(teacher_url(t.client), api_key(t.client.api_key_var), t.client.model)
 
 
@@ -84,6 +100,8 @@ class Teacher:
     def __init__(self, at: TeacherAt, default_model: Callable[[], str]) -> None:
         self.url = at.url.rstrip("/") + "/completions"
         self.key = at.key
+        link = getattr(at.url, "link", None)  # a router of a run's: proven, sent no key
+        self.link: Optional[RouterLink] = link.using(at.key) if isinstance(link, RouterLink) else None
         self.model = at.model
         self.default_model = default_model
         self.retry_delays_s = RETRY_DELAYS_S
@@ -93,7 +111,10 @@ class Teacher:
         if self._http is None:
             import httpx
 
-            self._http = httpx.AsyncClient(timeout=TIMEOUT_S, headers=headers(self.key or ""))
+            if self.link is not None:
+                self._http = httpx.AsyncClient(timeout=TIMEOUT_S, auth=self.link.auth())
+            else:
+                self._http = httpx.AsyncClient(timeout=TIMEOUT_S, headers=headers(self.key or ""))
         return self._http
 
     async def add_logprobs(self, group: list[Rollout]) -> None:
@@ -126,6 +147,8 @@ class Teacher:
             try:
                 resp = await self.http().post(self.url, json=body)
                 break
+            except NotProven as e:
+                raise UserError(f"the teacher at {self.url} is not asked: {e}") from None
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
                 if delay is None or not isinstance(e, httpx.TransportError) or isinstance(e, httpx.TimeoutException):

@@ -2,7 +2,9 @@
 loopback, each behind the inference server's own gate: the key on every route but
 liveness, round robin, failover, membership limited to the run's published servers that
 prove they hold the key, the key never forwarded (each request signed for its server),
-preflights answered without forwarding."""
+preflights answered without forwarding. The router proves itself to its own clients the
+same way (its router.json's instance), and none of them sends it the key: neither does any
+to a listener that holds a router.json's port after its router is gone."""
 
 from __future__ import annotations
 
@@ -26,6 +28,22 @@ from prime_hpc.rundir import RunDir, atomic_write_json
 
 KEY = "router-unit-key-0123456789abcdef0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# what a worker answers besides its name: a chat completion (the OpenAI SDK reads it) with
+# the prompt logprobs a teacher asks for (of the sequence [1, 2, 3])
+ANSWER = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "m",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "ok"},
+            "finish_reason": "stop",
+            "prompt_logprobs": [None, {"2": {"logprob": -0.5}}, {"3": {"logprob": -0.25}}],
+        }
+    ],
+}
 
 
 class Worker:
@@ -45,7 +63,63 @@ class Worker:
         auth = dict(scope["headers"]).get(b"authorization", b"").decode()
         if scope["path"] != "/health":  # the router's own health checks (they carry no key)
             self.seen.append((scope["method"], scope["path"], auth))
-        body = json.dumps({"worker": self.name}).encode()
+        body = json.dumps({"worker": self.name, **ANSWER}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class Recorder:
+    """ASGI app in front of `app` that records every HTTP request it gets: (method, path,
+    query, headers, body)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.seen: list[tuple[str, str, str, dict, bytes]] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self.seen.append((scope["method"], scope["path"], scope["query_string"].decode(), headers, body))
+        given = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def replay():
+            return given.pop(0) if given else {"type": "http.disconnect"}
+
+        return await self.app(scope, replay, send)
+
+    def heard(self) -> bytes:
+        """Everything it was sent (headers and bodies) as bytes, to look for the key in."""
+        return b"".join(f"{m} {p}?{q} {h}".encode() + b for m, p, q, h, b in self.seen)
+
+
+class Stranger:
+    """ASGI app: someone else's listener on a freed port. It answers every request 200 with
+    JSON that looks like what the run's router would say (its instance and a made-up proof,
+    an empty list of workers, a completion) and keeps nothing but what `Recorder` records."""
+
+    def __init__(self, instance: str = "") -> None:
+        self.instance = instance
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = json.dumps(
+            {
+                **ANSWER,
+                "url": "http://x",
+                "instance": self.instance,
+                "pid": os.getpid(),
+                "proof": "0" * 64,
+                "workers": [],
+            }
+        ).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
 
@@ -68,6 +142,7 @@ class Served:
         me = {"url": url(LOOPBACK, self.port), "instance": self.instance, "pid": os.getpid(), "slot": "x"}
         if gated:
             app = GateMiddleware(app, PolicyGate(), KEY, identity=lambda: me)
+        self.app = app
         self.url = me["url"]
         self.server = uvicorn.Server(uvicorn.Config(app, fd=self.sock.fileno(), log_level="error", lifespan="auto"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -95,10 +170,21 @@ def _until(pred, timeout_s: float = 20.0, what: str = "a condition"):
     return value
 
 
+def publish_router(run: RunDir, router: Router, front: "Served") -> dict:
+    """Give `router` (served by `front`) the identity a supervisor gives it and publish its
+    `router.json` as the supervisor does; the record."""
+    instance = secrets.token_hex(16)
+    router.identity = {"url": front.url, "instance": instance, "pid": os.getpid(), "role": "router"}
+    record = {"url": front.url, "pid": os.getpid(), "supervisor_pid": os.getpid(), "instance": instance}
+    atomic_write_json(run.router_endpoint, record)
+    return record
+
+
 @pytest.fixture
 def fleet(tmp_path, monkeypatch):
     """Two workers published as the run's servers, and the router in front of them (its
-    health checks and challenges every 0.2 s), once it routes to both."""
+    health checks and challenges every 0.2 s) published in router.json, once it routes to
+    both; `front.app` records what reaches the router."""
     monkeypatch.setattr(router_mod, "HEALTH_EVERY_S", 0.2)
     run = RunDir(tmp_path / "run")
     workers = {name: Worker(name) for name in ("a", "b")}
@@ -106,7 +192,9 @@ def fleet(tmp_path, monkeypatch):
     for node, s in enumerate(served.values()):
         atomic_write_json(run.inference_endpoint(node), s.endpoint(node))
     router = Router([s.url for s in served.values()], KEY, run)
-    front = Served(router)
+    front = Served(Recorder(router))
+    publish_router(run, router, front)
+    router.front = front  # the tests below stop it, or read what reached it
     try:
         _until(lambda: len(router.up()) == 2, what="the router to prove both servers")
         yield router, front.url, workers, served, run

@@ -271,18 +271,56 @@ def test_a_serve_job_teacher_must_serve_and_its_key_be_here(tmp_path, monkeypatc
 
 
 def test_the_run_finds_its_own_teacher_behind_its_router_with_the_jobs_key(tmp_path, monkeypatch):
-    from prime_hpc.orchestrator.teacher import locate
+    """Its router (the real one, in front of a teacher server behind the server's gate) is
+    proven against `teacher_router.json` with the job's key, and asked signed: the key
+    reaches neither. A `teacher_router.json` whose router is gone and whose port someone
+    else holds is waited past, named when the wait ends, and sent nothing but a nonce."""
+    import asyncio
+
+    from prime_hpc.inference.router import Router
+    from prime_hpc.orchestrator.rollouts import Rollout
+    from prime_hpc.orchestrator.teacher import Teacher, locate
+    from prime_hpc.rundir import WaitTimeout
+    from tests.unit.test_router import KEY, Recorder, Served, Stranger, Worker, publish_router
 
     cfg = opd(tmp_path, "orchestrator.teacher.model=tiny-35m")
     run = RunDir(cfg.output_dir)
     teacher = run.of_group("teacher")
-    atomic_write_json(teacher.inference_endpoint(0), {"url": "http://127.0.0.1:5", "slot": "teacher_0"})
-    atomic_write_json(teacher.router_endpoint, {"url": "http://127.0.0.1:6"})
-    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "job-key")
-    monkeypatch.setenv("TEACHER_API_KEY", "not-this-one")
-    at = locate(cfg.orchestrator.teacher, run, 1, 1.0)
-    assert (at.url, at.key, at.model) == ("http://127.0.0.1:6/v1", "job-key", "tiny-35m")
-    assert at.fleet.servers == ["http://127.0.0.1:5"]
+    server = Served(Worker("teacher"), gated=True)
+    atomic_write_json(teacher.inference_endpoint(0), server.endpoint(0, slot="teacher_0"))
+    router = Router([server.url], KEY, teacher, no_server_wait_s=30)
+    front = Served(Recorder(router))
+    try:
+        publish_router(teacher, router, front)
+        monkeypatch.setenv("INFERENCE_SERVER_API_KEY", KEY)
+        monkeypatch.setenv("TEACHER_API_KEY", "not-this-one")
+        at = locate(cfg.orchestrator.teacher, run, 1, 10.0)
+        assert (at.url, at.key, at.model) == (front.url + "/v1", KEY, "tiny-35m")
+        assert at.fleet.servers == [server.url]
+        r = Rollout("e", 0, 0.0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [0], 1, False)
+
+        async def ask() -> None:
+            asking = Teacher(at, lambda: "tiny-35m")
+            try:
+                await asking.add_logprobs([r])
+            finally:
+                await asking.aclose()
+
+        asyncio.run(ask())
+        assert r.teacher_logprobs == [0.0, -0.5, -0.25]
+        heard = front.app.heard() + b"".join(a.encode() for _, _, a in server.app.app.seen)
+        assert front.app.seen and KEY.encode() not in heard
+    finally:
+        front.stop()
+        server.stop()
+    stranger = Recorder(Stranger(instance=router.identity["instance"]))
+    held = Served(stranger, port=front.port)
+    try:
+        with pytest.raises(WaitTimeout, match="teacher_router.json names the router at .*, which did not prove"):
+            locate(cfg.orchestrator.teacher, run, 1, 1.0)
+    finally:
+        held.stop()
+    assert {(m, p) for m, p, *_ in stranger.seen} == {("GET", "/identity")} and KEY.encode() not in stranger.heard()
     os.unlink(teacher.router_endpoint)
     with pytest.raises(Exception, match="teacher router"):
         locate(cfg.orchestrator.teacher, run, 1, 0.5)
