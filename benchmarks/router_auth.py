@@ -6,7 +6,11 @@ forwards for that server's instance and takes the answer only with the server's 
 (`prime_hpc.inference.gate.Proofs`). This measures, side by side in one run, on loopback:
 
 * a request straight to a gated server with the bearer key (no router);
-* the same request through the router (signed, the answer's proof checked);
+* the same request through the router, the caller sending the bearer key (the user's own
+  tools), the router signing it for the server and checking the answer's proof;
+* the same request through the router, signed by the caller for the router's instance and
+  its answer's proof checked (`client.RouterLink`: the run's own clients, which prove the
+  router once per connection and never send it the key);
 * the signing work alone, per request (the router's signature and answer check, the
   server's verification and proof), in this process;
 * one identity challenge (what an admission, or a health check, adds).
@@ -77,12 +81,14 @@ def timed(fn, n: int) -> float:
     return statistics.median(times)
 
 
-def measure(client, server: str, front: str, body: bytes, proofs, instance: str, n: int) -> tuple:
-    """Median seconds of the request straight to the server, through the router, and of
-    the signing work alone."""
+def measure(client, signer, server: str, front: str, body: bytes, proofs, instance: str, n: int) -> tuple:
+    """Median seconds of the request straight to the server, through the router (bearer
+    key, then signed by `signer`), and of the signing work alone."""
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     direct = timed(lambda: client.post(server + "/v1/completions", content=body, headers=headers), n)
     routed = timed(lambda: client.post(front + "/v1/completions", content=body, headers=headers), n)
+    json_only = {"content-type": "application/json"}
+    signed = timed(lambda: signer.post(front + "/v1/completions", content=body, headers=json_only), n)
 
     def signing() -> None:
         token = proofs.signature(instance, "POST", "/v1/completions", "", body)  # the router
@@ -90,13 +96,13 @@ def measure(client, server: str, front: str, body: bytes, proofs, instance: str,
         proof = proofs.answer(token)  # the server's answer
         assert proofs.answered(token, {"x-prime-hpc-proof": proof})  # the router's check
 
-    return direct, routed, timed(signing, n * 5)
+    return direct, routed, signed, timed(signing, n * 5)
 
 
 def main() -> int:
     import httpx
 
-    from prime_hpc.inference.client import challenge
+    from prime_hpc.inference.client import RouterLink, challenge
     from prime_hpc.inference.gate import GateMiddleware, PolicyGate, Proofs
     from prime_hpc.inference.router import Router
     from prime_hpc.rundir import RunDir, atomic_write_json
@@ -111,17 +117,33 @@ def main() -> int:
     atomic_write_json(run.inference_endpoint(0), {**me, "node": 0})
     router = Router([server], KEY, run)
     front = serve(router)
+    router.identity = {"url": front, "instance": secrets.token_hex(16), "pid": os.getpid()}
+    atomic_write_json(
+        run.router_endpoint, {"url": front, "instance": router.identity["instance"], "supervisor_pid": os.getpid()}
+    )
     while not router.up():
         time.sleep(0.05)
     proofs = Proofs(KEY)
     print(f"prime-hpc router auth: {a.requests} requests each, loopback, median; python {sys.version.split()[0]}")
-    print(f"{'request':>10} {'direct ms':>10} {'router ms':>10} {'signing us':>11} {'share':>7}")
+    print(
+        f"{'request':>10} {'direct ms':>10} {'router ms':>10} {'signed ms':>10} {'x bearer':>9} "
+        f"{'signing us':>11} {'share':>7}"
+    )
     nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no 40 ms of Nagle against delayed ACKs
-    with httpx.Client(timeout=30, transport=httpx.HTTPTransport(socket_options=nodelay)) as client:
+    link = RouterLink(run.router_endpoint, KEY)
+    with (
+        httpx.Client(timeout=30, transport=httpx.HTTPTransport(socket_options=nodelay)) as client,
+        httpx.Client(timeout=30, auth=link.auth(), transport=httpx.HTTPTransport(socket_options=nodelay)) as signer,
+    ):
         for label, size in (("~1 KB", 1000), ("~64 KB", 64_000)):
             body = json.dumps({"model": "m", "prompt": "x" * size, "max_tokens": 8}).encode()
-            direct, routed, work = measure(client, server, front, body, proofs, me["instance"], a.requests)
-            print(f"{label:>10} {direct * 1e3:10.3f} {routed * 1e3:10.3f} {work * 1e6:11.1f} {work / routed:7.2%}")
+            direct, routed, signed, work = measure(
+                client, signer, server, front, body, proofs, me["instance"], a.requests
+            )
+            print(
+                f"{label:>10} {direct * 1e3:10.3f} {routed * 1e3:10.3f} {signed * 1e3:10.3f} {signed / routed:9.3f} "
+                f"{work * 1e6:11.1f} {work / routed:7.2%}"
+            )
 
     async def challenges() -> float:
         async with httpx.AsyncClient() as c:
