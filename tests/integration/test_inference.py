@@ -143,6 +143,43 @@ def test_endpoints_are_published_with_real_addresses(inference):
     )
     with pytest.raises(NotProven, match="did not prove it holds the job's key"):
         asyncio.run(prove(inference.key + "-not"))
+    _the_router_proves_itself_as_its_supervisors_instance(inference, router)
+
+
+def _the_router_proves_itself_as_its_supervisors_instance(inference, router: dict) -> None:
+    """The real router (supervisor and child) proves itself against router.json as the
+    instance its supervisor drew, without the key being sent; a child killed and restarted
+    on the supervisor's socket keeps it, so a client that proved it goes on (proving it
+    again after the broken connection) and router.json names the same instance."""
+    import os
+    import signal
+
+    from prime_hpc.inference.client import NotProven, RouterLink
+
+    assert router["instance"] and router["supervisor_pid"] != router["pid"]
+    link = RouterLink(inference.run.router_endpoint, inference.key)
+    with httpx.Client(timeout=30, auth=link.auth()) as client:
+        assert [w["url"] for w in client.get(router["url"] + "/workers").json()["workers"]] == router["workers"]
+        assert link.instance == router["instance"]
+        os.kill(int(router["pid"]), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while (again := json.loads(inference.run.router_endpoint.read_text()))["restarts"] != 1:
+            assert time.monotonic() < deadline, "the router was not restarted"
+            time.sleep(0.2)
+        assert (again["instance"], again["supervisor_pid"], again["url"]) == (
+            router["instance"],
+            router["supervisor_pid"],
+            router["url"],
+        ) and again["pid"] != router["pid"]
+        for tries in range(3):  # a pooled connection the dead child held may break once
+            try:
+                assert client.get(router["url"] + "/workers").status_code == 200
+                break
+            except httpx.TransportError:
+                assert tries < 2 and link.instance is None  # proven again before the next
+    with pytest.raises(NotProven, match="router.json names the router at .*, which did not prove"):
+        with httpx.Client(timeout=30) as client:
+            RouterLink(inference.run.router_endpoint, inference.key + "-not").prove(client)
 
 
 @pytest.mark.vllm
@@ -678,8 +715,24 @@ def test_the_router_spreads_requests_over_the_servers(inference):
     from a dead server: tests/unit/test_router.py, and a server killed mid-run in
     tests/integration/test_slurm_rl.py.)"""
     before = [p["served"] for p in asyncio.run(inference.admin().policies())]
-    for _ in range(8):
-        _chat(inference.endpoints.router, _auth(inference), max_tokens=2)
+    for _ in range(4):
+        _chat(inference.endpoints.router, _auth(inference), max_tokens=2)  # the user's own tools: the key
+    # the orchestrator's client proves the router and signs every request for it
+    from prime_hpc.orchestrator.client import make_client
+
+    client = make_client(inference.endpoints.openai_base_url, inference.key, coalesce=False)
+
+    async def generate() -> list:
+        try:
+            return [
+                (await client.get_native_response([{"role": "user", "content": "abcd"}], "tiny", {"max_tokens": 2}))
+                for _ in range(4)
+            ]
+        finally:
+            await client._client.close()
+
+    answers = asyncio.run(generate())
+    assert all(a.choices[0].finish_reason in ("length", "stop") for a in answers)
     after = [p["served"] for p in asyncio.run(inference.admin().policies())]
     assert all(a - b >= 2 for a, b in zip(after, before)), (before, after)
 
