@@ -4,7 +4,8 @@ from an extra job (`prime-hpc scale +1` at step 5) and loses it again (`scale -1
 `inference_<job id>.0`, joined (the relay loaded the run's policy into it), served
 requests, loaded every policy the run loaded while it was in (its own log against the
 relay's), left by draining (endpoint first, out of the router, no request in flight, exit
-0) and left nothing behind; the run's job.json records the extra job and how it ended, and
+0; it asked the router, proven against router.json, signed) and left nothing behind; `scale`
+checked the key against the run's router, proven without sending it; the run's job.json records the extra job and how it ended, and
 `status`, `list` and `tail` show it. The run is submitted without an exported key, as a
 new user would: `scale` takes the key the submit kept for its owner (`private/api_key`,
 0600 in 0700), and that key is in no other file of the run, nor on any command line of
@@ -140,6 +141,7 @@ def test_an_extra_inference_job_joins_at_step_5_and_leaves_at_step_20(tmp_path, 
     log = RunDir.log_of(run.extra_job_logs(xid), slot).read_text()
     assert f"{slot} leaves the run (its job asks: USR2)" in log, log[-3000:]
     assert "out of the router, no request in flight" in log, log[-3000:]
+    assert "does not ask the router" not in log, log[-3000:]  # it proved the run's router, and asked it signed
     # its engine stopped only once it had left (vLLM's own shutdown), not on a signal from SLURM
     assert log.index(f"{slot} left after") < log.index("EngineCore: trigger received"), log[-3000:]
     served = int(re.search(r"no request in flight, (\d+) served", log).group(1))
