@@ -397,14 +397,6 @@ class Engine:
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)
         return total.full_tensor() if isinstance(total, DTensor) else total
 
-    def clip_grad_norm(self) -> float:
-        """Clip to `optim.max_norm`; returns the total norm before clipping (over all ranks)."""
-        total = self.grad_norm()
-        if total is None:
-            return 0.0
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, total, foreach=True)
-        return float(total)
-
     def state_dicts(self) -> tuple[dict, dict]:
         """Sharded model and optimizer state dicts (for DCP)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -82,6 +82,34 @@ def test_completion_len_defaults_to_half_of_seq_len_and_leaves_a_prompt_token():
     assert bench.completion_len(500, 80) == 79
 
 
+def test_the_bench_draws_completion_lengths_and_packs_them_as_the_trainer_does(tmp_path):
+    """The trainer's bench batch: completions of 1 .. bench.completion_len tokens (seeded,
+    spread), packed into rows of up to seq_len and micro-batches of the token budget, the
+    same number on every rank, every sample once, less padding than right-padded rows."""
+    from prime_hpc.rundir import batch
+    from prime_hpc.trainer import bench as trainer_bench
+    from prime_hpc.trainer.config import load_config
+    from tests.trainer_support import trainer_yaml
+
+    over = ["seq_len=96", "bench.samples_per_step=24", "bench.completion_len=64", "trainer.micro_batch_size=4"]
+    cfg = load_config(trainer_yaml(tmp_path, [*RL, *over]))
+    lengths = trainer_bench.completion_lengths(24, 64, seed=7)
+    assert lengths == trainer_bench.completion_lengths(24, 64, seed=7) and min(lengths) >= 1 and max(lengths) <= 64
+    assert len(set(lengths)) > 8  # a spread, not one length
+    samples = trainer_bench.rl_samples(cfg, 101, seed=7)
+    assert [sum(s.loss_mask) for s in samples] == lengths and all(len(s) == 32 + n for s, n in zip(samples, lengths))
+    per_rank = [trainer_bench.rl_batch(cfg, 101, r, 2, seed=7) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1])
+    for mbs in per_rank:
+        for mb in mbs:
+            rows, width = mb["input_ids"].shape
+            assert "position_ids" in mb and width <= 96 and rows * width <= 4 * 96
+    packed = [s for mbs in per_rank for s in batch.unpack(mbs)]
+    assert sorted(map(len, packed)) == sorted(map(len, samples))
+    padded = batch.shard(samples, 2, 4)
+    assert batch.padding_share(per_rank[0] + per_rank[1]) < batch.padding_share(padded[0] + padded[1])
+
+
 def test_safetensors_params_reads_the_headers(tmp_path):
     import torch
     from safetensors.torch import save_file
