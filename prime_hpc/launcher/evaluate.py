@@ -18,7 +18,12 @@ apply on top of the run's `config.yaml`, typed as `resume` applies them (a missp
 a wrong type fails in one line naming the key).
 
 The server demands a key (the job's, or one made for the local server and given to it
-only through its environment); eval's own calls carry it. Everything eval writes gets the
+only through its environment); eval's own calls carry it. A serve job's router
+(`serve=<job>`, for eval and synthesize) is never sent its key: it is proven against the
+job's `endpoints/router.json` first and asked with requests signed for it
+(`proven_router`); a listener there that does not prove itself fails in one line naming
+the file and the address. An endpoint given as `client.base_url=` is the user's: it gets
+`$ENDPOINT_API_KEY` as a bearer token. Everything eval writes gets the
 run's `cluster.umask`. A run that belongs to someone else (its config.yaml or its
 directory another user's) is scored with the user's own code only: its eval env ids that
 are paths, `model.trust_remote_code=true` and `inference.extra_args` are refused unless
@@ -303,8 +308,11 @@ def submit_and_follow(cfg: Any, overrides: list[str], what: Optional[str] = None
 def serving_endpoint(job: str) -> dict[str, str]:
     """`serve=<job>`: the `client.base_url` and `client.model` of a serve job that serves
     now, and its directory (`client.SERVE_DIR`: its key, when the job is the user's own,
-    is the one it kept, `client.endpoint_key`); one line when it does not serve, or when
-    there is no key to send it."""
+    is the one it kept, `client.endpoint_key`). The base URL is the job's router, proven
+    against its `endpoints/router.json` with that key (`proven_router`), and carries the
+    link that proved it: the client made with it signs each request, never sends the key.
+    One line when the job does not serve, when there is no key to prove it with, or when
+    the router there does not prove itself."""
     from prime_hpc.inference.client import ENDPOINT_KEY_VAR, SERVE_DIR, endpoint_key
     from prime_hpc.rundir.jobs import served
 
@@ -315,9 +323,39 @@ def serving_endpoint(job: str) -> dict[str, str]:
             f"serve job {ref.job_id} ({ref.output_dir}) does not serve now; see prime-hpc status {ref.job_id}"
         )
     words = {"client.base_url": found["url"], "client.model": found["model"], SERVE_DIR: str(ref.run.root)}
-    if not endpoint_key(words):
+    key = endpoint_key(words)
+    if not key:
         raise UserError(f"serve job {ref.job_id} answers only with its key: set ${ENDPOINT_KEY_VAR} to it here")
+    words["client.base_url"] = proven_router(ref, key)
     return words
+
+
+def proven_router(ref: jobs.JobRef, key: str) -> str:
+    """The OpenAI base URL of serve job `ref`'s router, once it proved it holds `key` as
+    the instance its `endpoints/router.json` names (`inference.client.RouterLink`: a nonce
+    sent, nothing else), as a `RouterURL` carrying that link. A listener there that does
+    not prove it (a router.json left by a router killed outright, its port someone else's;
+    or a key that is not the job's), or none at all: one line naming the file and the
+    address."""
+    import httpx
+
+    from prime_hpc.inference.client import CHALLENGE_TIMEOUT_S, NotProven, RouterLink, RouterURL
+
+    link = RouterLink(ref.run.router_endpoint, key)
+    try:
+        nonce, record, challenge = link.probe()
+        with httpx.Client(timeout=CHALLENGE_TIMEOUT_S) as client:
+            link.take(client.send(challenge), nonce, record)
+    except NotProven as e:
+        raise UserError(
+            f"serve job {ref.job_id}: {e}; if its router runs, the key is not the one the job was submitted with"
+        ) from None
+    except httpx.HTTPError as e:
+        raise UserError(
+            f"serve job {ref.job_id}: {link.path} names the router at {record['url']}, which does not answer "
+            f"({type(e).__name__}): nothing is sent to it; see prime-hpc status {ref.job_id}"
+        ) from None
+    return RouterURL(f"{link.url}/v1", link)
 
 
 ENV_ARGS_PREFIX = "args."
@@ -447,11 +485,9 @@ def run_standalone(args: list[str], here: bool = False) -> int:
 
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts:
-            base = opts["client.base_url"].rstrip("/")
-            metrics = evaluate(
-                base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, endpoint_key(opts)
-            )
-            where = base
+            url = scoring.endpoint_url(opts["client.base_url"])
+            metrics = evaluate(url, opts.get("client.model") or name, endpoint_key(opts))
+            where = opts["client.base_url"].rstrip("/")
         elif here or runs_here(cfg):
             usercache.compile_dir(cache_root(cfg), create=False)
             edir.root.mkdir(parents=True, exist_ok=True)

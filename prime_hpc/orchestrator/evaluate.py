@@ -95,6 +95,19 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
             pass
 
 
+def endpoint_url(given: str) -> str:
+    """The OpenAI base URL of an endpoint `eval`/`synthesize` were given: a serve job's
+    router (`launcher.evaluate.serving_endpoint`: a `RouterURL`, proven against its
+    router.json) as it is, keeping the link the client made with it signs with and sends
+    no key; any other (`client.base_url=`, the user's) with `/v1` added when it lacks it."""
+    from prime_hpc.inference.client import RouterURL
+
+    if isinstance(given, RouterURL):
+        return given
+    base = given.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
 def eval_steps(run: RunDir, asked: Optional[list[int]], one_step: Optional[int], base: bool) -> list[int]:
     """The steps to score, ascending: those asked (`steps=`; 0 is the base model), else the
     one a weights dir names, else every saved one; the base model first unless `base` is

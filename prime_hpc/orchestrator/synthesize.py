@@ -151,9 +151,10 @@ def run_job(cfg: Any) -> dict:
 def synthesize_here(
     cfg: Any, opts: dict, name: str, out: Path, k: int, n: Optional[int], min_reward: Optional[float], key: Any
 ) -> dict:
-    """Synthesize from this machine: through the endpoint given (`client.base_url=`, or a
-    serve job's; asked with `key`, the endpoint's own: `inference.client.endpoint_key`,
-    never the job's variable), or one server started here (with a key made for it)."""
+    """Synthesize from this machine: through the endpoint given (`client.base_url=`, asked
+    with `key`, the endpoint's own: `inference.client.endpoint_key`, never the job's
+    variable; a serve job's router, proven with `key` and sent signed requests, never
+    the key), or one server started here (with a key made for it)."""
     from prime_hpc.config.cluster import cache_root
     from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
     from prime_hpc.core import usercache
@@ -170,9 +171,8 @@ def synthesize_here(
         generator = Generator(o, rcfg.seq_len, make_client(url, api_key), lambda: model)
         return asyncio.run(synthesize(slots, generator, out, k, n, min_reward, max_errored=int(o.max_errored_groups)))
 
-    if "client.base_url" in opts:
-        base = opts["client.base_url"].rstrip("/")
-        return play(base if base.endswith("/v1") else base + "/v1", opts.get("client.model") or name, key)
+    if "client.base_url" in opts:  # a serve job's router is proven and sent no key (`evaluate.endpoint_url`)
+        return play(evaluate.endpoint_url(opts["client.base_url"]), opts.get("client.model") or name, key)
     usercache.compile_dir(cache_root(cfg), create=False)
     out.mkdir(parents=True, exist_ok=True)
     with evaluate.eval_server(cfg, RunDir(out), cache_root(cfg)) as (url, server_key):

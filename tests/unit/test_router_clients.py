@@ -251,3 +251,76 @@ def test_a_client_that_proved_the_router_gives_a_listener_on_its_freed_port_noth
                 assert r.status_code == 401, (target, path, r.status_code)
     finally:
         front.stop()
+
+
+def _serve_job(run: RunDir, base: str) -> None:
+    """Make the fixture's run a serve job of the user's own that serves now, as
+    `prime-hpc serve` leaves it: its job.json, `serve.json` naming the router's OpenAI
+    URL, and the key it kept for its owner (nothing exported)."""
+    atomic_write_json(
+        run.job_json,
+        {"name": "served", "kind": "serve", "backend": "slurm", "job_ids": ["41"], "state": "RUNNING", "mode": "run"},
+    )
+    atomic_write_json(run.serve_json, {"url": base + "/v1", "model": "m", "key_var": "INFERENCE_SERVER_API_KEY"})
+    keyfile.write(run.private_dir, KEY)
+
+
+def _given(command: str, run: RunDir, out) -> list[str]:
+    """`prime-hpc eval|synthesize serve=<the serve job> ...`: one example of reverse-text."""
+    return [command, f"serve={run.root}", "env=reverse-text", "examples=1", f"out={out}"]
+
+
+@pytest.mark.parametrize("command", ["eval", "synthesize"])
+def test_eval_and_synthesize_of_a_serve_job_prove_its_router_and_send_it_signatures_never_the_key(
+    router_fleet, tmp_path, monkeypatch, command
+):
+    """`eval serve=<job>` and `synthesize serve=<job>` find the job's router from its
+    serve.json, prove it against its router.json with the key the job kept, and send it
+    only requests signed for its instance: one challenge, then signed generations."""
+    from prime_hpc.cli import main
+
+    router, base, workers, served, run = router_fleet
+    _serve_job(run, base)
+    for var in ("INFERENCE_SERVER_API_KEY", "ENDPOINT_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "out"
+    assert main(_given(command, run, out)) == 0
+    recorder: Recorder = router.front.app
+    asked = [path for _, path, *_ in recorder.seen]
+    assert asked.count(IDENTITY_PATH) == 1 and asked.count("/v1/chat/completions") >= 1, asked
+    assert {w for w in workers.values() if w.seen}  # through the router to its servers
+    assert KEY.encode() not in recorder.heard()
+    _signed_or_probe(recorder.seen)
+
+
+@pytest.mark.parametrize("command", ["eval", "synthesize"])
+def test_eval_and_synthesize_of_a_serve_job_send_a_listener_on_its_stale_router_port_nothing(
+    router_fleet, tmp_path, monkeypatch, capsys, command
+):
+    """The serve job's router was killed outright: its serve.json and router.json stay, and
+    someone else's listener (answering as the router would, with a made-up proof) holds
+    the port. `eval serve=` and `synthesize serve=` send it an identity challenge and
+    nothing else (no key, no signature, no body), and fail in one line naming router.json
+    and the address, before anything is written."""
+    from prime_hpc.cli import main
+
+    router, base, workers, served, run = router_fleet
+    _serve_job(run, base)
+    for var in ("INFERENCE_SERVER_API_KEY", "ENDPOINT_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    router.front.stop()
+    stranger = Recorder(Stranger(instance=router.identity["instance"]))
+    held = Served(stranger, port=router.front.port)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    try:
+        rc = main(_given(command, run, out))
+    finally:
+        held.stop()
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"{run.router_endpoint} names the router at {base}, which did not prove it holds the job's key" in err, err
+    assert stranger.seen and KEY.encode() not in stranger.heard()
+    assert {(method, path) for method, path, *_ in stranger.seen} == {("GET", IDENTITY_PATH)}, stranger.seen
+    _signed_or_probe(stranger.seen)
+    assert not out.exists()
