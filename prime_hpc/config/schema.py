@@ -430,8 +430,9 @@ class BenchConfig:
     group_size: Optional[int] = ruled(None, ge=1)
     """completions per prompt; null = orchestrator.group_size"""
     completion_len: Optional[int] = ruled(None, ge=1)
-    """tokens of every completion (EOS ignored); null = orchestrator.sampling.max_tokens, or
-    half of seq_len when that is null too"""
+    """inference: tokens of every completion (EOS ignored); trainer: the longest, each sample's
+    drawn uniformly from 1 to this; null = orchestrator.sampling.max_tokens, or half of seq_len
+    when that is null too"""
 
 
 @dataclass
