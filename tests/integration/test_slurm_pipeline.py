@@ -6,13 +6,11 @@ off-policy by at most the recipe's async_level steps. Every address the run publ
 and every socket of its servers, is on loopback. Then the RL-trained model teaches a fresh
 one: `prime-hpc synthesize` keeps its exact reversals, a fresh tiny model is trained on them
 (SFT), and `prime-hpc eval` scores it above the untrained model. Last, the warm-up's weights
-start a sweep of two LoRA runs in one job (`--together`), and the sweep finds a learning
-rate at which the reward rises."""
+start a sweep of two LoRA runs in one job (`--together`), and each run's reward rises."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import time
 
@@ -22,6 +20,8 @@ import yaml
 from prime_hpc.rundir import RunDir, jobs
 from tests.conftest import cli
 from tests.netcheck import run_sockets
+from tests.rewards import rows as _rows
+from tests.rewards import trend as _trend
 from tests.wandb_records import history_keys
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
@@ -33,28 +33,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 RL_STEPS = 180
 # two LoRA runs together from the warm-up's weights: with LoRA (alpha/rank 2) 2e-3 and 3e-3
 # each rose (+0.06 and +0.08 in 100 steps), 5e-3 and 1e-2 fell back within 20 steps. Over
-# 120 steps (cosine) a job's better run once rose only +0.029 (t 2.1): a LoRA run climbs
-# mostly once its lr has decayed (docs/trainer.md), which 160 steps give it longer
+# 120 steps (cosine) a run once rose only +0.012, another +0.022 (t 1.6): a LoRA run climbs
+# mostly once its lr has decayed (docs/trainer.md), which 160 steps give it longer: there each
+# of eight runs at these rates rose +0.059 to +0.13 (t 5.7 to 9.7 where recorded)
 LORA_LRS = (2e-3, 3e-3)
 LORA_STEPS = 160
-
-
-def _rows(run: RunDir, component: str) -> list[dict]:
-    path = run.metrics(component)
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _trend(ys: list[float]) -> tuple[float, float]:
-    """The rise of the least-squares line over the run and its t-statistic (slope / its
-    standard error): a noisy curve that really climbs has t above 2.5
-    (one-sided p < 0.01 over 180 steps; a flat curve rarely passes 2)."""
-    n = len(ys)
-    xm, ym = (n - 1) / 2, statistics.mean(ys)
-    sxx = sum((x - xm) ** 2 for x in range(n))
-    slope = sum((x - xm) * (y - ym) for x, y in enumerate(ys)) / sxx
-    resid = sum((y - ym - slope * (x - xm)) ** 2 for x, y in enumerate(ys))
-    stderr = (resid / (n - 2) / sxx) ** 0.5
-    return slope * (n - 1), slope / stderr if stderr else float("inf")
 
 
 def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
@@ -210,10 +193,9 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
 
     # a sweep of two LoRA runs from the warm-up's weights in one job (`--together`: one
     # trainer holding both adapters, one server serving both), each with its own optimizer
-    # and adapter: the sweep finds a learning rate at which the reward rises. (LoRA's window
-    # is narrow here: at 2e-3 the rise over 120 steps scattered from +0.01 to +0.07 between
-    # jobs, at 3e-3 from +0.02 to +0.09, at 3.5e-3 and up a run could fall back:
-    # docs/trainer.md. Each run's rise is printed.)
+    # and adapter: each run's reward rises. (LoRA's window is narrow here: over 120 steps the
+    # rise at 2e-3 scattered from +0.01 to +0.07 between jobs, at 3e-3 from +0.02 to +0.09,
+    # at 3.5e-3 and up a run could fall back: docs/trainer.md. Each run's rise is printed.)
     together = RunDir(tmp_path / "together")
     t = cli(
         "submit",
@@ -244,5 +226,8 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
         rises.append((rise, t_stat, lr))
         adapters.add((run.weights_adapter(LORA_STEPS) / "adapter_model.safetensors").read_bytes())
     assert len(adapters) == 2
-    rise, t_stat, _ = max(rises)
-    assert rise >= 0.03 and t_stat >= 2.5, rises
+    # each run's rise is clear of the noise: a one-sided test of its least-squares slope at
+    # p < 0.01 (t >= 2.5; a step's residuals are nearly independent, lag-1 correlation
+    # -0.1 to 0.15 measured), and the better run's rise is worth having
+    assert all(t_stat >= 2.5 for _, t_stat, _ in rises), rises
+    assert max(rises)[0] >= 0.03, rises
