@@ -353,9 +353,10 @@ def error_detail(r: Any) -> str:
     """What a server's error answer says (its JSON `error`, or vLLM's `error.message`, or
     the body), cut to 300 characters for a one-line message."""
     try:
-        detail = r.json().get("error", r.text)
+        body = r.json()
     except ValueError:
-        detail = r.text
+        body = None
+    detail = body.get("error", r.text) if isinstance(body, dict) else r.text
     if isinstance(detail, dict):
         detail = detail.get("message", detail)
     return str(detail)[:300]

@@ -782,3 +782,23 @@ def test_a_server_on_its_way_out_takes_no_update_and_the_run_drops_it_instead_of
         await admin.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ('{"error": {"message": "model not found"}}', "model not found"),
+        ('{"error": "bad request"}', "bad request"),
+        ('["not", "an", "object"]', '["not", "an", "object"]'),
+        ('"a string"', '"a string"'),
+        ("<html>502 Bad Gateway</html>", "<html>502 Bad Gateway</html>"),
+    ],
+)
+def test_an_error_answer_of_any_shape_is_one_line_of_what_it_said(body, expected):
+    """A server's error answer whose JSON is not an object (a list, a string) is quoted as
+    its body, not an AttributeError: every caller turns it into one line naming the server."""
+    import httpx
+
+    from prime_hpc.inference.client import error_detail
+
+    assert error_detail(httpx.Response(500, text=body)) == expected
