@@ -1,7 +1,8 @@
 """`prime-hpc serve` on the dev cluster: the tiny model on two servers behind the router as
 a job of its own, with the user's key. Its URL is in `serve.json` and in `status`; `eval
-serve=<job>` scores through it (with an argument of the env's own, and the key the job
-kept for its owner: nothing exported); a run's teacher named by
+serve=<job>` scores through it (with an argument of the env's own; its router proven
+against the job's router.json with the key the job kept for its owner, nothing exported,
+and sent signed requests, never the key); a run's teacher named by
 it (`orchestrator.teacher.serve`) is refused without its key and answers the teacher's
 prompt logprobs with it; a server killed is restarted in its slot and rejoins the router; `cancel` ends the job, leaves no process and removes `serve.json`. Without a key
 it is refused in one line, before anything is submitted."""
