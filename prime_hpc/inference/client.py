@@ -15,8 +15,10 @@ gives (`Endpoints.router`, `.openai_base_url`) carry that link (`RouterURL`), so
 client made from them (generation, the relay's `add_worker`, a teacher client) signs.
 
 An endpoint a user names (`eval`/`synthesize` `client.base_url=`) is asked with a key of
-its own, `$ENDPOINT_API_KEY` (`endpoint_key`), never the job's variable; `serve=<job>` of
-the user's own serve job, with the key that job was submitted with (its key file).
+its own, `$ENDPOINT_API_KEY` (`endpoint_key`), never the job's variable. `serve=<job>` is
+asked through that job's router, proven against its router.json like the run's own and sent
+signed requests: the key that job kept (its key file, or `$ENDPOINT_API_KEY` for a job of
+someone else's) proves it and signs, and is never sent.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ def api_key(var: str = API_KEY_VAR) -> Optional[str]:
 
 
 def endpoint_key(opts: dict) -> Optional[str]:
-    """The key `eval`/`synthesize` send to the endpoint they were given: for `serve=<job>`
-    of the user's own serve job, the key it was submitted with (its key file, checked as
-    `prime_hpc.core.keyfile` says); for any other endpoint, `$ENDPOINT_API_KEY`. Never the
-    job's own variable: a base URL someone gave is not the job's."""
+    """The key of the endpoint `eval`/`synthesize` were given: for `serve=<job>` of the
+    user's own serve job, the key it was submitted with (its key file, checked as
+    `prime_hpc.core.keyfile` says), which proves that job's router and signs what it is sent;
+    for any other endpoint, `$ENDPOINT_API_KEY` (sent as a bearer to a `client.base_url=`).
+    Never the job's own variable: a base URL someone gave is not the job's."""
     served = opts.get(SERVE_DIR)
     if served and _owned(served):
         from prime_hpc.core import keyfile
