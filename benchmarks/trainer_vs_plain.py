@@ -52,6 +52,7 @@ from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 PLAIN = "plain"
 TRAINER = "trainer"
@@ -423,16 +424,11 @@ def header(a: argparse.Namespace, parts: list[dict], matmul: dict) -> list[str]:
 
 
 def machine() -> str:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """The other benchmarks' line of the machine, and its load now."""
+    from vs_trl import machine as cores_and_cpu  # the benchmarks' folder: standard library only at import
+
     load = f", load average (1 min) {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return f"nproc {len(os.sched_getaffinity(0))}, {cpu}{load}"
+    return cores_and_cpu() + load
 
 
 def versions() -> str:

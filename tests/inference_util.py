@@ -20,6 +20,16 @@ REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-7c1d"  # tests only
 
 
+async def request_body(receive) -> bytes:
+    """The whole body of an ASGI HTTP request, from its `receive` messages."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = {
         **os.environ,

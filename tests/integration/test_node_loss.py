@@ -16,9 +16,11 @@ node of the het job fails, so servers that may be lost alone live outside it.
    the job again on nodes that are up; it continues from the last complete checkpoint, the
    remaining server joining it again; the new attempt submits a job for the lost server
    again, which starts once the drained node is back.
-3. The head node (het group 0: the job script, the orchestrator, the router) is taken away:
-   SLURM requeues the head's component only (22.05: the trainer's keeps running its step); the
-   next attempt's start stops what the previous one still runs before anything else, and
+3. The head node (het group 0: the job script, the orchestrator, the router) dies (every
+   process of the job there killed, SLURM's step daemon of the job script too, then the node
+   set DOWN): SLURM requeues the head's component only (22.05: the trainer's keeps running its
+   step); the next attempt's start records the attempt the dead script could not end
+   (NODE_FAIL, a requeue), stops what the previous one still runs before anything else, and
    continues from the last complete checkpoint to `max_steps`.
 Each step is trained once, no rollout errored (a lost server's requests went to the other),
 and the ended attempts leave no process behind. Every node is put back (`state=resume`)
@@ -39,7 +41,17 @@ from prime_hpc.launcher import launch
 from prime_hpc.rundir import jobs
 from prime_hpc.rundir.layout import server_slot
 from prime_hpc.sched.slurm import Slurm, component_ids, job_steps
-from tests.runs import rank0_pid, release_held, run_processes, slurm_node, still_alive, wait_for_step, wait_until
+from tests import procs
+from tests.runs import (
+    rank0_pid,
+    release_held,
+    run_processes,
+    slurm_node,
+    still_alive,
+    supervisor_pid,
+    wait_for_step,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -67,8 +79,24 @@ def _take_away(node: str) -> None:
     _set_state(node, "down", "drain")  # down: its steps end; drained: it stays out of the next allocation
 
 
-def _put_back(node: str) -> None:
+def _resume(node: str) -> None:
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, timeout=60)
+
+
+def _put_back(node: str, timeout_s: float = 120) -> None:
+    """Back in service, and seen so by SLURM: a node just set DOWN may still be ending the
+    job it ran when it is resumed, and a resume SLURM refuses then would leave it out of
+    every later allocation (the run's next attempt would wait for nodes for ever)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _resume(node)
+        state = subprocess.run(
+            ["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True, timeout=60
+        ).stdout
+        if state.strip() and not any(s in state for s in ("down", "drain", "fail")):
+            return
+        assert time.monotonic() < deadline, f"{node} not back in service: {state.strip()}\n{_queue()}"
+        time.sleep(1)
 
 
 def _kill_on(node: str, processes: dict[int, int]) -> list[int]:
@@ -84,6 +112,20 @@ def _kill_on(node: str, processes: dict[int, int]) -> list[int]:
     return killed
 
 
+def _die(node: str, script: int, processes: dict[int, int]) -> None:
+    """The head node dies: SLURM's step daemon of the job script (so that nothing reports the
+    script's end, as nothing does from a dead node), the job script and every process of the
+    run on it, SIGKILL. Setting the node DOWN alone is no node death on one host: its slurmd
+    still answers and ends the job script, which then exits in its own time; that exit, reaching
+    SLURM after it requeued the head's component, ends the other components too (22.05), and
+    the requeued job would wait for them for ever."""
+    stepd = procs.table()[script][0]
+    assert (procs.cmdline(stepd) or "").startswith("slurmstepd:"), procs.cmdline(stepd)
+    for pid in (stepd, script):
+        os.kill(pid, signal.SIGKILL)
+    _kill_on(node, processes)
+
+
 def _orch_rows(run) -> list[dict]:
     path = run.metrics("orchestrator")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -94,10 +136,18 @@ def _attempts(run, n: int, job_id: str, timeout_s: float = 600) -> dict:
     let go sooner)."""
     deadline = time.monotonic() + timeout_s
     while len((job := jobs.read_job(run)).get("attempts", [])) < n or job.get("state") != "RUNNING":
-        assert time.monotonic() < deadline and job.get("state") in ("RUNNING", "REQUEUED"), job
+        assert time.monotonic() < deadline and job.get("state") in ("RUNNING", "REQUEUED"), (job, _queue())
         release_held(job_id)
         time.sleep(1)
     return job
+
+
+def _queue() -> str:
+    """What SLURM says of the queue and the nodes (why a job still waits)."""
+    return "\n".join(
+        subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+        for cmd in (["squeue", "-a", "-o", "%i %T %r %S %N"], ["sinfo", "-N", "-h", "-o", "%N %T %E"])
+    )
 
 
 def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_path):
@@ -187,7 +237,8 @@ def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_p
         head = slurm_node(int(json.loads(run.heartbeat("orchestrator", 0).read_text())["pid"]))
         assert head not in _job_nodes(xids[1]) | _job_nodes(str(extra[2]["job_id"]))
         t0 = time.time()
-        _take_away(head)
+        _die(head, supervisor_pid(sub.ref), listed)
+        _take_away(head)  # what SLURM concludes itself once the node's slurmd stops answering
         down.append(head)
         deadline = time.monotonic() + 300
         while (
@@ -202,12 +253,12 @@ def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_p
         _put_back(head)  # the only free node besides the trainer's
         down.remove(head)
         job = _attempts(run, 3, job_id)
-        # its job script was killed with the node, mostly before it could record the requeue: the next
-        # attempt's start records it; either way counted against cluster.max_requeues
+        # its job script died with the node before it could record the requeue: the next attempt's
+        # start records it, counted against cluster.max_requeues
         second = job["attempts"][1]
-        assert (second["end"], second["reason"]) in (
-            ("NODE_FAIL", "the attempt ended without its job script (its node failed?)"),
-            ("REQUEUED", None),
+        assert (second["end"], second["reason"]) == (
+            "NODE_FAIL",
+            "the attempt ended without its job script (its node failed?)",
         ), job
         # SLURM requeued the head's component only: where the trainer's step outlived the head's srun (a
         # node that dies, not one set DOWN whose srun still aborts its steps), the third attempt's start
@@ -232,7 +283,7 @@ def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_p
         assert kept["state"] == "COMPLETED", kept
     finally:
         for n in down:
-            _put_back(n)
+            _resume(n)
         for j in [x["job_id"] for x in jobs.extra_jobs(jobs.read_job(run))] + [job_id]:
             subprocess.run(["scancel", str(j)], capture_output=True, timeout=60)
     rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]

@@ -25,6 +25,7 @@ from prime_hpc.inference import router as router_mod
 from prime_hpc.inference.gate import SIGNATURE_SCHEME, GateMiddleware, MissingKey, PolicyGate
 from prime_hpc.inference.router import Router
 from prime_hpc.rundir import RunDir, atomic_write_json
+from tests.inference_util import request_body
 
 KEY = "router-unit-key-0123456789abcdef0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -79,12 +80,7 @@ class Recorder:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = await request_body(receive)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self.seen.append((scope["method"], scope["path"], scope["query_string"].decode(), headers, body))
         given = [{"type": "http.request", "body": body, "more_body": False}]

@@ -24,6 +24,7 @@ from prime_hpc.config.compose import compose
 from prime_hpc.inference.gate import SIGNATURE_SCHEME
 from prime_hpc.rundir import RunDir, atomic_write_json, mark_stable
 from prime_hpc.rundir.checkpoints import full_weights_due
+from tests.inference_util import request_body
 from tests.unit.test_router import KEY, Served
 
 
@@ -521,12 +522,7 @@ class Routes:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        raw = b"".join(chunks)
+        raw = await request_body(receive)
         auth = dict(scope["headers"]).get(b"authorization", b"").decode()
         status, answer = await asyncio.to_thread(
             self.handle, scope["method"], scope["path"], json.loads(raw) if raw else {}, auth
@@ -869,13 +865,9 @@ class Stranger:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
+        body = await request_body(receive)
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        self.heard.append((scope["method"], scope["path"], scope["query_string"].decode(), headers, b"".join(chunks)))
+        self.heard.append((scope["method"], scope["path"], scope["query_string"].decode(), headers, body))
         data = json.dumps({"workers": 1, "dtype": "float32", "policy_step": 0, "status": "ok"}).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": data})
