@@ -118,7 +118,7 @@ def _die(node: str, script: int, processes: dict[int, int]) -> None:
     run on it, SIGKILL. Setting the node DOWN alone is no node death on one host: its slurmd
     still answers and ends the job script, which then exits in its own time; that exit, reaching
     SLURM after it requeued the head's component, ends the other components too (22.05), and
-    the requeued job would wait for them for ever."""
+    the requeued job waited beside idle nodes."""
     stepd = procs.table()[script][0]
     assert (procs.cmdline(stepd) or "").startswith("slurmstepd:"), procs.cmdline(stepd)
     for pid in (stepd, script):
