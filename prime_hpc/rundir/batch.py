@@ -17,6 +17,12 @@ Per rank, a file holds a list of micro-batches of right-padded tensors (shape [B
     policy_steps        int64    [B] the oldest policy step that generated each sample
     policy_spans        int64    [B] how many policies it spans (> 1: an update came while
                                  it was generated; absent in batches of older runs: 1)
+    envs                list     [B] the name of each sample's environment ("" for none;
+                                 absent in batches of older runs)
+
+Beside them the file holds `envs`, the sorted names of the environments of the step's
+samples on every rank (the same list in each rank's file, so that every rank reports the
+same per-environment metrics; absent, or empty, in batches of older runs).
 
 Position t of every per-token tensor refers to token `input_ids[t]`: the trainer compares
 the log-probability its logits at t-1 assign to token t with `inference_logprobs[t]`.
@@ -30,7 +36,7 @@ from attending to each other), a row's unused tail padding of its own, and the r
 micro-batches of at most a token budget (rows x longest row). A packed micro-batch holds
 `input_ids`, `position_ids`, `loss_mask` (never on a sample's first token), `advantages`,
 `inference_logprobs` ([R, T] as above), `sample_index` ([R, T]: each token's sample, 0 ..
-S - 1 in the micro-batch, S on the padding), `policy_steps` and `policy_spans` ([S]), and
+S - 1 in the micro-batch, S on the padding), `policy_steps`, `policy_spans` and `envs` ([S]), and
 `num_tokens` / `num_samples` (its real tokens and samples). Samples without a loss token
 are left out (nothing of them reaches the loss).
 """
@@ -80,6 +86,7 @@ class RolloutBatch:
     rank: int
     micro_batches: list[dict[str, Any]]
     info: dict[str, Any] = field(default_factory=dict)
+    envs: list[str] = field(default_factory=list)  # the step's environments, on every rank
 
     @property
     def num_loss_tokens(self) -> int:
@@ -89,7 +96,7 @@ class RolloutBatch:
 def _empty_micro_batch() -> dict[str, Any]:
     import torch
 
-    mb = {
+    mb: dict[str, Any] = {
         "input_ids": torch.zeros(1, 1, dtype=torch.long),
         "attention_mask": torch.ones(1, 1, dtype=torch.bool),
         "loss_mask": torch.zeros(1, 1, dtype=torch.bool),
@@ -97,6 +104,7 @@ def _empty_micro_batch() -> dict[str, Any]:
         "inference_logprobs": torch.zeros(1, 1),
         "policy_steps": torch.zeros(1, dtype=torch.long),
         "policy_spans": torch.ones(1, dtype=torch.long),
+        "envs": [""],
     }
     return mb
 
@@ -108,7 +116,7 @@ def collate(samples: list[Sample]) -> dict[str, Any]:
     if not samples:
         raise ValueError("collate needs at least one sample")
     b, t = len(samples), max(len(s) for s in samples)
-    mb = {
+    mb: dict[str, Any] = {
         "input_ids": torch.zeros(b, t, dtype=torch.long),
         "attention_mask": torch.zeros(b, t, dtype=torch.bool),
         "loss_mask": torch.zeros(b, t, dtype=torch.bool),
@@ -116,6 +124,7 @@ def collate(samples: list[Sample]) -> dict[str, Any]:
         "inference_logprobs": torch.zeros(b, t),
         "policy_steps": torch.tensor([s.policy_step for s in samples], dtype=torch.long),
         "policy_spans": torch.tensor([s.policies for s in samples], dtype=torch.long),
+        "envs": [s.env for s in samples],
     }
     for i, s in enumerate(samples):
         n = len(s)
@@ -155,7 +164,8 @@ def shard(samples: list[Sample], ranks: int, micro_batch_size: int) -> list[list
 
 def unpack(micro_batches: list[dict[str, Any]]) -> list[Sample]:
     """The samples of right-padded (`collate`) or packed (`pack`) micro-batches, in order,
-    each with its per-token advantages; samples without a loss token are left out."""
+    each with its per-token advantages and its environment ("" in batches of older runs);
+    samples without a loss token are left out."""
     out = []
     for mb in micro_batches:
         for r, lo, hi, k in _segments(mb):
@@ -171,6 +181,7 @@ def unpack(micro_batches: list[dict[str, Any]]) -> list[Sample]:
                     token_advantages=mb["advantages"][r, lo:hi].tolist(),
                     policy_step=int(mb["policy_steps"][k]),
                     policies=int(mb["policy_spans"][k]) if "policy_spans" in mb else 1,
+                    env=str(mb["envs"][k]) if "envs" in mb else "",
                 )
             )
     return out
@@ -234,7 +245,7 @@ def collate_packed(rows: list[list[Sample]]) -> dict[str, Any]:
 
     samples = [s for row in rows for s in row]
     b, t, n = len(rows), max(1, max(sum(len(s) for s in row) for row in rows)), len(samples)
-    mb = {
+    mb: dict[str, Any] = {
         "input_ids": torch.zeros(b, t, dtype=torch.long),
         "position_ids": torch.zeros(b, t, dtype=torch.long),
         "loss_mask": torch.zeros(b, t, dtype=torch.bool),
@@ -243,6 +254,7 @@ def collate_packed(rows: list[list[Sample]]) -> dict[str, Any]:
         "sample_index": torch.full((b, t), n, dtype=torch.long),
         "policy_steps": torch.tensor([s.policy_step for s in samples], dtype=torch.long),
         "policy_spans": torch.tensor([s.policies for s in samples], dtype=torch.long),
+        "envs": [s.env for s in samples],
         "num_tokens": torch.tensor(sum(len(s) for s in samples)),
         "num_samples": torch.tensor(n),
     }
@@ -284,12 +296,19 @@ def write_step(run: RunDir, step: int, per_rank: list[list[dict[str, Any]]], inf
 
     d = run.rollout_step(step)
     d.mkdir(parents=True, exist_ok=True)
+    envs = step_envs(per_rank)
     for rank, mbs in enumerate(per_rank):
         buf = io.BytesIO()
-        torch.save({"format": FORMAT, "step": step, "rank": rank, "micro_batches": mbs, "info": info or {}}, buf)
+        data = {"format": FORMAT, "step": step, "rank": rank, "micro_batches": mbs, "info": info or {}, "envs": envs}
+        torch.save(data, buf)
         atomic_write_bytes(run.rollout_file(step, rank), buf.getvalue())
     mark_stable(d, {"step": step, "ranks": len(per_rank), **(info or {})})
     return d
+
+
+def step_envs(per_rank: list[list[dict[str, Any]]]) -> list[str]:
+    """The sorted names of the environments of a step's samples on every rank ("" left out)."""
+    return sorted({str(e) for mbs in per_rank for mb in mbs for e in mb.get("envs", ()) if e})
 
 
 def read_rank(run: RunDir, step: int, rank: int, timeout_s: float, **wait_kwargs: Any) -> RolloutBatch:
@@ -307,8 +326,15 @@ def read_rank(run: RunDir, step: int, rank: int, timeout_s: float, **wait_kwargs
     data = torch.load(path, map_location="cpu", weights_only=True)
     if data.get("format") != FORMAT:
         raise RuntimeError(f"{path}: rollout format {data.get('format')!r}, expected {FORMAT}")
+    envs = data.get("envs") or []
+    if not isinstance(envs, list) or not all(isinstance(e, str) for e in envs):
+        raise RuntimeError(f"{path}: 'envs' must be a list of environment names, got {envs!r}")
     return RolloutBatch(
-        step=int(data["step"]), rank=int(data["rank"]), micro_batches=data["micro_batches"], info=data["info"]
+        step=int(data["step"]),
+        rank=int(data["rank"]),
+        micro_batches=data["micro_batches"],
+        info=data["info"],
+        envs=envs,
     )
 
 

@@ -24,11 +24,20 @@ micro-batch's loss is its token-loss sum divided by that count. FSDP averages gr
 over ranks, so the loss is scaled by the world size to make the gradient exactly
 `sum over all tokens / all tokens`.
 
+The loss function reads the micro-batch with `entropy` beside its inputs: [B, T], the
+entropy of the trained positions (0 elsewhere), without gradient. The figures it returns
+are summed over micro-batches and ranks, except those whose name ends in `/max`
+(`MAX_SUFFIX`), of which the largest is kept (figures >= 0: a rank without tokens gives 0).
+
+The step also counts the trained parameters' elements whose gradient is exactly 0 (a
+parameter without a gradient counts whole): `StepResult.zero_grad_ratio`, the share of
+them over all ranks (their local shards when sharded).
+
 Synchronisation: the step's inputs go to the device before its first forward; the
-metrics stay tensors on the device until the step's end, where one all-reduce and one
-copy to the host give them all with the gradient norm (whose finiteness decides whether
-the optimizer steps), so the host waits for the device once per step for them (and once
-more at the end for the step's time).
+metrics stay tensors on the device until the step's end, where one all-reduce of the sums
+(and one of the maxima, when there are some) and one copy to the host give them all with
+the gradient norm (whose finiteness decides whether the optimizer steps), so the host
+waits for the device once per step for them (and once more at the end for the step's time).
 """
 
 from __future__ import annotations
@@ -63,6 +72,8 @@ LossFn = Callable[[torch.Tensor, dict, float], LossOutput]  # (logprobs, micro_b
 # states of the trained positions (`loss.head_logprobs`); any other model's from its logits
 HEAD_AS_LOGITS = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "llama", "mistral"})
 HOST_STATS = ("num_tokens", "num_samples", "computed_tokens")  # counted from the batch on the host
+MAX_SUFFIX = "/max"  # a figure of a micro-batch whose largest value the step keeps (not the sum)
+ZERO_GRADS = ("zero_grad_elements", "grad_elements")  # the step's figures of `zero_grad_ratio`
 
 
 def output_layer(model: Any) -> Optional[torch.nn.Linear]:
@@ -157,6 +168,7 @@ class StepResult:
     time_forward_backward_s: float
     logprob_chunks: int = 1  # the most chunks the output layer took for a micro-batch (1: one pass)
     compile_s: float = 0.0  # of the step's time, compiling (`trainer.model.compile`: its first steps)
+    zero_grad_ratio: float = 0.0  # the share of trained elements whose gradient was exactly 0
 
 
 class OutOfMemory(Exception):
@@ -296,6 +308,7 @@ class Engine:
                 cast("FSDPModule", self.model).set_requires_gradient_sync(sync)
             with self._oom_said(mb):
                 lp, ent = self.forward(mb, temperature)
+                mb["entropy"] = ent
                 out = loss_fn(lp, mb, normalizer)
                 if train:
                     (out.loss * self.env.world_size).backward()
@@ -303,7 +316,10 @@ class Engine:
             stats["entropy"] = (ent * mb["loss_mask"]).sum()
             for k, v in stats.items():
                 v = torch.as_tensor(v).detach().to(self.env.device, torch.float64)
-                sums[k] = sums[k] + v if k in sums else v
+                if k not in sums:
+                    sums[k] = v
+                else:
+                    sums[k] = torch.maximum(sums[k], v) if k.endswith(MAX_SUFFIX) else sums[k] + v
         return sums
 
     @contextlib.contextmanager
@@ -327,15 +343,22 @@ class Engine:
     def _reduce(
         self, sums: dict[str, torch.Tensor], extra: Optional[torch.Tensor] = None
     ) -> tuple[dict[str, float], Optional[float]]:
-        """Sum the stats over ranks in one all-reduce and bring them to the host in one
-        copy, with `extra` (the gradient norm, already global) alongside: the step's one
-        wait for the device."""
-        keys = sorted(sums)
-        vec = torch.stack([sums[k] for k in keys])
+        """Sum the stats over ranks in one all-reduce (the largest of the `MAX_SUFFIX` ones
+        in another) and bring them to the host in one copy, with `extra` (the gradient norm,
+        already global) alongside: the step's one wait for the device."""
+        added = sorted(k for k in sums if not k.endswith(MAX_SUFFIX))
+        largest = sorted(k for k in sums if k.endswith(MAX_SUFFIX))
+        keys = added + largest
+        vec = torch.stack([sums[k] for k in added])
+        top = torch.stack([sums[k] for k in largest]) if largest else None
         if self.env.world_size > 1:
             import torch.distributed as dist
 
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+            if top is not None:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        if top is not None:
+            vec = torch.cat([vec, top])
         if extra is not None:
             vec = torch.cat([vec, extra.detach().to(vec.dtype).reshape(1)])
         values = vec.tolist()
@@ -352,6 +375,7 @@ class Engine:
         self.logprob_chunks = 1
         self.optimizer.zero_grad(set_to_none=True)
         local = self._accumulate(micro_batches, loss_fn, temperature, train=True)
+        local.update(zip(ZERO_GRADS, self.zero_grads().unbind()))
         total = self.grad_norm()
         if total is not None:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, total, foreach=True)
@@ -369,6 +393,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         devices.synchronize(self.env.device_kind)
         elapsed = time.perf_counter() - t0
+        zero, elements = (sums.pop(k) for k in ZERO_GRADS)
         return StepResult(
             sums=sums,
             grad_norm=grad_norm,
@@ -376,6 +401,7 @@ class Engine:
             time_forward_backward_s=elapsed,
             logprob_chunks=self.logprob_chunks,
             compile_s=compile_seconds() - compiling,
+            zero_grad_ratio=zero / elements if elements else 0.0,
         )
 
     @torch.no_grad()
@@ -396,6 +422,27 @@ class Engine:
             return None
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)
         return total.full_tensor() if isinstance(total, DTensor) else total
+
+    def zero_grads(self) -> torch.Tensor:
+        """[2] float64 on the device: this rank's elements of the trained parameters whose
+        gradient is exactly 0 (all of a parameter without a gradient), and all of them
+        (their local shards when sharded). Read with the step's other figures."""
+        from torch.distributed.tensor import DTensor
+
+        d = self.env.device
+        counts: list[torch.Tensor] = []
+        elements = 0
+        for p in self.params:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            elements += local.numel()
+            g = p.grad
+            if g is None:
+                counts.append(torch.full((), local.numel(), dtype=torch.float64, device=d))
+            else:
+                g = g.to_local() if isinstance(g, DTensor) else g
+                counts.append((g == 0).sum().to(torch.float64))
+        zero = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.float64, device=d)
+        return torch.stack([zero, torch.full((), elements, dtype=torch.float64, device=d)])
 
     def state_dicts(self) -> tuple[dict, dict]:
         """Sharded model and optimizer state dicts (for DCP)."""

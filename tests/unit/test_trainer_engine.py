@@ -47,6 +47,9 @@ def _engine(model, chunked: object = "auto", max_norm: float = 1.0):
     return Engine(policy, env, NS(**vars(OPTIM), max_norm=max_norm))  # type: ignore[arg-type]
 
 
+ENVS = ("count", "math/easy", "")  # the samples' environments in turn ("": none, as older batches)
+
+
 def _samples(lengths, seed=0, prompt=3) -> list[batch.Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -62,6 +65,7 @@ def _samples(lengths, seed=0, prompt=3) -> list[batch.Sample]:
                 policy_step=i % 3,
                 policies=1 + (i % 4 == 1),
                 token_advantages=token_adv,
+                env=ENVS[i % len(ENVS)],
             )
         )
     return out
@@ -218,35 +222,51 @@ def test_a_packed_row_gives_each_sample_the_logprobs_and_gradient_it_has_alone()
 @pytest.mark.parametrize("kind", ["dppo", "gspo"])
 def test_a_step_s_figures_are_those_of_right_padded_rows_and_whole_logits(kind):
     """The step on packed rows (the trained positions alone through the output layer, the
-    metrics kept on the device) gives the sums, gradient norm and updated weights of the
-    same samples as right-padded micro-batches with the whole logits, every figure read per
-    micro-batch (what the trainer did before)."""
-    from prime_hpc.trainer.rl import make_loss_fn
+    metrics kept on the device) gives the sums, largest values, gradient norm, zero-gradient
+    share and updated weights of the same samples as right-padded micro-batches with the
+    whole logits, every figure read per micro-batch (what the trainer did before); the
+    step's mismatch KL and entropy, over all its loss tokens and each environment's, are
+    those of the tokens' own values."""
+    from prime_hpc.trainer.rl import add_env_index, make_loss_fn, scoped_metrics
 
     samples = _samples([7, 12, 5, 9, 4, 11, 14, 6], seed=3)
-    loss_fn = make_loss_fn(NS(type=kind, seq_clip_low=0.05, seq_clip_high=0.05, **LOSS), step=4, mode="rl")
+    padded = batch.shard(samples, 1, 3)[0]
+    envs = batch.step_envs([padded])
+    assert envs == ["count", "math/easy"]
+    cfg = NS(type=kind, seq_clip_low=0.05, seq_clip_high=0.05, **LOSS)
+    loss_fn = make_loss_fn(cfg, step=4, mode="rl", envs=envs)
     model = _tiny()
     ref = copy.deepcopy(model)
-    padded = batch.shard(samples, 1, 3)[0]
+    add_env_index(padded, envs)
     normalizer = float(sum(mb["loss_mask"].sum() for mb in padded))
     want: dict[str, float] = {}
+    values: dict[str, list[tuple[float, float]]] = {"all": []}  # (KL, entropy) of each loss token
     for mb in padded:
         lp, ent = loss.token_logprobs(
             ref(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long()).logits, mb["input_ids"]
         )
-        out = loss_fn(lp, mb, normalizer)
+        out = loss_fn(lp, {**mb, "entropy": ent}, normalizer)
         out.loss.backward()
         stats = {**out.sums, "entropy": (ent * mb["loss_mask"]).sum(), "num_tokens": mb["attention_mask"].sum()}
         stats["num_samples"] = mb["loss_mask"].any(-1).sum()
         for k, v in stats.items():
-            want[k] = want.get(k, 0.0) + float(v)
+            want[k] = max(want.get(k, 0.0), float(v)) if k.endswith("/max") else want.get(k, 0.0) + float(v)
+        kl = loss.k3(lp.detach(), mb["inference_logprobs"])
+        for r, env in enumerate(mb["envs"]):
+            for t in mb["loss_mask"][r].nonzero().flatten().tolist():
+                for scope in ("all", env) if env else ("all",):
+                    values.setdefault(scope, []).append((float(kl[r, t]), float(ent[r, t])))
     norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
     want_grads = [p.grad.clone() for p in ref.parameters()]
+    zero = sum(int((p.grad == 0).sum()) for p in ref.parameters())
+    elements = sum(p.numel() for p in ref.parameters())
 
     engine = _engine(model)
     grads: list[torch.Tensor] = []  # the clipped gradient the optimizer applies
     engine.optimizer.register_step_pre_hook(lambda *_: grads.extend(p.grad.clone() for p in model.parameters()))
-    result = engine.train_step(batch.pack(batch.unpack(padded), 16, 32), loss_fn, step=4)
+    packed = batch.pack(batch.unpack(padded), 16, 32)
+    add_env_index(packed, envs)
+    result = engine.train_step(packed, loss_fn, step=4)
     assert set(want) <= set(result.sums)
     for k, v in want.items():
         assert result.sums[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
@@ -255,6 +275,18 @@ def test_a_step_s_figures_are_those_of_right_padded_rows_and_whole_logits(kind):
     for (n, _), got, want_grad in zip(model.named_parameters(), grads, want_grads, strict=True):
         assert torch.allclose(got, want_grad, rtol=1e-4, atol=1e-7), n
     assert result.sums["computed_tokens"] >= result.sums["num_tokens"] == sum(len(s) for s in samples)
+    # the embeddings of tokens the batch never holds get no gradient
+    assert 0 < zero < elements and result.zero_grad_ratio == pytest.approx(zero / elements)
+
+    got = scoped_metrics(result.sums)
+    assert set(values) == {"all", *envs} and all(len(v) > 1 for v in values.values())
+    for scope, pairs in values.items():
+        kl_values, ent_values = torch.tensor(pairs, dtype=torch.float64).T
+        assert got[f"mismatch_kl/{scope}/mean"] == pytest.approx(float(kl_values.mean()), rel=1e-5), scope
+        assert got[f"mismatch_kl/{scope}/std"] == pytest.approx(float(kl_values.std(correction=0)), rel=1e-3), scope
+        assert got[f"mismatch_kl/{scope}/max"] == pytest.approx(float(kl_values.max()), rel=1e-5), scope
+        assert got[f"entropy/{scope}/mean"] == pytest.approx(float(ent_values.mean()), rel=1e-5), scope
+    assert got["mismatch_kl/all/mean"] == pytest.approx(result.sums["mismatch_kl"] / result.sums["tokens"])
 
 
 def test_the_host_waits_for_the_device_once_per_step_whatever_the_micro_batches():
@@ -263,7 +295,7 @@ def test_the_host_waits_for_the_device_once_per_step_whatever_the_micro_batches(
     before the first forward, the normaliser, the step's figures with the gradient norm)."""
     from torch.overrides import TorchFunctionMode
 
-    from prime_hpc.trainer.rl import make_loss_fn
+    from prime_hpc.trainer.rl import add_env_index, make_loss_fn
 
     class Reads(TorchFunctionMode):
         def __init__(self) -> None:
@@ -278,7 +310,8 @@ def test_the_host_waits_for_the_device_once_per_step_whatever_the_micro_batches(
                 self.names.append(name)
             return func(*args, **(kwargs or {}))
 
-    loss_fn = make_loss_fn(NS(type="dppo", **LOSS), step=1, mode="rl")
+    envs = ["count", "math/easy"]
+    loss_fn = make_loss_fn(NS(type="dppo", **LOSS), step=1, mode="rl", envs=envs)
     engine = _engine(_tiny())
     # AdamW reads its step counters, which live on the host (on a GPU too): not the device's
     engine.optimizer.register_step_pre_hook(lambda *_: setattr(reads, "paused", True))
@@ -288,6 +321,7 @@ def test_the_host_waits_for_the_device_once_per_step_whatever_the_micro_batches(
     for budget in (200, 16):
         reads.names = []
         mbs = batch.pack(_samples([7, 12, 5, 9, 4, 11]), 16, budget)
+        add_env_index(mbs, envs)  # the per-environment figures: on the host, before the step
         with reads:
             engine.train_step(mbs, loss_fn)
         counts.append((len(mbs), sorted(reads.names)))
