@@ -344,6 +344,11 @@ class OrchestratorConfig:
     """drop a rollout touched by more distinct policies than this"""
     max_concurrent: int = ruled(256, ge=1)
     """in-flight generation requests"""
+    generation_timeout_s: float = ruled(3600.0, gt=0)
+    """how long one generation request may take before it fails (the policy client's timeout)"""
+    max_prompt_len: Optional[int] = ruled(None, ge=1)
+    """drop a train task whose prompt is longer (tokens, the model's chat template applied)
+    before it is sent; counted per step as `filter/long_prompts`. None = no limit"""
     max_errored_groups: int = ruled(100, ge=0)
     """End the run (the orchestrator exits non-zero, quoting the env's error and naming its
     log) after this many errored train groups in a row: every rollout of the group raised,

@@ -75,6 +75,7 @@ from prime_hpc.inference.gate import (
 )
 from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, wait_for
 from prime_hpc.rundir.fleet import serving_urls
+from prime_hpc.runtime.limits import raise_open_files
 from prime_hpc.runtime.stopping import die_with_parent
 
 POLICY = "round_robin"
@@ -545,6 +546,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--url", help=argparse.SUPPRESS)  # the child: the router's URL and instance
     p.add_argument("--instance", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.serve_fd is None:  # the router itself, not its serving child (which inherits the limit)
+        raise_open_files("prime-hpc router")
     if not jobenv.require_key("prime-hpc router", "the router"):
         return 2
     try:

@@ -89,6 +89,7 @@ from prime_hpc.inference.client import LEAVING_STATUS, api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
 from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, jobs, read_json, server_slot
+from prime_hpc.runtime.limits import raise_open_files
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
 TMP_DIR_PREFIX = "prime-hpc-inference-"  # <tmp>/prime-hpc-inference-<pid>.<random>: a server's own temporary directory
@@ -963,6 +964,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="this server belongs to extra inference job JOB_ID (prime-hpc scale): slot inference_<JOB_ID>.<node>",
     )
     a = p.parse_args(argv)
+    raise_open_files("prime-hpc inference")
     if not jobenv.require_key("prime-hpc inference", "a server"):
         return 2
     try:

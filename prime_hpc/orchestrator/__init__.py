@@ -26,6 +26,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m prime_hpc.orchestrator")
     p.add_argument("--config", required=True, help="the run's configs/orchestrator.yaml")
     a = p.parse_args(argv)
+    from prime_hpc.runtime.limits import raise_open_files
+
+    raise_open_files("prime-hpc orchestrator")
     from prime_hpc.inference.client import API_KEY_VAR, api_key
 
     if not api_key():  # every server of the job demands it: nothing could be asked of them

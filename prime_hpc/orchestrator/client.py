@@ -31,7 +31,11 @@ import asyncio
 import json
 from typing import Any, Optional
 
+from prime_hpc.config.schema import OrchestratorConfig
+
 SERVERS_WAIT_S = 3600.0  # at the start: how long to wait for the inference servers and the router to publish
+# a generation request's timeout where the caller gives none: the schema's default
+GENERATION_TIMEOUT_S: float = OrchestratorConfig.generation_timeout_s
 COALESCE_WINDOW_S = 0.002  # how long the first of identical requests waits for its twins
 # vLLM's answer when the prompt fills the context exactly (it clamps max_tokens to what is left: 0)
 NO_ROOM_PHRASES = ("max_tokens must be at least 1", "max_completion_tokens must be at least 1")
@@ -49,7 +53,15 @@ def context_used(state: Any) -> int:
     return len(get("prompt_ids") or []) + len(get("completion_ids") or [])
 
 
-def make_client(base_url: str, key: Optional[str], coalesce: bool = True, max_context: Optional[int] = None) -> Any:
+def make_client(
+    base_url: str,
+    key: Optional[str],
+    coalesce: bool = True,
+    max_context: Optional[int] = None,
+    timeout_s: float = GENERATION_TIMEOUT_S,
+) -> Any:
+    """The policy client of `base_url`; a request fails after `timeout_s`
+    (`orchestrator.generation_timeout_s`), the router's signing HTTP client's as well."""
     from openai import AsyncOpenAI, BadRequestError
     from verifiers.clients import OpenAIChatCompletionsClient
     from verifiers.errors import OverlongPromptError
@@ -111,13 +123,13 @@ def make_client(base_url: str, key: Optional[str], coalesce: bool = True, max_co
                     f.set_result(_one_choice(response, i) if len(twins) > 1 else response)
 
     # retried with backoff (~15 s in all): a restarting router or a server that just died
-    return PolicyClient(AsyncOpenAI(max_retries=5, timeout=3600, **_sdk_auth(base_url, key)))
+    return PolicyClient(AsyncOpenAI(max_retries=5, timeout=timeout_s, **_sdk_auth(base_url, key, timeout_s)))
 
 
 SIGNED = "prime-hpc-signed"  # the SDK's api_key for the run's router: replaced by each request's signature
 
 
-def _sdk_auth(base_url: str, key: Optional[str]) -> dict:
+def _sdk_auth(base_url: str, key: Optional[str], timeout_s: float) -> dict:
     """The OpenAI SDK's `base_url`, `api_key` and, for the run's router, the HTTP client
     that proves it and signs for it (`key`: the job's, to prove and sign with)."""
     link = getattr(base_url, "link", None)
@@ -126,7 +138,7 @@ def _sdk_auth(base_url: str, key: Optional[str]) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)  # the SDK's own
-    http = httpx.AsyncClient(auth=link.using(key).auth(), limits=limits, timeout=3600)
+    http = httpx.AsyncClient(auth=link.using(key).auth(), limits=limits, timeout=timeout_s)
     return {"base_url": str(base_url), "api_key": SIGNED, "http_client": http}
 
 

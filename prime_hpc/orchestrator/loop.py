@@ -90,13 +90,14 @@ class Orchestrator:
             job=self.job,
         )
         self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
-        sampler = EnvSampler(train, cfg.seed, 1 if self.max_steps is None else None)  # null: the data once
+        sampler = self.sampler(train)
         self.source = GroupSource(sampler, self.generator, lambda: relay.policy, o, self.async_level, self.max_steps)
         self.step_metrics = StepMetrics(
             metrics,
             cfg.wandb.log_extras,
             cfg.seed,
             lambda: {**relay.gauges(), **{f"progress/total_{k}": v for k, v in self.totals().items()}},
+            long_prompts=lambda: getattr(sampler, "dropped", 0),
         )
         at = self.teacher_at
         self.teacher = Teacher(at, lambda: relay.model) if o.training_mode == "opd" and at is not None else None
@@ -114,6 +115,18 @@ class Orchestrator:
             micro_batch_size=cfg.micro_batch_size,
         )
         self.evaluator = Evaluator(o.eval, evals, self.generator, metrics.log if metrics else None, self.progress)
+
+    def sampler(self, train: list[EnvSlot]) -> EnvSampler:
+        """The train tasks, by env ratio: the data once when max_steps is null; with
+        `max_prompt_len`, without the tasks whose prompt is longer (`prompts`)."""
+        cfg, o = self.cfg, self.ocfg
+        epochs = 1 if self.max_steps is None else None
+        if o.max_prompt_len is None:
+            return EnvSampler(train, cfg.seed, epochs)
+        from prime_hpc.orchestrator.prompts import LimitedSampler, PromptTokens
+
+        length = PromptTokens.of_model(cfg.model.name, cfg.model.seed, cfg.model.trust_remote_code)
+        return LimitedSampler(train, cfg.seed, epochs, o.max_prompt_len, length)
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's state: its step, totals and sampler position."""
@@ -200,10 +213,10 @@ class Orchestrator:
     def policy_client(self, ep: Any) -> tuple[Any, Optional[str]]:
         """What generation goes through, and the model name to ask for (None: the run's):
         the router; in sft the teacher (it generates, the student trains on it)."""
-        cfg, at = self.cfg, self.teacher_at
+        cfg, at, timeout_s = self.cfg, self.teacher_at, self.ocfg.generation_timeout_s
         if self.ocfg.training_mode == "sft" and at is not None:
-            return make_client(at.url, at.key, max_context=cfg.seq_len), at.model
-        return make_client(ep.openai_base_url, api_key(), max_context=cfg.seq_len), None
+            return make_client(at.url, at.key, max_context=cfg.seq_len, timeout_s=timeout_s), at.model
+        return make_client(ep.openai_base_url, api_key(), max_context=cfg.seq_len, timeout_s=timeout_s), None
 
     async def loop(self, start: int, eval_first: bool = False) -> None:
         """Evaluate the starting policy as step 0 when `eval_first` (under the heartbeat,

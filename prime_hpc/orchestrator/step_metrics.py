@@ -6,8 +6,10 @@ run's gauges at that moment (`gauges()`: the relay's policy, servers and update 
 the totals so far). Produces one row per step: per scope (`all` and each env) reward,
 sequence length, truncation, turns, samples per rollout, empty and errored shares; the
 policy lag of the trained rollouts; the groups judged and dropped by reason
-(`rundir.drops.Drop.metric`); spanning rollouts; the step's time and its wait for
-weights. A step that is not filled (the run gives up or is stopped) gets a row without
+(`rundir.drops.Drop.metric`); the train tasks not sent since the previous row because
+their prompt is longer than `orchestrator.max_prompt_len` (`filter/long_prompts`,
+`prompts.LimitedSampler`); spanning rollouts; the step's time and its wait for weights.
+A step that is not filled (the run gives up or is stopped) gets a row without
 reward keys and with `filter/unfilled` 1 (`log_unfilled`). Every
 `wandb.log_extras.interval` steps with W&B, a table of sampled rollouts and histograms of
 rewards and advantages (`log_extras`). The names are documented in docs/orchestrator.md.
@@ -46,13 +48,23 @@ def rollout_metrics(scope: str, rs: list[Rollout]) -> dict:
 
 
 class StepMetrics:
-    def __init__(self, logger: Any, extras: LogExtrasConfig, seed: int, gauges: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        logger: Any,
+        extras: LogExtrasConfig,
+        seed: int,
+        gauges: Callable[[], dict],
+        long_prompts: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.logger = logger  # runtime.metrics.MetricsLogger
         self.extras = extras
         self.seed = seed
         self.gauges = gauges
+        self.long_prompts = long_prompts  # train tasks not sent so far (`orchestrator.max_prompt_len`)
+        self.long_prompts_logged = 0  # ... of which earlier rows counted
 
     def row(self, step: int, fill: StepFill, kept: list[Rollout]) -> dict:
+        """The step's row; it counts the long prompts skipped since the previous row."""
         m: dict = {}
         by_env: dict = defaultdict(list)
         for r in fill.finished:
@@ -68,6 +80,7 @@ class StepMetrics:
                 "off_policy/stale_share": fill.dropped[Drop.STALE] / max(fill.judged, 1),
                 "off_policy/spanning_rollouts": fill.spanning,
                 "filter/judged_groups": fill.judged,
+                "filter/long_prompts": self.long_prompts_since(),
                 **{d.metric: fill.dropped[d] for d in Drop},
                 **self.gauges(),
                 "time/step": time.monotonic() - fill.t0,
@@ -75,6 +88,12 @@ class StepMetrics:
             }
         )
         return m
+
+    def long_prompts_since(self) -> int:
+        """Train tasks skipped for a prompt longer than `max_prompt_len` since the last row."""
+        total = self.long_prompts()
+        since, self.long_prompts_logged = total - self.long_prompts_logged, total
+        return since
 
     def log_step(self, step: int, fill: StepFill, kept: list[Rollout]) -> dict:
         """The row of a step written, its extras, and the trainer's new rows into the same W&B run."""

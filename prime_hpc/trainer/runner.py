@@ -16,6 +16,7 @@ from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir, WaitTimeout, remove_marked
 from prime_hpc.rundir.window import prunable
+from prime_hpc.runtime.limits import raise_open_files
 
 if TYPE_CHECKING:  # the heavy modules are imported inside the functions
     from prime_hpc.config.component import TrainerRunConfig
@@ -47,6 +48,7 @@ def main(
     from prime_hpc.trainer.engine import Diverged, OutOfMemory
 
     args = parse_args(prog, description, argv)
+    raise_open_files(prog)
     rank = int(os.environ.get("RANK", 0))
     ranked = "TORCHELASTIC_RUN_ID" in os.environ
     if ranked:  # a rank under torchrun: it does not outlive its agent
