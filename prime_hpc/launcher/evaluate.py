@@ -481,7 +481,8 @@ def run_standalone(args: list[str], here: bool = False) -> int:
     samples: list[dict] = []
 
     def evaluate(url: str, model: str, key: Optional[str]) -> dict:
-        return asyncio.run(scoring.run_evaluator(cfg, make_client(url, key), model).evaluate(0, samples))
+        client = make_client(url, key, timeout_s=cfg.orchestrator.generation_timeout_s)
+        return asyncio.run(scoring.run_evaluator(cfg, client, model).evaluate(0, samples))
 
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts:

@@ -141,7 +141,7 @@ async def run(cfg: OrchestratorRunConfig) -> dict:
     run_dir = RunDir(cfg.output_dir)
     logs = jobenv.logs_dir()
     ep = discover(run_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=logs)
-    client = make_client(ep.openai_base_url, api_key())
+    client = make_client(ep.openai_base_url, api_key(), timeout_s=o.generation_timeout_s)
     completion = bench.completion_len(b.completion_len, int(cfg.seq_len))
     group_size = required(b.group_size, "bench.group_size")
     groups = max(1, required(b.samples_per_step, "bench.samples_per_step") // group_size)

@@ -135,7 +135,8 @@ def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str, res
     from prime_hpc.inference.client import Admin
     from prime_hpc.orchestrator.client import make_client
 
-    evaluator = run_evaluator(cfg, make_client(url + "/v1", key), cfg.model.name)
+    client = make_client(url + "/v1", key, timeout_s=cfg.orchestrator.generation_timeout_s)
+    evaluator = run_evaluator(cfg, client, cfg.model.name)
 
     async def all_steps() -> None:
         admin = Admin([url], key=key)
@@ -209,7 +210,8 @@ def run_job(cfg: Any) -> dict:
     def progressed() -> None:
         state["progress_at"] = time.time()
 
-    evaluator = run_evaluator(cfg, make_client(ep.openai_base_url, key), cfg.model.name, on_group=progressed)
+    client = make_client(ep.openai_base_url, key, timeout_s=cfg.orchestrator.generation_timeout_s)
+    evaluator = run_evaluator(cfg, client, cfg.model.name, on_group=progressed)
 
     async def all_steps() -> list[dict]:
         admin = Admin(ep.servers, key=key)

@@ -122,7 +122,8 @@ def run_job(cfg: Any) -> dict:
     sy = cfg.synthesize
     ep = discover(job_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=jobenv.logs_dir())
     o = cfg.orchestrator
-    generator = Generator(o, cfg.seq_len, make_client(ep.openai_base_url, api_key()), lambda: cfg.model.name)
+    client = make_client(ep.openai_base_url, api_key(), timeout_s=o.generation_timeout_s)
+    generator = Generator(o, cfg.seq_len, client, lambda: cfg.model.name)
     slots = load_slots(o.env, "train")
     # it only waits on the servers: the watchdog excuses it while they work
     state: dict = {"progress_at": time.time(), "waiting_on": "inference"}
@@ -168,7 +169,8 @@ def synthesize_here(
     slots = load_slots(o.env, "train")
 
     def play(url: str, model: str, api_key: Any) -> dict:
-        generator = Generator(o, rcfg.seq_len, make_client(url, api_key), lambda: model)
+        client = make_client(url, api_key, timeout_s=o.generation_timeout_s)
+        generator = Generator(o, rcfg.seq_len, client, lambda: model)
         return asyncio.run(synthesize(slots, generator, out, k, n, min_reward, max_errored=int(o.max_errored_groups)))
 
     if "client.base_url" in opts:  # a serve job's router is proven and sent no key (`evaluate.endpoint_url`)
