@@ -46,6 +46,7 @@ from prime_hpc.trainer.engine import Diverged, Engine
 
 if TYPE_CHECKING:
     from prime_hpc.config.component import TrainerRunConfig
+    from prime_hpc.rundir.batch import RolloutBatch
     from prime_hpc.runtime.metrics import MetricsLogger
     from prime_hpc.trainer.ckpt import Checkpointer
     from prime_hpc.trainer.dist import DistEnv
@@ -295,7 +296,7 @@ class MultiRun:
 
         from prime_hpc.rundir import batch as rollout_batch
         from prime_hpc.trainer.dist import barrier
-        from prime_hpc.trainer.rl import log_step, make_loss_fn
+        from prime_hpc.trainer.rl import log_step
 
         t0 = time.perf_counter()
         step = lane.step + 1
@@ -305,10 +306,10 @@ class MultiRun:
         )
         timers = {"time/read_batch": time.perf_counter() - t0}
         lora.activate(self.policy.model, lane.slot)
-        loss_fn = make_loss_fn(lane.cfg.trainer.loss, step, str(data.info.get("mode", "rl")), self.policy.compiled)
+        micro_batches, loss_fn = step_inputs(s, data, step, self.policy.compiled)
         try:
             result = lane.engine.train_step(
-                runner.packed(s, data.micro_batches),
+                micro_batches,
                 loss_fn,
                 temperature=float(data.info.get("temperature", 1.0)),
                 step=step,
@@ -438,6 +439,20 @@ class MultiRun:
             lane.ckpt.close()
             if lane.metrics is not None:
                 lane.metrics.close()
+
+
+def step_inputs(s: runner.Session, data: "RolloutBatch", step: int, compiled: bool) -> tuple[list[dict], Any]:
+    """A run's step as `prime_hpc.trainer.rl` trains it: its rollouts packed
+    (`runner.packed`), each sample's environment placed (`rl.add_env_index`), and the
+    objective its info asks for, the step's environments' figures apart (`rl.make_loss_fn`)."""
+    from prime_hpc.trainer.rl import add_env_index, make_loss_fn
+
+    mode = str(data.info.get("mode", "rl"))
+    loss_fn = make_loss_fn(s.cfg.trainer.loss, step, mode, compiled, envs=data.envs)
+    micro_batches = runner.packed(s, data.micro_batches)
+    if data.envs:
+        add_env_index(micro_batches, data.envs)
+    return micro_batches, loss_fn
 
 
 def _shape(lora_cfg: Any, key: str) -> Any:

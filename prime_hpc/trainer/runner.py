@@ -227,7 +227,8 @@ def packed(s: Session, micro_batches: list[dict]) -> list[dict]:
 
 
 def step_metrics(s: Session, result: "StepResult", t_step: float, t_wait: float) -> dict[str, Any]:
-    """Optimizer and performance metrics of one step (`result`: engine.StepResult)."""
+    """Optimizer and performance metrics of one step (`result`: engine.StepResult), those
+    of both trainers (RL and SFT)."""
     from prime_hpc.core import device as devices
     from prime_hpc.trainer.engine import mfu
 
@@ -239,6 +240,7 @@ def step_metrics(s: Session, result: "StepResult", t_step: float, t_wait: float)
         "entropy/mean": sums["entropy"] / max(sums["tokens"], 1.0),
         "optim/grad_norm": result.grad_norm,
         "optim/lr": result.lr,
+        "optim/zero_grad_ratio": result.zero_grad_ratio,  # of the trained elements, gradient exactly 0
         "perf/throughput": tokens / busy,
         "perf/throughput_per_gpu": tokens / busy / s.env.world_size,
         "time/step": t_step,
