@@ -7,11 +7,15 @@ ask for (it changes when the servers start serving the run's LoRA adapter). Prod
 group's `Rollout`s (`rollouts.from_output`). A group whose run raises is never fatal: it
 comes back as `n` errored rollouts carrying the exception, which the sink counts
 (`Drop.ERRORED`). While a group runs, its env's log records go to the env's worker log
-(`envs.CURRENT_ENV`). No state of its own beyond its arguments.
+(`envs.CURRENT_ENV`). Each rollout of a group carries the group's generation span
+(`Rollout.generated`: monotonic start before its first request, end after its last
+answer; `clock`), which the step's row sums up as `time/generate`. No state of its own
+beyond its arguments.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 from loguru import logger
@@ -56,9 +60,18 @@ class Generator:
         self.seq_len = seq_len
         self.client = client
         self.model = model
+        self.clock: Callable[[], float] = time.monotonic  # of the groups' generation spans
 
     async def group(self, slot: EnvSlot, row: dict, kind: str = "train", n: Optional[int] = None) -> list[Rollout]:
-        n = n or self.group_size
+        """The group's rollouts, each with the group's generation span (`Rollout.generated`)."""
+        start = self.clock()
+        rollouts = await self._generate(slot, row, kind, n or self.group_size)
+        span = (start, self.clock())
+        for r in rollouts:
+            r.generated = span
+        return rollouts
+
+    async def _generate(self, slot: EnvSlot, row: dict, kind: str, n: int) -> list[Rollout]:
         token = CURRENT_ENV.set(f"{kind}/{slot.name}")
         try:
             outs = await slot.env.run_group(

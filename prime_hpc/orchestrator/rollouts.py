@@ -69,6 +69,9 @@ class Rollout:
     metrics: dict = field(default_factory=dict)  # the environment's own per-rollout metrics (its reward functions)
     messages: list = field(default_factory=list)  # the whole conversation, prompt then completion, as chat messages
     branches: list[Branch] = field(default_factory=list)  # samples after the first (branching)
+    # (start, end), monotonic seconds: its group's generation, from the first request to the
+    # last answer (`generate.Generator.group`); None where it was not generated (never written)
+    generated: Optional[tuple[float, float]] = None
 
     @property
     def oldest_policy(self) -> int:

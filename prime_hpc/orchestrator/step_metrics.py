@@ -8,9 +8,11 @@ sequence length, truncation, turns, samples per rollout, empty and errored share
 policy lag of the trained rollouts; the groups judged and dropped by reason
 (`rundir.drops.Drop.metric`); the train tasks not sent since the previous row because
 their prompt is longer than `orchestrator.max_prompt_len` (`filter/long_prompts`,
-`prompts.LimitedSampler`); spanning rollouts; the step's time and its wait for weights.
+`prompts.LimitedSampler`); spanning rollouts; the step's time and its wait for weights;
+the generation of its accepted groups (`generation_times`: `time/generate`, from the
+first request of any of them to the last answer, and `time/generate_group/mean`).
 A step that is not filled (the run gives up or is stopped) gets a row without
-reward keys and with `filter/unfilled` 1 (`log_unfilled`). Every
+reward keys, without generation times and with `filter/unfilled` 1 (`log_unfilled`). Every
 `wandb.log_extras.interval` steps with W&B, a table of sampled rollouts and histograms of
 rewards and advantages (`log_extras`). The names are documented in docs/orchestrator.md.
 """
@@ -47,6 +49,19 @@ def rollout_metrics(scope: str, rs: list[Rollout]) -> dict:
     }
 
 
+def generation_times(groups: list[list[Rollout]]) -> dict:
+    """`time/generate`: seconds from the first generation request of `groups` (a step's
+    accepted groups) to the last answer; `time/generate_group/mean`: the seconds one of
+    them took, on average (`Rollout.generated`). Empty when none of them was timed."""
+    spans = [g[0].generated for g in groups if g and g[0].generated is not None]
+    if not spans:
+        return {}
+    return {
+        "time/generate": max(end for _, end in spans) - min(start for start, _ in spans),
+        "time/generate_group/mean": mean(end - start for start, end in spans),
+    }
+
+
 class StepMetrics:
     def __init__(
         self,
@@ -64,7 +79,8 @@ class StepMetrics:
         self.long_prompts_logged = 0  # ... of which earlier rows counted
 
     def row(self, step: int, fill: StepFill, kept: list[Rollout]) -> dict:
-        """The step's row; it counts the long prompts skipped since the previous row."""
+        """The step's row (`kept`: the rollouts it trains, none for an unfilled step); it
+        counts the long prompts skipped since the previous row."""
         m: dict = {}
         by_env: dict = defaultdict(list)
         for r in fill.finished:
@@ -72,6 +88,8 @@ class StepMetrics:
         for scope, rs in (("all", fill.finished), *sorted(by_env.items())):
             if rs:
                 m.update(rollout_metrics(scope, rs))
+        if kept:  # a step that is trained (an unfilled one has none)
+            m.update(generation_times(fill.accepted))
         lags = [step - r.oldest_policy for r in kept]
         m.update(
             {
