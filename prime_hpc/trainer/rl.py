@@ -380,7 +380,6 @@ def log_step(
     sums = result.sums
     tok = max(sums["tokens"], 1.0)
     m = runner.step_metrics(s, result, t_step, t_wait)
-    m["optim/zero_grad_ratio"] = result.zero_grad_ratio
     m.update(scoped_metrics(sums))
     if "ref_kl" in sums:
         m["ref_kl/mean"] = sums["ref_kl"] / tok
