@@ -33,6 +33,7 @@ USAGE_EXAMPLES = """examples:
   prime-hpc submit +experiment=reverse_text                 compose with Hydra, submit (here: SFT warm-up, then RL)
   prime-hpc submit +experiment=reverse_text -f              ... and follow it until it ends
   prime-hpc submit +experiment=reverse_text --dry-run       write configs and job scripts, submit nothing
+  prime-hpc submit @ rl.toml @ more.toml max_steps=50       a recipe in the reference's TOML layout (later wins)
   prime-hpc submit -m +experiment=reverse_text trainer.optim.lr=1e-6,3e-6   a sweep: one run per point
   prime-hpc resume JOB ckpt.step=-1 max_steps=200           continue a run from its latest checkpoint
   prime-hpc scale JOB inference=+2 partition=preempt        two more inference nodes for a running run (-2: remove them)
@@ -44,6 +45,31 @@ USAGE_EXAMPLES = """examples:
   prime-hpc submit +experiment=reverse_text --bench         benchmark the run's trainer and inference (bench.json)
   eval "$(prime-hpc completion bash)"                        TAB-complete commands, options, groups and keys
 JOB is a SLURM job id, a run name, an output dir, or a sweep id."""
+
+
+RECIPES = ("submit", "doctor")  # take `@ rl.toml` (the reference's TOML layout) and its PRIME_ variables
+
+
+def with_recipes(overrides: list[str]) -> list[str]:
+    """`overrides` with each `@ file` and the `PRIME_<SECTION>__<KEY>` variables as prime-hpc
+    overrides (`prime_hpc.config.toml_recipes`, imported only when one is there)."""
+    import os
+
+    if not any(w.startswith("@") for w in overrides) and not any(
+        k.startswith("PRIME_") and not k.startswith("PRIME_HPC_") for k in os.environ
+    ):
+        return overrides
+    from prime_hpc.config import toml_recipes
+
+    return toml_recipes.expand(overrides, os.environ)
+
+
+def _origin(e: Exception) -> str:
+    """` (from FILE: KEY)` when the key an error names was set by a recipe file or a PRIME_ variable."""
+    recipes = sys.modules.get("prime_hpc.config.toml_recipes")
+    key = getattr(e, "key", None)
+    where = recipes.origin(key) if recipes is not None and isinstance(key, str) else None
+    return f" (from {where})" if where else ""
 
 
 def print_err(msg: str) -> None:
@@ -92,9 +118,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             print_err(f"unexpected argument {unknown[0]!r} (see prime-hpc {args.command} --help)")
             return 2
     try:
+        if args.command in RECIPES:  # with the words `--bench` took (`--bench @ rl.toml`)
+            args.overrides = with_recipes([*getattr(args, "bench_overrides", []), *args.overrides])
+            args.bench_overrides = []
         return args.fn(args)
     except (UserError, LaunchError) as e:
-        print_err(str(e))
+        print_err(str(e) + _origin(e))
         return e.exit_code
     except KeyboardInterrupt:
         return 130

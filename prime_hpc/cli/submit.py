@@ -1,4 +1,4 @@
-"""`prime-hpc submit [overrides] [-m] [--dry-run] [-f] [--max-parallel K] [--bench [PART]]`."""
+"""`prime-hpc submit [@ recipe.toml]... [overrides] [-m] [--dry-run] [-f] [--max-parallel K] [--bench [PART]]`."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class _Bench(argparse.Action):
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, option_string: Any = None
     ) -> None:
         if value is not None and value not in BENCH_MODES:
-            if "=" in value or value.startswith(("+", "~")):
+            if "=" in value or value.startswith(("+", "~", "@")):
                 namespace.bench_overrides = [*getattr(namespace, "bench_overrides", []), value]
                 value = "all"
         setattr(namespace, self.dest, value)  # an unknown part is refused by run_bench, in one line
@@ -115,7 +115,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "bench.steps steps, then a table (bench.json); PART: all (default), trainer (fake batches "
         "of the configured shape), inference (fixed prompts, no env)",
     )
-    s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=reverse_text max_steps=50")
+    s.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides, e.g. +experiment=reverse_text max_steps=50; '@ rl.toml' reads a recipe in the "
+        "reference's TOML layout (files in order, then the overrides; docs/configuration.md)",
+    )
     return s
 
 

@@ -1,0 +1,357 @@
+"""Recipes in the reference's TOML layout (`submit @ rl.toml`) and its `PRIME_` variables:
+the reverse-text recipes compose to the experiments', files and variables take their
+place in the precedence, a key with no counterpart is refused in one line, and the docs'
+table is the module's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from prime_hpc.config import toml_recipes
+from prime_hpc.config.compose import compose
+from prime_hpc.core.errors import UserError
+from tests.conftest import REPO, cli
+
+# The reference's reverse-text RL recipe (`rl @ examples/reverse_text/rl.toml`: its keys),
+# holding the values of +experiment=reverse_text.
+RL_RECIPE = """\
+max_steps = 350
+seq_len = 80
+
+[model]
+name = "tiny"
+
+[orchestrator]
+batch_size = 64
+rollouts_per_example = 8
+
+[orchestrator.sampling]
+max_tokens = 32
+
+[orchestrator.eval]
+interval = 175
+rollouts_per_example = 4
+
+[[orchestrator.env]]
+id = "reverse_text"
+
+[[orchestrator.eval.env]]
+id = "reverse_text"
+
+[trainer.optim]
+lr = 5e-4
+
+[inference]
+gpu_memory_utilization = 0.2
+
+[inference.model]
+dtype = "float32"
+"""
+# what +experiment=reverse_text sets that the reference's layout has no key for
+RL_UNSTATED = (
+    "name",
+    "async_level",
+    "warmup.experiment",
+    "warmup.overrides",
+    "orchestrator.advantage",
+    "orchestrator.eval.at_start",
+    "trainer.micro_batch_size",
+    "trainer.optim.schedule",
+)
+
+# The reference's SFT recipe (`sft @ examples/reverse_text/sft.toml`: its layout), holding
+# the values of +experiment=reverse_text_sft.
+SFT_RECIPE = """\
+max_steps = 1000
+
+[ckpt]
+
+[model]
+name = "tiny"
+
+[data]
+name = "reverse_text:make_sft_dataset"
+seq_len = 80
+batch_size = 2560
+micro_batch_size = 32
+
+[optim]
+lr = 1e-3
+
+[val]
+interval = 100
+
+[val.data]
+name = "reverse_text:make_sft_dataset"
+"""
+SFT_UNSTATED = (
+    "name",
+    "trainer.data.args",  # the generated dataset's kwargs
+    "trainer.val.data.args",
+    "orchestrator.env",  # the eval env of `prime-hpc eval`
+    "orchestrator.eval.env",
+)
+
+# The reference's own RL recipe, with its values
+REFERENCE_RL = """\
+max_steps = 20
+seq_len = 2048
+
+[model]
+name = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+
+[wandb]
+project = "reverse-text"
+name = "reverse-text"
+
+[orchestrator]
+batch_size = 128
+rollouts_per_example = 16
+
+[orchestrator.sampling]
+max_tokens = 128
+
+[[orchestrator.env]]
+id = "reverse-text"
+
+[trainer.model.lora]
+rank = 8
+alpha = 32
+dropout = 0.0
+target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+[trainer.optim]
+lr = 3e-6
+
+[inference]
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def flat(cfg, prefix: str = "") -> dict:
+    """Every leaf of a composed config by its dotted key (lists and empty tables as values)."""
+    tree = OmegaConf.to_container(cfg, resolve=False) if prefix == "" else cfg
+    out: dict = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flat(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def differing(a, b) -> set[str]:
+    fa, fb = flat(a), flat(b)
+    return {k for k in fa.keys() | fb.keys() if fa.get(k, "<absent>") != fb.get(k, "<absent>")}
+
+
+def covered(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize(
+    "recipe,experiment,unstated",
+    [(RL_RECIPE, "reverse_text", RL_UNSTATED), (SFT_RECIPE, "reverse_text_sft", SFT_UNSTATED)],
+    ids=["rl", "sft"],
+)
+def test_a_reverse_text_recipe_composes_to_the_experiment(tmp_path, recipe, experiment, unstated):
+    path = write(tmp_path, "recipe.toml", recipe)
+    from_recipe = compose(toml_recipes.expand(["@", path], {}), resolve=False)
+    from_experiment = compose([f"+experiment={experiment}"], resolve=False)
+    diff = differing(from_recipe, from_experiment)
+    assert all(covered(k, unstated) for k in diff), sorted(k for k in diff if not covered(k, unstated))
+    assert all(any(covered(k, (p,)) for k in diff) for p in unstated), (sorted(diff), unstated)
+
+
+def test_the_reference_rl_recipe_lands_on_prime_hpc_keys(tmp_path):
+    cfg = compose(toml_recipes.expand(["@" + write(tmp_path, "rl.toml", REFERENCE_RL)], {}), resolve=False)
+    assert (cfg.max_steps, cfg.seq_len, cfg.model.name) == (20, 2048, "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT")
+    assert cfg.wandb.enabled and (cfg.wandb.project, cfg.wandb.name) == ("reverse-text", "reverse-text")
+    assert (cfg.orchestrator.batch_size, cfg.orchestrator.group_size) == (128, 16)
+    assert cfg.orchestrator.sampling.max_tokens == 128 and [e.id for e in cfg.orchestrator.env] == ["reverse-text"]
+    lora = cfg.trainer.model.lora
+    assert lora.enabled and (lora.rank, lora.alpha, lora.dropout) == (8, 32.0, 0.0) and len(lora.target_modules) == 7
+    assert cfg.trainer.optim.lr == 3e-6 and cfg.trainer.type == "rl" and not cfg.ckpt.enabled
+
+
+def test_values_pass_through_hydras_grammar_unchanged(tmp_path):
+    text = (
+        '[[env]]\nid = "my-env"\nweight = 0.5\nargs = { s = "it\'s a \\\\ and a \\"", n = [1, 2.5e-3], '
+        "on = true, sub = { max_turns = 5 } }\n"
+        '[orchestrator.sampling]\nstop = ["</a>", "\\n"]\nextra_body = { top_k = 5 }\n'
+    )
+    cfg = compose(toml_recipes.expand(["@", write(tmp_path, "v.toml", text)], {}), resolve=False)
+    entry = cfg.orchestrator.env[0]
+    assert (entry.id, entry.ratio) == ("my-env", 0.5)
+    assert OmegaConf.to_container(entry.args) == {
+        "s": "it's a \\ and a \"",
+        "n": [1, 2.5e-3],
+        "on": True,
+        "sub": {"max_turns": 5},
+    }
+    assert list(cfg.orchestrator.sampling.stop) == ["</a>", "\n"] and cfg.orchestrator.sampling.extra_body.top_k == 5
+
+
+def test_precedence_defaults_then_variables_then_files_in_order_then_the_command_line(tmp_path):
+    a = write(tmp_path, "a.toml", "max_steps = 10\n[orchestrator]\nbatch_size = 32\n")
+    b = write(tmp_path, "b.toml", "max_steps = 20\n")
+    env = {"PRIME_MAX_STEPS": "5", "PRIME_ORCHESTRATOR__BATCH_SIZE": "16", "PRIME_MODEL__NAME": "Qwen/Qwen3-4B"}
+
+    def run(words: list[str], environ: dict | None = None):
+        return compose(toml_recipes.expand(words, environ or {}), resolve=False)
+
+    cfg = run(["+experiment=reverse_text", "@", a])
+    assert (cfg.max_steps, cfg.orchestrator.batch_size) == (10, 32)  # the file over the experiment's 350, 64
+    assert run(["@", a, "@", b]).max_steps == 20  # the later file wins
+    assert run(["@", b, "@", a]).max_steps == 10
+    assert run(["max_steps=30", "@", a, "@", b]).max_steps == 30  # the command line wins, wherever it stands
+    cfg = run(["@", b], env)
+    assert (cfg.max_steps, cfg.orchestrator.batch_size, cfg.model.name) == (20, 16, "Qwen/Qwen3-4B")  # var < file
+    cfg = run(["+experiment=reverse_text"], env)
+    assert (cfg.max_steps, cfg.orchestrator.batch_size) == (5, 16)  # variables over the experiment's defaults
+    assert run(["model.name=Qwen/Qwen3-32B", "@", b], env).model.name == "Qwen/Qwen3-32B"
+
+
+def test_other_prime_variables_are_not_config():
+    env = {"PRIME_API_KEY": "k", "PRIME_HPC_CONF_DIR": "/x", "PRIME_HPC_COMPOSE_CACHE": "0", "PRIME_ENV": "prod"}
+    assert toml_recipes.expand(["max_steps=3"], env) == ["max_steps=3"]
+
+
+def test_prime_log_level_is_log_levels_fallback(tmp_path):
+    def level(words: list[str], environ: dict) -> tuple[str, str]:
+        cfg = compose(toml_recipes.expand(words, environ))
+        return cfg.log.level, cfg.trainer.log.level
+
+    assert level([], {"PRIME_LOG_LEVEL": "DEBUG"}) == ("debug", "debug")
+    assert level([], {}) == ("info", "info")
+    assert level(["log.level=error"], {"PRIME_LOG_LEVEL": "debug"})[0] == "error"
+    assert level([], {"PRIME_LOG_LEVEL": "debug", "PRIME_LOG__LEVEL": "warning"})[0] == "warning"
+    toml = write(tmp_path, "l.toml", '[log]\nlevel = "error"\n')
+    assert level(["@", toml], {"PRIME_LOG_LEVEL": "debug"})[0] == "error"
+    with pytest.raises(UserError, match="PRIME_LOG_LEVEL='loud': unknown log level"):
+        toml_recipes.expand([], {"PRIME_LOG_LEVEL": "loud"})
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        (
+            '[renderer]\nname = "prime-qwen3"\n',
+            "renderer.name has no prime-hpc counterpart; nearest known key: trainer.model.name",
+        ),
+        ("[orchestrator]\nrollouts_per_exampel = 8\n", "nearest known key: orchestrator.rollouts_per_example"),
+        ('[[orchestrator.env]]\nid = "x"\nwieght = 2\n', "orchestrator.env[0].wieght has no prime-hpc counterpart"),
+        ("ckpt = 3\n", "ckpt is a table ([ckpt]) or true/false"),
+        ("max_steps = \n", "not valid TOML"),
+    ],
+    ids=["unknown-table", "typo", "env-entry", "section-value", "bad-toml"],
+)
+def test_a_key_with_no_counterpart_is_refused_naming_the_file_and_key(tmp_path, text, words):
+    path = write(tmp_path, "bad.toml", text)
+    with pytest.raises(UserError) as e:
+        toml_recipes.expand(["@", path], {})
+    assert str(e.value).startswith(f"{path}: ") and words in str(e.value)
+
+
+def test_an_unknown_variable_is_refused_naming_it():
+    with pytest.raises(UserError, match=r"^PRIME_ORCHESTRATOR__BATCHSIZE: orchestrator.batchsize has no .*batch_size"):
+        toml_recipes.expand([], {"PRIME_ORCHESTRATOR__BATCHSIZE": "8"})
+
+
+def test_submit_dry_run_takes_a_recipe_and_refuses_a_bad_one(tmp_path):
+    recipe = write(tmp_path, "rl.toml", RL_RECIPE)
+    out = tmp_path / "run"
+    r = cli("submit", "--dry-run", "@", recipe, f"output_dir={out}", "max_steps=7")
+    assert r.returncode == 0, r.stderr
+    written = OmegaConf.load(out / "config.yaml")
+    assert (written.max_steps, written.orchestrator.group_size, written.seq_len) == (7, 8, 80)
+    bad = write(tmp_path, "bad.toml", RL_RECIPE + "\n[renderer]\nname = 'prime-qwen3'\n")
+    out2 = tmp_path / "run2"
+    r = cli("submit", "--dry-run", "@", bad, f"output_dir={out2}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"prime-hpc: error: {bad}: renderer.name has no prime-hpc counterpart")
+    assert not out2.exists()
+    r = cli("submit", "--dry-run", "@", str(tmp_path / "none.toml"), f"output_dir={out2}")
+    assert r.returncode == 2 and "none.toml: no such file" in r.stderr and not out2.exists()
+    r = cli("submit", "--bench", "@", recipe, "--cfg", "job")  # `--bench` takes no file for its part
+    assert r.returncode == 0 and "\nmax_steps: 350\n" in r.stdout, r.stderr
+    # a value the rules refuse: the line names prime-hpc's key, and the file's key that set it
+    odd = write(tmp_path, "odd.toml", RL_RECIPE.replace("batch_size = 64", "batch_size = 60"))
+    r = cli("submit", "--dry-run", "@", odd, f"output_dir={out2}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("prime-hpc: error: orchestrator.batch_size: 60 is not a multiple")
+    assert r.stderr.strip().endswith(f"(from {odd}: orchestrator.batch_size)") and not out2.exists()
+    r = cli("submit", "--dry-run", "@", odd, f"output_dir={out2}", "orchestrator.batch_size=61")
+    assert r.returncode == 2 and "61 is not a multiple" in r.stderr and "(from" not in r.stderr  # the command line's
+
+
+def test_the_cli_imports_the_recipe_module_only_when_asked():
+    code = (
+        "import os, sys\n"
+        "from prime_hpc.cli import with_recipes\n"
+        "assert with_recipes(['max_steps=3']) == ['max_steps=3']\n"
+        "print('toml_recipes' in str(sorted(sys.modules)))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PRIME_") or k.startswith("PRIME_HPC")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_the_docs_table_is_the_mapping():
+    docs = (REPO / "docs" / "configuration.md").read_text()
+    assert toml_recipes.table_markdown() in docs
+
+
+def test_every_prime_hpc_key_of_the_table_is_in_the_schema():
+    from prime_hpc.config.schema import RunConfig
+
+    keys = flat(OmegaConf.structured(RunConfig)).keys()
+    missing = [t for t, _ in toml_recipes.MAPPING.values() if not any(k == t or k.startswith(t + ".") for k in keys)]
+    assert not missing, missing
+
+
+def test_a_table_given_turns_its_feature_on_and_false_turns_it_off(tmp_path):
+    def cfg(text: str):
+        return compose(toml_recipes.expand(["@", write(tmp_path, "f.toml", text)], {}), resolve=False)
+
+    on = cfg("[ckpt]\n[wandb]\n[trainer.model.lora]\n")
+    assert on.ckpt.enabled and on.wandb.enabled and on.trainer.model.lora.enabled
+    assert not cfg("max_steps = 3\n").ckpt.enabled
+    assert not compose(
+        toml_recipes.expand(["+experiment=reverse_text_sft", "@", write(tmp_path, "g.toml", "ckpt = false\n")], {}),
+        resolve=False,
+    ).ckpt.enabled
+    sft = cfg("[trainer.ckpt]\ninterval = 5\nresume_step = -1\n")
+    assert (sft.ckpt.enabled, sft.ckpt.interval, sft.ckpt.step) == (True, 5, -1)
+
+
+def test_a_variables_value_is_read_as_toml_where_it_is_one():
+    cfg = compose(
+        toml_recipes.expand(
+            [],
+            {
+                "PRIME_WANDB__NAME": "2024-01-01",  # a TOML date: kept as text
+                "PRIME_TRAINER__OPTIM__LR": "3e-6",
+                "PRIME_ORCHESTRATOR__SAMPLING__STOP": '["</a>"]',
+            },
+        ),
+        resolve=False,
+    )
+    assert (cfg.wandb.name, cfg.trainer.optim.lr, list(cfg.orchestrator.sampling.stop)) == (
+        "2024-01-01",
+        3e-6,
+        ["</a>"],
+    )
+    assert cfg.wandb.enabled  # a key of [wandb] given: the table is there
