@@ -73,7 +73,7 @@ LOSS_TYPES = ("dppo", "cispo", "gspo")
 TRAINER_TYPES = ("rl", "sft")
 TRAINING_MODES = ("rl", "opd", "sft")
 TRAJECTORY_STRATEGIES = ("interleaved", "branching")
-ADVANTAGES = ("mean", "std", "loo")
+ADVANTAGES = ("mean", "std", "loo", "opo")
 WEIGHT_UPDATES = ("in_flight", "drain")
 WEIGHT_TRANSPORTS = ("filesystem", "broadcast")
 BENCH_MODES = ("all", "trainer", "inference")
@@ -170,6 +170,12 @@ class LossConfig:
     """gspo: mask a sequence with A > 0 whose ratio is above 1 + this"""
     ref_kl_coef: float = ruled(0.0, ge=0)
     """> 0: add this x KL(policy || the frozen initial policy), k3 per token"""
+    target_kl: Optional[float] = ruled(None, gt=0)
+    """adapt ref_kl_coef (its starting value) after every step toward keeping ref_kl/mean
+    near this; null = ref_kl_coef fixed"""
+    kl_horizon: int = ruled(10, ge=1)
+    """target_kl: the controller's horizon in steps; one step moves the coefficient by at
+    most 20% / kl_horizon"""
     kl_coef: float = ruled(0.0, ge=0)
     """weight of the optional KL(inference || trainer) term (k3 estimator)"""
 
@@ -366,7 +372,8 @@ class OrchestratorConfig:
     tokens so far) | branching: a new sample where it does not (chat templates that drop
     earlier reasoning, e.g. Qwen3's)"""
     advantage: str = one_of("mean", *ADVANTAGES)
-    """mean: r - group mean | std: ... / group std | loo: r - mean of the others"""
+    """mean: r - group mean | std: ... / group std | loo: r - mean of the others | opo: r -
+    the group's length-weighted mean (each reward weighted by its completion tokens)"""
     env: List[EnvEntry] = field(default_factory=list)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

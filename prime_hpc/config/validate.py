@@ -451,6 +451,19 @@ def check_trainer(cfg: DictConfig) -> None:
             raise ConfigError(
                 "trainer.model.lora.target_modules", "name at least one linear layer, e.g. [q_proj, v_proj]"
             )
+    loss = cfg.trainer.loss
+    if loss.target_kl is not None and loss.ref_kl_coef <= 0:
+        raise ConfigError(
+            "trainer.loss.target_kl",
+            "adapts the KL penalty to the initial policy, which is off (trainer.loss.ref_kl_coef=0): "
+            "give ref_kl_coef > 0 as its starting value, or unset target_kl",
+        )
+    if loss.target_kl is not None and cfg.trainer.max_concurrent_runs > 1:
+        raise ConfigError(
+            "trainer.loss.target_kl",
+            "the multi-run trainer (trainer.max_concurrent_runs > 1) keeps no reference policy to measure "
+            "the KL against: unset target_kl",
+        )
     if cfg.trainer.max_concurrent_runs > 1:
         if cfg.trainer.type != "rl" or not m.lora.enabled:
             raise ConfigError(

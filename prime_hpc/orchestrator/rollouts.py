@@ -306,11 +306,14 @@ class ErrorStreak:
         return 0 < self.limit <= self.count
 
 
-def advantages(rewards: list[float], kind: str) -> list[float]:
+def advantages(rewards: list[float], kind: str, lengths: Optional[list[int]] = None) -> list[float]:
     """Group-relative advantages of one group's rewards:
     `mean`: r - mean(group); `std`: (r - mean) / (population std + 1e-6), so every group
     weighs the same whatever its reward spread; `loo`: r - mean(the others), the
-    leave-one-out baseline (= n/(n-1) * (r - mean))."""
+    leave-one-out baseline (= n/(n-1) * (r - mean)); `opo`: r - sum(len_i * r_i) /
+    sum(len_i), the on-policy optimal baseline with each rollout's squared gradient norm
+    taken as proportional to its length (`lengths`: each rollout's completion tokens; a
+    group whose lengths are all 0 gets the plain mean)."""
     n = len(rewards)
     base = mean(rewards)
     if kind == "mean":
@@ -321,6 +324,13 @@ def advantages(rewards: list[float], kind: str) -> list[float]:
     if kind == "loo":
         total = sum(rewards)
         return [r - (total - r) / (n - 1) for r in rewards]
+    if kind == "opo":
+        if lengths is None or len(lengths) != n:
+            raise ValueError(f"opo advantages need each rollout's length (got {lengths!r} for {n} rewards)")
+        weight = sum(lengths)
+        if weight > 0:
+            base = sum(k * r for k, r in zip(lengths, rewards)) / weight
+        return [r - base for r in rewards]
     raise ValueError(f"unknown advantage {kind!r}; choose from {', '.join(ADVANTAGES)}")
 
 
@@ -367,7 +377,8 @@ def judge_group(
             v.reason = Drop.LOW_VARIANCE
         if v.reason:
             return v
-    for r, a in zip(valid, advantages(rewards, advantage)):
+    lengths = [x.completion_tokens for x in valid]  # opo's weights
+    for r, a in zip(valid, advantages(rewards, advantage, lengths)):
         r.advantage = a
     v.kept = valid
     return v

@@ -2,7 +2,8 @@
 
     checkpoints/step_<n>/trainer/
       .metadata, __<rank>_0.distcp    torch DCP: {"model": ..., "optim": ...}, sharded as trained
-      state.json                      rank 0: step, progress, LR scheduler, dataloader position
+      state.json                      rank 0: step, progress, LR scheduler, dataloader position,
+                                      the adaptive KL weight (`ref_kl_coef`, with trainer.loss.target_kl)
       rng_rank_<r>.pt                 each rank's RNG streams (tensors and plain values: loaded
                                       with torch.load(weights_only=True), nothing unpickled runs)
       STABLE                          written last, once every rank's shards are on disk

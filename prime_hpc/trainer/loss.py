@@ -29,7 +29,8 @@ token weight `w` (so d loss / d lp = -w * A):
 - with `ref_kl_coef` > 0 and the frozen initial policy's log-probabilities `ref`:
   `+ ref_kl_coef * (exp(ref - lp) - (ref - lp) - 1)`, the k3 estimator of
   KL(pi_trainer || pi_ref) on the (near on-policy) samples, with its gradient; reported as
-  `ref_kl`.
+  `ref_kl`. With `target_kl` the coefficient changes from step to step (`KLController`);
+  the step's value is `rl_loss`'s `ref_kl_coef`, applied outside the compiled arithmetic.
 
 Every sum is divided by `normalizer`, the step's loss-token count over all ranks (the
 caller all-reduces it), so micro-batches and ranks weigh each token equally.
@@ -56,17 +57,20 @@ the whole logits, position by position.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from prime_hpc.config.schema import LOSS_TYPES
+from prime_hpc.core.errors import UserError
 
 MAX_LOG_RATIO = 20.0  # |lp - ilp| is clamped before exp() so the weight stays finite
 LOGITS_CHUNK_BYTES = 64 * 2**20  # one chunk's float32 logits in `head_logprobs` when chunking is forced
 HEAD_BYTES_PER_LOGIT = 16  # the head's peak per logit: its output, the float32 log-softmax, entropy or gradients
 ONE_PASS_SHARE = 0.5  # the share of the free memory one pass through the head may take
+KL_ERROR_CLIP = 0.2  # `KLController`: the relative KL error a step acts on is clipped to +-this
 
 
 @dataclass
@@ -218,17 +222,22 @@ def rl_loss(
     sample_index: torch.Tensor | None = None,
     num_samples: int = 0,
     compile: bool = False,
+    ref_kl_coef: float | None = None,
 ) -> LossOutput:
     """The RL objective of `cfg.type` (dppo | cispo | gspo); see the module docstring.
     `sample_index` / `num_samples`: the sample of each token in packed rows (`sample_sums`);
     None: each row is one sample. `compile`: its per-token arithmetic through `torch.compile`
-    (`compiled`), the same numbers."""
+    (`compiled`), the same numbers. `ref_kl_coef`: the step's weight of the reference KL
+    (`KLController.coef`); None: `cfg.ref_kl_coef`."""
     if cfg.type not in LOSS_TYPES:
         raise ValueError(f"unknown loss type {cfg.type!r}; choose from {', '.join(LOSS_TYPES)}")
     terms = compiled(_rl_terms) if compile else _rl_terms
-    total, sums = terms(
+    total, ref_total, sums = terms(
         logprobs, inference_logprobs, advantages, loss_mask, cfg, ref_logprobs, sample_index, num_samples
     )
+    if ref_total is not None:  # a plain float here, so a coefficient that changes never recompiles
+        total = total + (cfg.ref_kl_coef if ref_kl_coef is None else ref_kl_coef) * ref_total
+        sums["loss"] = total.detach()
     return LossOutput(loss=total / normalizer, sums=sums)
 
 
@@ -241,8 +250,9 @@ def _rl_terms(
     ref_logprobs: torch.Tensor | None,
     sample_index: torch.Tensor | None,
     num_samples: int,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`rl_loss`'s token-loss sum and its metric sums."""
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """`rl_loss`'s token-loss sum without the reference KL, the sum of the reference KL
+    over the loss tokens (differentiable; None when that term is off) and the metric sums."""
     m = loss_mask.to(logprobs.dtype)
     log_ratio = torch.where(loss_mask, logprobs - inference_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
@@ -268,10 +278,10 @@ def _rl_terms(
     per_token = -(weight * advantages * logprobs)
     if cfg.kl_coef:
         per_token = per_token + cfg.kl_coef * kl
-    ref_kl = None
+    ref_kl = ref_total = None
     if ref_logprobs is not None and cfg.ref_kl_coef:
         ref_kl = torch.where(loss_mask, k3(ref_logprobs, logprobs), torch.zeros_like(logprobs))
-        per_token = per_token + cfg.ref_kl_coef * ref_kl
+        ref_total = (ref_kl * m).sum()
     total = (per_token * m).sum()
     sums = {
         "tokens": m.sum().detach(),
@@ -282,7 +292,53 @@ def _rl_terms(
     }
     if ref_kl is not None:
         sums["ref_kl"] = ref_kl.detach().sum()
-    return total, sums
+    return total, ref_total, sums
+
+
+@dataclass
+class KLController:
+    """The weight of the reference KL (`trainer.loss.ref_kl_coef`), step by step. Without
+    `target` (`trainer.loss.target_kl` null) it stays as configured. With it, after each
+    step whose reference KL per loss token was `kl`, a proportional controller:
+    `coef *= 1 + clip(kl / target - 1, -KL_ERROR_CLIP, KL_ERROR_CLIP) / horizon`: the
+    weight grows while the policy drifts further from the reference than `target`, and
+    shrinks while it stays closer, by at most 20% / `horizon` per step (it never reaches 0)."""
+
+    coef: float
+    target: float | None = None
+    horizon: int = 10
+
+    @classmethod
+    def start(cls, loss_cfg: Any, resumed: dict | None = None, where: str = "the checkpoint") -> KLController:
+        """The controller of a run from its `trainer.loss`, continuing with the coefficient a
+        resumed checkpoint's state (`state`) holds when adapting; a checkpoint without one
+        (written with a fixed coefficient, or before there was a controller) starts from the
+        configured value. A held value that is not a positive number is refused in one line
+        naming `where`."""
+        ctl = cls(float(loss_cfg.ref_kl_coef), loss_cfg.target_kl, int(loss_cfg.kl_horizon))
+        held = (resumed or {}).get("ref_kl_coef")
+        if ctl.target is None or held is None:
+            return ctl
+        ok = isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held) and held > 0
+        if not ok:
+            raise UserError(
+                f"{where}: ref_kl_coef {held!r} is not a positive number; resume from another checkpoint (ckpt.step=N)"
+            )
+        ctl.coef = float(held)
+        return ctl
+
+    def update(self, kl: float | None) -> float:
+        """After a step whose reference KL per loss token was `kl` (None, or not finite:
+        not measured, e.g. a step of teacher completions): the next step's coefficient."""
+        if self.target is None or kl is None or not math.isfinite(kl):
+            return self.coef
+        error = min(max(kl / self.target - 1.0, -KL_ERROR_CLIP), KL_ERROR_CLIP)
+        self.coef *= 1.0 + error / self.horizon
+        return self.coef
+
+    def state(self) -> dict[str, float]:
+        """What a checkpoint keeps of it (state.json): the coefficient, when it adapts."""
+        return {} if self.target is None else {"ref_kl_coef": self.coef}
 
 
 @functools.cache

@@ -68,6 +68,19 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         (["cluster.inference_job=own"], "cluster.inference_job", "use het (the default) or cluster=slurm"),
         (["cluster.inference_job=apart"], "cluster.inference_job", "choose from het, own"),
         (["trainer.loss.type=ppo"], "trainer.loss.type", "choose from"),
+        (["trainer.loss.target_kl=0.01"], "trainer.loss.target_kl", "give ref_kl_coef > 0"),
+        (["trainer.loss.ref_kl_coef=0.1", "trainer.loss.target_kl=0"], "trainer.loss.target_kl", "> 0"),
+        (
+            [
+                "trainer.loss.ref_kl_coef=0.1",
+                "trainer.loss.target_kl=0.01",
+                "trainer.max_concurrent_runs=2",
+                "trainer.model.lora.enabled=true",
+            ],
+            "trainer.loss.target_kl",
+            "unset target_kl",
+        ),
+        (["trainer.loss.kl_horizon=0"], "trainer.loss.kl_horizon", ">= 1"),
         (["trainer.type=sft"], "trainer.data.name", "dataset"),
         (
             ["trainer.type=sft", "trainer.data.name=d", "trainer.data.batch_size=64"],

@@ -253,3 +253,68 @@ def test_gspo_of_packed_rows_takes_each_sample_s_own_ratio():
     rows.loss.backward()
     pack.loss.backward()
     assert torch.allclose(lp_p.grad[0, :7], torch.cat([lp_r.grad[0, :3], lp_r.grad[1]]))
+
+
+# ----------------------------------------------------------------------------- adaptive KL weight
+def test_the_step_s_reference_kl_weight_replaces_the_configured_one():
+    """`ref_kl_coef` given to the loss (the controller's weight for the step) weighs the
+    reference KL instead of `trainer.loss.ref_kl_coef`, in the loss, its gradient and the
+    `loss` sum; the configured value only switches the term on."""
+    lp, ilp, adv, mask = tensors()
+    ref = torch.tensor([[math.log(p) for p in [0.25, 0.25, 0.8, 0.2, 0.5]]], dtype=torch.float64)
+    ref_k3 = [0.5 + math.log(2) - 1, 0.0, 0.0, 2 - math.log(2) - 1]  # q = 0.5, 1, 1, 2
+    plain = rl_loss(lp, ilp, adv, mask, cfg(), normalizer=4)
+    out = rl_loss(lp, ilp, adv, mask, cfg(ref_kl_coef=0.5), normalizer=4, ref_logprobs=ref, ref_kl_coef=0.125)
+    assert out.loss.item() == pytest.approx(plain.loss.item() + 0.125 * sum(ref_k3) / 4, abs=1e-12)
+    assert out.sums["loss"].item() == pytest.approx(out.loss.item() * 4, abs=1e-12)
+    assert out.sums["ref_kl"].item() == pytest.approx(sum(ref_k3), abs=1e-12)  # the KL itself, unweighted
+    lp.grad = None
+    out.loss.backward()
+    extra = [0.125 * (1 - q) / 4 for q in (0.5, 1.0, 1.0, 2.0)]
+    assert lp.grad[0].tolist() == pytest.approx([extra[0], extra[1], 0.5 + extra[2], -0.5 + extra[3], 0.0], abs=1e-12)
+    # None: the configured weight, as before
+    same = rl_loss(lp, ilp, adv, mask, cfg(ref_kl_coef=0.5), normalizer=4, ref_logprobs=ref, ref_kl_coef=None)
+    assert same.loss.item() == pytest.approx(plain.loss.item() + 0.5 * sum(ref_k3) / 4, abs=1e-12)
+
+
+def loss_cfg(**kw):
+    return SimpleNamespace(**{**dict(ref_kl_coef=0.1, target_kl=0.01, kl_horizon=10), **kw})
+
+
+def test_the_kl_controller_moves_the_weight_toward_the_target_by_at_most_a_fifth_per_horizon():
+    from prime_hpc.trainer.loss import KLController
+
+    ctl = KLController.start(loss_cfg())
+    assert ctl.coef == 0.1
+    # kl = 1.5 x target: error +0.5, clipped to +0.2 -> x (1 + 0.2 / 10)
+    assert ctl.update(0.015) == pytest.approx(0.1 * 1.02, rel=1e-12)
+    # kl = 1.1 x target: error +0.1 -> x 1.01
+    assert ctl.update(0.011) == pytest.approx(0.1 * 1.02 * 1.01, rel=1e-12)
+    # kl at the target: unchanged; below it: shrinks (0 KL: error -1 clipped to -0.2)
+    assert ctl.update(0.01) == pytest.approx(0.1 * 1.02 * 1.01, rel=1e-12)
+    assert ctl.update(0.0) == pytest.approx(0.1 * 1.02 * 1.01 * 0.98, rel=1e-12)
+    # not measured (a step of teacher completions) or not finite: unchanged
+    before = ctl.coef
+    assert ctl.update(None) == before and ctl.update(float("nan")) == before and ctl.update(float("inf")) == before
+    assert ctl.state() == {"ref_kl_coef": before}
+    # horizon 1: a whole fifth per step
+    assert KLController.start(loss_cfg(kl_horizon=1)).update(1.0) == pytest.approx(0.12, rel=1e-12)
+    # no target: fixed, and nothing for the checkpoint
+    fixed = KLController.start(loss_cfg(target_kl=None))
+    assert fixed.update(1.0) == 0.1 and fixed.update(0.0) == 0.1 and fixed.state() == {}
+
+
+def test_the_kl_controller_resumes_with_the_checkpoint_s_weight_and_refuses_a_bad_one():
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.trainer.loss import KLController
+
+    state = {"step": 3, "progress": {}, "ref_kl_coef": 0.37}
+    assert KLController.start(loss_cfg(), state).coef == 0.37
+    # a checkpoint written with a fixed weight (or before the controller): the configured value
+    assert KLController.start(loss_cfg(), {"step": 3, "progress": {}}).coef == 0.1
+    assert KLController.start(loss_cfg(), None).coef == 0.1
+    # a fixed weight is the configuration's, whatever a checkpoint held
+    assert KLController.start(loss_cfg(target_kl=None), state).coef == 0.1
+    for bad in (0.0, -1.0, float("nan"), "0.3", True):
+        with pytest.raises(UserError, match=r"^/x/state.json: ref_kl_coef .* is not a positive number; resume from"):
+            KLController.start(loss_cfg(), {"ref_kl_coef": bad}, where="/x/state.json")
