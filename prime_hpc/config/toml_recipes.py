@@ -137,6 +137,9 @@ MAPPING: dict[str, tuple[str, str]] = {
     "difficulty_filter.min_reward": ("orchestrator.difficulty_filter.min_reward", AS_IS),
     "difficulty_filter.max_reward": ("orchestrator.difficulty_filter.max_reward", AS_IS),
     "difficulty_filter.min_reward_variance": ("orchestrator.difficulty_filter.min_reward_variance", AS_IS),
+    # `[kl_penalty]`: the penalty toward the initial policy, its coefficient adapted toward target_kl
+    "kl_penalty.beta": ("trainer.loss.ref_kl_coef", AS_IS),
+    "kl_penalty.target_kl": ("trainer.loss.target_kl", AS_IS),
 }
 
 ENV_ENTRY = {"id": "id", "args": "args", "ratio": "ratio", "weight": "ratio", "name": "name"}

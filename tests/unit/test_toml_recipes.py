@@ -355,3 +355,11 @@ def test_a_variables_value_is_read_as_toml_where_it_is_one():
         ["</a>"],
     )
     assert cfg.wandb.enabled  # a key of [wandb] given: the table is there
+
+
+def test_the_kl_penalty_table_sets_the_adapted_penalty_toward_the_initial_policy(tmp_path):
+    """`[kl_penalty]` as the reference's docs show it: `beta` the starting coefficient of the
+    penalty toward the initial policy, `target_kl` the KL its adaptation aims at."""
+    text = "[kl_penalty]\nbeta = 0.1\ntarget_kl = 0.01\n"
+    cfg = compose(toml_recipes.expand(["@", write(tmp_path, "kl.toml", text)], {}), resolve=False)
+    assert (cfg.trainer.loss.ref_kl_coef, cfg.trainer.loss.target_kl) == (0.1, 0.01)
