@@ -458,11 +458,11 @@ def check_trainer(cfg: DictConfig) -> None:
             "adapts the KL penalty to the initial policy, which is off (trainer.loss.ref_kl_coef=0): "
             "give ref_kl_coef > 0 as its starting value, or unset target_kl",
         )
-    if loss.target_kl is not None and cfg.trainer.max_concurrent_runs > 1:
+    if loss.ref_kl_coef > 0 and cfg.trainer.max_concurrent_runs > 1:
         raise ConfigError(
-            "trainer.loss.target_kl",
+            "trainer.loss.ref_kl_coef",
             "the multi-run trainer (trainer.max_concurrent_runs > 1) keeps no reference policy to measure "
-            "the KL against: unset target_kl",
+            "a KL against: set it to 0 (and unset target_kl)",
         )
     if cfg.trainer.max_concurrent_runs > 1:
         if cfg.trainer.type != "rl" or not m.lora.enabled:
