@@ -9,8 +9,13 @@
 
 Columns: `messages` (a list of chat messages), or `prompt` + `completion` (each a list of
 messages or a string: a string prompt is one user message, a string completion one
-assistant message). When both layouts are present, `messages` wins. Optional `tools`
-(a list, or a JSON string of one) is passed to the chat template.
+assistant message). When both layouts are present, `messages` wins. Optional per-row
+columns: `tools` (OpenAI function-calling entries `{type: function, function: {...}}`) or
+`tool_defs` (verifiers' `{name, description, parameters[, strict]}`, turned into the OpenAI
+shape), each a list or a JSON string of one, go to the chat template's `tools=` (`tools`
+wins when a row has both); `chat_template_kwargs` (a dict or a JSON string of one) is
+passed on to `apply_chat_template` (e.g. `{"enable_thinking": false}`). A bad value is one
+UserError naming the dataset, the sample and the column.
 
 Loss masks come from incremental chat-template tokenization: the tokens that rendering
 message i adds to the rendering of messages[:i] belong to message i's role, and are
@@ -121,10 +126,80 @@ def _as_messages(value: Any, default_role: str, where: str) -> list[dict]:
     raise UserError(f"{where}: expected a string or a list of {{role, content}} messages, got {type(value).__name__}")
 
 
-def _render(tokenizer: Any, messages: list[dict], tools: Any, generation_prompt: bool = False) -> list[int]:
+# keys the masking sets itself; a row's chat_template_kwargs may not override them
+_RESERVED_KWARGS = ("conversation", "messages", "tools", "tokenize", "return_dict", "add_generation_prompt")
+
+
+def _json_column(row: dict, column: str, kind: type, where: str) -> Any:
+    """Row `column` as a `kind` (list or dict): the value itself or a JSON string of one;
+    None when the column is absent, null or empty."""
+    value = row.get(column)
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where} column {column!r}: not valid JSON ({e})") from None
+    if value is None:
+        return None
+    if not isinstance(value, kind):
+        raise UserError(
+            f"{where} column {column!r}: expected a {kind.__name__} or a JSON string of one, got {type(value).__name__}"
+        )
+    return value or None
+
+
+def row_tools(row: dict, where: str) -> Optional[list[dict]]:
+    """The row's tools in the OpenAI function-calling shape: its `tools` column, else its
+    `tool_defs` (verifiers' `{name, description, parameters, strict}`) converted."""
+    tools = _json_column(row, "tools", list, where)
+    if tools is not None:
+        for j, t in enumerate(tools):
+            if not isinstance(t, dict):
+                raise UserError(f"{where} column 'tools' entry {j}: expected a dict, got {type(t).__name__}")
+        return tools
+    defs = _json_column(row, "tool_defs", list, where)
+    return None if defs is None else [_openai_tool(d, j, where) for j, d in enumerate(defs)]
+
+
+def _openai_tool(d: Any, j: int, where: str) -> dict:
+    if isinstance(d, dict) and d.get("type") == "function" and isinstance(d.get("function"), dict):
+        return d  # already in the OpenAI shape
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not d["name"]:
+        raise UserError(
+            f"{where} column 'tool_defs' entry {j}: expected {{name, description, parameters}} with a string name, "
+            f"got {json.dumps(d, default=str)[:120]}"
+        )
+    fn = {k: d[k] for k in ("name", "description", "parameters", "strict") if d.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def row_template_kwargs(row: dict, where: str) -> dict:
+    """The row's `chat_template_kwargs` (empty when absent)."""
+    kwargs = _json_column(row, "chat_template_kwargs", dict, where) or {}
+    bad = [k for k in kwargs if not isinstance(k, str) or k in _RESERVED_KWARGS]
+    if bad:
+        raise UserError(
+            f"{where} column 'chat_template_kwargs': {bad[0]!r} cannot be set per row "
+            f"(the loss masking sets {', '.join(_RESERVED_KWARGS[2:])})"
+        )
+    return kwargs
+
+
+def _render(
+    tokenizer: Any, messages: list[dict], tools: Any, generation_prompt: bool = False, kwargs: Optional[dict] = None
+) -> list[int]:
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=True, return_dict=False, add_generation_prompt=generation_prompt
+        messages,
+        tools=tools,
+        tokenize=True,
+        return_dict=False,
+        add_generation_prompt=generation_prompt,
+        **(kwargs or {}),
     )
+    if isinstance(ids, dict):  # a tokenizer that answers with its encoding
+        ids = ids["input_ids"]
     return list(ids)
 
 
@@ -135,9 +210,11 @@ def tokenize_messages(
     first_trainable: int = 0,
     tools: Any = None,
     where: str = "sample",
+    template_kwargs: Optional[dict] = None,
 ) -> tuple[list[int], list[bool]]:
     """Token ids of the whole conversation and a per-token loss mask: message i's tokens
-    are trained when `trainable[role]` and i >= `first_trainable`."""
+    are trained when `trainable[role]` and i >= `first_trainable`. `tools` and
+    `template_kwargs` go to every rendering."""
     ids: list[int] = []
     mask: list[bool] = []
     for i, msg in enumerate(messages):
@@ -146,11 +223,11 @@ def tokenize_messages(
             raise UserError(f"{where}: message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
         train = trainable[role] and i >= first_trainable
         if role == "assistant" and i > 0:
-            head = _render(tokenizer, messages[:i], tools, generation_prompt=True)
+            head = _render(tokenizer, messages[:i], tools, True, template_kwargs)
             _check_prefix(ids, head, where)
             mask += [False] * (len(head) - len(ids))
             ids = head
-        full = _render(tokenizer, messages[: i + 1], tools)
+        full = _render(tokenizer, messages[: i + 1], tools, False, template_kwargs)
         _check_prefix(ids, full, where)
         mask += [train] * (len(full) - len(ids))
         ids = full
@@ -176,9 +253,7 @@ def tokenize_dataset(
     out = []
     for i, row in enumerate(ds):
         where = f"dataset {name!r} sample {i}"
-        tools = row.get("tools")
-        if isinstance(tools, str):
-            tools = json.loads(tools) if tools.strip() else None
+        tools, kwargs = row_tools(row, where), row_template_kwargs(row, where)
         if kind == "messages":
             msgs = _as_messages(row["messages"], "user", where)
             first = 0
@@ -186,7 +261,7 @@ def tokenize_dataset(
             prompt = _as_messages(row["prompt"], "user", where)
             msgs = prompt + _as_messages(row["completion"], "assistant", where)
             first = len(prompt)
-        ids, mask = tokenize_messages(tokenizer, msgs, trainable, first, tools, where)
+        ids, mask = tokenize_messages(tokenizer, msgs, trainable, first, tools, where, kwargs)
         ids, mask = ids[:seq_len], mask[:seq_len]
         if mask:
             mask[0] = False  # nothing precedes the first token of a sample
