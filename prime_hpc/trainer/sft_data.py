@@ -21,9 +21,11 @@ Loss masks come from incremental chat-template tokenization: the tokens that ren
 message i adds to the rendering of messages[:i] belong to message i's role, and are
 trained when `loss_mask.<role>` is true. For an assistant message, the generation prompt
 (e.g. `<|im_start|>assistant\\n`) is never trained: the model is only asked to continue
-after it. In the prompt/completion layout the prompt is never trained. The template must
-be prefix-stable (rendering fewer messages gives a prefix of the tokens of more); if not,
-the dataset is rejected with the index of the offending sample.
+after it. In the prompt/completion layout the prompt is never trained. A template that is
+not prefix-stable (rendering fewer messages does not give a prefix of the tokens of more,
+e.g. one dropping past `<think>` blocks) makes each trained assistant turn of that
+conversation a sample of its own, rendered after its own prefix; with another role
+trained as well, the dataset is rejected with the index of the offending sample.
 
 Packing: samples (truncated to `seq_len`) are placed in order into rows of at most
 `seq_len` tokens; positions restart at 0 for every sample, so the model's packed-sequence
@@ -215,12 +217,13 @@ def tokenize_messages(
     """Token ids of the whole conversation and a per-token loss mask: message i's tokens
     are trained when `trainable[role]` and i >= `first_trainable`. `tools` and
     `template_kwargs` go to every rendering."""
+    for i, msg in enumerate(messages):
+        if msg.get("role") not in ROLES:
+            raise UserError(f"{where}: message {i} has role {msg.get('role')!r}; expected one of {', '.join(ROLES)}")
     ids: list[int] = []
     mask: list[bool] = []
     for i, msg in enumerate(messages):
-        role = msg.get("role")
-        if role not in ROLES:
-            raise UserError(f"{where}: message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+        role = msg["role"]
         train = trainable[role] and i >= first_trainable
         if role == "assistant" and i > 0:
             head = _render(tokenizer, messages[:i], tools, True, template_kwargs)
@@ -234,13 +237,62 @@ def tokenize_messages(
     return ids, mask
 
 
+class NotPrefixStable(UserError):
+    """The chat template rewrote earlier tokens when a message was added."""
+
+
 def _check_prefix(prefix: list[int], full: list[int], where: str) -> None:
     if full[: len(prefix)] != prefix:
-        raise UserError(
+        raise NotPrefixStable(
             f"{where}: the chat template is not prefix-stable (rendering fewer messages is not a prefix "
             "of rendering more), so role-based loss masks cannot be built; use a template that keeps "
             "earlier turns unchanged"
         )
+
+
+def tokenize_conversation(
+    tokenizer: Any,
+    messages: list[dict],
+    trainable: dict[str, bool],
+    first_trainable: int = 0,
+    tools: Any = None,
+    where: str = "sample",
+    template_kwargs: Optional[dict] = None,
+) -> list[tuple[list[int], list[bool]]]:
+    """The conversation as one sample (`tokenize_messages`) when the template is prefix-stable.
+    Otherwise (a template that rewrites earlier turns, e.g. one dropping past `<think>`
+    blocks) one sample per trained assistant turn: the turn rendered after its own prefix
+    (messages[:i] with the generation prompt, untrained) as the template renders it at that
+    point. Only assistant turns can be trained that way: a template that rewrites earlier
+    turns with another role trained (`trainable`) keeps the prefix error."""
+    try:
+        return [tokenize_messages(tokenizer, messages, trainable, first_trainable, tools, where, template_kwargs)]
+    except NotPrefixStable as e:
+        other = sorted(
+            {m["role"] for m in messages[first_trainable:] if m["role"] != "assistant" and trainable[m["role"]]}
+        )
+        if other:
+            raise NotPrefixStable(
+                f"{e}, or train only assistant turns (trainer.loss_mask.{other[0]}=false): each is then its own "
+                "sample after its own prefix"
+            ) from None
+    out = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant" or not trainable["assistant"] or i < first_trainable:
+            continue
+        head = _render(tokenizer, messages[:i], tools, True, template_kwargs) if i > 0 else []
+        full = _render(tokenizer, messages[: i + 1], tools, False, template_kwargs)
+        _check_prefix(head, full, f"{where} message {i}")
+        out.append((full, [False] * len(head) + [True] * (len(full) - len(head))))
+    return out
+
+
+def _row_messages(row: dict, kind: str, where: str) -> tuple[list[dict], int]:
+    """The row's conversation and the index of its first trainable message."""
+    if kind == "messages":
+        return _as_messages(row["messages"], "user", where), 0
+    prompt = _as_messages(row["prompt"], "user", where)
+    return prompt + _as_messages(row["completion"], "assistant", where), len(prompt)
 
 
 def tokenize_dataset(
@@ -251,22 +303,26 @@ def tokenize_dataset(
     kind = layout(ds, name)
     trainable = {r: bool(getattr(loss_mask, r)) for r in ROLES}
     out = []
+    per_turn = 0
     for i, row in enumerate(ds):
         where = f"dataset {name!r} sample {i}"
         tools, kwargs = row_tools(row, where), row_template_kwargs(row, where)
-        if kind == "messages":
-            msgs = _as_messages(row["messages"], "user", where)
-            first = 0
-        else:
-            prompt = _as_messages(row["prompt"], "user", where)
-            msgs = prompt + _as_messages(row["completion"], "assistant", where)
-            first = len(prompt)
-        ids, mask = tokenize_messages(tokenizer, msgs, trainable, first, tools, where, kwargs)
-        ids, mask = ids[:seq_len], mask[:seq_len]
-        if mask:
-            mask[0] = False  # nothing precedes the first token of a sample
-        if any(mask):
-            out.append((ids, mask))
+        msgs, first = _row_messages(row, kind, where)
+        samples = tokenize_conversation(tokenizer, msgs, trainable, first, tools, where, kwargs)
+        per_turn += len(samples) > 1
+        for ids, mask in samples:
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            if mask:
+                mask[0] = False  # nothing precedes the first token of a sample
+            if any(mask):
+                out.append((ids, mask))
+    if per_turn:
+        from loguru import logger
+
+        logger.info(
+            f"dataset {name!r}: the chat template rewrites earlier turns in {per_turn} conversation(s); "
+            "each of their assistant turns is a sample of its own, after its own prefix"
+        )
     if not out:
         on = [r for r in ROLES if trainable[r]]
         raise UserError(

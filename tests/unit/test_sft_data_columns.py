@@ -103,3 +103,58 @@ def test_bad_column_values_are_one_line_naming_sample_and_column(tok, column, va
         _tokenize(tok, rows)
     msg = str(e.value)
     assert "\n" not in msg and "dataset 'chats' sample 1" in msg and said in msg, msg
+
+
+# a template that drops the <think> block of every assistant turn before the last user turn
+THINKING = (
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last -%}{{ m['content'].split('</think>')[-1] }}"
+    "{%- else -%}{{ m['content'] }}{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+TWO_TURNS = [
+    {"role": "user", "content": "q1"},
+    {"role": "assistant", "content": "<think>a</think>A"},
+    {"role": "user", "content": "q2"},
+    {"role": "assistant", "content": "<think>b</think>B"},
+]
+
+
+@pytest.fixture
+def thinking_tok(tok):
+    tok.chat_template = THINKING
+    yield tok
+    tok.chat_template = TEMPLATE
+
+
+def test_a_template_rewriting_earlier_turns_trains_each_assistant_turn_after_its_own_prefix(thinking_tok):
+    tok = thinking_tok
+    (a, ma), (b, mb) = _tokenize(tok, [{"messages": TWO_TURNS}])
+    turn = "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(a) == turn + "<think>a</think>A<|im_end|>\n"
+    assert tok.decode([i for i, m in zip(a, ma) if m]) == "<think>a</think>A<|im_end|>\n"
+    # the second turn sees the first as the template renders it then: without its thinking
+    assert (
+        tok.decode(b)
+        == turn + "A<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n<think>b</think>B<|im_end|>\n"
+    )
+    assert tok.decode([i for i, m in zip(b, mb) if m]) == "<think>b</think>B<|im_end|>\n"
+    # a one-turn conversation is prefix-stable: one sample, as before
+    [(c, _)] = _tokenize(tok, [{"messages": TWO_TURNS[:2]}])
+    assert c == a
+
+
+def test_a_template_rewriting_earlier_turns_with_users_trained_is_refused_in_one_line(thinking_tok):
+    from datasets import Dataset
+
+    from prime_hpc.config.schema import LossMaskConfig
+    from prime_hpc.trainer.sft_data import tokenize_dataset
+
+    with pytest.raises(UserError) as e:
+        tokenize_dataset(
+            Dataset.from_list([{"messages": TWO_TURNS}]), "chats", thinking_tok, LossMaskConfig(user=True), 256
+        )
+    msg = str(e.value)
+    assert "\n" not in msg and "dataset 'chats' sample 0" in msg and "trainer.loss_mask.user=false" in msg, msg
