@@ -493,6 +493,10 @@ class WeightsCkptConfig:
     save_adapter_separately: bool = False
     """LoRA: the servers load the adapter (always written next to the merged weights) instead
     of the merged weights"""
+    interval: Optional[int] = ruled(None, ge=1)
+    """keep weights/step_N (HF format, no optimizer: not a resume point) every N steps"""
+    keep_last: Optional[int] = ruled(None, ge=1)
+    """keep only the newest N weights-only snapshots (null = all; checkpointed steps' weights always stay)"""
 
 
 @dataclass
@@ -518,6 +522,9 @@ class CkptConfig:
     step: Optional[int] = ruled(None, ge=-1)
     """resume from this step (-1 = latest complete checkpoint)"""
     save_async: bool = False
+    weights_only: bool = False
+    """at the steps above keep only the HF weights (weights/step_N), no full checkpoint:
+    cheaper, but not a resume point"""
     weights: WeightsCkptConfig = field(default_factory=WeightsCkptConfig)
 
 

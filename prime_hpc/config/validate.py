@@ -487,6 +487,12 @@ def check_job_dir(cfg: DictConfig) -> None:
 
 
 def check_ckpt(cfg: DictConfig) -> None:
+    w = cfg.ckpt.weights
+    if w.get("keep_last") is not None and w.get("interval") is None and not cfg.ckpt.get("weights_only"):
+        raise ConfigError(
+            "ckpt.weights.keep_last",
+            "retains weights-only snapshots: set ckpt.weights.interval or ckpt.weights_only=true",
+        )
     if cfg.wandb.enabled and not cfg.wandb.project:
         raise ConfigError("wandb.project", "set a project name when wandb.enabled=true")
     if (

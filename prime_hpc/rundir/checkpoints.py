@@ -45,13 +45,45 @@ def _get(cfg: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key)
 
 
-def is_due(step: int, final: bool, cfg: Any) -> bool:
-    """Save a checkpoint after `step`? (`final`: the last step of this run; `cfg`: the
-    run's `ckpt` section, as a mapping or an object)."""
+def _opt(cfg: Any, key: str) -> Any:
+    """`cfg[key]` or None when the section has no such key."""
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+
+
+def _scheduled(step: int, final: bool, cfg: Any) -> bool:
     interval = _get(cfg, "interval")
     if interval and step % interval == 0:
         return True
-    return final and bool(_get(cfg, "enabled") or interval)
+    return final and bool(_get(cfg, "enabled") or interval or _opt(cfg, "weights_only"))
+
+
+def is_due(step: int, final: bool, cfg: Any) -> bool:
+    """Save a checkpoint after `step`? (`final`: the last step of this run; `cfg`: the
+    run's `ckpt` section, as a mapping or an object). Never with `ckpt.weights_only`: the
+    scheduled steps keep their weights only (`snapshot_due`)."""
+    return not _opt(cfg, "weights_only") and _scheduled(step, final, cfg)
+
+
+def snapshot_due(step: int, final: bool, cfg: Any) -> bool:
+    """Keep `weights/step_<step>` as a weights-only snapshot (no optimizer, not a resume
+    point)? Every `ckpt.weights.interval` steps, and with `ckpt.weights_only` at the steps
+    a checkpoint would be saved at (`is_due` without it)."""
+    weights = _opt(cfg, "weights")
+    interval = _opt(weights, "interval") if weights is not None else None
+    if interval and step % interval == 0:
+        return True
+    return bool(_opt(cfg, "weights_only")) and _scheduled(step, final, cfg)
+
+
+def snapshot_keep(run: RunDir, cfg: Any) -> set[int]:
+    """The weight steps `ckpt`'s snapshot retention keeps beyond the async window: the
+    snapshot steps on disk (`snapshot_due`), all of them or the newest
+    `ckpt.weights.keep_last`. The steps of trainer checkpoints are kept by the caller."""
+    weights = _opt(cfg, "weights")
+    keep_last = _opt(weights, "keep_last") if weights is not None else None
+    checkpointed = set(run.checkpoint_steps("trainer"))
+    snaps = [k for k in run.weight_steps(stable_only=False) if k not in checkpointed and snapshot_due(k, False, cfg)]
+    return set(sorted(snaps)[-keep_last:] if keep_last else snaps)
 
 
 def full_weights_due(step: int, final: bool, cfg: Any, transport: str) -> bool:
@@ -59,8 +91,9 @@ def full_weights_due(step: int, final: bool, cfg: Any, transport: str) -> bool:
     `weights.transport=filesystem` (the servers load them from there); with `broadcast`
     (the policy goes to the servers over the network; `sent/step_<n>.json` says so) at
     the steps that are checkpointed (`is_due`, `cfg`: the run's `ckpt` section) and at the
-    last step, so eval, a resume and uploads find weights on disk."""
-    return transport != "broadcast" or final or is_due(step, final, cfg)
+    last step, so eval, a resume and uploads find weights on disk; and at the snapshot
+    steps (`snapshot_due`)."""
+    return transport != "broadcast" or final or is_due(step, final, cfg) or snapshot_due(step, final, cfg)
 
 
 def rotation(steps: Sequence[int], keep_last: Optional[int], keep_interval: Optional[int]) -> list[int]:
@@ -85,6 +118,12 @@ def resolve_resume_step(run: RunDir, requested: Optional[int], parts: Sequence[s
         return requested
     if requested == -1 and complete:
         return complete[-1]
+    if requested > 0 and run.has_weights(requested) and requested not in run.checkpoint_steps(parts[0]):
+        raise UserError(
+            f"ckpt.step={requested}: step {requested} has only weights ({run.weights_step(requested)}, e.g. a "
+            f"ckpt.weights_only snapshot), no checkpoint: a resume needs a full checkpoint in {run.checkpoints_dir}; "
+            f"complete checkpoints: {complete or 'none'}"
+        )
     partial = sorted(set(run.checkpoint_steps(parts[0])) - set(complete))
     what = f"complete checkpoints: {complete or 'none'}" + (f", incomplete: {partial}" if partial else "")
     need = " and ".join(f"{p}/STABLE" for p in parts)

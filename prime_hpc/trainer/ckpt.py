@@ -9,7 +9,8 @@
       STABLE                          written last, once every rank's shards are on disk
 
 When: every `ckpt.interval` steps, and at the last step when `ckpt.enabled` (or an
-interval) is set. Rotation (`rotation()`): keep the newest `ckpt.keep_last` complete
+interval) is set; never with `ckpt.weights_only`, whose steps keep only `weights/step_<n>`
+(`rundir.checkpoints.snapshot_due`: not a resume point), except a stop on request. Rotation (`rotation()`): keep the newest `ckpt.keep_last` complete
 checkpoints plus every one whose step is a multiple of `ckpt.keep_interval`; each component
 removes its own part (the step directory goes with the last one). With `ckpt.save_async`, the shards are copied to host memory and written by a
 background thread on a dedicated gloo group; the marker is written when that write

@@ -5,8 +5,8 @@
 - `broadcast`: rank 0 sends them to every server itself (`prime_hpc.trainer.sender`, in
   the background while the next step trains) and writes only a marker,
   `sent/step_<n>.json` (`model.write_marker`: it tells the orchestrator that policy n is on
-  its way), with the full weights in `weights/step_<n>` at the checkpointed steps and the
-  last one
+  its way), with the full weights in `weights/step_<n>` at the checkpointed steps, the
+  weights-only snapshot steps (`ckpt.weights_only`, `ckpt.weights.interval`) and the last one
   (`rundir.checkpoints.full_weights_due`), and at any step a checkpoint is saved at
   otherwise (`ensure_full`: a stop on request, an early end), so eval, a resume and uploads
   always find weights on disk next to a checkpoint.

@@ -390,7 +390,7 @@ def _checkpoint_and_prune(s: Session, step: int, result: StepResult, progress: d
     final = s.cfg.max_steps is not None and step == s.cfg.max_steps
     _, t_ckpt = runner.checkpoint_if_due(s, step, final, {"progress": progress, **extra})
     if s.env.is_main:
-        runner.prune_weights(s.run, step, s.cfg.async_level)
+        runner.prune_weights(s.run, step, s.cfg.async_level, s.cfg.ckpt)
     return t_ckpt
 
 
@@ -398,12 +398,12 @@ def _finish(s: Session, pub: Publisher, step: int, progress: dict, extra: dict) 
     """After the last step: its full weights and its checkpoint if the data ended early,
     the last policy sent, background saves done, weights pruned, the heartbeat says done."""
     pub.ensure_full(s, step)  # the last step's weights stay on disk whatever the transport
-    if step > s.start_step and s.cfg.ckpt.enabled and step not in s.ckpt.requested:
+    if step > s.start_step and s.cfg.ckpt.enabled and not s.cfg.ckpt.weights_only and step not in s.ckpt.requested:
         s.ckpt.save(step, s.engine, {"progress": progress, **extra})  # stopped early at rollouts/DONE
     pub.wait()
     s.ckpt.wait()
     if s.env.is_main:  # a background save may have rotated a checkpoint away just now
-        runner.prune_weights(s.run, step, s.cfg.async_level)
+        runner.prune_weights(s.run, step, s.cfg.async_level, s.cfg.ckpt)
     runner.beat(s, step, done=True)
 
 

@@ -182,12 +182,17 @@ def save_weights(s: Session, step: int, info: Optional[dict] = None) -> float:
     return time.perf_counter() - t0
 
 
-def prune_weights(run: RunDir, step: int, async_level: int) -> list[int]:
+def prune_weights(run: RunDir, step: int, async_level: int, ckpt: Any = None) -> list[int]:
     """Rank 0, after writing `weights/step_<step>`: remove the weights no step can use any
     more (`window.prunable`) unless their step has a trainer checkpoint (checkpointed
-    policies stay for resume and serving), and the markers of such policies sent by
-    broadcast (`sent/`). The weight steps removed."""
+    policies stay for resume and serving) or is a weights-only snapshot the run's `ckpt`
+    section keeps (`rundir.checkpoints.snapshot_keep`), and the markers of such policies
+    sent by broadcast (`sent/`). The weight steps removed."""
+    from prime_hpc.rundir.checkpoints import snapshot_keep
+
     keep = set(run.checkpoint_steps("trainer"))
+    if ckpt is not None:
+        keep |= snapshot_keep(run, ckpt)
     removed = []
     for k in run.weight_steps(stable_only=False):
         if prunable(k, step, async_level) and k not in keep:

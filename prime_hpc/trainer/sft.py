@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.config.component import TrainerRunConfig
+from prime_hpc.rundir.checkpoints import snapshot_due
 from prime_hpc.trainer import runner
 
 if TYPE_CHECKING:
@@ -153,10 +154,10 @@ def train_step(
     early = bool(val_m) and t.val.stop_below is not None and val_m["val/loss"] < t.val.stop_below
     saved, t_ckpt = runner.checkpoint_if_due(s, step, last or early, data.state())
     t_weights = 0.0
-    if saved or last or early:
+    if saved or last or early or snapshot_due(step, last or early, cfg.ckpt):
         t_weights = runner.save_weights(s, step)
         if env.is_main:
-            runner.prune_weights(s.run, step, 0)
+            runner.prune_weights(s.run, step, 0, s.cfg.ckpt)
     m = runner.step_metrics(s, result, time.perf_counter() - t0, t_data)
     m.update(
         {
@@ -222,7 +223,7 @@ def train(cfg: TrainerRunConfig) -> None:
                 break
         s.ckpt.wait()
         if s.env.is_main:  # a background save may have rotated a checkpoint away just now
-            runner.prune_weights(s.run, step, 0)
+            runner.prune_weights(s.run, step, 0, s.cfg.ckpt)
         runner.beat(s, step, done=True)
         logger.info(f"done at step {step}")
 

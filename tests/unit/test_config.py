@@ -101,6 +101,8 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
         (["trainer.model.lora.enabled=true", "trainer.model.lora.rank=0"], "trainer.model.lora.rank", ">= 1"),
         (["trainer.model.lora.enabled=true", "trainer.model.lora.dropout=1.0"], "trainer.model.lora.dropout", "[0, 1)"),
         (["ckpt.keep_last=0"], "ckpt.keep_last", ">= 1"),
+        (["ckpt.weights.keep_last=2"], "ckpt.weights.keep_last", "ckpt.weights.interval or ckpt.weights_only"),
+        (["ckpt.weights.interval=0"], "ckpt.weights.interval", ">= 1"),
         (["trainer.max_concurrent_runs=2"], "trainer.max_concurrent_runs", "trainer.model.lora.enabled=true"),
         (
             ["trainer.max_concurrent_runs=2", "trainer.model.lora.enabled=true", "weights.transport=broadcast"],
