@@ -258,15 +258,17 @@ def tokenize_conversation(
     tools: Any = None,
     where: str = "sample",
     template_kwargs: Optional[dict] = None,
-) -> list[tuple[list[int], list[bool]]]:
-    """The conversation as one sample (`tokenize_messages`) when the template is prefix-stable.
+) -> tuple[list[tuple[list[int], list[bool]]], bool]:
+    """(samples, whether they are per turn). The conversation as one sample (`tokenize_messages`) when the template is prefix-stable.
     Otherwise (a template that rewrites earlier turns, e.g. one dropping past `<think>`
     blocks) one sample per trained assistant turn: the turn rendered after its own prefix
     (messages[:i] with the generation prompt, untrained) as the template renders it at that
     point. Only assistant turns can be trained that way: a template that rewrites earlier
     turns with another role trained (`trainable`) keeps the prefix error."""
     try:
-        return [tokenize_messages(tokenizer, messages, trainable, first_trainable, tools, where, template_kwargs)]
+        return [
+            tokenize_messages(tokenizer, messages, trainable, first_trainable, tools, where, template_kwargs)
+        ], False
     except NotPrefixStable as e:
         other = sorted(
             {m["role"] for m in messages[first_trainable:] if m["role"] != "assistant" and trainable[m["role"]]}
@@ -284,7 +286,7 @@ def tokenize_conversation(
         full = _render(tokenizer, messages[: i + 1], tools, False, template_kwargs)
         _check_prefix(head, full, f"{where} message {i}")
         out.append((full, [False] * len(head) + [True] * (len(full) - len(head))))
-    return out
+    return out, True
 
 
 def _row_messages(row: dict, kind: str, where: str) -> tuple[list[dict], int]:
@@ -308,8 +310,8 @@ def tokenize_dataset(
         where = f"dataset {name!r} sample {i}"
         tools, kwargs = row_tools(row, where), row_template_kwargs(row, where)
         msgs, first = _row_messages(row, kind, where)
-        samples = tokenize_conversation(tokenizer, msgs, trainable, first, tools, where, kwargs)
-        per_turn += len(samples) > 1
+        samples, split = tokenize_conversation(tokenizer, msgs, trainable, first, tools, where, kwargs)
+        per_turn += split
         for ids, mask in samples:
             ids, mask = ids[:seq_len], mask[:seq_len]
             if mask:

@@ -55,7 +55,8 @@ def test_tool_defs_and_tools_reach_the_template_as_openai_functions(tok):
         ([{"messages": CHAT, "tool_defs": json.dumps(defs)}], " strict"),  # a JSON string of one
         ([{"messages": CHAT, "tools": oai}], ""),
         ([{"messages": CHAT, "tools": json.dumps(oai)}], ""),
-        ([{"messages": CHAT, "tools": json.dumps(oai), "tool_defs": "[]"}], ""),  # tools wins
+        # a row with both: tools wins
+        ([{"messages": CHAT, "tools": json.dumps(oai), "tool_defs": json.dumps([{**defs[0], "name": "x"}])}], ""),
     ):
         [(ids, mask)] = _tokenize(tok, rows)
         text = tok.decode(ids)
