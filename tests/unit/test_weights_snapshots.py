@@ -55,11 +55,11 @@ def test_weights_only_keeps_hf_weights_at_the_checkpoint_steps_and_writes_no_che
 
 
 def test_snapshot_retention_keeps_the_newest_and_never_a_checkpointed_step_s_weights(tmp_path, one_process):  # noqa: F811
-    run = _run_steps(tmp_path, ["ckpt.interval=3", "ckpt.weights.interval=1", "ckpt.weights.keep_last=1"])
-    assert run.complete_checkpoint_steps(("trainer",)) == [3, 6]
-    # snapshots 1, 2, 4, 5: only the newest (5) is kept by retention; 4 is still in the
-    # async window; the checkpointed 3 stays whatever keep_last says
-    assert run.weight_steps() == [3, 4, 5, 6]
+    run = _run_steps(tmp_path, ["ckpt.interval=3", "ckpt.weights.interval=1", "ckpt.weights.keep_last=2"], steps=8)
+    assert run.complete_checkpoint_steps(("trainer",)) == [3, 6, 8]
+    # snapshots 1, 2, 4, 5, 7: retention keeps the newest two (5, 7); 1, 2 and 4 are past
+    # the async window and go; the checkpointed 3 and 6 stay whatever keep_last says
+    assert run.weight_steps() == [3, 5, 6, 7, 8]
 
 
 def test_without_keep_last_every_snapshot_stays(tmp_path, one_process):  # noqa: F811
