@@ -26,6 +26,7 @@ COMMANDS = (
     "synthesize",
     "doctor",
     "completion",
+    "config",
 )
 TAKES_OVERRIDES = ("submit", "doctor", "resume", "scale", "serve")  # extra words are overrides
 
@@ -41,6 +42,7 @@ USAGE_EXAMPLES = """examples:
   prime-hpc list      prime-hpc cancel JOB      prime-hpc eval JOB steps=10,20
   prime-hpc serve model=tiny cluster=dev                    serve a model as a job (eval serve=JOB env=...)
   prime-hpc synthesize model=M env=reverse-text rollouts=4 min_reward=1 out=DIR   an SFT dataset from an env
+  prime-hpc config export JOB -o rl.toml                  the run's config as a recipe in the reference's TOML layout
   prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster
   prime-hpc submit +experiment=reverse_text --bench         benchmark the run's trainer and inference (bench.json)
   eval "$(prime-hpc completion bash)"                        TAB-complete commands, options, groups and keys

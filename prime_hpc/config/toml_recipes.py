@@ -7,7 +7,12 @@ Precedence, lowest first: the experiment defaults (`conf/`), `$PRIME_LOG_LEVEL` 
 the command line's overrides. A key the table does not have is refused in one line naming
 the file (or variable), the key and the nearest key the table has: never dropped.
 
-Imported only when an `@` argument or a `PRIME_` variable is there (the CLI stays fast)."""
+A file's `[prime_hpc]` table holds prime-hpc keys as they are (`null_keys`: those set to
+null). `export` writes a run's recorded config back in this layout (`prime-hpc config
+export`), `to_toml` the TOML.
+
+Imported only when an `@` argument or a `PRIME_` variable is there, or by `config export`
+(the CLI stays fast)."""
 
 from __future__ import annotations
 
@@ -148,6 +153,12 @@ ENV_ENTRY = {"id": "id", "args": "args", "ratio": "ratio", "weight": "ratio", "n
 SFT_SECTIONS = ("data", "optim", "loss_mask", "val")
 """top-level tables of the SFT trainer's layout: a file with one composes `trainer=sft`"""
 
+OWN_TABLE = "prime_hpc"
+"""`[prime_hpc]`: prime-hpc keys given as they are (what `config export` writes for the keys
+the reference's layout has no counterpart of)"""
+NULL_KEYS = "null_keys"
+"""`[prime_hpc] null_keys = ["key", ...]`: those keys set to null"""
+
 LOG_LEVEL_VAR = "PRIME_LOG_LEVEL"
 ORIGINS: dict[str, str] = {}
 """prime-hpc key -> `source: reference key` of the last `expand` (see `origin`)"""
@@ -267,6 +278,11 @@ def overrides_of(data: dict, source: str) -> list[str]:
 def _walk(node: dict, prefix: str, source: str, out: list[str]) -> None:
     for k, value in node.items():
         key = f"{prefix}.{k}" if prefix else str(k)
+        if key == OWN_TABLE:
+            if not isinstance(value, dict):
+                raise UserError(f"{source}: {OWN_TABLE} is a table of prime-hpc keys ([{OWN_TABLE}]), not {value!r}")
+            _own(value, "", source, out)
+            continue
         target = MAPPING.get(key)
         if isinstance(value, dict) and (key in _SECTIONS or (target is None and value)):
             if target is not None and target[1] == PRESENT:
@@ -286,6 +302,27 @@ def _walk(node: dict, prefix: str, source: str, out: list[str]) -> None:
         else:  # a table value (extra_body) merges into the one there: Hydra overrides no dict with `key=`
             out.append(f"{'++' if isinstance(value, dict) else ''}{ours}={_hydra(value, key, source)}")
         ORIGINS[ours] = f"{source}: {key}"
+
+
+def _own(node: dict, prefix: str, source: str, out: list[str]) -> None:
+    """`[prime_hpc]`: prime-hpc keys as they are (nested tables or dotted keys), and
+    `null_keys = [...]`, the keys set to null (TOML has no null)."""
+    for k, value in node.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if key == NULL_KEYS:
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise UserError(f"{source}: {OWN_TABLE}.{NULL_KEYS} is a list of prime-hpc keys, not {value!r}")
+            for name in value:
+                out.append(f"{name}=null")
+                ORIGINS[name] = f"{source}: {OWN_TABLE}.{NULL_KEYS}"
+            continue
+        if isinstance(value, dict) and value:
+            _own(value, key, source, out)
+            continue
+        # `++`: a key of a table-valued setting (orchestrator.sampling.extra_body.x) is added;
+        # a key the schema does not have is still refused, naming it (compose)
+        out.append(f"++{key}={_hydra(value, f'{OWN_TABLE}.{key}', source)}")
+        ORIGINS[key] = f"{source}: {OWN_TABLE}.{key}"
 
 
 def _unknown(source: str, key: str) -> UserError:
@@ -342,3 +379,192 @@ def table_markdown() -> str:
     lines = ["| reference key | prime-hpc key | value |", "| --- | --- | --- |"]
     lines += [f"| `{k}` | `{t}` | {how[h]} |" for k, (t, h) in MAPPING.items()]
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- export
+LAYOUT_ALIASES = frozenset(
+    k
+    for k in MAPPING
+    if k == "model"
+    or k in ("batch_size", "rollouts_per_example", "learning_rate", "warmup_steps", "env")
+    or k.split(".")[0] in ("sampling", "lora", "difficulty_filter")
+)
+"""reference keys `config export` writes only where nothing else reaches their prime-hpc key:
+the one-line `model = ...` and the one-file lab layout's"""
+NOT_EXPORTED = ("name", "output_dir", "job_dir")
+"""what names the run's directory and job: a recipe submitted again is a new run (give them
+as overrides to choose)"""
+
+
+def export_key(target: str, sft: bool) -> str | None:
+    """The reference key `config export` writes prime-hpc's `target` under: of those the
+    table maps to it, the first of the `[section]` form (an SFT run: of the SFT trainer's
+    layout first; an RL run: never one of it, which would make the file an SFT run's)."""
+    found = [k for k, (t, _) in MAPPING.items() if t == target]
+    if not sft:
+        found = [k for k in found if k.split(".")[0] not in SFT_SECTIONS]
+    found.sort(key=lambda k: (k in LAYOUT_ALIASES, sft and k.split(".")[0] not in SFT_SECTIONS))
+    return found[0] if found else None
+
+
+_MISSING = object()
+
+
+def _get(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+def _put(tree: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def flat_leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf (a list is a leaf; so is an empty table)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flat_leaves(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def export(run: dict, defaults: dict, derived: frozenset[str] = frozenset()) -> str:
+    """The recorded config `run` (plain data) as a TOML recipe in the reference's layout:
+    every prime-hpc key the table reaches under its reference key (`export_key`), and every
+    other key whose value is not `defaults`' (what `submit` composes with no overrides, for
+    an SFT run with trainer=sft) in `[prime_hpc]`, null ones in its `null_keys`; `NOT_EXPORTED`
+    and `derived` (keys submit sets itself: a warm-up's weights) left out. `submit @` the
+    result composes to `run` (but for those)."""
+    sft = _get(run, "trainer.type") == "sft"
+    tree: dict = {}
+    nulls: list[str] = []
+    covered: set[str] = set()  # prime-hpc keys written in the reference's layout
+    targets = {t: export_key(t, sft) for t in dict.fromkeys(t for t, _ in MAPPING.values())}
+    exported = {t: ref for t, ref in targets.items() if ref is not None and t not in (*NOT_EXPORTED, *derived)}
+    off = [ref for t, ref in exported.items() if MAPPING[ref][1] == PRESENT and _get(run, t) is not True]
+    for target, ref in exported.items():  # in the table's order
+        if any(ref.startswith(o + ".") for o in off):
+            continue  # its feature is off: a [table] would turn it on; in [prime_hpc] if not the default
+        value = _get(run, target)
+        if value is _MISSING:
+            continue
+        covered.add(target)
+        how = MAPPING[ref][1]
+        if how == PRESENT:
+            if value is True:
+                node = tree
+                for part in ref.split("."):
+                    node = node.setdefault(part, {})
+            else:
+                _put(tree, ref, False)
+            continue
+        if value is None:
+            if _get(defaults, target) is not None:
+                nulls.append(target)
+            continue
+        if how == ENVS:
+            back = {v: k for k, v in reversed(ENV_ENTRY.items())}  # the first reference name of each
+            value = [{back[k]: v for k, v in e.items() if v is not None} for e in value]
+        _put(tree, ref, value)
+    own: dict = {}
+    flat_defaults = flat_leaves(defaults)
+    for key, value in flat_leaves(run).items():
+        if key.split(".")[0] in NOT_EXPORTED or key in derived:
+            continue
+        if any(key == c or key.startswith(c + ".") for c in covered):
+            continue
+        if value == flat_defaults.get(key, _MISSING):
+            continue
+        if value is None:
+            nulls.append(key)
+        else:
+            _put(own, key, value)
+    text = to_toml(tree)
+    if own or nulls:
+        if nulls:
+            own[NULL_KEYS] = nulls
+        text += (
+            f"\n# [{OWN_TABLE}]: prime-hpc keys the reference's layout has no counterpart of, where this run's\n"
+            f"# value is not the default ({NULL_KEYS}: those set to null)\n"
+        ) + to_toml({OWN_TABLE: own})
+    return text
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def to_toml(tree: dict) -> str:
+    """`tree` (str, int, float, bool, lists, tables; no null: TOML has none) as TOML text:
+    each table's values, then its tables (`[a.b]`; an empty one too: a table given), then
+    its lists of tables (`[[a.b]]`)."""
+    lines: list[str] = []
+    _table(tree, [], lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _is_tables(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def _table(tree: dict, path: list[str], lines: list[str], header: str = "") -> None:
+    plain = [(k, v) for k, v in tree.items() if not isinstance(v, dict) and not _is_tables(v)]
+    if header and (plain or not tree):
+        lines += ["", header]
+    for k, v in plain:
+        lines.append(f"{toml_key(k)} = {toml_value(v, [*path, k])}")
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            sub = [*path, k]
+            _table(v, sub, lines, f"[{'.'.join(map(toml_key, sub))}]")
+    for k, v in tree.items():
+        if _is_tables(v):
+            sub = [*path, k]
+            for entry in v:
+                lines += ["", f"[[{'.'.join(map(toml_key, sub))}]]"]
+                lines += [f"{toml_key(ek)} = {toml_value(ev, [*sub, ek])}" for ek, ev in entry.items()]
+
+
+def toml_key(key: Any) -> str:
+    key = str(key)
+    return key if _BARE_KEY.fullmatch(key) else toml_value(key, [])
+
+
+def toml_value(value: Any, path: list[str]) -> str:
+    """One TOML value (inline: lists, tables `{k = v}`)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        out = []
+        for ch in value:
+            if ch in _ESCAPES:
+                out.append(_ESCAPES[ch])
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04X}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v, [*path, str(i)]) for i, v in enumerate(value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v, [*path, str(k)])}" for k, v in value.items()) + "}"
+    where = ".".join(path) or "a value"
+    what = "null (TOML has no null)" if value is None else f"a {type(value).__name__}"
+    raise UserError(f"{where}: {what} cannot be written as TOML")
