@@ -199,6 +199,12 @@ class SFTDataConfig:
     """tokens per trainer step (packed rows of seq_len)"""
     args: Dict[str, Any] = field(default_factory=dict)
     """kwargs of a module:function dataset (or load_dataset)"""
+    subsets: Optional[List[str]] = None
+    """sft: hub dataset configs (subsets) mixed in training, each read from `split` (or its entry of `splits`)"""
+    splits: Optional[List[str]] = None
+    """sft: splits mixed in training (one per entry of `subsets`, or alone: splits of `name`)"""
+    probabilities: Optional[List[float]] = None
+    """sft: sampling weight of each subset/split (normalized); null: in proportion to their sizes"""
 
 
 @dataclass

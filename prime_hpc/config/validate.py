@@ -415,6 +415,32 @@ def check_teacher_serve(cfg: DictConfig) -> None:
         )
 
 
+def check_sft_parts(d: DictConfig, key: str) -> None:
+    """`subsets` / `splits` / `probabilities` of an SFT dataset agree with each other."""
+    subsets, splits = list(d.subsets or []), list(d.splits or [])
+    if subsets and splits and len(subsets) != len(splits):
+        raise ConfigError(
+            f"{key}.splits",
+            f"{len(splits)} splits for {len(subsets)} subsets; give one split per subset, "
+            f"or null to read every subset's {key}.split",
+        )
+    labels = [f"{a}/{b}" for a, b in zip(subsets, splits)] if subsets and splits else subsets or splits
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise ConfigError(f"{key}.subsets" if subsets else f"{key}.splits", f"{twice[0]!r} is named twice")
+    if d.probabilities is None:
+        return
+    probs = list(d.probabilities)
+    if len(labels) < 2 or len(probs) != len(labels):
+        raise ConfigError(
+            f"{key}.probabilities",
+            f"{len(probs)} weights for {len(labels)} parts; give one per entry of {key}.subsets "
+            f"(or {key}.splits), which must name two or more",
+        )
+    if any(not (float(p) > 0 and float(p) < float("inf")) for p in probs):
+        raise ConfigError(f"{key}.probabilities", f"weights must be positive numbers, got {probs}")
+
+
 def check_sft(cfg: DictConfig) -> None:
     t = cfg.trainer
     if t.type != "sft":
@@ -424,6 +450,8 @@ def check_sft(cfg: DictConfig) -> None:
             "trainer.data.name",
             "an SFT run needs a dataset; set it to a HF dataset name, a local path or module:function",
         )
+    check_sft_parts(t.data, "trainer.data")
+    check_sft_parts(t.val.data, "trainer.val.data")
     if t.data.batch_size < t.data.seq_len:
         raise ConfigError(
             "trainer.data.batch_size",

@@ -35,14 +35,14 @@ PROG = "python -m prime_hpc.trainer.sft"
 PARTS = ("trainer",)  # an SFT checkpoint step is complete without an orchestrator part
 
 
-def load_samples(data_cfg: SFTDataConfig, tokenizer: Any, loss_mask: LossMaskConfig) -> list:
+def load_samples(data_cfg: SFTDataConfig, tokenizer: Any, loss_mask: LossMaskConfig) -> tuple[list, Any]:
+    """The dataset's samples and their `sft_data.Mix` (None unless several subsets/splits)."""
     from prime_hpc.core.errors import UserError
     from prime_hpc.trainer import sft_data
 
     if not data_cfg.name:
         raise UserError("trainer.data.name: an SFT run needs a dataset (a HF name, a local path or module:function)")
-    ds = sft_data.load_dataset(data_cfg.name, data_cfg.split, data_cfg.args)
-    return sft_data.tokenize_dataset(ds, data_cfg.name, tokenizer, loss_mask, data_cfg.seq_len)
+    return sft_data.load_parts(data_cfg, tokenizer, loss_mask)
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -76,25 +76,26 @@ def _nll(lp, mb, normalizer):
     return sft_loss(lp, mb["loss_mask"], normalizer)
 
 
-def load_data(cfg: TrainerRunConfig, tokenizer: Any) -> tuple[list, Optional[list]]:
-    """The training samples and the validation samples (None without `val.interval`),
-    tokenized: a bad dataset fails before any heavy setup."""
+def load_data(cfg: TrainerRunConfig, tokenizer: Any) -> tuple[list, Any, Optional[list]]:
+    """The training samples, their mix (None unless several subsets/splits) and the
+    validation samples (None without `val.interval`), tokenized: a bad dataset fails
+    before any heavy setup."""
     from loguru import logger
 
     from prime_hpc.core.errors import UserError
 
     t = cfg.trainer
-    samples = load_samples(t.data, tokenizer, t.loss_mask)
+    samples, mix = load_samples(t.data, tokenizer, t.loss_mask)
     val_samples = None
     if t.val.interval:
         if not t.val.data.name:
             raise UserError("trainer.val.interval is set but trainer.val.data.name is not; name a validation dataset")
-        val_samples = load_samples(t.val.data, tokenizer, t.loss_mask)
+        val_samples, _ = load_samples(t.val.data, tokenizer, t.loss_mask)
     logger.info(
         f"{len(samples)} training samples from {t.data.name}"
         + (f", {len(val_samples)} validation samples from {t.val.data.name}" if val_samples else "")
     )
-    return samples, val_samples
+    return samples, mix, val_samples
 
 
 @dataclass
@@ -112,12 +113,15 @@ class Epochs:
         return {"progress": self.progress, "dataloader": self.stream.state()}
 
 
-def start(s: Session, cfg: TrainerRunConfig, tokenizer: Any, samples: list, val_samples: Optional[list]) -> Epochs:
-    """The data position of a new run, or of a resumed one (its checkpoint's)."""
+def start(
+    s: Session, cfg: TrainerRunConfig, tokenizer: Any, samples: list, val_samples: Optional[list], mix: Any = None
+) -> Epochs:
+    """The data position of a new run, or of a resumed one (its checkpoint's); `mix`: the
+    samples' `sft_data.Mix`."""
     from prime_hpc.trainer import sft_data
 
     t, env, pad_id = cfg.trainer, s.env, _pad_id(tokenizer)
-    stream = sft_data.SFTStream(samples, t.data.seq_len, cfg.seed, epochs=None if cfg.max_steps else 1)
+    stream = sft_data.SFTStream(samples, t.data.seq_len, cfg.seed, epochs=None if cfg.max_steps else 1, mix=mix)
     if s.resumed:
         stream.load_state(s.resumed["dataloader"])
     return Epochs(
@@ -164,6 +168,7 @@ def train_step(
             "progress/epoch": data.stream.progress_epochs,
             "progress/num_samples": data.progress["num_samples"],
             "progress/num_tokens": data.progress["num_tokens"],
+            **data.stream.ratios(),
             "time/save_ckpt": t_ckpt,
             "time/save_weights": t_weights,
             **val_m,
@@ -194,9 +199,9 @@ def train(cfg: TrainerRunConfig) -> None:
     from prime_hpc.trainer.model import load_tokenizer
 
     tokenizer = load_tokenizer(cfg)
-    samples, val_samples = load_data(cfg, tokenizer)
+    samples, mix, val_samples = load_data(cfg, tokenizer)
     with runner.session(cfg, PARTS) as s:
-        data = start(s, cfg, tokenizer, samples, val_samples)
+        data = start(s, cfg, tokenizer, samples, val_samples, mix)
         step = s.start_step
         if data.val is not None and step == 0:
             _validate(s, 0, data.val)

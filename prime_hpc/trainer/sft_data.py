@@ -6,6 +6,8 @@
 - a local directory written by `Dataset.save_to_disk` (a `DatasetDict` is indexed by
   `data.split`), or a local `.json`/`.jsonl`/`.parquet`/`.csv` file;
 - a Hugging Face hub name (`datasets.load_dataset(name, split=data.split, **data.args)`).
+`data.subsets` / `data.splits` name several parts of it (hub configs, splits), loaded in
+turn and mixed (`Mix`, `SFTStream`): by `data.probabilities` when set, else shuffled together.
 
 Columns: `messages` (a list of chat messages), or `prompt` + `completion` (each a list of
 messages or a string: a string prompt is one user message, a string completion one
@@ -52,15 +54,22 @@ _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".cs
 
 
 # ----------------------------------------------------------------------------- loading
-def load_dataset(name: str, split: str = "train", args: Optional[dict] = None) -> Any:
-    """The dataset `name` (see the module docstring); one-line UserError when it cannot be
-    loaded."""
+def load_dataset(name: str, split: str = "train", args: Optional[dict] = None, subset: Optional[str] = None) -> Any:
+    """The dataset `name` (see the module docstring), its config `subset` when given (hub
+    datasets only); one-line UserError when it cannot be loaded."""
     import datasets
 
     datasets.disable_progress_bars()  # bars would garble the per-rank logs and the one-line errors
     args = dict(args or {})
     path = Path(name).expanduser()
+    if subset is not None and (path.exists() or _CALLABLE.match(name)):
+        raise UserError(
+            f"dataset {name!r}: trainer.data.subsets name configs of a hub dataset; a local path or "
+            "module:function has none (use trainer.data.splits, or one dataset per run)"
+        )
     try:
+        if subset is not None:
+            return datasets.load_dataset(name, subset, split=split, **args)
         if _CALLABLE.match(name) and not path.exists():
             return _from_callable(name, args)
         if path.is_dir():
@@ -78,7 +87,19 @@ def load_dataset(name: str, split: str = "train", args: Optional[dict] = None) -
         raise
     except Exception as e:  # datasets raises many types for "cannot load"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"dataset {name!r} (split {split!r}) cannot be loaded: {first}") from None
+        what = f"subset {subset!r}, split {split!r}" if subset is not None else f"split {split!r}"
+        raise UserError(f"dataset {name!r} ({what}) cannot be loaded: {first}") from None
+
+
+def sources(cfg: Any) -> list[tuple[str, Optional[str], str]]:
+    """(label, subset, split) of every part of `trainer.data` (`cfg`): one per entry of
+    `subsets` / `splits`, or the dataset itself (label "") when neither is set."""
+    subsets, splits = list(cfg.subsets or []), list(cfg.splits or [])
+    if subsets and splits:
+        return [(f"{a}/{b}", a, b) for a, b in zip(subsets, splits)]
+    if subsets:
+        return [(a, a, cfg.split) for a in subsets]
+    return [(b, None, b) for b in splits] or [("", None, cfg.split)]
 
 
 def _from_callable(name: str, args: dict) -> Any:
@@ -334,6 +355,23 @@ def tokenize_dataset(
     return out
 
 
+def load_parts(cfg: Any, tokenizer: Any, loss_mask: Any) -> tuple[list[tuple[list[int], list[bool]]], Optional[Mix]]:
+    """The samples of `trainer.data` (`cfg`), every part (`sources`) loaded and tokenized
+    in turn, and their `Mix` when there are two or more parts."""
+    parts = sources(cfg)
+    samples: list[tuple[list[int], list[bool]]] = []
+    part: list[int] = []
+    for k, (label, subset, split) in enumerate(parts):
+        ds = load_dataset(cfg.name, split, cfg.args, subset)
+        got = tokenize_dataset(ds, f"{cfg.name}[{label}]" if label else cfg.name, tokenizer, loss_mask, cfg.seq_len)
+        samples += got
+        part += [k] * len(got)
+    if len(parts) < 2:
+        return samples, None
+    weights = [float(w) for w in cfg.probabilities] if cfg.probabilities else None
+    return samples, Mix(part, [label for label, _, _ in parts], weights)
+
+
 # ----------------------------------------------------------------------------- packing
 @dataclass
 class Row:
@@ -386,21 +424,67 @@ def pack(samples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> list[
     return rows
 
 
+@dataclass
+class Mix:
+    """The parts of a mixed dataset: each sample's part (`part[i]`), the parts' labels
+    (`progress/<label>/ratio_*`) and, when set, their sampling weights."""
+
+    part: list[int]
+    labels: list[str]
+    weights: Optional[list[float]] = None
+
+
 class SFTStream:
     """The training stream: per-epoch shuffled samples packed into rows, a step at a time.
-    Its position (`state()`) is what a checkpoint stores."""
+    Its position (`state()`) is what a checkpoint stores. With a `Mix` of weights, an
+    epoch is as many draws as there are samples: each draw picks a part by weight and takes
+    that part's next sample (a part used up starts again, reshuffled); the order is a
+    function of the seed and the epoch, so the position alone still resumes it."""
 
     def __init__(
-        self, samples: list[tuple[list[int], list[bool]]], seq_len: int, seed: int, epochs: Optional[int] = None
+        self,
+        samples: list[tuple[list[int], list[bool]]],
+        seq_len: int,
+        seed: int,
+        epochs: Optional[int] = None,
+        mix: Optional[Mix] = None,
     ) -> None:
-        self.samples, self.seq_len, self.seed, self.epochs = samples, seq_len, seed, epochs
+        self.samples, self.seq_len, self.seed, self.epochs, self.mix = samples, seq_len, seed, epochs, mix
         self.epoch, self.position = 0, 0
+        self.taken: list[int] = []  # the samples of the last next_rows
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.samples)))
-        random.Random(f"sft/{self.seed}/{epoch}").shuffle(order)
-        return order
+        rng = random.Random(f"sft/{self.seed}/{epoch}")
+        rng.shuffle(order)
+        if self.mix is None or self.mix.weights is None:
+            return order
+        mix, parts = self.mix, range(len(self.mix.labels))
+        by_part = [[i for i in order if mix.part[i] == k] for k in parts]
+        at = [0] * len(by_part)
+        out = []
+        for _ in order:
+            k = rng.choices(parts, weights=mix.weights)[0]
+            if at[k] == len(by_part[k]):
+                rng.shuffle(by_part[k])
+                at[k] = 0
+            out.append(by_part[k][at[k]])
+            at[k] += 1
+        return out
+
+    def ratios(self) -> dict[str, float]:
+        """`progress/<label>/ratio_samples` and `ratio_tokens` of the last `next_rows`: each
+        part's share of its samples and of its tokens (empty without a mix of two or more)."""
+        if self.mix is None or len(self.mix.labels) < 2 or not self.taken:
+            return {}
+        tokens = [len(self.samples[i][0]) for i in self.taken]
+        out = {}
+        for k, label in enumerate(self.mix.labels):
+            mine = [j for j, i in enumerate(self.taken) if self.mix.part[i] == k]
+            out[f"progress/{label}/ratio_samples"] = len(mine) / len(self.taken)
+            out[f"progress/{label}/ratio_tokens"] = sum(tokens[j] for j in mine) / max(1, sum(tokens))
+        return out
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -423,6 +507,7 @@ class SFTStream:
         rows: list[Row] = []
         cur = Row([])
         used = 0
+        self.taken = []
         while len(rows) < n and not self.exhausted():
             s = self.samples[self._order[self.position]]
             if cur.samples and cur.num_tokens + len(s[0]) > self.seq_len:
@@ -430,6 +515,7 @@ class SFTStream:
                 cur = Row([])
                 continue
             cur.samples.append(s)
+            self.taken.append(self._order[self.position])
             used += 1
             self.position += 1
             if self.position == len(self.samples):

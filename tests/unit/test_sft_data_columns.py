@@ -1,6 +1,8 @@
 """SFT rows' optional columns: `tools` / `tool_defs` reach the chat template's `tools=` in
 the OpenAI shape, `chat_template_kwargs` reach `apply_chat_template`; bad values are one
-line naming the dataset, the sample and the column."""
+line naming the dataset, the sample and the column. A template that rewrites earlier turns
+trains each assistant turn after its own prefix. Subsets/splits mixed by weight, with the
+realized ratios per step."""
 
 from __future__ import annotations
 
@@ -159,3 +161,85 @@ def test_a_template_rewriting_earlier_turns_with_users_trained_is_refused_in_one
         )
     msg = str(e.value)
     assert "\n" not in msg and "dataset 'chats' sample 0" in msg and "trainer.loss_mask.user=false" in msg, msg
+
+
+# ----------------------------------------------------------------------------- mixed parts
+def _parts(sizes: list[int]):
+
+    samples, part = [], []
+    for k, n in enumerate(sizes):
+        samples += [([k] * (2 + k), [False] + [True] * (1 + k)) for _ in range(n)]
+        part += [k] * n
+    return samples, part
+
+
+def test_a_weighted_mix_draws_the_parts_at_their_weights_and_logs_the_realized_ratios():
+    from prime_hpc.trainer.sft_data import Mix, SFTStream
+
+    samples, part = _parts([10, 90])
+    mix = Mix(part, ["small", "big"], [1.0, 1.0])
+    a = SFTStream(samples, seq_len=8, seed=3, mix=mix)
+    drawn = [part[i] for i in a._order]
+    assert len(drawn) == 100 and 40 <= drawn.count(0) <= 60  # the small part drawn about half the time
+    rows, used = a.next_rows(4)
+    r = a.ratios()
+    small = sum(1 for row in rows for ids, _ in row.samples if ids[0] == 0)
+    assert r["progress/small/ratio_samples"] == small / used
+    tokens = [len(ids) for row in rows for ids, _ in row.samples]
+    assert r["progress/small/ratio_tokens"] == 2 * small / sum(tokens)
+    assert r["progress/small/ratio_samples"] + r["progress/big/ratio_samples"] == 1.0
+    # resuming at a position continues the same mixed order
+    b = SFTStream(samples, seq_len=8, seed=3, mix=mix)
+    b.load_state(a.state())
+    assert [x.samples for x in b.next_rows(4)[0]] == [x.samples for x in a.next_rows(4)[0]]
+
+
+def test_without_weights_the_parts_are_one_shuffle_and_only_the_ratios_are_added():
+    from prime_hpc.trainer.sft_data import Mix, SFTStream
+
+    samples, part = _parts([3, 5])
+    plain = SFTStream(samples, seq_len=8, seed=1)
+    mixed = SFTStream(samples, seq_len=8, seed=1, mix=Mix(part, ["a", "b"]))
+    assert mixed._order == plain._order and plain.ratios() == {}
+    mixed.next_rows(2)
+    assert set(mixed.ratios()) == {f"progress/{p}/ratio_{w}" for p in "ab" for w in ("samples", "tokens")}
+
+
+def test_splits_of_a_saved_dataset_load_as_parts(tok, tmp_path):
+    from datasets import Dataset, DatasetDict
+    from omegaconf import OmegaConf
+
+    from prime_hpc.config.schema import LossMaskConfig, SFTDataConfig
+    from prime_hpc.trainer.sft_data import load_parts
+
+    rows = lambda n: Dataset.from_list([{"prompt": "q", "completion": "a" * (i + 1)} for i in range(n)])  # noqa: E731
+    DatasetDict({"easy": rows(2), "hard": rows(3)}).save_to_disk(str(tmp_path / "d"))
+    cfg = OmegaConf.structured(SFTDataConfig(name=str(tmp_path / "d"), seq_len=64, splits=["easy", "hard"]))
+    samples, mix = load_parts(cfg, tok, LossMaskConfig())
+    assert len(samples) == 5 and mix is not None and mix.labels == ["easy", "hard"] and mix.part == [0, 0, 1, 1, 1]
+    cfg.probabilities = [1, 3]
+    assert load_parts(cfg, tok, LossMaskConfig())[1].weights == [1.0, 3.0]
+    cfg.splits, cfg.subsets = None, ["x", "y"]
+    with pytest.raises(UserError) as e:
+        load_parts(cfg, tok, LossMaskConfig())
+    assert "\n" not in str(e.value) and "trainer.data.subsets" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, said",
+    [
+        (["trainer.data.subsets=[a,b]", "trainer.data.splits=[train]"], "trainer.data.splits", "1 splits for 2"),
+        (["trainer.data.splits=[a,a]"], "trainer.data.splits", "'a' is named twice"),
+        (["trainer.data.subsets=[a,b]", "trainer.data.probabilities=[1]"], "trainer.data.probabilities", "1 weights"),
+        (["trainer.data.probabilities=[1]"], "trainer.data.probabilities", "two or more"),
+        (["trainer.data.splits=[a,b]", "trainer.data.probabilities=[1,0]"], "trainer.data.probabilities", "positive"),
+    ],
+)
+def test_bad_mixes_are_refused_naming_the_key(overrides, key, said):
+    from prime_hpc.config.compose import compose
+    from prime_hpc.config.validate import validate
+    from prime_hpc.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["trainer=sft", "trainer.data.name=d", *overrides]))
+    assert e.value.key == key and said in str(e.value) and "\n" not in str(e.value), str(e.value)
