@@ -363,3 +363,10 @@ def test_the_kl_penalty_table_sets_the_adapted_penalty_toward_the_initial_policy
     text = "[kl_penalty]\nbeta = 0.1\ntarget_kl = 0.01\n"
     cfg = compose(toml_recipes.expand(["@", write(tmp_path, "kl.toml", text)], {}), resolve=False)
     assert (cfg.trainer.loss.ref_kl_coef, cfg.trainer.loss.target_kl) == (0.1, 0.01)
+
+
+def test_weights_only_snapshots_as_the_reference_writes_them(tmp_path):
+    text = "[ckpt]\nweights_only = true\n\n[ckpt.weights]\ninterval = 5\nkeep_last = 2\n"
+    cfg = compose(toml_recipes.expand(["@", write(tmp_path, "w.toml", text)], {}), resolve=False)
+    assert cfg.ckpt.enabled and cfg.ckpt.weights_only
+    assert (cfg.ckpt.weights.interval, cfg.ckpt.weights.keep_last) == (5, 2)
