@@ -191,7 +191,7 @@ def test_eval_and_synthesize_send_a_base_url_the_endpoint_key_not_the_jobs(tmp_p
 
     got = []
 
-    def make_client(url, key):
+    def make_client(url, key, timeout_s=None):
         got.append((url, key))
         raise _Sent
 
