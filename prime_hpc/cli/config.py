@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -38,27 +37,14 @@ def run_dir(target: str) -> Any:
 def read_own_config(run: Any) -> str:
     """The text of the run's config.yaml, read only when the run's directory and the file
     are the user's alone (checked on the opened descriptors); else `NotYours`, one line."""
-    import errno
-
     from prime_hpc.core import usercache
     from prime_hpc.core.errors import UserError
-    from prime_hpc.rundir.jobs import NotYours
+    from prime_hpc.rundir.jobs import NotYours, read_owned
 
-    name = run.config_yaml.name
     try:
-        with usercache.opened_dir(os.path.realpath(run.root)) as dfd:
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-            except FileNotFoundError:
-                raise UserError(f"{run.config_yaml}: no such file (the run's recorded config)") from None
-            except OSError as e:
-                why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
-                raise usercache.Untrusted(run.config_yaml, why) from None
-            with os.fdopen(fd, "rb") as f:
-                bad = usercache.problem(os.fstat(fd), directory=False)
-                if bad:
-                    raise usercache.Untrusted(run.config_yaml, bad)
-                data = f.read()
+        data = read_owned(run, run.config_yaml, missing_ok=True)
+    except FileNotFoundError:
+        raise UserError(f"{run.config_yaml}: no such file (the run's recorded config)") from None
     except usercache.Untrusted as e:
         raise NotYours(f"cannot export the config of {run.root}: {e}; export reads only runs of your own") from None
     try:

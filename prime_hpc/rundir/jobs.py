@@ -155,20 +155,35 @@ def own_job(run: RunDir, doing: str) -> dict[str, Any]:
     from prime_hpc.core import usercache
 
     try:
-        with usercache.opened_dir(os.path.realpath(run.root)) as dfd:
-            try:
-                fd = os.open(run.job_json.name, _FILE, dir_fd=dfd)
-            except OSError as e:
-                why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
-                raise usercache.Untrusted(run.job_json, why) from None
-            with os.fdopen(fd, "rb") as f:
-                bad = usercache.problem(os.fstat(fd), directory=False)
-                if bad:
-                    raise usercache.Untrusted(run.job_json, bad)
-                data = f.read()
+        data = read_owned(run, run.job_json)
     except usercache.Untrusted as e:
         raise NotYours(f"cannot {doing} the job of {run.root}: {e}; {doing} acts only on runs of your own") from None
     return parse_job(data, run.job_json)
+
+
+def read_owned(run: RunDir, path: Path, missing_ok: bool = False) -> bytes:
+    """The bytes of `path`, a file directly in the run's directory, read only when that
+    directory is the user's and writable by nobody else and the file the user's regular
+    file (not a link) that nobody else can write: checked on the opened descriptors and
+    read from them. Otherwise `core.usercache.Untrusted` naming the path and why (a missing
+    file too, unless `missing_ok`: then FileNotFoundError)."""
+    from prime_hpc.core import usercache
+
+    with usercache.opened_dir(os.path.realpath(run.root)) as dfd:
+        try:
+            fd = os.open(path.name, _FILE, dir_fd=dfd)
+        except FileNotFoundError:
+            if missing_ok:
+                raise
+            raise usercache.Untrusted(path, f"cannot be opened ({os.strerror(errno.ENOENT)})") from None
+        except OSError as e:
+            why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
+            raise usercache.Untrusted(path, why) from None
+        with os.fdopen(fd, "rb") as f:
+            bad = usercache.problem(os.fstat(fd), directory=False)
+            if bad:
+                raise usercache.Untrusted(path, bad)
+            return f.read()
 
 
 def readable_job(run: RunDir) -> dict[str, Any]:
