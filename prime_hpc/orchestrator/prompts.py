@@ -65,16 +65,16 @@ class PromptTokens:
 
 
 def _openai_tools(defs: Any) -> Optional[list[dict]]:
-    """verifiers' tool definitions ({name, description, parameters}) as a chat template reads them."""
+    """verifiers' tool definitions (or ones in the OpenAI shape) as a chat template reads them,
+    converted as the SFT trainer converts a `tool_defs` column."""
+    from prime_hpc.trainer.sft_data import openai_tool
+
     if not defs:
         return None
-    tools = []
-    for t in defs:
-        d = t.model_dump(exclude_none=True) if hasattr(t, "model_dump") else dict(t)
-        tools.append(
-            {"type": "function", "function": {k: d[k] for k in ("name", "description", "parameters") if k in d}}
-        )
-    return tools
+    return [
+        openai_tool(t.model_dump(exclude_none=True) if hasattr(t, "model_dump") else dict(t), j, "the env's tool_defs")
+        for j, t in enumerate(defs)
+    ]
 
 
 class LimitedSampler(EnvSampler):

@@ -183,10 +183,12 @@ def row_tools(row: dict, where: str) -> Optional[list[dict]]:
                 raise UserError(f"{where} column 'tools' entry {j}: expected a dict, got {type(t).__name__}")
         return tools
     defs = _json_column(row, "tool_defs", list, where)
-    return None if defs is None else [_openai_tool(d, j, where) for j, d in enumerate(defs)]
+    return None if defs is None else [openai_tool(d, j, where) for j, d in enumerate(defs)]
 
 
-def _openai_tool(d: Any, j: int, where: str) -> dict:
+def openai_tool(d: Any, j: int, where: str) -> dict:
+    """One tool definition in the OpenAI function-calling shape a chat template reads: verifiers'
+    {name, description, parameters, strict}, or one already in that shape."""
     if isinstance(d, dict) and d.get("type") == "function" and isinstance(d.get("function"), dict):
         return d  # already in the OpenAI shape
     if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not d["name"]:
