@@ -305,7 +305,7 @@ def plain_step(model: Any, opt: Any, mbs: list[dict], dev: Any, amp: Any, max_no
     opt.zero_grad(set_to_none=True)
     n = max(sum(int(mb["loss_mask"][:, 1:].sum()) for mb in mbs), 1)
     for mb in mbs:
-        mb = {k: v.to(dev, non_blocking=True) for k, v in mb.items()}
+        mb = {k: v.to(dev, non_blocking=True) for k, v in mb.items() if isinstance(v, torch.Tensor)}  # not envs
         sel = mb["loss_mask"][:, 1:]  # hidden state t predicts token t + 1
         with torch.autocast(device_type=dev.type, dtype=amp, enabled=amp != torch.float32):
             out = model.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long())
