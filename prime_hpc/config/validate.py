@@ -486,6 +486,12 @@ def check_trainer(cfg: DictConfig) -> None:
             "adapts the KL penalty to the initial policy, which is off (trainer.loss.ref_kl_coef=0): "
             "give ref_kl_coef > 0 as its starting value, or unset target_kl",
         )
+    if cfg.trainer.max_concurrent_runs > 1 and (cfg.ckpt.weights_only or cfg.ckpt.weights.interval):
+        raise ConfigError(
+            "ckpt.weights_only" if cfg.ckpt.weights_only else "ckpt.weights.interval",
+            "weights-only snapshots are not kept by the multi-run trainer (trainer.max_concurrent_runs > 1): "
+            "unset it, or checkpoint with ckpt.interval",
+        )
     if loss.ref_kl_coef > 0 and cfg.trainer.max_concurrent_runs > 1:
         raise ConfigError(
             "trainer.loss.ref_kl_coef",

@@ -86,6 +86,16 @@ def test_model_name_propagates_and_max_model_len_follows_seq_len(tmp_path):
             "keeps no reference policy",
         ),
         (["trainer.loss.kl_horizon=0"], "trainer.loss.kl_horizon", ">= 1"),
+        (
+            ["ckpt.weights.interval=5", "trainer.max_concurrent_runs=2", "trainer.model.lora.enabled=true"],
+            "ckpt.weights.interval",
+            "not kept by the multi-run trainer",
+        ),
+        (
+            ["ckpt.weights_only=true", "trainer.max_concurrent_runs=2", "trainer.model.lora.enabled=true"],
+            "ckpt.weights_only",
+            "not kept by the multi-run trainer",
+        ),
         (["trainer.type=sft"], "trainer.data.name", "dataset"),
         (
             ["trainer.type=sft", "trainer.data.name=d", "trainer.data.batch_size=64"],
