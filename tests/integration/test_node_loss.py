@@ -22,17 +22,22 @@ node of the het job fails, so servers that may be lost alone live outside it.
    step); the next attempt's start records the attempt the dead script could not end
    (NODE_FAIL, a requeue), stops what the previous one still runs before anything else, and
    continues from the last complete checkpoint to `max_steps`.
+While the test waits for the second server's job to start and for SLURM to end the first
+server's step, it holds the trainer (SIGSTOP): the run's steps take under a second here, and
+a run that reached `max_steps` in such a wait would leave the later parts nothing to lose.
 Each step is trained once, no rollout errored (a lost server's requests went to the other),
 and the ended attempts leave no process behind. Every node is put back (`state=resume`)
 however the test ends."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
+from typing import Iterator
 
 import pytest
 
@@ -126,6 +131,21 @@ def _die(node: str, script: int, processes: dict[int, int]) -> None:
     _kill_on(node, processes)
 
 
+@contextlib.contextmanager
+def _trainer_held(run) -> Iterator[None]:
+    """The run's trainer stopped (SIGSTOP) for the block, then let go on: a step takes under a
+    second here, while what the block waits for (a server's job to start, SLURM to end a step)
+    can take a minute on a busy machine, and the run must not reach `max_steps` meanwhile. The
+    orchestrator generates at most its async window ahead; the watchdog's stall timeout
+    (600 s) is further off than any wait in the block."""
+    pid = rank0_pid(run)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def _orch_rows(run) -> list[dict]:
     path = run.metrics("orchestrator")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -172,8 +192,10 @@ def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_p
     try:
         assert [(x["fleet"], x["nodes"]) for x in jobs.extra_jobs(jobs.read_job(run))] == [(True, 1), (True, 1)]
         assert jobs.read_job(run)["groups"] == ["orchestrator", "trainer"]
-        wait_for_step(run, 3)  # both servers serve (one may join after the first steps on a busy machine)
-        wait_until(lambda: (rows := _orch_rows(run)) and rows[-1]["inference/servers"] == 2, 600, "two servers", run)
+        wait_for_step(run, 1)
+        with _trainer_held(run):  # one server's job may start a minute after the other's on a busy machine
+            wait_until(lambda: len(run.server_endpoints()) == 2, 540, "two servers", run)
+        wait_until(lambda: (rows := _orch_rows(run)) and rows[-1]["inference/servers"] == 2, 120, "two serving", run)
         eps = run.server_endpoints()
         assert sorted(eps) == sorted(server_slot(0, x) for x in xids), eps
         # 1. the first inference node: its server is lost, the run goes on in the same attempt
@@ -181,8 +203,10 @@ def test_a_lost_node_costs_its_server_or_an_attempt_and_no_step_or_request(tmp_p
         assert _job_nodes(xids[0]) == {node} and node not in _job_nodes(job_id) | _job_nodes(xids[1])
         beat = run.server_heartbeat(server_slot(0, xids[0]))
         wait_until(lambda: json.loads(beat.read_text()).get("in_flight"), 120, "requests on the server", run, 0.1)
-        _take_away(node)  # SLURM ends its step: SIGTERM to the server and to vLLM's engine under its requests
-        down.append(node)
+        with _trainer_held(run):  # however long SLURM takes to end the server's step, the run stays far from its end
+            _take_away(node)  # SLURM ends its step: SIGTERM to the server and to vLLM's engine under its requests
+            down.append(node)
+            wait_until(lambda: server_slot(0, xids[0]) not in run.server_endpoints(), 120, "the server gone", run)
         deadline = time.monotonic() + 120
         while not any(r["inference/servers"] == 1 for r in _orch_rows(run)):
             assert time.monotonic() < deadline and not jobs.read_job(run).get("ended_at"), jobs.read_job(run)
