@@ -2,7 +2,10 @@
 cluster: one inference node, the tiny model, a seq_len small enough that some rollouts fill
 their context. Reads the rollout batches back and checks them token by token: only the
 model's turns are trained, every tool message is context, samples hold several model
-turns, and a rollout that fills its context is a (truncated) sample, never an error."""
+turns, and a rollout that fills its context is a (truncated) sample, never an error. The
+same run sets the reference's knobs (`orchestrator.max_prompt_len`, `advantage=opo`,
+`trainer.loss.target_kl`, `ckpt.weights.interval`) and checks what the prompt limit, the
+adaptive KL weight and the snapshots do (OPO's baseline: tests/unit)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 SEQ_LEN = 144  # the second turn's prompt (~125-140 tokens) leaves less room than max_tokens
 MAX_TOKENS = 16
+STEPS = 6
+MAX_PROMPT_LEN = 93  # the env's prompts, its tools in the template: 92 to 94 tokens
+REF_KL_COEF, TARGET_KL = 0.05, 1e-4
 TOOL_RESULT = re.compile(r"^(not found|[a-z]+ = \d+)$")
 
 
@@ -81,11 +87,21 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
             "+experiment=word_lookup",
             "cluster=dev",
             f"output_dir={tmp_path}/run",
-            "max_steps=4",
+            f"max_steps={STEPS}",
+            "async_level=1",  # a few steps on, a step's weights can go: below, only the snapshots stay
             f"seq_len={SEQ_LEN}",
             f"orchestrator.sampling.max_tokens={MAX_TOKENS}",
             "orchestrator.batch_size=16",
             "trainer.micro_batch_size=16",
+            # the reference's knobs, in a real run at no extra cost: prompts longer than
+            # MAX_PROMPT_LEN dropped, OPO's baseline, the reference KL's weight adapting
+            # toward target_kl, weights-only snapshots every 2 steps
+            f"orchestrator.max_prompt_len={MAX_PROMPT_LEN}",
+            "orchestrator.advantage=opo",
+            f"trainer.loss.ref_kl_coef={REF_KL_COEF}",
+            f"trainer.loss.target_kl={TARGET_KL}",
+            "trainer.loss.kl_horizon=2",
+            "ckpt.weights.interval=2",
         ]
     )
     sub = launch.submit(cfg, [])
@@ -96,10 +112,24 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
 
     rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["errored_rollouts/all"] == 0.0 for r in rows), [r["errored_rollouts/all"] for r in rows]
     assert max(r["num_turns/all/mean"] for r in rows) > 1.5
     assert max(r["is_truncated/all/mean"] for r in rows) > 0  # some rollouts filled their context
+    assert sum(r["filter/long_prompts"] for r in rows) > 0, [r["filter/long_prompts"] for r in rows]
+    # the reference KL's weight moves toward keeping ref_kl/mean at TARGET_KL, step by step
+    trained_rows = [json.loads(line) for line in run.metrics("trainer").read_text().splitlines()]
+    coefs = [r["loss/ref_kl_coef"] for r in trained_rows]
+    assert coefs[0] == pytest.approx(REF_KL_COEF), coefs
+    for prev, nxt in zip(trained_rows, trained_rows[1:]):
+        kl, (a, b) = prev["ref_kl/mean"], (prev["loss/ref_kl_coef"], nxt["loss/ref_kl_coef"])
+        assert (b > a) == (kl > TARGET_KL) and b != a, (kl, a, b)
+    # the weights no step can use any more were removed, but for the weights-only snapshots
+    # (every 2 steps): HF weights a server can load, no optimizer
+    assert run.weight_steps() == [2, 4, 5, 6], run.weight_steps()
+    snap = run.weights_step(2)
+    assert (snap / "config.json").exists() and any(snap.glob("*.safetensors")), sorted(snap.iterdir())
+    assert not list(run.root.glob("checkpoints/step_*")), "weights-only snapshots are no checkpoints"
 
     tok = build_tokenizer()
     steps = kept.rollout_steps()
@@ -121,6 +151,8 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
                         tokens[end - 1] in ("<|im_end|>", "<|endoftext|>") or end - start == MAX_TOKENS or end == n
                     ), tokens[start:end]
                     assert (mb["inference_logprobs"][row, start:end] < 0).all()  # sampled tokens have logprobs
+                first = next(i for i in range(n) if "".join(tokens[i : i + 11]) == "<|im_start|>assistant\n")
+                assert first + 11 <= MAX_PROMPT_LEN, first  # the task's prompt, its generation header too
                 starts = {s for s, _ in trained}
                 for role, start, end in _messages(tokens, mask):
                     if role == "assistant" and start in starts:
