@@ -535,6 +535,14 @@ class CkptConfig:
 
 
 @dataclass
+class TrainerExtrasConfig:
+    interval: Optional[int] = ruled(None, ge=0)
+    """every N trainer steps (0 = never); null = wandb.log_extras.interval"""
+    distributions: bool = True
+    """histograms of the trained tokens' entropy and (RL) advantages"""
+
+
+@dataclass
 class LogExtrasConfig:
     interval: int = ruled(10, ge=0)
     """every N steps (0 = never): the extras below, in the W&B run"""
@@ -544,6 +552,8 @@ class LogExtrasConfig:
     """histograms of the step's rewards and advantages"""
     sample_ratio: float = ruled(0.1, gt=0, le=1)
     """share of the step's rollouts in the table (at least one)"""
+    trainer: TrainerExtrasConfig = field(default_factory=TrainerExtrasConfig)
+    """the trainer's own extras"""
 
 
 @dataclass

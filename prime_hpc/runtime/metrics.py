@@ -14,7 +14,10 @@ both components have are prefixed with the component (`trainer/time/step`). The 
 derived from the output directory (`run_id(run)`), so a resumed or requeued run continues
 the same W&B run. With `wandb.log_extras`, every `interval` steps the writer also logs a
 table of sampled rollouts (prompt, completion, reward, advantage) and histograms of the
-step's rewards and advantages (`log_table`, `log_histograms`).
+step's rewards and advantages (`log_table`, `log_histograms`); the trainer, every
+`wandb.log_extras.trainer.interval` steps, histograms of its trained tokens' entropy and
+advantages (`trainer.distributions`), which in an RL run it appends to
+`metrics/trainer_distributions.jsonl` for the orchestrator to forward with its rows.
 
 W&B's caches and settings are redirected into `<output_dir>/wandb/` too (unless the
 environment already says where they go), so nothing lands in the home directory.
@@ -32,6 +35,8 @@ from dataclasses import asdict, is_dataclass
 from typing import Any, Mapping, Optional
 
 from prime_hpc.rundir import RunDir, jsonl_row
+
+HISTOGRAMS = "_distributions"  # metrics/<component>_distributions.jsonl: a forwarded component's histograms
 
 
 def run_id(run: RunDir) -> str:
@@ -75,8 +80,11 @@ class MetricsLogger:
         self._defined: set[str] = set()
         self._followed: dict[str, int] = {}  # other component -> bytes of its metrics file forwarded
         self._after: dict[str, int] = {}  # other component -> its rows up to this step are already in W&B
-        if wandb_writer and wandb_cfg is not None and _get(wandb_cfg, "enabled", False):
+        enabled = wandb_cfg is not None and _get(wandb_cfg, "enabled", False)
+        if wandb_writer and enabled:
             self._wandb = self._init_wandb(wandb_cfg, run_name, config)
+        # W&B on, written by another component: histograms go to a file it forwards
+        self._forwarded = enabled and not wandb_writer
 
     @property
     def wandb(self) -> Any:
@@ -132,8 +140,9 @@ class MetricsLogger:
     def follow(self, component: str, after_step: int = 0) -> None:
         """Forward `component`'s metrics file into this logger's W&B run (see `forward`),
         its rows after `after_step` (a resumed run's earlier rows are there already)."""
-        self._followed.setdefault(component, 0)
-        self._after[component] = after_step
+        for name in (component, component + HISTOGRAMS):
+            self._followed.setdefault(name, 0)
+            self._after[name] = after_step
 
     def forward(self) -> int:
         """Log the complete new rows of the followed components to W&B; returns how many."""
@@ -149,7 +158,11 @@ class MetricsLogger:
             self._followed[component] = pos + len(complete)
             for row in map(jsonl_row, complete.splitlines()):
                 if row is not None and row["step"] > self._after[component]:
-                    self._to_wandb(component, row)
+                    if component.endswith(HISTOGRAMS):
+                        step = row.pop("step")
+                        self.log_histograms(step, row, component=component.removesuffix(HISTOGRAMS))
+                    else:
+                        self._to_wandb(component, row)
                     n += 1
         return n
 
@@ -159,13 +172,27 @@ class MetricsLogger:
 
             self._wandb.log({name: wandb.Table(columns=columns, data=rows), f"{self.component}/step": int(step)})
 
-    def log_histograms(self, step: int, values: Mapping[str, list[float]]) -> None:
+    def log_histograms(self, step: int, values: Mapping[str, Any], component: Optional[str] = None) -> None:
+        """Histograms of `step` in the W&B run: each of `values` a list of numbers, or one
+        already binned (`{"counts": [...], "edges": [...]}`, one edge more than counts).
+        A component whose W&B run another writes appends them as one JSON line to
+        `metrics/<component>_distributions.jsonl`, which the writer forwards (`forward`)."""
+        values = {k: v for k, v in values.items() if v}
+        if not values:
+            return
         if self._wandb is not None:
             import wandb
 
-            data = {k: wandb.Histogram(v) for k, v in values.items() if v}
-            if data:
-                self._wandb.log({**data, f"{self.component}/step": int(step)})
+            data = {
+                k: wandb.Histogram(np_histogram=(v["counts"], v["edges"]))
+                if isinstance(v, Mapping)
+                else wandb.Histogram(v)
+                for k, v in values.items()
+            }
+            self._wandb.log({**data, f"{component or self.component}/step": int(step)})
+        elif self._forwarded:
+            with open(self.run.metrics(self.component + HISTOGRAMS), "a") as f:
+                f.write(json.dumps({"step": int(step), **values}) + "\n")
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -52,6 +52,7 @@ import torch
 
 from prime_hpc.core import device as devices
 from prime_hpc.trainer.dist import DistEnv, all_reduce_sum
+from prime_hpc.trainer.distributions import Collector
 from prime_hpc.trainer.loss import (
     LossOutput,
     at_positions,
@@ -199,6 +200,8 @@ class Engine:
             self.optimizer, lr_factor(optim_cfg.warmup_steps, optim_cfg.schedule, total_steps, optim_cfg.min_lr_ratio)
         )
         self.logprob_chunks = 1  # of the forward passes since the last step's start
+        # set for a step whose trained tokens' distributions are logged (`trainer.distributions`)
+        self.collector: Optional[Collector] = None
 
     def to_device(self, mb: dict, packed: Optional[bool] = None) -> dict:
         """`mb` on the compute device, with what the forward needs: the trained positions
@@ -309,6 +312,8 @@ class Engine:
             with self._oom_said(mb):
                 lp, ent = self.forward(mb, temperature)
                 mb["entropy"] = ent
+                if self.collector is not None:
+                    self.collector.add(mb, ent)
                 out = loss_fn(lp, mb, normalizer)
                 if train:
                     (out.loss * self.env.world_size).backward()

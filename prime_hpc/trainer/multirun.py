@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json, is_stable, runs
-from prime_hpc.trainer import lora, runner
+from prime_hpc.trainer import distributions, lora, runner
 from prime_hpc.trainer.engine import Diverged, Engine
 
 if TYPE_CHECKING:
@@ -308,11 +308,9 @@ class MultiRun:
         lora.activate(self.policy.model, lane.slot)
         micro_batches, loss_fn = step_inputs(s, data, step, self.policy.compiled)
         try:
-            result = lane.engine.train_step(
-                micro_batches,
-                loss_fn,
-                temperature=float(data.info.get("temperature", 1.0)),
-                step=step,
+            temperature = float(data.info.get("temperature", 1.0))
+            result = distributions.logged(
+                s, step, lambda: s.engine.train_step(micro_batches, loss_fn, temperature=temperature, step=step)
             )
         except Diverged as e:  # this run's adapter alone: the others never saw its gradient
             self._fail(lane, str(e))

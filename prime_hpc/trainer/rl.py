@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, is_stable, read_json, stable_time, wait_for
-from prime_hpc.trainer import runner
+from prime_hpc.trainer import distributions, runner
 from prime_hpc.trainer.publish import Publisher
 from prime_hpc.trainer.runner import Session
 
@@ -365,7 +365,9 @@ def _train_on(
         add_env_index(micro_batches, data.envs)
     if reference is not None:
         s.engine.add_reference_logprobs(reference, micro_batches, temperature)
-    return s.engine.train_step(micro_batches, loss_fn, temperature=temperature, step=step)
+    return distributions.logged(
+        s, step, lambda: s.engine.train_step(micro_batches, loss_fn, temperature=temperature, step=step)
+    )
 
 
 def _publish(s: Session, pub: Publisher, step: int) -> dict[str, float]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from prime_hpc.config.component import TrainerRunConfig
 from prime_hpc.rundir.checkpoints import snapshot_due
-from prime_hpc.trainer import runner
+from prime_hpc.trainer import distributions, runner
 
 if TYPE_CHECKING:
     from prime_hpc.config.schema import LossMaskConfig, SFTDataConfig
@@ -149,7 +149,7 @@ def train_step(
         sft_data.split_rows(rows, env.rank, env.world_size, data.rows_per_rank), rows_per_micro_batch(cfg), data.pad_id
     )
     t_data = time.perf_counter() - t0
-    result = s.engine.train_step(mbs, _nll, step=step)
+    result = distributions.logged(s, step, lambda: s.engine.train_step(mbs, _nll, step=step))
     data.progress["num_tokens"] += int(result.sums["num_tokens"])
     data.progress["num_samples"] += used
     last = step == cfg.max_steps or data.stream.exhausted()

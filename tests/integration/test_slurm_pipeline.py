@@ -120,6 +120,9 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     assert {"reward/all/mean", "orchestrator/step", "loss/mean", "mismatch_kl/mean", "trainer/step"} <= keys
     assert sum("loss/mean" in r for r in rows) == RL_STEPS  # every trainer step, forwarded
     assert {"distributions/reward/_type", "distributions/advantage/_type"} <= keys
+    # and the trainer's, forwarded from metrics/trainer_distributions.jsonl (every 20 steps)
+    assert {"distributions/trainer/entropy/_type", "distributions/trainer/advantage/_type"} <= keys
+    assert sum("distributions/trainer/entropy/_type" in r for r in rows) == RL_STEPS // 20
     tables = sorted((offline / "files" / "media" / "table").glob("samples_*.table.json"))
     assert len(tables) == RL_STEPS // 20
     table = json.loads(tables[0].read_text())
