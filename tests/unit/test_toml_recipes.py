@@ -239,8 +239,33 @@ def test_prime_log_level_is_log_levels_fallback(tmp_path):
     assert level([], {"PRIME_LOG_LEVEL": "debug", "PRIME_LOG__LEVEL": "warning"})[0] == "warning"
     toml = write(tmp_path, "l.toml", '[log]\nlevel = "error"\n')
     assert level(["@", toml], {"PRIME_LOG_LEVEL": "debug"})[0] == "error"
-    with pytest.raises(UserError, match="PRIME_LOG_LEVEL='loud': unknown log level"):
+    with pytest.raises(UserError, match=r"^\$PRIME_LOG_LEVEL='loud': prime-hpc has no such log level; choose from"):
         toml_recipes.expand([], {"PRIME_LOG_LEVEL": "loud"})
+
+
+@pytest.mark.parametrize("value", ["WARN", "warn", "Warning", "WARNING"])
+def test_the_references_warn_is_warning_in_any_case(tmp_path, value):
+    assert compose(toml_recipes.expand([], {"PRIME_LOG_LEVEL": value})).log.level == "warning"
+    toml = write(tmp_path, "l.toml", f'[log]\nlevel = "{value}"\n[orchestrator.log]\nvf_level = "{value}"\n')
+    cfg = compose(toml_recipes.expand(["@", toml], {}))
+    assert (cfg.log.level, cfg.orchestrator.log.vf_level) == ("warning", "warning")
+
+
+@pytest.mark.parametrize("value", ["CRITICAL", "trace", "Success"])
+def test_a_level_prime_hpc_lacks_is_refused_only_where_it_is_used(tmp_path, value):
+    """TRACE, SUCCESS and CRITICAL name no prime-hpc level: refused in one line when
+    `$PRIME_LOG_LEVEL` would set log.level, unread (no error) when something else sets it."""
+    env = {"PRIME_LOG_LEVEL": value}
+    with pytest.raises(UserError) as e:
+        toml_recipes.expand(["max_steps=3"], env)
+    assert str(e.value).startswith(f"$PRIME_LOG_LEVEL={value!r}: prime-hpc has no such log level")
+    assert "\n" not in str(e.value)
+    assert compose(toml_recipes.expand(["log.level=error"], env)).log.level == "error"
+    toml = write(tmp_path, "l.toml", '[log]\nlevel = "debug"\n')
+    assert compose(toml_recipes.expand(["@", toml], env)).log.level == "debug"
+    bad = write(tmp_path, "b.toml", f'[log]\nlevel = "{value}"\n')
+    with pytest.raises(UserError, match=f"^{bad}: log.level={value!r}: prime-hpc has no such log level"):
+        toml_recipes.expand(["@", bad], {})
 
 
 @pytest.mark.parametrize(
@@ -248,7 +273,7 @@ def test_prime_log_level_is_log_levels_fallback(tmp_path):
     [
         (
             '[renderer]\nname = "prime-qwen3"\n',
-            "renderer.name has no prime-hpc counterpart; nearest known key: trainer.model.name",
+            "renderer.name has no prime-hpc counterpart: prime-hpc tokenizes with the model's own chat template",
         ),
         ("[orchestrator]\nrollouts_per_exampel = 8\n", "nearest known key: orchestrator.rollouts_per_example"),
         ('[[orchestrator.env]]\nid = "x"\nwieght = 2\n', "orchestrator.env[0].wieght has no prime-hpc counterpart"),
@@ -281,7 +306,8 @@ def test_submit_dry_run_takes_a_recipe_and_refuses_a_bad_one(tmp_path):
     r = cli("submit", "--dry-run", "@", bad, f"output_dir={out2}")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"prime-hpc: error: {bad}: renderer.name has no prime-hpc counterpart")
+    assert lines[0].startswith(f"prime-hpc: error: {bad}: renderer.name has no prime-hpc counterpart: ")
+    assert lines[0].endswith("(nearest prime-hpc key: orchestrator.trajectory_strategy)")
     assert not out2.exists()
     r = cli("submit", "--dry-run", "@", str(tmp_path / "none.toml"), f"output_dir={out2}")
     assert r.returncode == 2 and "none.toml: no such file" in r.stderr and not out2.exists()
@@ -370,3 +396,166 @@ def test_weights_only_snapshots_as_the_reference_writes_them(tmp_path):
     cfg = compose(toml_recipes.expand(["@", write(tmp_path, "w.toml", text)], {}), resolve=False)
     assert cfg.ckpt.enabled and cfg.ckpt.weights_only
     assert (cfg.ckpt.weights.interval, cfg.ckpt.weights.keep_last) == (5, 2)
+
+
+def recipe(tmp_path: Path, text: str, *words: str):
+    return compose(toml_recipes.expand(["@", write(tmp_path, "r.toml", text), *words], {}), resolve=False)
+
+
+def refused(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, "bad.toml", text)
+    with pytest.raises(UserError) as e:
+        toml_recipes.expand(["@", path], {})
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{path}: ")
+    return str(e.value)[len(path) + 2 :]
+
+
+@pytest.mark.parametrize("key", ["max_async_level", "orchestrator.max_async_level", "trainer.max_async_level"])
+def test_the_references_async_level_counts_from_zero_prime_hpcs_from_one(tmp_path, key):
+    """The reference's max_async_level 0 waits for the policy just before each step (prime-hpc's
+    async_level=1, "fully on-policy"); 1 lets generation run one step ahead (prime-hpc's 2)."""
+    section, _, name = key.rpartition(".")
+    for theirs, ours in ((0, 1), (1, 2), (3, 4)):
+        text = (f"[{section}]\n" if section else "") + f"{name} = {theirs}\n"
+        assert recipe(tmp_path, text).async_level == ours
+    assert "whole number of steps >= 0" in refused(tmp_path, "max_async_level = -1\n")
+    assert "whole number of steps >= 0" in refused(tmp_path, "max_async_level = true\n")
+
+
+def test_gpu_ids_name_the_groups_gpus(tmp_path):
+    cfg = recipe(tmp_path, "inference_gpu_ids = [0, 1, 2]\ntrainer_gpu_ids = [3]\n", "cluster.device=cuda")
+    assert (cfg.cluster.inference.gpu_ids, cfg.cluster.inference.gpus_per_node) == ("0,1,2", 3)
+    assert (cfg.cluster.trainer.gpu_ids, cfg.cluster.trainer.gpus_per_node) == ("3", 1)
+    assert "a list of GPU ids" in refused(tmp_path, 'inference_gpu_ids = "0,1"\n')
+    assert "a list of GPU ids" in refused(tmp_path, "trainer_gpu_ids = []\n")
+
+
+def test_the_gpu_check_names_the_reference_key_that_set_the_ids(tmp_path):
+    """Overlapping ids (the reference's single-GPU layout) are refused by the rules, naming
+    prime-hpc's key and the file's key."""
+    path = write(tmp_path, "g.toml", "inference_gpu_ids = [0]\ntrainer_gpu_ids = [0]\n")
+    r = cli("submit", "--dry-run", "@", path, "cluster.device=cuda", f"output_dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cluster.trainer.gpu_ids" in r.stderr and "cluster.share_gpus=true" in r.stderr
+    assert r.stderr.strip().endswith(f"(from {path}: trainer_gpu_ids)")
+
+
+def test_a_slurm_table_sends_the_job_to_slurm_with_its_partition_account_time_exclude(tmp_path):
+    text = '[slurm]\npartition = "gpu"\naccount = "lab"\ntime = "7-00:00:00"\nexclude = "n[1-2]"\n'
+    c = recipe(tmp_path, text).cluster
+    assert (c.backend, c.partition, c.account, c.time, c.exclude) == ("slurm", "gpu", "lab", "7-00:00:00", "n[1-2]")
+    assert recipe(tmp_path, "[slurm]\n").cluster.backend == "slurm"
+    assert recipe(tmp_path, "max_steps = 3\n").cluster.backend == "local"
+    for key, near in (("job_name", "name"), ("nodelist", "cluster.exclude"), ("template_path", "cluster.sbatch_extra")):
+        msg = refused(tmp_path, f'[slurm]\n{key} = "x"\n')
+        assert msg.startswith(f"slurm.{key} has no prime-hpc counterpart: ") and msg.endswith(f"key: {near})")
+
+
+@pytest.mark.parametrize(
+    "text,schedule,warmup",
+    [
+        ('type = "constant"\n', "constant", 0),
+        ('type = "cosine"\n', "cosine", 10),  # the reference's default warm-up
+        ('type = "cosine"\nwarmup_steps = 5\nmin_lr = 0.0\n', "cosine", 5),
+        ('type = "linear"\nwarmup_steps = 4\ndecay_steps = 0\n', "constant", 4),  # warm-up, then constant
+        ('type = "linear"\nwarmup_steps = 20\ndecay_steps = 80\n', "linear", 20),  # decays over the rest
+    ],
+)
+def test_the_trainer_scheduler_table_is_prime_hpcs_schedule(tmp_path, text, schedule, warmup):
+    o = recipe(tmp_path, f"max_steps = 100\n[trainer.scheduler]\n{text}").trainer.optim
+    assert (o.schedule, o.warmup_steps, o.min_lr_ratio) == (schedule, warmup, 0.0)
+    o = recipe(tmp_path, f"max_steps = 100\n[data]\nname = 'x'\n[scheduler]\n{text}").trainer.optim  # sft's layout
+    assert (o.schedule, o.warmup_steps) == (schedule, warmup)
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ('type = "linear"\nwarmup_steps = 10\ndecay_steps = 10\n', "trainer.scheduler.decay_steps has no prime-hpc"),
+        ('type = "linear"\n', "trainer.scheduler.decay_steps has no prime-hpc"),  # its default 10 of 100
+        ('type = "cosine"\nmin_lr = 1e-7\n', "trainer.scheduler.min_lr has no prime-hpc counterpart: "),
+        ('type = "step"\n', "trainer.scheduler.type is one of constant, cosine, linear, not 'step'"),
+        ('type = "constant"\nwarmup_steps = 3\n', "trainer.scheduler.warmup_steps has no prime-hpc counterpart"),
+    ],
+    ids=["wsd", "wsd-default", "min-lr", "type", "constant-warmup"],
+)
+def test_a_schedule_prime_hpc_has_not_is_refused_saying_why(tmp_path, text, words):
+    assert words in refused(tmp_path, f"max_steps = 100\n[trainer.scheduler]\n{text}")
+
+
+def test_the_processes_wandb_extras_are_the_one_runs(tmp_path):
+    text = (
+        "[orchestrator.wandb.log_extras]\ninterval = 50\nsample_ratio = 0.5\n"
+        "[trainer.wandb.log_extras]\ninterval = 7\ndistributions = false\n"
+    )
+    w = recipe(tmp_path, text).wandb
+    assert w.enabled and (w.log_extras.interval, w.log_extras.sample_ratio) == (50, 0.5)
+    assert (w.log_extras.trainer.interval, w.log_extras.trainer.distributions) == (7, False)
+    msg = refused(tmp_path, '[orchestrator.wandb]\nproject = "p"\n')
+    assert msg.startswith("orchestrator.wandb.project has no prime-hpc counterpart: prime-hpc logs trainer and ")
+    assert msg.endswith("(nearest prime-hpc key: wandb.project)")
+    assert "(nearest prime-hpc key: wandb.log_extras.samples)" in refused(
+        tmp_path, "[trainer.wandb.log_extras]\nsamples = true\n"
+    )
+
+
+def test_enabled_switches_the_difficulty_filter_and_the_kl_penalty(tmp_path):
+    on = recipe(tmp_path, "[difficulty_filter]\nenabled = true\nmin_reward_variance = 0.1\nmax_reward = 0.95\n")
+    f = on.orchestrator
+    assert f.online_difficulty_filtering and f.difficulty_filter.min_reward_variance == 0.1
+    assert f.difficulty_filter.max_reward == 0.95
+    off = recipe(tmp_path, "[difficulty_filter]\nenabled = false\nmin_reward_variance = 0.1\n").orchestrator
+    assert not off.online_difficulty_filtering and off.difficulty_filter.min_reward_variance == 0.0
+    loss = recipe(tmp_path, "[kl_penalty]\nenabled = true\nbeta = 0.1\ntarget_kl = 0.01\n").trainer.loss
+    assert (loss.ref_kl_coef, loss.target_kl) == (0.1, 0.01)
+    loss = recipe(tmp_path, "[kl_penalty]\nenabled = false\nbeta = 0.1\ntarget_kl = 0.01\n").trainer.loss
+    assert (loss.ref_kl_coef, loss.target_kl) == (0.0, None)
+    assert "kl_penalty.enabled is true or false" in refused(tmp_path, '[kl_penalty]\nenabled = "yes"\n')
+
+
+def test_sft_data_type_and_mixing_keys(tmp_path):
+    text = (
+        "[data]\nname = 'org/set'\ntype = 'sft'\nsubsets = ['a', 'b']\nsplits = ['train', 'test']\n"
+        "probabilities = [0.7, 0.3]\n[val.data]\nname = 'org/set'\nsplits = ['validation']\n"
+    )
+    cfg = recipe(tmp_path, text)
+    d = cfg.trainer.data
+    assert cfg.trainer.type == "sft" and (list(d.subsets), list(d.splits), list(d.probabilities)) == (
+        ["a", "b"],
+        ["train", "test"],
+        [0.7, 0.3],
+    )
+    assert list(cfg.trainer.val.data.splits) == ["validation"]
+    msg = refused(tmp_path, "[data]\ntype = 'fake'\n")
+    assert msg.startswith("data.type = 'fake' has no prime-hpc counterpart: ") and msg.endswith("key: bench.mode)")
+
+
+def test_the_docs_list_what_is_refused():
+    assert toml_recipes.refused_markdown() in (REPO / "docs" / "configuration.md").read_text()
+
+
+def test_a_one_part_variable_says_whether_it_was_applied(capsys):
+    """`PRIME_MODEL` (a run-level key) is applied, saying so in one line; `PRIME_MAX_STEP`
+    (no such key) is not, with a one-line warning naming the nearest; the toolkit's own
+    variables are never mentioned."""
+    env = {
+        "PRIME_MODEL": "Qwen/Qwen3-4B",
+        "PRIME_OUTPUT_DIR": "outputs/x",
+        "PRIME_MAX_STEP": "5",
+        "PRIME_WANDB": "true",
+        "PRIME_API_KEY": "k",
+        "PRIME_HPC_CONF_DIR": "/x",
+        "PRIME_LOG_LEVEL": "info",
+    }
+    words = toml_recipes.expand([], env)
+    cfg = compose(words, resolve=False)
+    assert (cfg.model.name, cfg.output_dir) == ("Qwen/Qwen3-4B", "outputs/x")
+    assert cfg.max_steps is None and not cfg.wandb.enabled
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4, err
+    assert "prime-hpc: PRIME_MODEL=Qwen/Qwen3-4B applied: model.name=" in err[1]
+    assert err[0].startswith("prime-hpc: warning: PRIME_MAX_STEP is not applied: ") and "PRIME_MAX_STEPS" in err[0]
+    assert err[0].endswith("(max_steps)")
+    assert err[2].startswith("prime-hpc: PRIME_OUTPUT_DIR=outputs/x applied: output_dir=")
+    assert err[3].startswith("prime-hpc: warning: PRIME_WANDB is not applied: wandb is a table")
+    assert not any("API_KEY" in line or "PRIME_HPC" in line or "LOG_LEVEL" in line for line in err)
