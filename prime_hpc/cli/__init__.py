@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional
+from typing import Optional, cast
 
 COMMANDS = (
     "submit",
@@ -42,6 +42,7 @@ USAGE_EXAMPLES = """examples:
   prime-hpc list      prime-hpc cancel JOB      prime-hpc eval JOB steps=10,20
   prime-hpc serve model=tiny cluster=dev                    serve a model as a job (eval serve=JOB env=...)
   prime-hpc synthesize model=M env=reverse-text rollouts=4 min_reward=1 out=DIR   an SFT dataset from an env
+  prime-hpc eval @ rl.toml                                   a recipe's model on its eval envs (synthesize @ too)
   prime-hpc config export JOB -o rl.toml                  the run's config as a recipe in the reference's TOML layout
   prime-hpc doctor +experiment=reverse_text cluster=dev     preflight the job layout on the cluster
   prime-hpc submit +experiment=reverse_text --bench         benchmark the run's trainer and inference (bench.json)
@@ -64,6 +65,62 @@ def with_recipes(overrides: list[str]) -> list[str]:
     from prime_hpc.config import toml_recipes
 
     return toml_recipes.expand(overrides, os.environ)
+
+
+def split_recipes(words: list[str]) -> tuple[list[str], list[str]]:
+    """`words` as (each `@ FILE` / `@FILE`, the other words), in order."""
+    files: list[str] = []
+    rest: list[str] = []
+    it = iter(words)
+    for w in it:
+        if w == "@":
+            files += [w, *([nxt] if (nxt := next(it, None)) is not None else [])]
+        elif w.startswith("@"):
+            files.append(w)
+        else:
+            rest.append(w)
+    return files, rest
+
+
+def model_recipe(words: list[str], own: tuple[str, ...], envs: str) -> list[str]:
+    """The words of a command that runs envs against a model (`eval`, `synthesize`; `own`:
+    its own keys) with `@ FILE`s and `PRIME_` variables taken as `submit` takes them
+    (`with_recipes`): their overrides (but the recipe's output_dir, its training run's: the
+    command writes to out=), then the command line's words; with a file, the config they
+    compose names what the command line does not: `model=` (model.name), `env=` and each
+    env's `args.<id>.<arg>=` (the `envs` list: orchestrator.eval.env or orchestrator.env),
+    and for eval `rollouts=`/`examples=` (orchestrator.eval.rollouts_per_example/num_examples)."""
+    import json
+
+    from prime_hpc.core.errors import UserError
+
+    files, rest = split_recipes(words)
+    recipe = [o for o in with_recipes(files) if o.split("=", 1)[0].lstrip("+~") != "output_dir"]
+    if not files:
+        return [*recipe, *rest]
+    given = {w.split("=", 1)[0] for w in rest if "=" in w}
+    from prime_hpc.config.compose import compose
+
+    cfg = compose([*recipe, *(w for w in rest if w.split("=", 1)[0] not in own and not w.startswith("args."))])
+    derived: list[str] = []
+    if not given & {"model", "serve", "client.base_url"}:
+        derived.append(f"model={cfg.model.name}")
+    if "env" not in given:
+        from omegaconf import OmegaConf
+
+        entries = OmegaConf.select(cfg, envs) or []
+        if not entries:
+            raise UserError(f"{' '.join(files)}: the recipe names no envs ({envs} is empty); give env=<id>[,<id>...]")
+        derived.append("env=" + ",".join(str(e.id) for e in entries))
+        for e in entries:
+            args = cast(dict, OmegaConf.to_container(e.args))
+            derived += [f"args.{e.id}.{k}={json.dumps(v)}" for k, v in args.items()]
+    if envs == "orchestrator.eval.env":
+        if "rollouts" not in given:
+            derived.append(f"rollouts={cfg.orchestrator.eval.rollouts_per_example}")
+        if "examples" not in given and cfg.orchestrator.eval.num_examples is not None:
+            derived.append(f"examples={cfg.orchestrator.eval.num_examples}")
+    return [*recipe, *rest, *derived]
 
 
 def _origin(e: Exception) -> str:

@@ -1,4 +1,6 @@
-"""`prime-hpc eval TARGET [steps=N,M] [overrides]`: score saved weights on the eval envs."""
+"""`prime-hpc eval TARGET [steps=N,M] [overrides]`: score saved weights on the eval envs;
+`prime-hpc eval @ rl.toml [overrides]`: the recipe's model on its eval envs (`@ FILE` and the
+`PRIME_` variables taken as `submit` takes them)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument(
         "target",
         help="job id, run name, output dir, or <run>/weights/step_N; or model=<name|path> "
-        "(or client.base_url=<endpoint>) followed by env=<id>[,<id>...]",
+        "(or client.base_url=<endpoint>) followed by env=<id>[,<id>...]; or @ FILE (a recipe in the reference's "
+        "TOML layout: its model on its [[orchestrator.eval.env]])",
     )
     e.add_argument(
         "--trust-run-code",
@@ -45,8 +48,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.launcher.evaluate import is_standalone, run_eval, run_standalone
+    from prime_hpc.cli import model_recipe, split_recipes
+    from prime_hpc.core.errors import UserError
+    from prime_hpc.launcher.evaluate import STANDALONE_KEYS, is_standalone, run_eval, run_standalone
 
-    if is_standalone(a.target):
-        return run_standalone([a.target, *a.args], here=a.here)
+    if a.target.startswith("@") or is_standalone(a.target):  # a config composed as submit composes it
+        return run_standalone(model_recipe([a.target, *a.args], STANDALONE_KEYS, "orchestrator.eval.env"), a.here)
+    files, _ = split_recipes(a.args)
+    if files:
+        raise UserError(
+            f"eval {a.target} takes overrides of the run's recorded config, not a recipe ({' '.join(files)}); "
+            "prime-hpc eval @ FILE scores the recipe's model on its eval envs"
+        )
     return run_eval(a.target, a.args, trust_run_code=a.trust_run_code, base=not a.no_base, here=a.here)

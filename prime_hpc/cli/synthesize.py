@@ -1,5 +1,6 @@
 """`prime-hpc synthesize model=... env=... [rollouts=K] [min_reward=R] out=DIR`: an SFT
-dataset from an environment played against a model."""
+dataset from an environment played against a model; `@ rl.toml` (taken as `submit` takes
+it) names the model and the envs (its `[[orchestrator.env]]`) the command line does not."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "args",
         nargs="*",
         help="model=<name|path> (or serve=<job>, client.base_url=), env=<id>[,<id>...], args.<env>.<arg>=V, "
-        "rollouts=K (per example), examples=N (of each env's training set), min_reward=R, out=DIR, overrides",
+        "rollouts=K (per example), examples=N (of each env's training set), min_reward=R, out=DIR, overrides; "
+        "@ FILE: a recipe in the reference's TOML layout (its model and [[orchestrator.env]] where not given)",
     )
     return s
 
 
 def run(a: argparse.Namespace) -> int:
-    from prime_hpc.launcher.synthesize import run_command
+    from prime_hpc.cli import model_recipe
+    from prime_hpc.launcher.synthesize import KEYS, run_command
 
-    return run_command(a.args, here=a.here)
+    return run_command(model_recipe(a.args, KEYS, "orchestrator.env"), here=a.here)

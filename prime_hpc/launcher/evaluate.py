@@ -414,11 +414,13 @@ class ModelWords:
     overrides: list[str]
 
     def compose(self) -> Any:
-        """The default config with the overrides, for this model, in `out`."""
+        """The default config with the overrides, for this model (`model=` over the overrides'
+        model.name: a recipe's), in `out`."""
         from prime_hpc.config.compose import compose
 
-        model = f"model.name={self.name}" if "model" in self.opts else "model.name=tiny"
-        return compose([model, f"output_dir={self.out}", *self.overrides])
+        if "model" in self.opts:
+            return compose([*self.overrides, f"model.name={self.name}", f"output_dir={self.out}"])
+        return compose(["model.name=tiny", *self.overrides, f"output_dir={self.out}"])
 
     def entries(self) -> list:
         from prime_hpc.config.schema import EnvEntry

@@ -559,3 +559,99 @@ def test_a_one_part_variable_says_whether_it_was_applied(capsys):
     assert err[2].startswith("prime-hpc: PRIME_OUTPUT_DIR=outputs/x applied: output_dir=")
     assert err[3].startswith("prime-hpc: warning: PRIME_WANDB is not applied: wandb is a table")
     assert not any("API_KEY" in line or "PRIME_HPC" in line or "LOG_LEVEL" in line for line in err)
+
+
+def eval_server_cfg(monkeypatch) -> dict:
+    """What `prime-hpc eval ... --here` would serve and score (the server is not started)."""
+    from prime_hpc.orchestrator import evaluate
+
+    seen: dict = {}
+
+    def server(cfg, edir, cache):
+        seen.update(cfg=cfg, edir=edir.root)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(evaluate, "eval_server", server)
+    return seen
+
+
+def test_eval_takes_a_recipe_as_submit_does(tmp_path, monkeypatch):
+    """`eval @ rl.toml`: the config submit would compose from the recipe, scored on its eval
+    envs with its k and n; the command line's model= and env= win over the recipe's."""
+    from prime_hpc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    seen = eval_server_cfg(monkeypatch)
+    path = write(
+        tmp_path, "rl.toml", RL_RECIPE.replace("[orchestrator.eval]\n", "[orchestrator.eval]\nnum_examples = 9\n")
+    )
+    with pytest.raises(SystemExit):
+        main(["eval", "--here", "@", path, "orchestrator.sampling.temperature=0.5"])
+    cfg = seen["cfg"]
+    assert (cfg.model.name, cfg.seq_len, cfg.orchestrator.sampling.max_tokens) == ("tiny", 80, 32)
+    assert [e.id for e in cfg.orchestrator.eval.env] == [
+        "reverse_text"
+    ] and cfg.orchestrator.sampling.temperature == 0.5
+    assert (cfg.orchestrator.eval.rollouts_per_example, cfg.orchestrator.eval.num_examples) == (4, 9)
+    assert seen["edir"].parent == tmp_path / "outputs" / "eval" and seen["edir"].name.startswith("tiny-")
+    out = tmp_path / "mine"
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "eval",
+                f"@{path}",
+                "model=other",
+                "env=reverse-text",
+                "args.reverse-text.max_len=4",
+                f"out={out}",
+                "--here",
+            ]
+        )
+    cfg = seen["cfg"]
+    assert cfg.model.name == "other" and seen["edir"] == out
+    assert [(e.id, dict(e.args)) for e in cfg.orchestrator.eval.env] == [("reverse-text", {"max_len": 4})]
+
+
+def test_eval_refuses_a_bad_recipe_as_submit_does(tmp_path, monkeypatch, capsys):
+    from prime_hpc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    eval_server_cfg(monkeypatch)
+    bad = write(tmp_path, "bad.toml", RL_RECIPE + "\n[renderer]\nname = 'qwen3'\n")
+    for argv in (["eval", "@", bad], ["submit", "--dry-run", "@", bad]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"prime-hpc: error: {bad}: renderer.name has no prime-hpc"), err
+    no_eval = write(tmp_path, "t.toml", "[model]\nname = 'tiny'\n[[orchestrator.env]]\nid = 'reverse_text'\n")
+    assert main(["eval", "@", no_eval]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the recipe names no envs (orchestrator.eval.env is empty); give env=" in err and "\n" not in err
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["eval", str(run), "@", no_eval]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"eval {run} takes overrides of the run's recorded config, not a recipe" in err and "\n" not in err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_synthesize_takes_a_recipe_as_submit_does(tmp_path, monkeypatch):
+    """`synthesize @ rl.toml`: the recipe's model on its training envs (with their args)."""
+    from prime_hpc.cli import main
+    from prime_hpc.orchestrator import synthesize
+
+    seen: dict = {}
+
+    def here(cfg, opts, name, out, k, n, min_reward, key):
+        seen.update(cfg=cfg, name=name, out=out, k=k)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(synthesize, "synthesize_here", here)
+    text = RL_RECIPE.replace(
+        '[[orchestrator.env]]\nid = "reverse_text"\n', '[[orchestrator.env]]\nid = "reverse_text"\nargs = { n = 3 }\n'
+    )
+    path = write(tmp_path, "rl.toml", text)
+    with pytest.raises(SystemExit):
+        main(["synthesize", "@", path, "rollouts=2", f"out={tmp_path / 'syn'}", "--here"])
+    cfg = seen["cfg"]
+    assert seen["name"] == "tiny" and seen["k"] == 2 and seen["out"] == tmp_path / "syn" and cfg.seq_len == 80
+    assert [(e.id, dict(e.args)) for e in cfg.orchestrator.env] == [("reverse_text", {"n": 3})]
