@@ -42,15 +42,30 @@ def group_choices() -> list[str]:
     return out
 
 
+def _options(p: argparse.ArgumentParser) -> list[str]:
+    return sorted(o for a in p._actions for o in a.option_strings if o.startswith("--") or len(o) == 2)
+
+
+def _subcommands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return {n: q for a in p._actions if isinstance(a, argparse._SubParsersAction) for n, q in a.choices.items()}
+
+
 def command_options() -> dict[str, list[str]]:
-    """Each command's options, from its own parser."""
+    """Each command's options, from its own parser; a command with actions of its own
+    (`config export`) also those actions."""
     from prime_hpc.cli import build_parser
 
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: _options(p) + sorted(_subcommands(p)) for name, p in _subcommands(parser).items()}
+
+
+def action_options() -> dict[str, dict[str, list[str]]]:
+    """command -> its action -> the action's options (`config` -> `export` -> `--out`, ...)."""
+    from prime_hpc.cli import build_parser
+
+    commands = _subcommands(build_parser())
     return {
-        name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--") or len(o) == 2)
-        for name, p in sub.choices.items()
+        name: {a: _options(q) for a, q in _subcommands(p).items()} for name, p in commands.items() if _subcommands(p)
     }
 
 
@@ -60,9 +75,9 @@ _prime_hpc() {
   local cur="${line##*[[:space:]]}"
   local -a before
   read -r -a before <<< "${line%"$cur"}"
-  local cmd="" w
+  local cmd="" sub="" w
   for w in "${before[@]:1}"; do
-    case "$w" in -*) ;; *) cmd="$w"; break ;; esac
+    case "$w" in -*) ;; *) if [ -z "$cmd" ]; then cmd="$w"; else sub="$w"; break; fi ;; esac
   done
   local words
   case "$cmd" in
@@ -96,6 +111,11 @@ def bash_script() -> str:
             + (overrides if name in TAKES_OVERRIDES else [])
             + (list(SHELLS) if name == "completion" else [])
         )
+        actions = action_options().get(name)
+        if actions:  # `config export ...`: the action's options once it is given
+            inner = "".join(f'{a}) words="{chr(10).join(o)}" ;; ' for a, o in actions.items())
+            cases.append(f'    {name}) case "$sub" in {inner}*) words="{chr(10).join(words)}" ;; esac ;;')
+            continue
         cases.append(f'    {name}) words="{chr(10).join(words)}" ;;')
     return BASH.replace("__COMMANDS__", "\n".join(COMMANDS)).replace("__CASES__", "\n".join(cases))
 

@@ -22,6 +22,9 @@ CASES = [
     ("prime-hpc status --j", ["--json"]),
     ("prime-hpc status trainer.optim.l", []),  # status takes no overrides
     ("prime-hpc completion b", ["bash"]),
+    ("prime-hpc config ", ["--help", "-h", "export"]),
+    ("prime-hpc config e", ["export"]),
+    ("prime-hpc config export JOB --o", ["--out"]),
 ]
 
 
