@@ -121,6 +121,14 @@ def test_truncated():
     assert r.is_truncated and r.error is None and r.completion_tokens == 12 and r.reward == 0.0
 
 
+@pytest.mark.parametrize("stop", ["max_turns", "max_total_tokens", "compaction_failed"])
+def test_a_limit_stop_is_truncated(stop):
+    ep = load("single_turn")
+    ep["traces"][0]["stop_condition"] = stop
+    (r,) = episode_rollouts(ep, "arithmetic", 1 << 16, "branching")
+    assert r.is_truncated and r.error is None
+
+
 def test_seq_len_cuts_and_marks_truncated():
     full = episode_rollouts(load("tool_call"), "arithmetic", 1 << 16, "branching")[0]
     (r,) = episode_rollouts(load("tool_call"), "arithmetic", 100, "branching")
