@@ -214,3 +214,28 @@ def test_config_export_help_imports_no_config_machinery():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_keys_with_a_meaning_of_their_own_export_and_compose_back(tmp_path):
+    """The async level is written as the reference counts it (prime-hpc's 1 is its 0); the
+    trainer's W&B extras with W&B off and a partition with a local backend are not written in
+    a table that would turn W&B or SLURM on (they go to [prime_hpc])."""
+    run = dry_run(
+        tmp_path,
+        "run",
+        "+experiment=reverse_text",
+        "async_level=1",
+        "wandb.log_extras.trainer.interval=3",
+        "cluster.partition=gpu",
+        "log.level=warning",
+        "orchestrator.online_difficulty_filtering=true",
+    )
+    want, got, text = round_trip(run, tmp_path)
+    assert got == want
+    data = tomllib.loads(text)
+    assert data["max_async_level"] == 0 and data["log"]["level"] == "warning"
+    assert "slurm" not in data and data["wandb"] is False
+    assert "wandb" not in data["trainer"] and "wandb" not in data["orchestrator"]
+    assert data["prime_hpc"]["cluster"]["partition"] == "gpu"
+    assert data["prime_hpc"]["wandb"]["log_extras"]["trainer"]["interval"] == 3
+    assert data["orchestrator"]["buffer"]["online_difficulty_filtering"] is True
