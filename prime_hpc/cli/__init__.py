@@ -50,12 +50,14 @@ USAGE_EXAMPLES = """examples:
 JOB is a SLURM job id, a run name, an output dir, or a sweep id."""
 
 
-RECIPES = ("submit", "doctor")  # take `@ rl.toml` (the reference's TOML layout) and its PRIME_ variables
+RECIPES = ("submit", "doctor", "serve")  # take `@ rl.toml` (the reference's TOML layout) and its PRIME_ variables
+OWN_DIR = ("serve",)  # write a directory of their own: a recipe's output_dir (its training run's) is not it
 
 
-def with_recipes(overrides: list[str]) -> list[str]:
+def with_recipes(overrides: list[str], run_dir: bool = True) -> list[str]:
     """`overrides` with each `@ file` and the `PRIME_<SECTION>__<KEY>` variables as prime-hpc
-    overrides (`prime_hpc.config.toml_recipes`, imported only when one is there)."""
+    overrides (`prime_hpc.config.toml_recipes`, imported only when one is there); without
+    `run_dir`, not the output_dir a file or variable names (the command line's stays)."""
     import os
 
     if not any(w.startswith("@") for w in overrides) and not any(
@@ -64,7 +66,10 @@ def with_recipes(overrides: list[str]) -> list[str]:
         return overrides
     from prime_hpc.config import toml_recipes
 
-    return toml_recipes.expand(overrides, os.environ)
+    out = toml_recipes.expand(overrides, os.environ)
+    if not run_dir and "output_dir" in toml_recipes.ORIGINS:  # only then are all output_dir words theirs
+        out = [o for o in out if o.split("=", 1)[0].lstrip("+~") != "output_dir"]
+    return out
 
 
 def split_recipes(words: list[str]) -> tuple[list[str], list[str]]:
@@ -95,7 +100,7 @@ def model_recipe(words: list[str], own: tuple[str, ...], envs: str) -> list[str]
     from prime_hpc.core.errors import UserError
 
     files, rest = split_recipes(words)
-    recipe = [o for o in with_recipes(files) if o.split("=", 1)[0].lstrip("+~") != "output_dir"]
+    recipe = with_recipes(files, run_dir=False)
     if not files:
         return [*recipe, *rest]
     given = {w.split("=", 1)[0] for w in rest if "=" in w}
@@ -178,7 +183,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     try:
         if args.command in RECIPES:  # with the words `--bench` took (`--bench @ rl.toml`)
-            args.overrides = with_recipes([*getattr(args, "bench_overrides", []), *args.overrides])
+            words = [*getattr(args, "bench_overrides", []), *args.overrides]
+            args.overrides = with_recipes(words, run_dir=args.command not in OWN_DIR)
             args.bench_overrides = []
         return args.fn(args)
     except (UserError, LaunchError) as e:

@@ -655,3 +655,26 @@ def test_synthesize_takes_a_recipe_as_submit_does(tmp_path, monkeypatch):
     cfg = seen["cfg"]
     assert seen["name"] == "tiny" and seen["k"] == 2 and seen["out"] == tmp_path / "syn" and cfg.seq_len == 80
     assert [(e.id, dict(e.args)) for e in cfg.orchestrator.env] == [("reverse_text", {"n": 3})]
+
+
+def test_serve_takes_a_recipe_but_not_its_runs_directory(tmp_path, monkeypatch):
+    """`serve @ rl.toml`: the recipe's model with its inference settings, in serve's own
+    directory (the recipe's output_dir is its training run's); the command line's wins."""
+    from prime_hpc.cli import main
+    from prime_hpc.inference.client import API_KEY_VAR
+    from prime_hpc.launcher import launch
+
+    seen: list = []
+
+    def submit(cfg, overrides):
+        seen.append(cfg)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(launch, "submit", submit)
+    monkeypatch.setenv(API_KEY_VAR, "secret")
+    path = write(tmp_path, "rl.toml", f"output_dir = '{tmp_path / 'train'}'\n" + RL_RECIPE)
+    for words, where in (([], "outputs/serve-tiny"), ([f"output_dir={tmp_path / 's'}"], str(tmp_path / "s"))):
+        with pytest.raises(SystemExit):
+            main(["serve", "@", path, *words])
+        cfg = seen.pop()
+        assert (cfg.model.name, cfg.inference.gpu_memory_utilization, cfg.output_dir) == ("tiny", 0.2, where)
