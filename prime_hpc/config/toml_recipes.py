@@ -5,14 +5,18 @@ table (`MAPPING`: the reference's key -> prime-hpc's key, and how the value conv
 Precedence, lowest first: the experiment defaults (`conf/`), `$PRIME_LOG_LEVEL` (for
 `log.level` when nothing else sets it), `PRIME_*` variables, the files in the order given,
 the command line's overrides. A key the table does not have is refused in one line naming
-the file (or variable), the key and the nearest key the table has: never dropped.
+the file (or variable), the key and the nearest key the table has: never dropped; one the
+reference has but prime-hpc has no counterpart of (`REFUSED`) names the nearest prime-hpc key
+and why not. Some keys convert by more than a name (the async level, GPU lists, `[slurm]`,
+`[trainer.scheduler]`, `enabled` switches: the kinds below).
 
 A file's `[prime_hpc]` table holds prime-hpc keys as they are (`null_keys`: those set to
 null). `export` writes a run's recorded config back in this layout (`prime-hpc config
 export`), `to_toml` the TOML.
 
 Imported only when an `@` argument or a `PRIME_` variable is there, or by `config export`
-(the CLI stays fast)."""
+(the CLI stays fast); `submit`, `doctor`, `serve`, `eval` and `synthesize` take recipes through
+`prime_hpc.cli.with_recipes`."""
 
 from __future__ import annotations
 
@@ -314,15 +318,16 @@ def _say(line: str) -> None:
     print(f"prime-hpc: {line}", file=sys.stderr)
 
 
-def log_level(value: Any, where: str) -> str:
+def log_level(value: Any, where: str, fix: str = "") -> str:
     """prime-hpc's log level for the reference's `value` (any case; WARN is warning); one line
-    naming `where` for one prime-hpc has not."""
+    naming `where` (and `fix`, how else) for one prime-hpc has not."""
     from prime_hpc.config.schema import LEVELS
 
     level = LOG_LEVELS.get(str(value).strip().lower()) if isinstance(value, str) else None
     if level is None:
         raise UserError(
-            f"{where}={value!r}: prime-hpc has no such log level; choose from {', '.join(LEVELS)} (WARN is warning)"
+            f"{where}={value!r}: prime-hpc has no such log level; choose from {', '.join(LEVELS)} (WARN is "
+            f"warning){fix}"
         )
     return level
 
@@ -353,7 +358,8 @@ def expand(words: list[str], environ: Mapping[str, str]) -> list[str]:
     out = [*from_vars, *from_files, *rest]
     level = environ.get(LOG_LEVEL_VAR)
     if level is not None and not any(_key_of(o) == "log.level" for o in out):
-        out.insert(0, override("log.level", log_level(level, f"${LOG_LEVEL_VAR}")))
+        fix = f", or give log.level=... (then ${LOG_LEVEL_VAR} is not read)"
+        out.insert(0, override("log.level", log_level(level, f"${LOG_LEVEL_VAR}", fix)))
     return out
 
 
