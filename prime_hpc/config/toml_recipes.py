@@ -771,10 +771,10 @@ def export(run: dict, defaults: dict, derived: frozenset[str] = frozenset()) -> 
         if off(ref):
             continue  # its feature is off: a [table] would turn it on; in [prime_hpc] if not the default
         value = _get(run, target)
-        if value is _MISSING:
-            continue
-        covered.add(target)
         how = MAPPING[ref][1]
+        if value is _MISSING or (how == ENVS and value and not _in_env_layout(value)):
+            continue  # (an env list with a setting the layout has not: in [prime_hpc], whole)
+        covered.add(target)
         if how == PRESENT:
             if value is True:
                 node = tree
@@ -789,7 +789,7 @@ def export(run: dict, defaults: dict, derived: frozenset[str] = frozenset()) -> 
             continue
         if how == ENVS:
             back = {v: k for k, v in reversed(ENV_ENTRY.items())}  # the first reference name of each
-            value = [{back[k]: v for k, v in e.items() if v is not None} for e in value]
+            value = [{back[k]: v for k, v in e.items() if v is not None and k in back} for e in value]
         elif how == PLUS_ONE:
             value = value - 1  # prime-hpc's 1 (synchronous) is the reference's 0
         _put(tree, ref, value)
@@ -815,6 +815,21 @@ def export(run: dict, defaults: dict, derived: frozenset[str] = frozenset()) -> 
             f"# value is not the default ({NULL_KEYS}: those set to null)\n"
         ) + to_toml({OWN_TABLE: own})
     return text
+
+
+def _in_env_layout(entries: list) -> bool:
+    """Whether every setting of these env entries (prime-hpc's `EnvEntry`) is one the layout's
+    `[[orchestrator.env]]` has (`ENV_ENTRY`) or the schema's default."""
+    import dataclasses
+
+    from prime_hpc.config.schema import EnvEntry
+
+    default = {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(EnvEntry)
+    }
+    ours = set(ENV_ENTRY.values())
+    return all(k in ours or v == default.get(k, _MISSING) for e in entries for k, v in e.items())
 
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

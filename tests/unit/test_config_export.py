@@ -239,3 +239,15 @@ def test_keys_with_a_meaning_of_their_own_export_and_compose_back(tmp_path):
     assert data["prime_hpc"]["cluster"]["partition"] == "gpu"
     assert data["prime_hpc"]["wandb"]["log_extras"]["trainer"]["interval"] == 3
     assert data["orchestrator"]["buffer"]["online_difficulty_filtering"] is True
+
+
+def test_an_env_setting_the_layout_has_not_keeps_the_env_list_whole_in_prime_hpc(tmp_path, monkeypatch):
+    """An env entry with a setting `[[orchestrator.env]]` has no key for (here `name`, taken
+    out of the layout's keys) and not at its default: the list goes to [prime_hpc] as it is."""
+    run = dry_run(tmp_path, "run", "+experiment=reverse_text", "orchestrator.env=[{id:reverse_text,name:rt}]")
+    monkeypatch.setattr(toml_recipes, "ENV_ENTRY", {k: v for k, v in toml_recipes.ENV_ENTRY.items() if v != "name"})
+    want, got, text = round_trip(run, tmp_path)
+    assert got == want
+    data = tomllib.loads(text)
+    assert "env" not in data["orchestrator"] and data["prime_hpc"]["orchestrator"]["env"][0]["name"] == "rt"
+    assert [e["id"] for e in data["orchestrator"]["eval"]["env"]] == ["reverse_text"]  # at their defaults: the layout
