@@ -256,6 +256,8 @@ class EnvEntry:
     """relative sampling weight among the listed envs"""
     name: Optional[str] = None
     """metric/log name; defaults to the id"""
+    workers: int = ruled(0, ge=0)
+    """worker processes of the env's own server (`prime_hpc.envserver`); 0 = in the orchestrator's process"""
 
 
 @dataclass

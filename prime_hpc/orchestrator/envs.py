@@ -241,6 +241,7 @@ class EnvSlot:
     order: list[int] = field(default_factory=list)
     cursor: int = 0
     epoch: int = 0
+    server: Any = None  # its env server (`envserver.remote.EnvServerProcess`) when it runs in one
 
 
 class EnvSampler:

@@ -72,32 +72,63 @@ class Generator:
         return rollouts
 
     async def _generate(self, slot: EnvSlot, row: dict, kind: str, n: int) -> list[Rollout]:
-        token = CURRENT_ENV.set(f"{kind}/{slot.name}")
-        try:
-            outs = await slot.env.run_group(
-                [dict(row) for _ in range(n)],
-                self.client,
-                self.model(),
-                sampling_args(self.sampling),
-                state_columns=["trajectory", REWARD_ERROR],
-            )
-            return [from_output(o, slot.name, self.seq_len, self.strategy) for o in outs]
-        except Exception as e:  # a crashed group is counted, never fatal
-            logger.warning(f"{kind} env {slot.name}: group failed: {type(e).__name__}: {e}")
-            return [
-                Rollout(
-                    env=slot.name,
-                    example_id=row.get("example_id"),
-                    reward=0.0,
-                    input_ids=[],
-                    loss_mask=[],
-                    logprobs=[],
-                    policy_steps=[],
-                    num_turns=0,
-                    is_truncated=False,
-                    error=f"{type(e).__name__}: {e}",
-                )
-                for _ in range(n)
-            ]
-        finally:
-            CURRENT_ENV.reset(token)
+        return await generate_group(
+            slot.env,
+            slot.name,
+            row,
+            kind,
+            n,
+            self.client,
+            self.model(),
+            sampling_args(self.sampling),
+            self.seq_len,
+            self.strategy,
+        )
+
+
+async def generate_group(
+    env: Any,
+    name: str,
+    row: dict,
+    kind: str,
+    n: int,
+    client: Any,
+    model: str,
+    args: dict,
+    seq_len: int,
+    strategy: str,
+) -> list[Rollout]:
+    """`n` rollouts of `row` by the verifiers env `env` (named `name`), through `client`
+    asking for `model` with the sampling arguments `args`; a group whose run raises comes
+    back as `n` errored rollouts carrying the exception. (Also what an env server's worker
+    runs: `prime_hpc.envserver`.)"""
+    token = CURRENT_ENV.set(f"{kind}/{name}")
+    try:
+        outs = await env.run_group(
+            [dict(row) for _ in range(n)], client, model, args, state_columns=["trajectory", REWARD_ERROR]
+        )
+        return [from_output(o, name, seq_len, strategy) for o in outs]
+    except Exception as e:  # a crashed group is counted, never fatal
+        logger.warning(f"{kind} env {name}: group failed: {type(e).__name__}: {e}")
+        return errored_group(name, row, n, f"{type(e).__name__}: {e}")
+    finally:
+        CURRENT_ENV.reset(token)
+
+
+def errored_group(name: str, row: dict, n: int, error: str) -> list[Rollout]:
+    """`n` errored rollouts of `row` of env `name`, each carrying `error`."""
+    return [
+        Rollout(
+            env=name,
+            example_id=row.get("example_id"),
+            reward=0.0,
+            input_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            policy_steps=[],
+            num_turns=0,
+            is_truncated=False,
+            error=error,
+        )
+        for _ in range(n)
+    ]

@@ -1,0 +1,3 @@
+from prime_hpc.envserver.server import main
+
+main()

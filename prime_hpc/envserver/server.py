@@ -1,0 +1,296 @@
+"""An env server: one env entry of a run, in a process of its own, its groups run by
+`workers` worker processes (`worker.py`).
+
+Consumes a spec (JSON, `--spec`): the entry, its kind ("train"/"eval"), the attempt's logs
+directory, where to publish its endpoint, the worker count, the policy client's base URL
+(`worker.policy_client`). The job's key comes from `$INFERENCE_SERVER_API_KEY`.
+Produces: an HTTP/JSON listener on 127.0.0.1 (a port the OS picks), published with its
+`url`, `pid` and `instance` in the endpoint file (0600, in a directory only its owner can
+change); every route but `/health` and `/identity` takes the job's key as a bearer or a
+request signed for this instance (`inference.gate.ApiKey`), else 401:
+
+- `GET /info`: `{"env", "kind": "classic", "rows", "example_ids", "workers"}`;
+- `POST /group` `{"row" | "index", "kind", "n", "model", "sampling", "seq_len",
+  "strategy"}`: `{"rollouts": [...]}` (`orchestrator.wire`); 502 `{"error"}` when the
+  worker running it died (the group is lost, the worker restarted); 503 `{"error",
+  "fatal": true}` once workers died more than `MAX_RESTARTS` times: the env is done.
+
+A request goes to the ready worker with the fewest groups in flight. A worker that dies is
+restarted, at most `MAX_RESTARTS` times in all, each said in the server's log. The server
+ends when its stdin closes (the orchestrator is gone) or on SIGTERM, and ends its
+workers by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from loguru import logger
+
+from prime_hpc.inference.gate import ApiKey, answer_identity, read_body, send_json
+from prime_hpc.rundir import RunDir
+
+MAX_RESTARTS = 3  # worker restarts an env server makes in all before its env fails the run
+STOP_GRACE_S = 5.0  # a worker asked to stop (SIGTERM) has this long before SIGKILL
+
+
+class WorkerDied(Exception):
+    pass
+
+
+class Worker:
+    """One worker process and the groups it runs (`pending`, by request id)."""
+
+    def __init__(self, wid: int) -> None:
+        self.wid = wid
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.ready = False
+
+    @property
+    def busy(self) -> int:
+        return len(self.pending)
+
+
+class EnvServer:
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self.name = spec["name"]
+        self.kind = spec["kind"]
+        self.logs = Path(spec["logs"])
+        self.workers = [Worker(i) for i in range(int(spec["workers"]))]
+        self.restarts = 0
+        self.fatal: Optional[str] = None
+        self.changed = asyncio.Event()  # a worker became ready, or the server failed
+        self.ids = 0
+        self.rows: list[dict] = []
+        self.closing = False
+
+    # ------------------------------------------------------------------ workers
+    def worker_log(self, w: Worker) -> Path:
+        return RunDir.env_worker_log(self.logs, self.kind, self.name, w.wid)
+
+    async def start_worker(self, w: Worker) -> None:
+        log = open(self.worker_log(w), "ab")
+        try:
+            w.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-u",
+                "-m",
+                "prime_hpc.envserver.worker",
+                "--spec",
+                json.dumps(self.spec),
+                "--id",
+                str(w.wid),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                limit=1 << 26,
+            )
+        finally:
+            log.close()
+        w.ready = False
+        logger.info(f"env {self.name}: worker {w.wid} started (pid {w.proc.pid}), log {self.worker_log(w)}")
+        asyncio.create_task(self.read_worker(w, w.proc))
+
+    async def read_worker(self, w: Worker, proc: asyncio.subprocess.Process) -> None:
+        """Answers of `w` to their requests, until it dies; then restart it (bounded)."""
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            msg = json.loads(line)
+            if msg.get("ready"):
+                w.ready = True
+                logger.info(f"env {self.name}: worker {w.wid} ready")
+                self.changed.set()
+                continue
+            fut = w.pending.pop(int(msg["id"]), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg["rollouts"])
+        rc = await proc.wait()
+        w.ready = False
+        if self.closing:
+            return
+        why = f"worker {w.wid} (pid {proc.pid}) died (exit {rc}); see {self.worker_log(w)}"
+        for fut in w.pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerDied(why))
+        w.pending.clear()
+        if self.restarts >= MAX_RESTARTS:
+            self.fatal = f"{why}, after {MAX_RESTARTS} restarts"
+            logger.error(f"env {self.name}: {self.fatal}: no more restarts")
+            self.changed.set()
+            return
+        self.restarts += 1
+        logger.warning(f"env {self.name}: {why}; restarting it ({self.restarts} of {MAX_RESTARTS} restarts)")
+        await self.start_worker(w)
+
+    async def run_group(self, req: dict) -> list[dict]:
+        """The rollouts (JSON) of the request, by the least busy ready worker."""
+        while True:
+            if self.fatal:
+                raise RuntimeError(self.fatal)
+            ready = [w for w in self.workers if w.ready]
+            if ready:
+                break
+            self.changed.clear()
+            await self.changed.wait()
+        w = min(ready, key=lambda x: x.busy)
+        self.ids += 1
+        fut = asyncio.get_running_loop().create_future()
+        w.pending[self.ids] = fut
+        assert w.proc is not None and w.proc.stdin is not None
+        w.proc.stdin.write((json.dumps({**req, "id": self.ids}) + "\n").encode())
+        await w.proc.stdin.drain()
+        return await fut
+
+    async def stop_workers(self) -> None:
+        """End every worker by its PID: SIGTERM, SIGKILL after `STOP_GRACE_S`."""
+        self.closing = True
+        for w in self.workers:
+            p = w.proc
+            if p is None or p.returncode is not None:
+                continue
+            try:
+                p.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(p.wait(), STOP_GRACE_S)
+            except (ProcessLookupError, asyncio.TimeoutError):
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+
+    # ------------------------------------------------------------------ HTTP
+    async def app(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope.get("path", "")
+        if path == "/identity":
+            return await answer_identity(self.key, scope, send, self.me)
+        admitted = await self.key.admit(scope, receive, send, self.me)
+        if admitted is None:
+            return await self.key.refuse(send)
+        receive, send = admitted
+        if path == "/health":
+            return await send_json(send, 200, {"ok": self.fatal is None})
+        if path == "/info" and scope.get("method") == "GET":
+            return await send_json(send, 200, self.info())
+        if path == "/group" and scope.get("method") == "POST":
+            _, req = await read_body(receive)
+            return await self.answer_group(send, req)
+        return await send_json(send, 404, {"error": f"no route {scope.get('method')} {path}"})
+
+    def info(self) -> dict:
+        return {
+            "env": self.name,
+            "kind": "classic",
+            "split": self.kind,
+            "rows": len(self.rows),
+            "example_ids": [r.get("example_id") for r in self.rows],
+            "workers": len(self.workers),
+            "restarts": self.restarts,
+        }
+
+    async def answer_group(self, send: Any, req: Optional[dict]) -> None:
+        if not isinstance(req, dict) or ("row" not in req and "index" not in req):
+            return await send_json(send, 400, {"error": "send a JSON object with `row` or `index`"})
+        if "row" not in req:
+            i = req.pop("index")
+            if not isinstance(i, int) or not 0 <= i < len(self.rows):
+                return await send_json(send, 400, {"error": f"index {i!r} is not one of 0..{len(self.rows) - 1}"})
+            req["row"] = self.rows[i]
+        try:
+            rollouts = await self.run_group(req)
+        except WorkerDied as e:
+            return await send_json(send, 502, {"error": str(e)})
+        except RuntimeError as e:
+            return await send_json(send, 503, {"error": str(e), "fatal": True})
+        await send_json(send, 200, {"rollouts": rollouts})
+
+    # ------------------------------------------------------------------ life
+    async def main(self) -> None:
+        import uvicorn
+
+        from prime_hpc.config.schema import EnvEntry
+        from prime_hpc.inference.client import api_key
+        from prime_hpc.orchestrator.envs import dataset_rows, load_env
+
+        self.key = ApiKey(api_key())
+        env = load_env(EnvEntry(**self.spec["entry"]), self.kind)
+        n = self.spec.get("num_examples")
+        ds = env.get_dataset() if self.kind == "train" else env.get_eval_dataset(n=n or -1)
+        self.rows = dataset_rows(ds)
+        for w in self.workers:
+            await self.start_worker(w)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        self.me = {"url": f"http://127.0.0.1:{port}", "instance": secrets.token_hex(16), "pid": os.getpid()}
+        config = uvicorn.Config(self.app, interface="asgi3", log_level="warning", lifespan="off", timeout_keep_alive=60)
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        publish(Path(self.spec["endpoint"]), self.me)
+        logger.info(
+            f"env {self.name}: serving {len(self.rows)} rows at {self.me['url']} with {len(self.workers)} workers"
+        )
+        try:  # its own signal handlers, in place of uvicorn's (installed once it started)
+            await self.until_told_to_stop()
+        finally:
+            server.should_exit = True
+            await self.stop_workers()
+            await asyncio.gather(serving, return_exceptions=True)
+            Path(self.spec["endpoint"]).unlink(missing_ok=True)
+            logger.info(f"env {self.name}: stopped")
+
+    async def until_told_to_stop(self) -> None:
+        """Until stdin closes (the orchestrator is gone) or SIGTERM/SIGINT comes."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(s, stop.set)
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+
+        async def parent_gone() -> None:
+            await reader.read()
+            logger.info(f"env {self.name}: the orchestrator is gone")
+            stop.set()
+
+        watch = asyncio.create_task(parent_gone())
+        await stop.wait()
+        watch.cancel()
+
+
+def publish(path: Path, me: dict) -> None:
+    """`me` into `path` (0600), in a directory only this user can change (else `Untrusted`)."""
+    from prime_hpc.core.usercache import private_dir
+    from prime_hpc.rundir.files import atomic_write_bytes
+
+    private_dir(path.parent)
+    atomic_write_bytes(path, json.dumps(me).encode(), durable=False, mode=0o600)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.envserver")
+    p.add_argument("--spec", required=True, help="the env server's spec (JSON)")
+    a = p.parse_args(argv)
+    spec = json.loads(a.spec)
+    logger.remove()
+    logger.add(sys.stderr, format="{time:YYYY-MM-DD HH:mm:ss} {level} env_server: {message}", level="INFO")
+    from prime_hpc.core.errors import UserError
+
+    try:
+        asyncio.run(EnvServer(spec).main())
+    except UserError as e:
+        logger.error(str(e))
+        sys.exit(2)

@@ -1,0 +1,102 @@
+"""One worker of an env server: loads the env itself and runs the groups its server sends.
+
+Consumes, on stdin, one JSON request a line (`{"id", "row", "kind", "n", "model",
+"sampling", "seq_len", "strategy"}`) and produces, on the stdout it was started with, one
+JSON answer a line (`{"id", "rollouts"}`; first `{"ready": true}` once the env is loaded).
+Groups run concurrently on one asyncio loop, through the policy client the orchestrator
+uses (`client.make_client` toward the same base URL, the router proven and signed for as
+the orchestrator does, the same `max_context`). Whatever else writes to stdout (an env's
+prints) goes to stderr, the worker's log. It exits when stdin closes: its server is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from prime_hpc.config.schema import EnvEntry
+
+POLICY_KEY_VAR = "PRIME_HPC_ENV_POLICY_KEY"  # the policy endpoint's key where it is not the router's
+
+
+def policy_client(spec: dict) -> Any:
+    """The orchestrator's policy client, rebuilt from `spec["client"]`: `url`, `router_json`
+    (the run's router.json, None for another endpoint), `max_context`, `timeout_s`."""
+    from prime_hpc.inference.client import RouterLink, RouterURL, api_key
+    from prime_hpc.orchestrator.client import make_client
+
+    c = spec["client"]
+    base: Any = RouterURL(c["url"], RouterLink(c["router_json"])) if c.get("router_json") else c["url"]
+    key = os.environ.get(POLICY_KEY_VAR) or api_key()
+    return make_client(base, key, max_context=c.get("max_context"), timeout_s=float(c["timeout_s"]))
+
+
+async def serve(spec: dict, out: Any) -> None:
+    """Load the env, say ready, answer requests until stdin closes."""
+    from prime_hpc.orchestrator.envs import load_env
+    from prime_hpc.orchestrator.generate import generate_group
+    from prime_hpc.orchestrator.wire import group_to_json
+
+    entry = EnvEntry(**spec["entry"])
+    env = load_env(entry, spec["kind"])
+    client = policy_client(spec)
+    loop = asyncio.get_running_loop()
+
+    def answer(obj: dict) -> None:
+        out.write((json.dumps(obj) + "\n").encode())
+        out.flush()
+
+    async def one(req: dict) -> None:
+        rollouts = await generate_group(
+            env,
+            spec["name"],
+            req["row"],
+            req["kind"],
+            int(req["n"]),
+            client,
+            req["model"],
+            req["sampling"],
+            int(req["seq_len"]),
+            req["strategy"],
+        )
+        answer({"id": req["id"], "rollouts": group_to_json(rollouts)})
+
+    reader = asyncio.StreamReader(limit=1 << 26)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    answer({"ready": True, "pid": os.getpid()})
+    tasks: set[asyncio.Task] = set()
+    while line := await reader.readline():
+        task = asyncio.create_task(one(json.loads(line)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    for t in tasks:
+        t.cancel()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.envserver.worker")
+    p.add_argument("--spec", required=True, help="the env server's spec (JSON)")
+    p.add_argument("--id", type=int, required=True)
+    a = p.parse_args()
+    spec = json.loads(a.spec)
+    out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 becomes the log
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s %(levelname)s worker {a.id} %(name)s: %(message)s"
+    )
+    logging.getLogger("verifiers").setLevel(str(spec.get("vf_level", "warning")).upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from prime_hpc.orchestrator.envs import ENV_LOG
+
+    ENV_LOG.propagate = True
+    asyncio.run(serve(spec, out))
+
+
+if __name__ == "__main__":
+    main()

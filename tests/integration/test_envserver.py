@@ -1,0 +1,152 @@
+"""Env servers (`prime_hpc.envserver`): the reverse_text env in a server of its own with
+real worker processes, generating against the session's real vLLM servers and router
+(tiny model): a group comes back as the rollouts in-process generation gives; the key is
+demanded; a worker killed with SIGKILL is restarted and the next group succeeds; past the
+restarts, or with the server gone, the next group fails in one line naming the env and its
+log; the orchestrator's loop trains a step from an env server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prime_hpc.config.schema import EnvEntry, OrchestratorConfig, SamplingConfig
+from prime_hpc.envserver.remote import EnvServerProcess, RemoteGenerator, client_spec, server_log
+from prime_hpc.envserver.server import MAX_RESTARTS
+from prime_hpc.orchestrator.envs import EnvFailed, load_slots
+from prime_hpc.rundir import RunDir
+
+REPO = Path(__file__).resolve().parents[2]
+REVERSE_TEXT = str(REPO / "examples" / "reverse_text")
+SEQ_LEN = 512
+
+
+@pytest.fixture
+def keyed(inference, monkeypatch):
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", inference.key)
+    return inference
+
+
+def _start(inference, root: Path, workers: int) -> tuple[EnvServerProcess, Path]:
+    logs = root / "logs"
+    entry = EnvEntry(id=REVERSE_TEXT, workers=workers)
+    spec = client_spec(inference.endpoints.openai_base_url, SEQ_LEN, 60.0)
+    return EnvServerProcess.start(entry, "train", RunDir(root), logs, spec, timeout_s=120), logs
+
+
+def _generator(inference, server: EnvServerProcess):
+    ocfg = OrchestratorConfig(group_size=4, sampling=SamplingConfig(max_tokens=8, extra_body={"min_tokens": 2}))
+    gen = RemoteGenerator(ocfg, SEQ_LEN, None, lambda: "tiny")
+    (slot,) = load_slots([EnvEntry(id=REVERSE_TEXT, workers=1)], "train")
+    slot.server = server
+    return gen, slot
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _worker_pids(log: Path) -> list[int]:
+    return [int(p) for p in re.findall(r"worker \d+ started \(pid (\d+)\)", log.read_text())]
+
+
+def _wait_for(cond, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.05)
+
+
+def _ready_count(log: Path) -> int:
+    return log.read_text().count(" ready")
+
+
+@pytest.mark.vllm
+def test_a_group_comes_back_from_the_env_servers_workers(keyed, tmp_path):
+    server, logs = _start(keyed, tmp_path / "run", workers=2)
+    try:
+        assert server.endpoint.stat().st_mode & 0o077 == 0
+        assert server.me["url"].startswith("http://127.0.0.1:")
+        info = asyncio.run(server.info())
+        assert info["env"] == "reverse_text" and info["kind"] == "classic" and info["rows"] == len(info["example_ids"])
+        gen, slot = _generator(keyed, server)
+
+        async def two_groups():
+            return await asyncio.gather(gen.group(slot, slot.rows[0]), gen.group(slot, slot.rows[1], n=2))
+
+        first, second = asyncio.run(two_groups())
+        assert len(first) == 4 and len(second) == 2
+        for r in first + second:
+            assert r.error is None and r.env == "reverse_text" and r.num_turns == 1
+            assert len(r.input_ids) == len(r.loss_mask) == len(r.logprobs) and any(r.loss_mask)
+            assert r.policy_steps == [0] and r.generated is not None and r.generated[0] <= r.generated[1]
+        assert first[0].example_id == slot.rows[0]["example_id"]
+        assert {r.example_id for r in second} == {slot.rows[1]["example_id"]}
+        # every route but liveness demands the job's key: 401 without it, or with another
+        for headers in ({}, {"authorization": "Bearer not-the-key"}):
+            assert httpx.post(server.me["url"] + "/group", json={"index": 0}, headers=headers).status_code == 401
+            assert httpx.get(server.me["url"] + "/info", headers=headers).status_code == 401
+        ok = httpx.get(server.me["url"] + "/info", headers={"authorization": f"Bearer {keyed.key}"})
+        assert ok.status_code == 200
+        for name in ("env_server.log", "env_worker_0.log", "env_worker_1.log"):
+            assert (RunDir.env_log_dir(logs, "train", "reverse_text") / name).exists(), name
+        pids = _worker_pids(server.log)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        server.close()
+    # the orchestrator gone (its pipe closed): the server and its workers are ended
+    assert server.proc.returncode is not None
+    _wait_for(lambda: not any(_alive(p) for p in pids), "the workers to end")
+    assert not server.endpoint.exists()
+
+
+@pytest.mark.vllm
+def test_a_killed_worker_is_restarted_and_past_the_bound_the_env_fails_the_run(keyed, tmp_path):
+    server, logs = _start(keyed, tmp_path / "run", workers=1)
+    try:
+        gen, slot = _generator(keyed, server)
+        _wait_for(lambda: _ready_count(server.log) == 1, "the worker to be ready")
+        for kill in range(1, MAX_RESTARTS + 1):
+            os.kill(_worker_pids(server.log)[-1], signal.SIGKILL)
+            _wait_for(lambda k=kill: _ready_count(server.log) == k + 1, f"restart {kill}")
+            assert f"restarting it ({kill} of {MAX_RESTARTS} restarts)" in server.log.read_text()
+            group = asyncio.run(gen.group(slot, slot.rows[kill]))  # by the restarted worker: the only one
+            assert [r.error for r in group] == [None] * 4
+        os.kill(_worker_pids(server.log)[-1], signal.SIGKILL)
+        _wait_for(lambda: "no more restarts" in server.log.read_text(), "the server to give up")
+        with pytest.raises(EnvFailed) as failed:
+            asyncio.run(gen.group(slot, slot.rows[0]))
+        message = str(failed.value)
+        assert "\n" not in message and "train env reverse_text" in message
+        assert str(server_log(logs, "train", "reverse_text")) in message and failed.value.log == server.log
+    finally:
+        server.close()
+
+
+@pytest.mark.vllm
+def test_a_dead_env_server_fails_the_next_group_naming_its_log(keyed, tmp_path):
+    server, _ = _start(keyed, tmp_path / "run", workers=1)
+    try:
+        gen, slot = _generator(keyed, server)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        with pytest.raises(
+            EnvFailed, match=r"train env reverse_text: its env server died \(exit -9\); see .*env_server\.log"
+        ):
+            asyncio.run(gen.group(slot, slot.rows[0]))
+    finally:
+        server.close()
+    # its worker sees its stdin close and leaves
+    _wait_for(lambda: not any(_alive(p) for p in _worker_pids(server.log)), "the orphaned worker to end")
