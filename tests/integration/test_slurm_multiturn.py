@@ -168,5 +168,14 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     assert multi_turn > 0, "no sample holds more than one model turn"
     assert tool_results > 0, "no tool message in any sample"
     assert full > 0, "no sample reached the context limit"
-    log = (run.latest_logs.resolve() / "orchestrator.log").read_text()
+    logs = run.latest_logs.resolve()
+    log = (logs / "orchestrator.log").read_text()
     assert "group failed" not in log
+    # every component raised its open-files limit to the node's hard limit first, and said so
+    for name, who in (
+        ("orchestrator.log", "prime-hpc orchestrator"),
+        ("trainer.log", "python -m prime_hpc.trainer.rl"),
+        ("inference/node_0.log", "prime-hpc inference"),
+        ("inference/router_0.log", "prime-hpc router"),
+    ):
+        assert re.search(rf"{re.escape(who)}: open files limit \d+ -> \d+", (logs / name).read_text()), name
