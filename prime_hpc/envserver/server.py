@@ -75,6 +75,7 @@ class EnvServer:
         self.ids = 0
         self.rows: list[dict] = []
         self.closing = False
+        self.served = 0  # groups answered
 
     # ------------------------------------------------------------------ workers
     def worker_log(self, w: Worker) -> Path:
@@ -213,6 +214,7 @@ class EnvServer:
             return await send_json(send, 502, {"error": str(e)})
         except RuntimeError as e:
             return await send_json(send, 503, {"error": str(e), "fatal": True})
+        self.served += 1
         await send_json(send, 200, {"rollouts": rollouts})
 
     # ------------------------------------------------------------------ life
@@ -250,7 +252,7 @@ class EnvServer:
             await self.stop_workers()
             await asyncio.gather(serving, return_exceptions=True)
             Path(self.spec["endpoint"]).unlink(missing_ok=True)
-            logger.info(f"env {self.name}: stopped")
+            logger.info(f"env {self.name}: stopped after {self.served} groups")
 
     async def until_told_to_stop(self) -> None:
         """Until stdin closes (the orchestrator is gone) or SIGTERM/SIGINT comes."""

@@ -30,13 +30,13 @@ from loguru import logger
 
 from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.core import jobenv
+from prime_hpc.envserver.remote import RemoteGenerator, close_servers, start_servers
 from prime_hpc.inference.client import Admin, api_key, discover
 from prime_hpc.orchestrator.checkpointer import Checkpointer
 from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, load_slots, route_env_logs
 from prime_hpc.orchestrator.evaluator import Evaluator
 from prime_hpc.orchestrator.fleet import keep_fixed
-from prime_hpc.orchestrator.generate import Generator
 from prime_hpc.orchestrator.relay import WeightRelay
 from prime_hpc.orchestrator.sink import StepFill, StepSink
 from prime_hpc.orchestrator.source import GroupSource
@@ -89,7 +89,7 @@ class Orchestrator:
             adapter=self.run.root.name if cfg.job_dir else None,
             job=self.job,
         )
-        self.generator = Generator(o, cfg.seq_len, client, lambda: relay.model)
+        self.generator = RemoteGenerator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = self.sampler(train)
         self.source = GroupSource(sampler, self.generator, lambda: relay.policy, o, self.async_level, self.max_steps)
         self.step_metrics = StepMetrics(
@@ -161,6 +161,7 @@ class Orchestrator:
         saved = self.checkpoints.load(start) if start is not None else None
         env_logs = route_env_logs(self.logs, {"train": train, "eval": evals}, o.log.vf_level) if self.logs else None
         admin = metrics = teacher_fleet = None
+        servers: list = []
         try:
             # one run of several: the job's servers (and its router), this run's adapter on them
             fleet = self.job or self.run
@@ -174,7 +175,9 @@ class Orchestrator:
             admin = Admin(ep.servers, on_lost=lambda server, why: self.relay.server_lost(server, why))
             metrics = MetricsLogger(self.run, "orchestrator", cfg.wandb, run_name=cfg.name, config=asdict(cfg))
             # the membership of a fleet several runs share is not one run's to keep: a fixed set for now
-            self.wire(*self.policy_client(ep), admin, metrics, train, evals, router=None if cfg.job_dir else ep.router)
+            client, model = self.policy_client(ep)
+            servers = self.env_servers({"train": train, "eval": evals}, ep)
+            self.wire(client, model, admin, metrics, train, evals, router=None if cfg.job_dir else ep.router)
             if saved is not None:
                 self.restore(saved)
             if start is not None and self.run.has_weights(start):
@@ -206,6 +209,7 @@ class Orchestrator:
             if teacher_fleet is not None:  # keeps the teacher's membership until the run ends
                 teacher_fleet.cancel()
                 await asyncio.gather(teacher_fleet, return_exceptions=True)
+            close_servers(servers)
             if env_logs is not None:
                 env_logs.close()
         return {"last_step": self.sink.step, "policy": self.relay.policy, **self.totals()}
@@ -217,6 +221,18 @@ class Orchestrator:
         if self.ocfg.training_mode == "sft" and at is not None:
             return make_client(at.url, at.key, max_context=cfg.seq_len, timeout_s=timeout_s), at.model
         return make_client(ep.openai_base_url, api_key(), max_context=cfg.seq_len, timeout_s=timeout_s), None
+
+    def env_servers(self, slots: dict[str, list[EnvSlot]], ep: Any) -> list:
+        """The env servers of the entries with `workers` >= 1 (`prime_hpc.envserver`), their
+        workers asking the same endpoint as `policy_client`."""
+        from prime_hpc.envserver.remote import client_spec
+
+        cfg, at, o = self.cfg, self.teacher_at, self.ocfg
+        sft = o.training_mode == "sft" and at is not None
+        base, key = (at.url, at.key) if sft and at is not None else (ep.openai_base_url, None)
+        spec = client_spec(base, cfg.seq_len, o.generation_timeout_s)
+        logs = self.logs or self.run.root / "logs"
+        return start_servers(slots, self.run, logs, spec, o.log.vf_level, o.eval.num_examples, policy_key=key)
 
     async def loop(self, start: int, eval_first: bool = False) -> None:
         """Evaluate the starting policy as step 0 when `eval_first` (under the heartbeat,
