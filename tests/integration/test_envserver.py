@@ -150,21 +150,3 @@ def test_a_dead_env_server_fails_the_next_group_naming_its_log(keyed, tmp_path):
         server.close()
     # its worker sees its stdin close and leaves
     _wait_for(lambda: not any(_alive(p) for p in _worker_pids(server.log)), "the orphaned worker to end")
-
-
-@pytest.mark.vllm
-def test_the_orchestrator_trains_a_step_from_an_env_server_and_ends_it(keyed, tmp_path):
-    from tests.integration.test_orchestrator import _orch_cfg, _run
-
-    cfg = _orch_cfg(tmp_path / "run", keyed, ["max_steps=1", "orchestrator.env.0.workers=2"])
-    summary = _run(cfg)
-    assert summary["last_step"] == 1 and summary["samples"] >= 14
-    log = server_log(Path(cfg["output_dir"]) / "logs", "train", "reverse_text")
-    text = log.read_text()
-    assert "with 2 workers" in text
-    served = int(re.findall(r"stopped after (\d+) groups", text)[-1])
-    assert served >= 4  # a step of 16 rollouts in groups of 4, every one by the server
-    pids = _worker_pids(log)
-    assert len(pids) == 2
-    _wait_for(lambda: not any(_alive(p) for p in pids), "the workers to end")
-    assert not (RunDir(cfg["output_dir"]).private_dir / "envservers" / "train-reverse_text.json").exists()

@@ -5,7 +5,8 @@ model's turns are trained, every tool message is context, samples hold several m
 turns, and a rollout that fills its context is a (truncated) sample, never an error. The
 same run sets the reference's knobs (`orchestrator.max_prompt_len`, `advantage=opo`,
 `trainer.loss.target_kl`, `ckpt.weights.interval`) and checks what the prompt limit, the
-adaptive KL weight and the snapshots do (OPO's baseline: tests/unit)."""
+adaptive KL weight and the snapshots do (OPO's baseline: tests/unit); its env runs in an env
+server of its own with two workers (`orchestrator.env.0.workers=2`)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,7 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
             f"trainer.loss.target_kl={TARGET_KL}",
             "trainer.loss.kl_horizon=2",
             "ckpt.weights.interval=2",
+            "orchestrator.env.0.workers=2",  # the env's groups in a server of its own, two worker processes
         ]
     )
     sub = launch.submit(cfg, [])
@@ -171,6 +173,12 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     logs = run.latest_logs.resolve()
     log = (logs / "orchestrator.log").read_text()
     assert "group failed" not in log
+    # every train group came from the env's server (its two workers), which ended with the run
+    served = (logs / "envs" / "train" / "word_lookup" / "env_server.log").read_text()
+    assert (
+        "with 2 workers" in served and int(re.findall(r"stopped after (\d+) groups", served)[-1]) >= STEPS * 16 // 8
+    )  # groups of 8 in batches of 16
+    assert not list((run.private_dir / "envservers").glob("*.json")), "an env server's endpoint outlived the run"
     # every component raised its open-files limit to the node's hard limit first, and said so
     for name, who in (
         ("orchestrator.log", "prime-hpc orchestrator"),
