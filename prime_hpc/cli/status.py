@@ -1,6 +1,8 @@
 """`prime-hpc status [JOB] [--json] [--watch [S]]`: the state of each group, the inference
-fleet (each server's state, restarts, policy step and log), the attempts, and the run's vital signs (steps, reward and its trend, eval, loss, mismatch KL, s/step,
-throughput, ETA). A pipeline shows both jobs; a sweep one line per point. When SLURM
+fleet (each server's state, restarts, policy step and log), the env servers of a running job
+(`watch.envservers`: pid, workers, log; one whose pid is gone said so), the attempts, and the
+run's vital signs (steps, reward and its trend, eval, loss, mismatch KL, s/step, throughput,
+ETA). A pipeline shows both jobs; a sweep one line per point. When SLURM
 cannot be asked, the answer comes from the run directory, saying so in one line."""
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def job_status(ref: Any) -> dict[str, Any]:
     from prime_hpc.rundir import jobs
     from prime_hpc.rundir.fleet import fleet
     from prime_hpc.sched.registry import choose
+    from prime_hpc.watch.envservers import env_servers
     from prime_hpc.watch.extra import extra_status
     from prime_hpc.watch.vitals import vitals
 
@@ -68,6 +71,7 @@ def job_status(ref: Any) -> dict[str, Any]:
         "extra_jobs": extras,
         "extra_note": extra_note,
         "fleet": fleet(ref.run) + fleet(ref.run.of_group("teacher")),  # the run's own teacher's after
+        "env_servers": env_servers(ref.run, job) if overall not in jobs.FINAL_STATES else [],
         "attempts": job.get("attempts", []),
         "requeues": job.get("requeues", 0),
         "failure": job.get("failure"),
@@ -119,6 +123,7 @@ def _max_steps(run: Any) -> Optional[int]:
 
 def format_job(s: dict[str, Any]) -> list[str]:
     from prime_hpc.rundir import jobs
+    from prime_hpc.watch.envservers import env_server_line
     from prime_hpc.watch.extra import format_extra
     from prime_hpc.watch.vitals import format_vitals
 
@@ -140,6 +145,7 @@ def format_job(s: dict[str, Any]) -> list[str]:
         rows.append((g, info["state"], ago(beat.get("time")) + (f" step {beat['step']}" if "step" in beat else "")))
     out += columns(rows, indent="  ")
     out += fleet_lines(s.get("fleet") or [], ended=s["state"] in jobs.FINAL_STATES)
+    out += [env_server_line(r) for r in s.get("env_servers") or []]
     if s.get("extra_note"):
         out.append(s["extra_note"])
     out += format_extra(s.get("extra_jobs") or [])

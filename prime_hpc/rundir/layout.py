@@ -168,6 +168,15 @@ class RunDir:
         """`private/api_key`: the job's key (the user's, or the one made for the job)."""
         return self.private_dir / "api_key"
 
+    @property
+    def env_servers_dir(self) -> Path:
+        """`private/envservers/`: the endpoint of each env server while it serves,
+        `<kind>-<env>.json` (0600) {"url", "pid", "instance"}, removed when it stops."""
+        return self.private_dir / "envservers"
+
+    def env_server_endpoint(self, kind: str, env: str) -> Path:
+        return self.env_servers_dir / f"{kind}-{env}.json"
+
     # --- extra inference jobs (`prime-hpc scale`): jobs of their own that outlive attempts
     def extra_script(self, index: int) -> Path:
         """`submit/inference_<k>.sbatch`: the script of the run's k-th extra inference job
@@ -613,6 +622,11 @@ class RunDir:
     @staticmethod
     def env_worker_log(logs: Path | str, kind: str, env: str, worker: int = 0) -> Path:
         return RunDir.env_log_dir(logs, kind, env) / f"env_worker_{int(worker)}.log"
+
+    @staticmethod
+    def env_server_log(logs: Path | str, kind: str, env: str) -> Path:
+        """An env server's own log (starts and restarts of its workers), beside theirs."""
+        return RunDir.env_log_dir(logs, kind, env) / "env_server.log"
 
     # --- several runs in one job (trainer.max_concurrent_runs): each a run directory of its own
     @property

@@ -14,6 +14,8 @@ Sources (one attempt's tree, `logs/latest -> attempt_<k>`; see docs/run-director
     teacher/router_0.log                teacher-router
     trainer/node_<i>.log                trainer[<global rank>], and torchrun[<i>] for the
                                         lines of torchrun itself on node i
+    envs/<kind>/<env>/env_server.log       env-server:<kind>/<env>: the env's server, when it
+                                        runs in one (its workers' starts and restarts)
     envs/<kind>/<env>/env_worker_<w>.log   env:<kind>/<env> (env:<kind>/<env>[<w>] for w > 0)
 
 Trainer ranks are read from `trainer/node_<i>.log`, where torchrun prefixes each line of
@@ -55,7 +57,7 @@ from prime_hpc.rundir import RunDir, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 from prime_hpc.sched.registry import of
 
-# what to tail: the components, the router, the env workers, the run's own teacher (servers, router)
+# what to tail: the components, the router, the env servers and workers, the run's own teacher (servers, router)
 COMPONENTS = (*RUN_COMPONENTS, "router", "envs", "teacher")
 POLL_S = 0.5
 ENDED_GRACE_S = 10.0  # a final state without `ended_at` (nobody left to write it) ends the follow after this
@@ -199,11 +201,15 @@ def _indexed(directory: Path, prefix: str) -> list[int]:
 
 
 def _env_sources(logs: Path) -> list[Source]:
-    """Every env worker log under `envs/<kind>/<env>/`, train envs first."""
+    """The logs under `envs/<kind>/<env>/`, train envs first: each env's server log (when
+    it runs in an env server), then its worker logs."""
     out = []
     root = RunDir.env_logs_root(logs)
     for kind in sorted(_listdir(root), key=lambda k: (k != "train", k)):
         for env in _listdir(root / kind):
+            server = RunDir.env_server_log(logs, kind, env)
+            if server.is_file():
+                out.append(Source(server, f"env-server:{kind}/{env}"))
             for w in _indexed(RunDir.env_log_dir(logs, kind, env), "env_worker_"):
                 label = f"env:{kind}/{env}" + (f"[{w}]" if w else "")
                 out.append(Source(RunDir.env_worker_log(logs, kind, env, w), label))
@@ -212,7 +218,8 @@ def _env_sources(logs: Path) -> list[Source]:
 
 def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]:
     """The log files of one attempt's tree `logs` that belong to `components`, in display
-    order (orchestrator, inference nodes, router, trainer nodes, env workers, teacher)."""
+    order (orchestrator, inference nodes, router, trainer nodes, env servers and workers,
+    teacher)."""
     found = []
     orchestrator = RunDir.log_of(logs, "orchestrator")
     if "orchestrator" in components and orchestrator.is_file():

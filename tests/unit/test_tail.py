@@ -127,6 +127,42 @@ def test_components_narrow_the_sources(tmp_path):
         tail.follow(run, components=["nope"], once=True, out=io.StringIO())
 
 
+def test_an_env_servers_log_comes_with_its_workers_logs(tmp_path):
+    """An env that runs in an env server: its server's log (`env-server:<kind>/<env>`) is
+    followed first among that env's logs, then each worker's; an env in process has only
+    its worker log. A server log that appears later is picked up."""
+    run, logs = make_run(tmp_path)
+    rl_tree(logs)
+    train = RunDir.env_log_dir(logs, "train", "reverse_text")
+    write(train / "env_server.log", "env reverse_text: worker 0 started (pid 11)", "env reverse_text: serving")
+    write(train / "env_worker_1.log", "worker 1 line")
+    assert [s.label for s in tail.discover(logs, ["envs"])] == [
+        "env-server:train/reverse_text",
+        "env:train/reverse_text",
+        "env:train/reverse_text[1]",
+        "env:eval/reverse_text",
+    ]
+    assert tail.discover(logs, ["envs"])[0].path == RunDir.env_server_log(logs, "train", "reverse_text")
+    got = labelled(once(run, components=["envs"])[1])
+    assert got[:2] == [
+        ("env-server:train/reverse_text", "env reverse_text: worker 0 started (pid 11)"),
+        ("env-server:train/reverse_text", "env reverse_text: serving"),
+    ]
+    assert ("env:train/reverse_text[1]", "worker 1 line") in got
+    # followed: the eval env's server starts later, and a worker restart is said in the train one's
+    t = tail.Tail(["envs"], 0, False, io.StringIO())
+    t.switch(logs)
+    t.poll(initial_lines=10)
+    before = len(t.out.getvalue())
+    write(RunDir.env_server_log(logs, "eval", "reverse_text"), "env reverse_text: serving 5 rows")
+    write(train / "env_server.log", "env reverse_text: worker 0 (pid 11) died (exit -9); restarting it")
+    t.poll()
+    assert labelled(t.out.getvalue()[before:]) == [
+        ("env-server:train/reverse_text", "env reverse_text: worker 0 (pid 11) died (exit -9); restarting it"),
+        ("env-server:eval/reverse_text", "env reverse_text: serving 5 rows"),
+    ]
+
+
 def test_last_lines_per_source(tmp_path):
     run, logs = make_run(tmp_path)
     write(RunDir.component_log(logs, "orchestrator"), *[f"line {i}" for i in range(30)])
