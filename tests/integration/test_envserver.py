@@ -1,9 +1,11 @@
 """Env servers (`prime_hpc.envserver`): the reverse_text env in a server of its own with
 real worker processes, generating against the session's real vLLM servers and router
 (tiny model): a group comes back as the rollouts in-process generation gives; the key is
-demanded; a worker killed with SIGKILL is restarted and the next group succeeds; past the
-restarts, or with the server gone, the next group fails in one line naming the env and its
-log; the orchestrator's loop trains a step from an env server."""
+demanded; a worker killed with SIGKILL is restarted and the next group succeeds; a worker
+killed while its group is in flight makes that group come back errored (the run goes on) and
+the next one succeeds; past the restarts, or with the server gone, the next group fails in
+one line naming the env and its log. (A run that trains from an env server:
+test_slurm_multiturn.)"""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from prime_hpc.config.schema import EnvEntry, OrchestratorConfig, SamplingConfig
 from prime_hpc.envserver.remote import EnvServerProcess, RemoteGenerator, client_spec, server_log
 from prime_hpc.envserver.server import MAX_RESTARTS
 from prime_hpc.orchestrator.envs import EnvFailed, load_slots
+from prime_hpc.orchestrator.rollouts import group_error
 from prime_hpc.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,8 +44,9 @@ def _start(inference, root: Path, workers: int) -> tuple[EnvServerProcess, Path]
     return EnvServerProcess.start(entry, "train", RunDir(root), logs, spec, timeout_s=120), logs
 
 
-def _generator(inference, server: EnvServerProcess):
-    ocfg = OrchestratorConfig(group_size=4, sampling=SamplingConfig(max_tokens=8, extra_body={"min_tokens": 2}))
+def _generator(inference, server: EnvServerProcess, max_tokens: int = 8, min_tokens: int = 2):
+    sampling = SamplingConfig(max_tokens=max_tokens, extra_body={"min_tokens": min_tokens})
+    ocfg = OrchestratorConfig(group_size=4, sampling=sampling)
     gen = RemoteGenerator(ocfg, SEQ_LEN, None, lambda: "tiny")
     (slot,) = load_slots([EnvEntry(id=REVERSE_TEXT, workers=1)], "train")
     slot.server = server
@@ -131,6 +135,46 @@ def test_a_killed_worker_is_restarted_and_past_the_bound_the_env_fails_the_run(k
         message = str(failed.value)
         assert "\n" not in message and "train env reverse_text" in message
         assert str(server_log(logs, "train", "reverse_text")) in message and failed.value.log == server.log
+    finally:
+        server.close()
+
+
+@pytest.mark.vllm
+def test_a_worker_killed_mid_group_errors_that_group_and_the_next_one_succeeds(keyed, tmp_path):
+    """The server answers 502 for the group its worker was running when it died, and the
+    generator turns that into an errored group (nothing of it trains) instead of failing
+    the run; the worker is restarted and the next group comes back whole."""
+    server, _ = _start(keyed, tmp_path / "run", workers=1)
+    try:
+        # many at once, as long as the context allows (80 tokens, 28 after row 0's prompt): in flight when killed
+        gen, slot = _generator(keyed, server, max_tokens=28, min_tokens=28)
+        _wait_for(lambda: _ready_count(server.log) == 1, "the worker to be ready")
+        (pid,) = _worker_pids(server.log)
+        admin = keyed.admin()
+
+        async def killed_mid_group():
+            group = asyncio.create_task(gen.group(slot, slot.rows[0], n=32))
+            deadline = time.monotonic() + 60
+            while not sum(p["in_flight"] for p in await admin.policies()):
+                assert not group.done(), f"the group ended before it was seen in flight: {group.result()}"
+                assert time.monotonic() < deadline, "no request of the group reached the policy in 60 s"
+                await asyncio.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            return await group
+
+        errored = asyncio.run(killed_mid_group())
+        died = f"WorkerDied: worker 0 (pid {pid}) died (exit -9)"
+        assert len(errored) == 32 and all(r.error is not None and r.error.startswith(died) for r in errored)
+        assert group_error(errored) == errored[0].error  # the whole group errored: nothing of it trains
+        assert not any(r.input_ids or r.loss_mask for r in errored)
+        assert {r.example_id for r in errored} == {slot.rows[0]["example_id"]}
+        _wait_for(lambda: _ready_count(server.log) == 2, "the worker's restart")
+        assert f"restarting it (1 of {MAX_RESTARTS} restarts)" in server.log.read_text()
+        assert not _alive(pid) and _worker_pids(server.log)[-1] != pid
+        gen, slot = _generator(keyed, server)
+        group = asyncio.run(gen.group(slot, slot.rows[1]))  # by the restarted worker
+        assert [r.error for r in group] == [None] * 4 and all(any(r.loss_mask) for r in group)
+        assert asyncio.run(server.info())["restarts"] == 1
     finally:
         server.close()
 
