@@ -24,6 +24,7 @@ An id none of these finds fails with one line listing what was tried.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -140,3 +141,68 @@ def import_error(env_id: str) -> Optional[str]:
     except UnknownEnv as e:
         return str(e)
     return None
+
+
+def import_env_module(env_id: str):
+    """The module an environment id names (`prime_hpc.config.env_ids.resolve`: a local
+    package directory or .py file, an installed module, a distribution name such as
+    `reverse-text`, or `owner/name`).
+
+    A local package or file is loaded from its path under its own name, and the directory
+    that holds it goes to the *end* of `sys.path` (what lies beside it is importable, never
+    ahead of the standard library or an installed module: a `json.py` or `httpx.py` in an
+    environment's project directory shadows nothing). Its own name may not be one the
+    standard library, an installed module or an imported one already has elsewhere: loading
+    it would replace that module for the whole process (one line, naming the module)."""
+    target = resolve(env_id)
+    if target.path is None:
+        return importlib.import_module(target.module)
+    init = target.path / "__init__.py" if target.path.is_dir() else target.path
+    loaded = sys.modules.get(target.module)
+    if loaded is not None and _same_file(getattr(loaded, "__file__", None), init):
+        return loaded
+    _refuse_shadowing(target.module, init)
+    parent = str(target.path.parent)
+    if parent not in sys.path:
+        sys.path.append(parent)
+    spec = importlib.util.spec_from_file_location(
+        target.module, init, submodule_search_locations=[str(target.path)] if target.path.is_dir() else None
+    )
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{target.path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[target.module] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(target.module, None)
+        raise
+    return module
+
+
+def _same_file(a: Optional[str], b: Path) -> bool:
+    try:
+        return a is not None and Path(a).resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _refuse_shadowing(name: str, origin: Path) -> None:
+    """ImportError when loading `origin` as module `name` would replace another module of
+    that name: the standard library's, an imported one's, or an installed one's."""
+    other: Optional[str] = None
+    if name in sys.stdlib_module_names:
+        other = "the standard library's"
+    elif name in sys.modules:
+        other = f"{getattr(sys.modules[name], '__file__', None) or 'a built-in module'}, imported already"
+    else:
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            found = None
+        if found is not None and not _same_file(found.origin, origin):
+            other = found.origin or "a namespace package"
+    if other:
+        raise ImportError(
+            f"{origin} would be loaded as module {name!r}, which is {other}; rename the environment's module"
+        )

@@ -250,14 +250,19 @@ class TrainerConfig:
 @dataclass
 class EnvEntry:
     id: str = MISSING
-    """importable module exposing load_environment(**args) -> verifiers.Environment"""
+    """a classic env (a module with load_environment(**args)) or a verifiers v1 taskset (a module whose __all__
+    exports one Taskset): a path, an installed module or distribution, or owner/name"""
     args: Dict[str, Any] = field(default_factory=dict)
     ratio: float = ruled(1.0, gt=0)
     """relative sampling weight among the listed envs"""
     name: Optional[str] = None
     """metric/log name; defaults to the id"""
     workers: int = ruled(0, ge=0)
-    """worker processes of the env's own server (`prime_hpc.envserver`); 0 = in the orchestrator's process"""
+    """worker processes of the env's own server (`prime_hpc.envserver`); 0 = in the orchestrator's process
+    (a v1 taskset, or an env with `python`, always runs in a server: at least 1)"""
+    python: Optional[str] = None
+    """the Python interpreter of its server's workers (a venv with the env and its verifiers); None: the run's
+    own for a classic env, for a verifiers v1 taskset $PRIME_HPC_ENVS_PYTHON or the .venv-envs tools/setup builds"""
 
 
 @dataclass

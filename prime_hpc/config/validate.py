@@ -314,7 +314,8 @@ def check_models(cfg: DictConfig) -> None:
 
 
 def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None = None) -> None:
-    """Every env id must be importable (installed package, or a module on the path)."""
+    """Every env id must be importable (installed package, or a module on the path), here or,
+    for a verifiers v1 task set or an entry with `python`, by the Python that runs it."""
     importable = importable or env_import_error
     if cfg.bench.mode is not None or cfg.serve.enabled:  # a bench, a serve job: no env is loaded
         return
@@ -332,11 +333,16 @@ def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None =
             ("orchestrator.eval.env", o.eval.env),
         )
     )
+    from prime_hpc.config.env_kinds import submit_error
+
     for where, entries in checked:
         for i, e in enumerate(entries):
-            err = importable(e.id)
+            python = e.get("python")
+            err = importable(e.id) if python is None else "another Python"
+            if err:  # perhaps a v1 task set, or an env of another Python: asked of that Python
+                err = submit_error(e.id, python, f"{where}.{i}")
             if err:
-                raise ConfigError(f"{where}.{i}.id", err)
+                raise ConfigError(f"{where}.{i}.{'python' if python else 'id'}", err)
 
 
 def env_import_error(env_id: str) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any, Optional
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
 from prime_hpc.envserver.worker import POLICY_KEY_VAR
+from prime_hpc.job.watchdog import last_line
 from prime_hpc.orchestrator.envs import EnvFailed, EnvSlot, env_name
 from prime_hpc.orchestrator.generate import Generator, errored_group, sampling_args
 from prime_hpc.orchestrator.rollouts import Rollout
@@ -74,9 +75,14 @@ class EnvServerProcess:
         num_examples: Optional[int] = None,
         policy_key: Optional[str] = None,
         timeout_s: float = START_TIMEOUT_S,
+        env_kind: str = "classic",
+        python: Optional[str] = None,
+        tokenizer: Optional[str] = None,
     ) -> "EnvServerProcess":
         """The server of `entry`, once it serves (`EnvFailed` naming its log when it dies
-        first); `policy_key`: the policy endpoint's key where it is not the job's."""
+        first); `policy_key`: the policy endpoint's key where it is not the job's;
+        `env_kind` "v1" (a verifiers v1 taskset) or `python` (another interpreter): its
+        workers run under that interpreter, a v1 taskset's rendering with `tokenizer`."""
         import os
         from dataclasses import asdict
 
@@ -96,11 +102,19 @@ class EnvServerProcess:
             "kind": kind,
             "logs": str(logs),
             "endpoint": str(endpoint),
-            "workers": entry.workers,
+            "workers": max(1, entry.workers),
             "client": client,
             "vf_level": vf_level,
             "num_examples": num_examples,
+            "env_kind": env_kind,
+            "python": python,
+            "tokenizer": tokenizer,
         }
+        if env_kind != "classic" or python is not None:
+            from prime_hpc.config.env_kinds import package_path
+
+            spec["python"] = python
+            spec["pylib"] = str(package_path(run.private_dir / "envservers"))
         env = dict(os.environ)
         if policy_key:
             env[POLICY_KEY_VAR] = policy_key
@@ -146,6 +160,10 @@ class EnvServerProcess:
 
     async def info(self) -> dict:
         return await self._call("GET", "/info", b"")
+
+    async def rows(self) -> list[dict]:
+        """The env's tasks as its server loaded them (`example_id`, `index`, `prompt`, ...)."""
+        return list((await self._call("GET", "/rows", b""))["rows"])
 
     async def group(self, body: dict) -> tuple[int, dict]:
         """(status, answer) of `POST /group` with `body`."""
@@ -224,16 +242,9 @@ class RemoteGenerator(Generator):
             return group_from_json(answer["rollouts"])
         if status == 502:  # its worker died mid-group: lost, like a group that raised
             return errored_group(slot.name, row, n, f"WorkerDied: {answer.get('error')}")
+        if status == 422:  # the env failed before any rollout of the group
+            return errored_group(slot.name, row, n, str(answer.get("error")))
         raise server.failed(str(answer.get("error") or f"/group answered {status}"))
-
-
-def last_line(log: Path) -> str:
-    """The last non-empty line of `log` ('' when there is none)."""
-    try:
-        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
 
 
 def start_servers(
@@ -244,24 +255,44 @@ def start_servers(
     vf_level: str = "warning",
     num_examples: Optional[int] = None,
     policy_key: Optional[str] = None,
+    tokenizer: Optional[str] = None,
 ) -> list[EnvServerProcess]:
-    """A server for each slot (`slots` by kind) whose entry has `workers` >= 1, set as its
-    `server`; on a failure the ones started are ended before it propagates."""
+    """A server for each slot (`slots` by kind) whose entry has `workers` >= 1 or that is
+    loaded only in its server (`EnvSlot.in_server_only`), set as its `server`; on a
+    failure the ones started are ended before it propagates."""
     started: list[EnvServerProcess] = []
     try:
         for kind, of_kind in slots.items():
             for slot in of_kind:
-                if slot.entry.workers < 1:
+                if slot.entry.workers < 1 and not slot.in_server_only:
                     continue
                 n = num_examples if kind == "eval" else None
                 slot.server = EnvServerProcess.start(
-                    slot.entry, kind, run, logs, client, vf_level, n, policy_key=policy_key
+                    slot.entry,
+                    kind,
+                    run,
+                    logs,
+                    client,
+                    vf_level,
+                    n,
+                    policy_key=policy_key,
+                    env_kind=slot.kind,
+                    python=slot.python,
+                    tokenizer=tokenizer,
                 )
                 started.append(slot.server)
     except BaseException:
         close_servers(started)
         raise
     return started
+
+
+async def fill_rows(slots: dict[str, list[EnvSlot]]) -> None:
+    """The rows of every slot loaded only in its server, from that server."""
+    for of_kind in slots.values():
+        for slot in of_kind:
+            if slot.in_server_only and slot.server is not None:
+                slot.rows = await slot.server.rows()
 
 
 def close_servers(servers: list[EnvServerProcess]) -> None:

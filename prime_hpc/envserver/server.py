@@ -37,15 +37,27 @@ from typing import Any, Optional
 
 from loguru import logger
 
+from prime_hpc.envserver.relay import PATHS as RELAY_PATHS
+from prime_hpc.envserver.relay import READ_PATHS as RELAY_READ_PATHS
+from prime_hpc.envserver.relay import TOKEN_VAR, PolicyRelay
+from prime_hpc.envserver.worker import POLICY_KEY_VAR
 from prime_hpc.inference.gate import ApiKey, answer_identity, read_body, send_json
+from prime_hpc.job.watchdog import last_line
 from prime_hpc.rundir import RunDir
 
 MAX_RESTARTS = 3  # worker restarts an env server makes in all before its env fails the run
 STOP_GRACE_S = 5.0  # a worker asked to stop (SIGTERM) has this long before SIGKILL
 
 
+CANNOT_RUN = 2  # a worker's exit status when it cannot run the env at all (said in its log): not restarted
+
+
 class WorkerDied(Exception):
     pass
+
+
+class EnvError(Exception):
+    """A worker could not run a group at all (its env failed before any rollout)."""
 
 
 class Worker:
@@ -76,6 +88,9 @@ class EnvServer:
         self.rows: list[dict] = []
         self.closing = False
         self.served = 0  # groups answered
+        self.v1 = spec.get("env_kind") == "v1"
+        self.python = spec.get("python") or sys.executable
+        self.relay = PolicyRelay(spec["client"], os.environ.get(POLICY_KEY_VAR)) if self.v1 else None
 
     # ------------------------------------------------------------------ workers
     def worker_log(self, w: Worker) -> Path:
@@ -85,10 +100,11 @@ class EnvServer:
         log = open(self.worker_log(w), "ab")
         try:
             w.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
+                self.python,
                 "-u",
+                *(["-P"] if self.spec.get("pylib") else []),  # another Python: nothing from the working directory
                 "-m",
-                "prime_hpc.envserver.worker",
+                "prime_hpc.envserver.v1worker" if self.v1 else "prime_hpc.envserver.worker",
                 "--spec",
                 json.dumps(self.spec),
                 "--id",
@@ -97,12 +113,29 @@ class EnvServer:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 limit=1 << 26,
+                env=self.worker_env(),
             )
         finally:
             log.close()
         w.ready = False
         logger.info(f"env {self.name}: worker {w.wid} started (pid {w.proc.pid}), log {self.worker_log(w)}")
         asyncio.create_task(self.read_worker(w, w.proc))
+
+    def worker_env(self) -> Optional[dict]:
+        """A worker's environment: the run's, for a worker of the run's own Python; under
+        another interpreter only prime-hpc's own modules on its path (`config.env_kinds.python_env`),
+        and a v1 worker holds the relay's token instead of the job's key."""
+        if self.spec.get("python") is None and not self.v1:
+            return None
+        from prime_hpc.config.env_kinds import python_env
+        from prime_hpc.inference.client import API_KEY_VAR
+
+        env = python_env(Path(self.spec["pylib"]))
+        if self.relay is not None:
+            env.pop(API_KEY_VAR, None)
+            env.pop(POLICY_KEY_VAR, None)
+            env[TOKEN_VAR] = self.relay.token
+        return env
 
     async def read_worker(self, w: Worker, proc: asyncio.subprocess.Process) -> None:
         """Answers of `w` to their requests, until it dies; then restart it (bounded)."""
@@ -111,21 +144,32 @@ class EnvServer:
             msg = json.loads(line)
             if msg.get("ready"):
                 w.ready = True
+                if "rows" in msg and not self.rows:  # the env's tasks, as the worker loaded them
+                    self.rows = list(msg["rows"])
                 logger.info(f"env {self.name}: worker {w.wid} ready")
                 self.changed.set()
                 continue
             fut = w.pending.pop(int(msg["id"]), None)
             if fut is not None and not fut.done():
-                fut.set_result(msg["rollouts"])
+                if "error" in msg:
+                    fut.set_exception(EnvError(str(msg["error"])))
+                else:
+                    fut.set_result(msg.get("rollouts", msg.get("episodes")))
         rc = await proc.wait()
-        w.ready = False
+        was_ready, w.ready = w.ready, False
         if self.closing:
             return
-        why = f"worker {w.wid} (pid {proc.pid}) died (exit {rc}); see {self.worker_log(w)}"
+        said = last_line(self.worker_log(w))
+        why = f"worker {w.wid} (pid {proc.pid}) died (exit {rc}){': ' + said if said else ''}; see {self.worker_log(w)}"
         for fut in w.pending.values():
             if not fut.done():
                 fut.set_exception(WorkerDied(why))
         w.pending.clear()
+        if rc == CANNOT_RUN and not was_ready:  # it said why it cannot run the env: another try would too
+            self.fatal = why
+            logger.error(f"env {self.name}: {why}")
+            self.changed.set()
+            return
         if self.restarts >= MAX_RESTARTS:
             self.fatal = f"{why}, after {MAX_RESTARTS} restarts"
             logger.error(f"env {self.name}: {self.fatal}: no more restarts")
@@ -176,6 +220,13 @@ class EnvServer:
         path = scope.get("path", "")
         if path == "/identity":
             return await answer_identity(self.key, scope, send, self.me)
+        if self.relay is not None and (
+            (path in RELAY_PATHS and scope.get("method") == "POST")
+            or (path in RELAY_READ_PATHS and scope.get("method") == "GET")
+        ):
+            if not self.relay.allows(scope):  # the workers' token, nobody else's
+                return await self.key.refuse(send)
+            return await self.relay.forward(scope, receive, send)
         admitted = await self.key.admit(scope, receive, send, self.me)
         if admitted is None:
             return await self.key.refuse(send)
@@ -184,6 +235,8 @@ class EnvServer:
             return await send_json(send, 200, {"ok": self.fatal is None})
         if path == "/info" and scope.get("method") == "GET":
             return await send_json(send, 200, self.info())
+        if path == "/rows" and scope.get("method") == "GET":
+            return await send_json(send, 200, {"rows": self.rows})
         if path == "/group" and scope.get("method") == "POST":
             _, req = await read_body(receive)
             return await self.answer_group(send, req)
@@ -192,7 +245,7 @@ class EnvServer:
     def info(self) -> dict:
         return {
             "env": self.name,
-            "kind": "classic",
+            "kind": "v1" if self.v1 else "classic",
             "split": self.kind,
             "rows": len(self.rows),
             "example_ids": [r.get("example_id") for r in self.rows],
@@ -208,14 +261,35 @@ class EnvServer:
             if not isinstance(i, int) or not 0 <= i < len(self.rows):
                 return await send_json(send, 400, {"error": f"index {i!r} is not one of 0..{len(self.rows) - 1}"})
             req["row"] = self.rows[i]
+        if self.v1:
+            req["index"] = req["row"].get("index")
         try:
             rollouts = await self.run_group(req)
         except WorkerDied as e:
             return await send_json(send, 502, {"error": str(e)})
+        except EnvError as e:
+            return await send_json(send, 422, {"error": str(e)})
         except RuntimeError as e:
             return await send_json(send, 503, {"error": str(e), "fatal": True})
+        if self.v1:
+            rollouts = self.episodes_to_rollouts(rollouts, req)
         self.served += 1
         await send_json(send, 200, {"rollouts": rollouts})
+
+    def episodes_to_rollouts(self, episodes: list[dict], req: dict) -> list[dict]:
+        """A v1 group's episodes as rollouts (JSON), each stamped first with the policy span
+        its model calls were answered under (`PolicyRelay.span`, by its traces' sessions)."""
+        from prime_hpc.orchestrator.episodes import episode_rollouts, episode_sessions, stamp_policy
+        from prime_hpc.orchestrator.wire import group_to_json
+
+        assert self.relay is not None
+        out = []
+        for ep in episodes:
+            span = self.relay.span(episode_sessions(ep))
+            if span is not None:
+                stamp_policy(ep, *span)
+            out += episode_rollouts(ep, self.name, int(req["seq_len"]), str(req["strategy"]))
+        return group_to_json(out)
 
     # ------------------------------------------------------------------ life
     async def main(self) -> None:
@@ -226,16 +300,20 @@ class EnvServer:
         from prime_hpc.orchestrator.envs import dataset_rows, load_env
 
         self.key = ApiKey(api_key())
-        env = load_env(EnvEntry(**self.spec["entry"]), self.kind)
-        n = self.spec.get("num_examples")
-        ds = env.get_dataset() if self.kind == "train" else env.get_eval_dataset(n=n or -1)
-        self.rows = dataset_rows(ds)
-        for w in self.workers:
-            await self.start_worker(w)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         self.me = {"url": f"http://127.0.0.1:{port}", "instance": secrets.token_hex(16), "pid": os.getpid()}
+        self.spec["relay_url"] = self.me["url"]  # a v1 worker's policy base (`relay.PolicyRelay`)
+        if self.spec.get("python") is None and not self.v1:  # the env in this Python: its rows from here
+            env = load_env(EnvEntry(**self.spec["entry"]), self.kind)
+            n = self.spec.get("num_examples")
+            ds = env.get_dataset() if self.kind == "train" else env.get_eval_dataset(n=n or -1)
+            self.rows = dataset_rows(ds)
+        for w in self.workers:
+            await self.start_worker(w)
+        if not self.rows:  # the first worker's, once it loaded the env
+            await self.until_rows()
         config = uvicorn.Config(self.app, interface="asgi3", log_level="warning", lifespan="off", timeout_keep_alive=60)
         server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -250,9 +328,24 @@ class EnvServer:
         finally:
             server.should_exit = True
             await self.stop_workers()
+            if self.relay is not None:
+                await self.relay.aclose()
             await asyncio.gather(serving, return_exceptions=True)
             Path(self.spec["endpoint"]).unlink(missing_ok=True)
             logger.info(f"env {self.name}: stopped after {self.served} groups")
+
+    async def until_rows(self) -> None:
+        """Until a worker said it is ready with the env's rows; `UserError` when the workers
+        died past their restarts first (the last worker log names why)."""
+        from prime_hpc.core.errors import UserError
+
+        while not self.rows:
+            if self.fatal:
+                raise UserError(f"env {self.name}: no worker loaded the env: {self.fatal}")
+            if any(w.ready for w in self.workers):
+                raise UserError(f"env {self.name}: its worker loaded no tasks (an empty dataset?)")
+            self.changed.clear()
+            await self.changed.wait()
 
     async def until_told_to_stop(self) -> None:
         """Until stdin closes (the orchestrator is gone) or SIGTERM/SIGINT comes."""

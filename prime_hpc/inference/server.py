@@ -162,6 +162,9 @@ def vllm_args(cfg: InferenceRunConfig, model_path: str, host: str) -> list[str]:
         # from: what the trainer's importance ratio compares against
         "--logprobs-mode",
         "processed_logprobs",
+        # the token-in/token-out route (`/inference/v1/generate`) verifiers v1's train client
+        # samples through; behind the gate like every other route
+        "--enable-scale-out",
     ]
     if inf.max_model_len:
         argv += ["--max-model-len", str(inf.max_model_len)]

@@ -6,17 +6,15 @@ functions that raise (verifiers scores them 0 and logs; we also count them as er
 from __future__ import annotations
 
 import contextvars
-import importlib
-import importlib.util
 import inspect
 import logging
 import random
 import signal
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from prime_hpc.config.env_ids import import_env_module
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
 from prime_hpc.rundir import RunDir
@@ -30,73 +28,6 @@ ENV_LOG.propagate = False
 
 def env_name(entry: EnvEntry) -> str:
     return entry.name or str(entry.id).rstrip("/").split("/")[-1].removesuffix(".py")
-
-
-def import_env_module(env_id: str):
-    """The module an environment id names (`prime_hpc.config.env_ids.resolve`: a local
-    package directory or .py file, an installed module, a distribution name such as
-    `reverse-text`, or `owner/name`).
-
-    A local package or file is loaded from its path under its own name, and the directory
-    that holds it goes to the *end* of `sys.path` (what lies beside it is importable, never
-    ahead of the standard library or an installed module: a `json.py` or `httpx.py` in an
-    environment's project directory shadows nothing). Its own name may not be one the
-    standard library, an installed module or an imported one already has elsewhere: loading
-    it would replace that module for the whole process (one line, naming the module)."""
-    from prime_hpc.config.env_ids import resolve
-
-    target = resolve(env_id)
-    if target.path is None:
-        return importlib.import_module(target.module)
-    init = target.path / "__init__.py" if target.path.is_dir() else target.path
-    loaded = sys.modules.get(target.module)
-    if loaded is not None and _same_file(getattr(loaded, "__file__", None), init):
-        return loaded
-    _refuse_shadowing(target.module, init)
-    parent = str(target.path.parent)
-    if parent not in sys.path:
-        sys.path.append(parent)
-    spec = importlib.util.spec_from_file_location(
-        target.module, init, submodule_search_locations=[str(target.path)] if target.path.is_dir() else None
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{target.path} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[target.module] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(target.module, None)
-        raise
-    return module
-
-
-def _same_file(a: Optional[str], b: Path) -> bool:
-    try:
-        return a is not None and Path(a).resolve() == b.resolve()
-    except OSError:
-        return False
-
-
-def _refuse_shadowing(name: str, origin: Path) -> None:
-    """ImportError when loading `origin` as module `name` would replace another module of
-    that name: the standard library's, an imported one's, or an installed one's."""
-    other: Optional[str] = None
-    if name in sys.stdlib_module_names:
-        other = "the standard library's"
-    elif name in sys.modules:
-        other = f"{getattr(sys.modules[name], '__file__', None) or 'a built-in module'}, imported already"
-    else:
-        try:
-            found = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            found = None
-        if found is not None and not _same_file(found.origin, origin):
-            other = found.origin or "a namespace package"
-    if other:
-        raise ImportError(
-            f"{origin} would be loaded as module {name!r}, which is {other}; rename the environment's module"
-        )
 
 
 def load_env(entry: EnvEntry, kind: str = "train") -> Any:
@@ -242,6 +173,14 @@ class EnvSlot:
     cursor: int = 0
     epoch: int = 0
     server: Any = None  # its env server (`envserver.remote.EnvServerProcess`) when it runs in one
+    kind: str = "classic"  # or "v1": a verifiers v1 taskset (`config.env_kinds`)
+    python: Optional[str] = None  # its server's interpreter (None: the run's own)
+
+    @property
+    def in_server_only(self) -> bool:
+        """Loaded only in its server (a v1 taskset, an env of another Python): its rows come
+        from there (`envserver.remote.fill_rows`), `env` is None."""
+        return self.kind != "classic" or self.python is not None
 
 
 class EnvSampler:
@@ -315,15 +254,30 @@ def dataset_rows(dataset: Any, limit: Optional[int] = None) -> list[dict]:
     return [dict(dataset[i]) for i in range(n)]
 
 
-def load_slots(entries: list[EnvEntry], kind: str, num_examples: Optional[int] = None) -> list[EnvSlot]:
+def load_slots(
+    entries: list[EnvEntry],
+    kind: str,
+    num_examples: Optional[int] = None,
+    pylib: Optional[Path] = None,
+    where: str = "orchestrator.env",
+) -> list[EnvSlot]:
     """Each entry of `kind` ("train" or "eval") loaded, with its formatted dataset (of an
     eval env its eval set, the first `num_examples` of it when given); two entries of one
-    name are refused."""
+    name are refused. With `pylib` (`config.env_kinds.package_path`) an entry may also be
+    a v1 taskset or name another Python (`config.env_kinds.detect`): such a slot is only
+    named here, its env loaded by its server (`EnvSlot.in_server_only`)."""
     slots: list[EnvSlot] = []
-    for entry in entries:
+    for i, entry in enumerate(entries):
         name = env_name(entry)
         if any(s.name == name for s in slots):
             raise UserError(f"two {kind} envs are named {name!r}: give one a `name`")
+        if pylib is not None:
+            from prime_hpc.config.env_kinds import CLASSIC, detect
+
+            found = detect(entry.id, entry.python, pylib, f"{where}.{i}")
+            if found.kind != CLASSIC or found.python is not None:
+                slots.append(EnvSlot(name=name, entry=entry, env=None, rows=[], kind=found.kind, python=found.python))
+                continue
         env = load_env(entry, kind)
         ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(n=num_examples or -1)
         slots.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))

@@ -246,6 +246,22 @@ def _error_line(errors: list) -> Optional[str]:
     return f"{kind}: {message[0]}" if message else kind
 
 
+def episode_sessions(episode: dict) -> list[str]:
+    """The session ids of an episode's model calls: its traces' ids (verifiers' train
+    client sends each call with `X-Session-ID: <trace id>`)."""
+    return [str(t["id"]) for t in episode.get("traces") or [] if isinstance(t, dict) and t.get("id")]
+
+
+def stamp_policy(episode: dict, start: int, end: int) -> None:
+    """Record in `episode` (`run.work.policy`) the span of policies it was generated under,
+    as a training consumer stamps it."""
+    run: dict = episode["run"] if isinstance(episode.get("run"), dict) else {}
+    work: dict = run["work"] if isinstance(run.get("work"), dict) else {}
+    work["policy"] = {"start": int(start), "end": int(end)}
+    run["work"] = work
+    episode["run"] = run
+
+
 def _policy_steps(episode: dict, where: str) -> list[int]:
     run = episode.get("run") or {}
     policy = ((run.get("work") or {}).get("policy") if isinstance(run, dict) else None) or {}

@@ -29,8 +29,9 @@ from typing import Any, Mapping, Optional
 from loguru import logger
 
 from prime_hpc.config.component import OrchestratorRunConfig, typed
+from prime_hpc.config.env_kinds import package_path
 from prime_hpc.core import jobenv
-from prime_hpc.envserver.remote import RemoteGenerator, close_servers, start_servers
+from prime_hpc.envserver.remote import RemoteGenerator, close_servers, fill_rows, start_servers
 from prime_hpc.inference.client import Admin, api_key, discover
 from prime_hpc.orchestrator.checkpointer import Checkpointer
 from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
@@ -156,7 +157,9 @@ class Orchestrator:
         from prime_hpc.runtime.stopping import Stop
 
         cfg, o = self.cfg, self.ocfg
-        train, evals = load_slots(o.env, "train"), load_slots(o.eval.env, "eval", o.eval.num_examples)
+        pylib = package_path(self.run.private_dir / "envservers")  # where another Python finds prime-hpc's modules
+        train = load_slots(o.env, "train", pylib=pylib, where="orchestrator.env")
+        evals = load_slots(o.eval.env, "eval", o.eval.num_examples, pylib=pylib, where="orchestrator.eval.env")
         start = resolve_resume_step(self.run, cfg.ckpt.step, CHECKPOINT_PARTS)
         saved = self.checkpoints.load(start) if start is not None else None
         env_logs = route_env_logs(self.logs, {"train": train, "eval": evals}, o.log.vf_level) if self.logs else None
@@ -177,6 +180,7 @@ class Orchestrator:
             # the membership of a fleet several runs share is not one run's to keep: a fixed set for now
             client, model = self.policy_client(ep)
             servers = self.env_servers({"train": train, "eval": evals}, ep)
+            await fill_rows({"train": train, "eval": evals})
             self.wire(client, model, admin, metrics, train, evals, router=None if cfg.job_dir else ep.router)
             if saved is not None:
                 self.restore(saved)
@@ -232,7 +236,14 @@ class Orchestrator:
         base, key = (at.url, at.key) if sft and at is not None else (ep.openai_base_url, None)
         spec = client_spec(base, cfg.seq_len, o.generation_timeout_s)
         logs = self.logs or self.run.root / "logs"
-        return start_servers(slots, self.run, logs, spec, o.log.vf_level, o.eval.num_examples, policy_key=key)
+        tokenizer = None
+        if any(s.kind != "classic" for of_kind in slots.values() for s in of_kind):  # v1 renders client-side
+            from prime_hpc.model import resolve_model
+
+            tokenizer = str(resolve_model(cfg.model.name, cfg.model.seed))
+        return start_servers(
+            slots, self.run, logs, spec, o.log.vf_level, o.eval.num_examples, policy_key=key, tokenizer=tokenizer
+        )
 
     async def loop(self, start: int, eval_first: bool = False) -> None:
         """Evaluate the starting policy as step 0 when `eval_first` (under the heartbeat,

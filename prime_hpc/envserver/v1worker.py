@@ -1,0 +1,182 @@
+"""One worker of a v1 env server: runs a verifiers v1 taskset's episodes for its server.
+
+Runs under the env's own interpreter (verifiers >= 0.4; `config.env_kinds` picks it), with only
+prime-hpc's own modules on its path: imports nothing of prime-hpc's stack, only the
+standard library and verifiers. The same protocol as the classic `worker.py`: on stdin
+one JSON request a line (`{"id", "index", "n", "model", "sampling", ...}`), on the stdout
+it was started with one JSON answer a line: first `{"ready": true, "pid", "rows"}` (the
+taskset's tasks: `example_id`, `index`, `prompt` as chat messages), then per request
+`{"id", "episodes"}` (each `Episode.model_dump(mode="json")`) or `{"id", "error"}` (one
+line: the env failed before any episode).
+
+Each episode runs as verifiers runs it for training: the taskset's env (its own `Env`
+class or verifiers' single-agent one), the plain chat harness (`null`) in the local
+`subprocess` runtime, model calls through verifiers' train client (client-side rendering
+with the run's tokenizer, `POST <base>/inference/v1/generate`, token ids and logprobs
+back) whose base is the server's relay (`relay.py`; its token in `PRIME_HPC_RELAY_API_KEY`,
+the job's key never here). Nothing is fetched from an index: the chat program's packages
+come from the wheelhouse beside the interpreter's venv (`<venv>/wheelhouse`, or
+`$PRIME_HPC_WHEELHOUSE`), uv and Python are the venv's own, no Python download, no proxy
+for loopback (`offline_environ`); a missing package fails the episode with uv's line
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+TOKEN_VAR = "PRIME_HPC_RELAY_API_KEY"  # relay.TOKEN_VAR; verifiers keeps *API_KEY* names from programs
+WHEELHOUSE_VAR = "PRIME_HPC_WHEELHOUSE"
+HARNESS = {"id": "null"}  # verifiers' plain chat program
+RUNTIME = {"type": "subprocess"}  # on this node, no sandbox service
+
+
+def wheelhouse() -> Path:
+    return Path(os.environ.get(WHEELHOUSE_VAR) or Path(sys.prefix) / "wheelhouse")
+
+
+def offline_environ(environ: dict) -> list[str]:
+    """Set what the harness's program and uv inherit so that nothing is fetched at run
+    time; the problems found (an empty list when none)."""
+    problems = []
+    house = wheelhouse()
+    if not house.is_dir() or not any(house.glob("*.whl")):
+        problems.append(
+            f"no wheelhouse at {house} (the chat harness's packages; tools/setup builds it, "
+            f"or set ${WHEELHOUSE_VAR}): nothing is fetched from an index at run time"
+        )
+    bindir = Path(sys.executable).parent
+    if not (bindir / "uv").exists():
+        problems.append(f"no uv in {bindir}: install it into the env's venv (pip install uv)")
+    loopback = "127.0.0.1,localhost"
+    environ.update(
+        {
+            "UV_DEFAULT_INDEX": house.as_uri(),  # uv's `sync --script` has no --no-index by variable
+            "UV_INDEX_URL": house.as_uri(),
+            "UV_FIND_LINKS": str(house),
+            "UV_PYTHON": sys.executable,
+            "UV_PYTHON_DOWNLOADS": "never",
+            "UV_NO_PROGRESS": "1",
+            "PATH": f"{bindir}{os.pathsep}{environ.get('PATH', '')}",  # the venv's uv, never a download of it
+            "NO_PROXY": ",".join(x for x in (environ.get("NO_PROXY"), loopback) if x),
+            "no_proxy": ",".join(x for x in (environ.get("no_proxy"), loopback) if x),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+    )
+    return problems
+
+
+def env_config(spec: dict) -> Any:
+    """verifiers' env config of the entry: the taskset with the entry's args, the plain
+    chat harness in the subprocess runtime, one interception server on loopback."""
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    entry = spec["entry"]
+    return resolve_env_config(
+        {
+            "taskset": {**dict(entry.get("args") or {}), "id": spec.get("module") or entry["id"]},
+            "agent": {"harness": dict(HARNESS), "runtime": dict(RUNTIME)},
+            "interception": {"type": "server"},
+        }
+    )
+
+
+def task_rows(tasks: list, limit: Optional[int]) -> list[dict]:
+    """The tasks as the orchestrator samples them: `example_id`, `index`, `prompt`."""
+    rows = []
+    for i, task in enumerate(tasks[:limit] if limit else tasks):
+        data = task.data
+        prompt: Any = data.prompt
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            prompt = [m.model_dump(mode="json", exclude_none=True) if hasattr(m, "model_dump") else m for m in prompt]
+        if getattr(data, "system_prompt", None):
+            prompt = [{"role": "system", "content": str(data.system_prompt)}, *prompt]
+        idx = getattr(data, "idx", None)  # its place in the taskset, as its episodes name it
+        rows.append({"example_id": idx if idx is not None else data.id, "index": i, "prompt": prompt})
+    return rows
+
+
+def sampling(args: dict) -> dict:
+    """The orchestrator's sampling arguments as v1's `SamplingConfig` takes them (what the
+    train client asks for itself left out)."""
+    out = {k: v for k, v in args.items() if k not in ("logprobs", "extra_body")}
+    extra = {k: v for k, v in (args.get("extra_body") or {}).items() if k != "return_token_ids"}
+    return {**extra, **out}
+
+
+async def serve(spec: dict, out: Any) -> None:
+    from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
+    from verifiers.v1.utils.loaders import load_environment
+
+    env = load_environment(env_config(spec))
+    tasks = list(env.taskset)
+    limit = spec.get("num_examples") if spec["kind"] == "eval" else None
+    client = TrainClientConfig(
+        base_url=f"{spec['relay_url']}/v1", api_key_var=TOKEN_VAR, renderer_model_name=spec["tokenizer"]
+    )
+    loop = asyncio.get_running_loop()
+
+    def answer(obj: dict) -> None:
+        out.write((json.dumps(obj) + "\n").encode())
+        out.flush()
+
+    async def one(req: dict) -> None:
+        try:
+            task = tasks[int(req["index"])]
+            ctx = ModelContext(model=req["model"], client=client, sampling=SamplingConfig(**sampling(req["sampling"])))
+            slots = env.slots(task, int(req["n"]))
+            episodes = await asyncio.gather(*(env.run_slot(s, ctx) for s in slots))
+        except Exception as e:
+            logging.getLogger("prime_hpc.v1worker").exception("the group failed")
+            first = str(e).splitlines()[0] if str(e) else ""
+            answer({"id": req["id"], "error": f"{type(e).__name__}: {first}"})
+            return
+        answer({"id": req["id"], "episodes": [ep.model_dump(mode="json") for ep in episodes]})
+
+    reader = asyncio.StreamReader(limit=1 << 26)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    async with env.serving():
+        answer({"ready": True, "pid": os.getpid(), "rows": task_rows(tasks, limit)})
+        tasks_running: set[asyncio.Task] = set()
+        while line := await reader.readline():
+            t = asyncio.create_task(one(json.loads(line)))
+            tasks_running.add(t)
+            t.add_done_callback(tasks_running.discard)
+        for t in tasks_running:
+            t.cancel()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m prime_hpc.envserver.v1worker")
+    p.add_argument("--spec", required=True, help="the env server's spec (JSON)")
+    p.add_argument("--id", type=int, required=True)
+    a = p.parse_args()
+    spec = json.loads(a.spec)
+    out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 becomes the log
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s %(levelname)s worker {a.id} %(name)s: %(message)s"
+    )
+    logging.getLogger("verifiers").setLevel(str(spec.get("vf_level", "warning")).upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    problems = offline_environ(os.environ)  # type: ignore[arg-type]
+    if problems:
+        for line in problems:
+            logging.error(line)
+        sys.exit(2)
+    asyncio.run(serve(spec, out))
+
+
+if __name__ == "__main__":
+    main()
