@@ -114,6 +114,12 @@ def sampling(args: dict) -> dict:
     return {**extra, **out}
 
 
+def warm_tokenizer(path: str) -> None:
+    from renderers.base import load_tokenizer
+
+    load_tokenizer(path)
+
+
 async def serve(spec: dict, out: Any) -> None:
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
     from verifiers.v1.utils.loaders import load_environment
@@ -143,6 +149,9 @@ async def serve(spec: dict, out: Any) -> None:
             return
         answer({"id": req["id"], "episodes": [ep.model_dump(mode="json") for ep in episodes]})
 
+    # the train client's renderer loads the tokenizer (and transformers) on its first call:
+    # once here, before the worker says it is ready, not in the first group's time
+    await asyncio.to_thread(warm_tokenizer, spec["tokenizer"])
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     async with env.serving():

@@ -1,0 +1,132 @@
+"""verifiers v1 task sets beside classic environments: which kind an id names and which
+Python runs it (`config.env_kinds`, asked of the real .venv-envs that tools/setup builds),
+what submit says of an id neither Python has, and the env server's relay (token ids named
+as verifiers' renderers reads them, the policy span of each trace's calls) and its stamp on
+a real v1 episode (tests/fixtures/v1_episodes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from prime_hpc.config.env_kinds import CLASSIC, V1, detect, envs_python, package_path, probe
+from prime_hpc.core.errors import UserError
+from prime_hpc.envserver.relay import PolicyRelay, token_ids_as_tokens
+from prime_hpc.orchestrator.episodes import episode_rollouts, episode_sessions, stamp_policy
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "v1_episodes"
+ENVS_PYTHON = REPO / ".venv-envs" / "bin" / "python"
+
+
+@pytest.fixture
+def pylib(tmp_path) -> Path:
+    return package_path(tmp_path / "envservers")
+
+
+def test_the_envs_python_is_the_venv_beside_the_runs_unless_named(monkeypatch, tmp_path):
+    monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    beside = Path(sys.prefix).parent / ".venv-envs" / "bin" / "python"
+    assert envs_python() == (str(beside) if beside.exists() else None)
+    monkeypatch.setenv("PRIME_HPC_ENVS_PYTHON", str(tmp_path / "py"))
+    assert envs_python() == str(tmp_path / "py")
+
+
+def test_another_python_sees_only_prime_hpcs_own_modules(pylib):
+    assert sorted(os.listdir(pylib)) == ["prime_hpc"]
+    assert (pylib / "prime_hpc").resolve() == (REPO / "prime_hpc").resolve()
+    assert package_path(pylib.parent) == pylib  # made once, kept
+
+
+def test_a_classic_env_stays_in_the_runs_python_and_a_task_set_goes_to_the_envs_python(pylib, monkeypatch):
+    monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    classic = detect("reverse_text", None, pylib)
+    assert (classic.kind, classic.python, classic.module) == (CLASSIC, None, "reverse_text")
+    v1 = detect("reverse_text_v1", None, pylib)
+    assert (v1.kind, v1.python, v1.taskset) == (V1, str(ENVS_PYTHON), "ReverseTextTaskset")
+    # a path works from either Python: the classic example's package is classic there too
+    there = detect(str(REPO / "examples" / "reverse_text" / "reverse_text"), str(ENVS_PYTHON), pylib)
+    assert (there.kind, there.python) == (CLASSIC, str(ENVS_PYTHON))
+
+
+def test_the_probe_answers_one_line_for_what_is_neither(pylib, tmp_path):
+    (tmp_path / "plain_module.py").write_text("X = 1\n")
+    answer = probe(str(tmp_path / "plain_module.py"), str(ENVS_PYTHON), pylib)
+    assert answer["kind"] is None and "no load_environment() and exports no one v1 Taskset" in answer["error"]
+    assert answer["verifiers"] == "0.4.0"
+    gone = probe("no_such_env_anywhere", str(ENVS_PYTHON), pylib)
+    assert gone["kind"] is None and "no environment 'no_such_env_anywhere'" in gone["error"]
+    assert "nor is it a taskset verifiers ships" in gone["error"]
+    missing = probe("reverse_text", str(tmp_path / "nopython"), pylib)
+    assert missing["kind"] is None and "no such interpreter" in missing["error"]
+
+
+def test_an_id_neither_python_has_is_one_line_naming_the_entry(pylib, monkeypatch):
+    monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    with pytest.raises(UserError) as e:
+        detect("no_such_env_anywhere", None, pylib, "orchestrator.env.1")
+    assert str(e.value).startswith("orchestrator.env.1: 'no_such_env_anywhere' under ")
+    assert len(str(e.value).splitlines()) == 1
+
+
+def _submit(capsys, *overrides: str) -> tuple[int, str]:
+    from prime_hpc.cli import main
+
+    code = main(["submit", "+experiment=reverse_text", "warmup.experiment=null", *overrides, "--dry-run"])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_submit_takes_a_task_set_and_refuses_a_bad_python_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    code, err = _submit(capsys, f"output_dir={tmp_path / 'a'}", "env=reverse_text_v1")
+    assert code == 0, err
+    code, err = _submit(
+        capsys, f"output_dir={tmp_path / 'b'}", f"orchestrator.env=[{{id: reverse_text, python: {tmp_path}/py}}]"
+    )
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "orchestrator.env.0.python" in err and "no such interpreter" in err, err
+    assert not (tmp_path / "b").exists()
+
+
+# ----------------------------------------------------------------------------- the relay
+def test_logprob_entries_are_named_by_their_token_ids():
+    answer = {
+        "choices": [
+            {
+                "token_ids": [7, 9],
+                "logprobs": {"content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.0}]},
+            }
+        ]
+    }
+    assert token_ids_as_tokens(answer)
+    assert [e["token"] for e in answer["choices"][0]["logprobs"]["content"]] == ["token_id:7", "token_id:9"]
+    assert [e["logprob"] for e in answer["choices"][0]["logprobs"]["content"]] == [-0.5, -1.0]
+    assert not token_ids_as_tokens(answer)  # already so: nothing to change
+
+
+def test_the_relay_keeps_each_sessions_policy_span_until_asked():
+    relay = PolicyRelay({"url": "http://127.0.0.1:1/v1", "timeout_s": 5})
+    relay.note("trace-a", {"policy_step": 4, "policy_step_end": 4})
+    relay.note("trace-a", {"policy_step": 5, "policy_step_end": 6})
+    relay.note("trace-b", {"policy_step": 3})
+    relay.note("trace-c", {"no": "stamp"})
+    assert relay.span(["trace-a"]) == (4, 6)
+    assert relay.span(["trace-a"]) is None  # forgotten once taken
+    assert relay.span(["trace-b", "trace-c", "unknown"]) == (3, 3)
+    assert relay.token and relay.root == "http://127.0.0.1:1"
+
+
+def test_a_stamped_episode_trains_as_generated_under_its_span():
+    ep = json.loads((FIXTURES / "single_turn.json").read_text())
+    sessions = episode_sessions(ep)
+    assert sessions and all(isinstance(s, str) for s in sessions)
+    ep.pop("run", None)
+    stamp_policy(ep, 5, 7)
+    (r,) = episode_rollouts(ep, "arithmetic", 4096, "interleaved")
+    assert r.policy_steps == [5, 7]
+    stamp_policy(ep, 6, 6)
+    assert episode_rollouts(ep, "arithmetic", 4096, "interleaved")[0].policy_steps == [6]
