@@ -6,7 +6,9 @@ turns, and a rollout that fills its context is a (truncated) sample, never an er
 same run sets the reference's knobs (`orchestrator.max_prompt_len`, `advantage=opo`,
 `trainer.loss.target_kl`, `ckpt.weights.interval`) and checks what the prompt limit, the
 adaptive KL weight and the snapshots do (OPO's baseline: tests/unit); its env runs in an env
-server of its own with two workers (`orchestrator.env.0.workers=2`)."""
+server of its own with two workers (`workers: 2`), beside a verifiers v1 task set
+(reverse_text_v1, verifiers 0.4 in .venv-envs) that trains at the same ratio and is
+evaluated at the last step: both kinds of environment in one run."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ MAX_TOKENS = 16
 STEPS = 6
 MAX_PROMPT_LEN = 93  # the env's prompts, its tools in the template: 92 to 94 tokens
 REF_KL_COEF, TARGET_KL = 0.05, 1e-4
+EVAL_EXAMPLES = 4
 TOOL_RESULT = re.compile(r"^(not found|[a-z]+ = \d+)$")
 
 
@@ -103,7 +106,14 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
             f"trainer.loss.target_kl={TARGET_KL}",
             "trainer.loss.kl_horizon=2",
             "ckpt.weights.interval=2",
-            "orchestrator.env.0.workers=2",  # the env's groups in a server of its own, two worker processes
+            # the env's groups in a server of its own (two worker processes), beside a verifiers v1
+            # task set (reverse_text_v1, run by verifiers 0.4 in .venv-envs) at the same ratio, which
+            # the eval at the last step scores too
+            "orchestrator.env=[{id: word_lookup, workers: 2}, {id: reverse_text_v1}]",
+            "orchestrator.eval.env=[{id: reverse_text_v1, args: {split: eval}}]",
+            f"orchestrator.eval.interval={STEPS}",
+            f"orchestrator.eval.num_examples={EVAL_EXAMPLES}",
+            "orchestrator.eval.rollouts_per_example=2",
         ]
     )
     sub = launch.submit(cfg, [])
@@ -113,10 +123,20 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     finally:
         subprocess.run(["scancel", sub.ref.job_id], capture_output=True, timeout=60)
 
-    rows = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    logged = [json.loads(line) for line in run.metrics("orchestrator").read_text().splitlines()]
+    evals = [r for r in logged if any(k.startswith("eval/") for k in r)]
+    rows = [r for r in logged if r not in evals]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["errored_rollouts/all"] == 0.0 for r in rows), [r["errored_rollouts/all"] for r in rows]
-    assert max(r["num_turns/all/mean"] for r in rows) > 1.5
+    assert max(r.get("num_turns/word_lookup/mean", 0) for r in rows) > 1.5
+    # the v1 task set trained beside it: its groups (one turn each) came back with token ids
+    # and rewards, each stamped with the policies that generated it: no group is older than
+    # async_level allows (an unstamped one would count as policy 0, steps behind)
+    v1 = [r for r in rows if "reward/reverse_text_v1/mean" in r]
+    assert v1 and all(r["num_turns/reverse_text_v1/mean"] == 1 for r in v1), rows
+    assert all(0 <= r["reward/reverse_text_v1/mean"] <= 1 for r in v1)
+    assert max(r["off_policy/lag/max"] for r in rows) <= 1, [r["off_policy/lag/max"] for r in rows]
+    assert [r["step"] for r in evals] == [STEPS] and 0 <= evals[0]["eval/reverse_text_v1/avg@2"] <= 1, evals
     assert max(r["is_truncated/all/mean"] for r in rows) > 0  # some rollouts filled their context
     assert sum(r["filter/long_prompts"] for r in rows) > 0, [r["filter/long_prompts"] for r in rows]
     # the reference KL's weight moves toward keeping ref_kl/mean at TARGET_KL, step by step
@@ -173,11 +193,19 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     logs = run.latest_logs.resolve()
     log = (logs / "orchestrator.log").read_text()
     assert "group failed" not in log
-    # every train group came from the env's server (its two workers), which ended with the run
-    served = (logs / "envs" / "train" / "word_lookup" / "env_server.log").read_text()
-    assert (
-        "with 2 workers" in served and int(re.findall(r"stopped after (\d+) groups", served)[-1]) >= STEPS * 16 // 8
-    )  # groups of 8 in batches of 16
+    # every train group came from an env's server, which ended with the run: word_lookup's
+    # two workers, the v1 task set's one (verifiers 0.4's interpreter), its eval set's own
+    served = {
+        (kind, env): (logs / "envs" / kind / env / "env_server.log").read_text()
+        for kind, env in (("train", "word_lookup"), ("train", "reverse_text_v1"), ("eval", "reverse_text_v1"))
+    }
+    groups = {k: int(re.findall(r"stopped after (\d+) groups", text)[-1]) for k, text in served.items()}
+    assert "with 2 workers" in served["train", "word_lookup"]
+    assert "serving 1000 rows" in served["train", "reverse_text_v1"]
+    assert f"serving {EVAL_EXAMPLES} rows" in served["eval", "reverse_text_v1"]
+    train_groups = groups["train", "word_lookup"] + groups["train", "reverse_text_v1"]
+    assert train_groups >= STEPS * 16 // 8, groups  # groups of 8 in batches of 16
+    assert groups["eval", "reverse_text_v1"] == EVAL_EXAMPLES, groups
     assert not list((run.private_dir / "envservers").glob("*.json")), "an env server's endpoint outlived the run"
     # every component raised its open-files limit to the node's hard limit first, and said so
     for name, who in (
