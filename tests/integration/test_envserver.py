@@ -194,3 +194,34 @@ def test_a_dead_env_server_fails_the_next_group_naming_its_log(keyed, tmp_path):
         server.close()
     # its worker sees its stdin close and leaves
     _wait_for(lambda: not any(_alive(p) for p in _worker_pids(server.log)), "the orphaned worker to end")
+
+
+def test_a_v1_worker_without_its_wheelhouse_fails_the_start_in_one_line_and_is_not_retried(tmp_path, monkeypatch):
+    """A compute node has no index: a v1 task set's worker that finds no wheelhouse for the
+    chat harness exits before loading anything (it would fetch from an index otherwise),
+    the server does not restart it, and the run's start fails naming the directory and the
+    server's log. (No model call is made: no inference server is needed.)"""
+    from prime_hpc.config.env_kinds import envs_python
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k" * 32)
+    monkeypatch.setenv("PRIME_HPC_WHEELHOUSE", str(tmp_path / "no-wheelhouse"))
+    python = envs_python()
+    assert python, "tools/setup builds .venv-envs"
+    spec = client_spec("http://127.0.0.1:9/v1", SEQ_LEN, 60.0)
+    with pytest.raises(EnvFailed) as e:
+        EnvServerProcess.start(
+            EnvEntry(id="reverse_text_v1"),
+            "train",
+            RunDir(tmp_path),
+            tmp_path / "logs",
+            spec,
+            timeout_s=120,
+            env_kind="v1",
+            python=python,
+            tokenizer=str(tmp_path),
+        )
+    line = str(e.value)
+    assert len(line.splitlines()) == 1 and f"no wheelhouse at {tmp_path / 'no-wheelhouse'}" in line, line
+    assert str(server_log(tmp_path / "logs", "train", "reverse_text_v1")) in line, line
+    served = server_log(tmp_path / "logs", "train", "reverse_text_v1").read_text()
+    assert served.count("started (pid") == 1 and "restarting" not in served, served
