@@ -805,6 +805,8 @@ def export(run: dict, defaults: dict, derived: frozenset[str] = frozenset()) -> 
         if value is None:
             nulls.append(key)
         else:
+            if isinstance(value, list):  # a list of entries: a key left null takes its default back
+                value = [{k: v for k, v in e.items() if v is not None} if isinstance(e, dict) else e for e in value]
             _put(own, key, value)
     text = to_toml(tree)
     if own or nulls:
