@@ -130,3 +130,18 @@ def test_a_stamped_episode_trains_as_generated_under_its_span():
     assert r.policy_steps == [5, 7]
     stamp_policy(ep, 6, 6)
     assert episode_rollouts(ep, "arithmetic", 4096, "interleaved")[0].policy_steps == [6]
+
+
+def test_where_only_classic_envs_load_a_task_set_is_named_as_one(monkeypatch):
+    """`prime-hpc eval` and `synthesize` load classic envs only: a task set there fails in
+    one line saying what it is and where it does run."""
+    from prime_hpc.config.schema import EnvEntry
+    from prime_hpc.orchestrator.envs import load_slots
+
+    monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    with pytest.raises(UserError) as e:
+        load_slots([EnvEntry(id="reverse_text_v1")], "eval", 4)
+    line = str(e.value)
+    assert len(line.splitlines()) == 1 and "is a verifiers v1 task set" in line and "orchestrator.eval.env" in line
+    with pytest.raises(UserError, match="cannot be imported"):  # what is no env anywhere keeps its own line
+        load_slots([EnvEntry(id="no_such_env_anywhere")], "eval", 4)
