@@ -160,7 +160,7 @@ class EnvServer:
         if self.closing:
             return
         said = last_line(self.worker_log(w))
-        why = f"worker {w.wid} (pid {proc.pid}) died (exit {rc}){': ' + said if said else ''}; see {self.worker_log(w)}"
+        why = f"worker {w.wid} (pid {proc.pid}) died (exit {rc}; see {self.worker_log(w)}){': ' + said if said else ''}"
         for fut in w.pending.values():
             if not fut.done():
                 fut.set_exception(WorkerDied(why))

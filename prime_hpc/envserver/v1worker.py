@@ -76,13 +76,22 @@ def offline_environ(environ: dict) -> list[str]:
 
 def env_config(spec: dict) -> Any:
     """verifiers' env config of the entry: the taskset with the entry's args, the plain
-    chat harness in the subprocess runtime, one interception server on loopback."""
+    chat harness in the subprocess runtime, one interception server on loopback. The id is
+    resolved as the probe resolved it (`config.env_ids`: a path is imported from there),
+    then handed to verifiers by module name; one only verifiers knows (a task set it
+    ships) as it is."""
     from verifiers.v1.utils.loaders import resolve_env_config
 
+    from prime_hpc.config.env_ids import UnknownEnv, import_env_module
+
     entry = spec["entry"]
+    try:
+        taskset_id = import_env_module(entry["id"]).__name__
+    except UnknownEnv:
+        taskset_id = entry["id"]
     return resolve_env_config(
         {
-            "taskset": {**dict(entry.get("args") or {}), "id": spec.get("module") or entry["id"]},
+            "taskset": {**dict(entry.get("args") or {}), "id": taskset_id},
             "agent": {"harness": dict(HARNESS), "runtime": dict(RUNTIME)},
             "interception": {"type": "server"},
         }

@@ -70,7 +70,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print("\n".join(lines[1:]), file=sys.stderr)
         log = getattr(e, "log", None)  # the log to read first, when it is not ours (an env's)
         record_failure(cfg.output_dir, lines[0], log)
-        raise SystemExit(f"prime-hpc orchestrator: {lines[0]}" + (f"; see {log}" if log else "")) from None
+        said = f"; see {log}" if log and str(log) not in lines[0] else ""
+        raise SystemExit(f"prime-hpc orchestrator: {lines[0]}{said}") from None
 
 
 def record_failure(output_dir: str, cause: str, log: object = None) -> None:

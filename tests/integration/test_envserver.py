@@ -163,7 +163,7 @@ def test_a_worker_killed_mid_group_errors_that_group_and_the_next_one_succeeds(k
             return await group
 
         errored = asyncio.run(killed_mid_group())
-        died = f"WorkerDied: worker 0 (pid {pid}) died (exit -9)"
+        died = f"WorkerDied: worker 0 (pid {pid}) died (exit -9; see "
         assert len(errored) == 32 and all(r.error is not None and r.error.startswith(died) for r in errored)
         assert group_error(errored) == errored[0].error  # the whole group errored: nothing of it trains
         assert not any(r.input_ids or r.loss_mask for r in errored)
