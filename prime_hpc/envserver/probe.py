@@ -60,12 +60,25 @@ def import_module(env_id: str) -> Any:
     except UnknownEnv as e:
         if not v1_release():
             raise
+        if not ships(env_id):  # found without importing verifiers (seconds): a typo is answered at once
+            raise UnknownEnv(f"{e}; nor is it a taskset verifiers ships") from None
         from verifiers.v1.utils.loaders import import_taskset
 
-        try:
-            return import_taskset(env_id)
-        except ModuleNotFoundError:
-            raise UnknownEnv(f"{e}; nor is it a taskset verifiers ships") from None
+        return import_taskset(env_id)
+
+
+def ships(env_id: str) -> bool:
+    """Whether verifiers has a task set of this name in `verifiers.v1.tasksets` (its files
+    looked up, nothing imported)."""
+    import importlib.util
+    from pathlib import Path
+
+    name = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    spec = importlib.util.find_spec("verifiers")
+    if not name.isidentifier() or spec is None or not spec.origin:
+        return False
+    tasksets = Path(spec.origin).parent / "v1" / "tasksets"
+    return (tasksets / name / "__init__.py").is_file() or (tasksets / f"{name}.py").is_file()
 
 
 def probe(env_id: str) -> dict:

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,7 @@ STEPS = 6
 MAX_PROMPT_LEN = 93  # the env's prompts, its tools in the template: 92 to 94 tokens
 REF_KL_COEF, TARGET_KL = 0.05, 1e-4
 EVAL_EXAMPLES = 4
+TASKSET_DIR = Path(__file__).resolve().parents[2] / "examples" / "reverse_text_v1" / "reverse_text_v1"
 TOOL_RESULT = re.compile(r"^(not found|[a-z]+ = \d+)$")
 
 
@@ -107,9 +109,10 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
             "trainer.loss.kl_horizon=2",
             "ckpt.weights.interval=2",
             # the env's groups in a server of its own (two worker processes), beside a verifiers v1
-            # task set (reverse_text_v1, run by verifiers 0.4 in .venv-envs) at the same ratio, which
-            # the eval at the last step scores too
-            "orchestrator.env=[{id: word_lookup, workers: 2}, {id: reverse_text_v1}]",
+            # task set (reverse_text_v1, run by verifiers 0.4 in .venv-envs; given by its path here,
+            # by its installed name for the eval) at the same ratio, which the eval at the last step
+            # scores too
+            f"orchestrator.env=[{{id: word_lookup, workers: 2}}, {{id: {TASKSET_DIR}}}]",  # the task set by its path
             "orchestrator.eval.env=[{id: reverse_text_v1, args: {split: eval}}]",
             f"orchestrator.eval.interval={STEPS}",
             f"orchestrator.eval.num_examples={EVAL_EXAMPLES}",
