@@ -92,13 +92,32 @@ def _import(name: str) -> Any:
     return import_env_module(name)
 
 
+def _env_elsewhere(env_id: str) -> str:
+    """For an env id this Python cannot import: what the envs' Python (`config.env_kinds`)
+    says it is, when it can run it ('' otherwise)."""
+    from prime_hpc.config.env_kinds import CLASSIC, V1, envs_python, package_path, probe
+    from prime_hpc.core import usercache
+
+    python = envs_python()
+    if python is None:
+        return ""
+    answer = probe(env_id, python, package_path(usercache.path("envs")))
+    if answer.get("kind") not in (CLASSIC, V1):
+        return ""
+    return f"{env_id} ({answer['kind']}, verifiers {answer.get('verifiers')}, {python})"
+
+
 def _imports(group: str) -> str:
     versions, missing = [], []
     for mod in required_modules(group):
         try:
             m = _import(mod)
         except Exception as e:
-            missing.append(f"{mod} ({type(e).__name__}: {e})")
+            elsewhere = _env_elsewhere(mod)  # a v1 task set: the Python that runs it answers for it
+            if elsewhere:
+                versions.append(elsewhere)
+            else:
+                missing.append(f"{mod} ({type(e).__name__}: {e})")
             continue
         versions.append(f"{mod} {getattr(m, '__version__', '?')}")
     if missing:

@@ -145,3 +145,17 @@ def test_where_only_classic_envs_load_a_task_set_is_named_as_one(monkeypatch):
     assert len(line.splitlines()) == 1 and "is a verifiers v1 task set" in line and "orchestrator.eval.env" in line
     with pytest.raises(UserError, match="cannot be imported"):  # what is no env anywhere keeps its own line
         load_slots([EnvEntry(id="no_such_env_anywhere")], "eval", 4)
+
+
+def test_doctor_checks_a_task_set_with_the_python_that_runs_it(monkeypatch):
+    """`prime-hpc doctor` imports the run's env ids on every node: a task set is answered
+    for by the envs' Python there; an id no Python has stays missing."""
+    from prime_hpc.job import preflight
+
+    monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    monkeypatch.setenv("PRIME_HPC_PREFLIGHT_REQUIRE", "reverse_text,reverse_text_v1")
+    line = preflight._imports("orchestrator")
+    assert f"reverse_text_v1 (v1, verifiers 0.4.0, {ENVS_PYTHON})" in line, line
+    monkeypatch.setenv("PRIME_HPC_PREFLIGHT_REQUIRE", "no_such_env_anywhere")
+    with pytest.raises(ImportError, match="cannot import no_such_env_anywhere"):
+        preflight._imports("orchestrator")
