@@ -2,7 +2,8 @@
 
 Consumes, on stdin, one JSON request a line (`{"id", "row", "kind", "n", "model",
 "sampling", "seq_len", "strategy"}`) and produces, on the stdout it was started with, one
-JSON answer a line (`{"id", "rollouts"}`; first `{"ready": true}` once the env is loaded).
+JSON answer a line (`{"id", "rollouts"}`; first `{"ready": true}` once the env is loaded, with
+the env's `rows` when it runs under another Python than the run's, `spec["python"]`).
 Groups run concurrently on one asyncio loop, through the policy client the orchestrator
 uses (`client.make_client` toward the same base URL, the router proven and signed for as
 the orchestrator does, the same `max_context`). Whatever else writes to stdout (an env's
@@ -44,6 +45,13 @@ async def serve(spec: dict, out: Any) -> None:
 
     entry = EnvEntry(**spec["entry"])
     env = load_env(entry, spec["kind"])
+    rows: dict = {}
+    if spec.get("python"):  # another Python than the run's: the env's rows are only here
+        from prime_hpc.orchestrator.envs import dataset_rows
+
+        n = spec.get("num_examples")
+        ds = env.get_dataset() if spec["kind"] == "train" else env.get_eval_dataset(n=n or -1)
+        rows = {"rows": dataset_rows(ds)}
     client = policy_client(spec)
     loop = asyncio.get_running_loop()
 
@@ -68,7 +76,7 @@ async def serve(spec: dict, out: Any) -> None:
 
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    answer({"ready": True, "pid": os.getpid()})
+    answer({"ready": True, "pid": os.getpid(), **rows})
     tasks: set[asyncio.Task] = set()
     while line := await reader.readline():
         task = asyncio.create_task(one(json.loads(line)))

@@ -225,3 +225,26 @@ def test_a_v1_worker_without_its_wheelhouse_fails_the_start_in_one_line_and_is_n
     assert str(server_log(tmp_path / "logs", "train", "reverse_text_v1")) in line, line
     served = server_log(tmp_path / "logs", "train", "reverse_text_v1").read_text()
     assert served.count("started (pid") == 1 and "restarting" not in served, served
+
+
+def test_a_classic_env_under_a_python_of_its_own_is_served_from_there(tmp_path, monkeypatch):
+    """`env[i].python` for a classic env: its server's worker runs under that interpreter
+    with only prime-hpc's own package put on its path, loads the env itself and hands the
+    orchestrator its rows (the orchestrator never imports it). No model call is made."""
+    import sys
+
+    monkeypatch.setenv("INFERENCE_SERVER_API_KEY", "k" * 32)
+    spec = client_spec("http://127.0.0.1:9/v1", SEQ_LEN, 60.0)
+    entry = EnvEntry(id=REVERSE_TEXT, python=sys.executable, args={"num_eval_examples": 5})
+    server = EnvServerProcess.start(
+        entry, "eval", RunDir(tmp_path), tmp_path / "logs", spec, num_examples=3, python=sys.executable, timeout_s=120
+    )
+    try:
+        info = asyncio.run(server.info())
+        rows = asyncio.run(server.rows())
+    finally:
+        server.close()
+    assert (info["kind"], info["rows"], info["workers"]) == ("classic", 3, 1)
+    assert [r["example_id"] for r in rows] == [0, 1, 2] and all(r["answer"] == r["question"][::-1] for r in rows)
+    worker_log = (tmp_path / "logs" / "envs" / "eval" / "reverse_text" / "env_worker_0.log").read_text()
+    assert "Traceback" not in worker_log, worker_log
