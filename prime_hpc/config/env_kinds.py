@@ -142,24 +142,28 @@ def detect(env_id: str, python: Optional[str], pylib: Path, where: str = "env") 
     raise UserError(f"{where}: {env_id!r} under {python}: {answer.get('error')}")
 
 
-def submit_error(env_id: str, python: Optional[str], where: str) -> Optional[str]:
-    """Why an entry cannot run (None if it can), checked at submit: an id the run's own
-    Python resolves needs nothing more (it is imported only by the orchestrator); with
-    `python`, or for an id only the envs' Python has, that interpreter is asked (the one
-    import it costs is paid by such entries only)."""
-    from prime_hpc.config.env_ids import import_error
+def ask(env_id: str, python: Optional[str] = None) -> tuple[Optional[str], dict]:
+    """(the interpreter asked, `probe`'s answer) about `env_id` outside a run (submit,
+    doctor, eval and synthesize jobs): `python`, else the envs' Python, with prime-hpc's
+    path in the user's own cache; (None, {}) when there is no such interpreter."""
     from prime_hpc.core import usercache
 
-    here = import_error(env_id) if python is None else None
-    if python is None and here is None:
-        return None
     interpreter = python or envs_python()
+    if interpreter is None:
+        return None, {}
+    return interpreter, probe(env_id, interpreter, package_path(usercache.path("envs")))
+
+
+def submit_error(env_id: str, python: Optional[str], where: str, here: Optional[str]) -> Optional[str]:
+    """Why an entry cannot run (None if it can), checked at submit for an id the run's own
+    Python does not resolve (`here`: why) or that names a `python`: the interpreter that
+    would run it is asked (the one import it costs is paid by such entries only)."""
+    interpreter, answer = ask(env_id, python)
     if interpreter is None:
         return (
             f"{here}; for a verifiers v1 task set set {where}.python (or ${ENVS_PYTHON_VAR}) to a Python with "
             "verifiers >= 0.4 and the task set installed (tools/setup builds .venv-envs)"
         )
-    answer = probe(env_id, interpreter, package_path(usercache.path("envs")))
     if answer.get("kind") in (CLASSIC, V1):
         return None
     if here is not None and str(answer.get("error", "")).startswith("UnknownEnv"):

@@ -338,9 +338,9 @@ def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None =
     for where, entries in checked:
         for i, e in enumerate(entries):
             python = e.get("python")
-            err = importable(e.id) if python is None else "another Python"
-            if err:  # perhaps a v1 task set, or an env of another Python: asked of that Python
-                err = submit_error(e.id, python, f"{where}.{i}")
+            here = importable(e.id) if python is None else None
+            # a v1 task set, or an env of another Python: asked of the Python that runs it
+            err = submit_error(e.id, python, f"{where}.{i}", here) if python is not None or here else None
             if err:
                 raise ConfigError(f"{where}.{i}.{'python' if python else 'id'}", err)
 

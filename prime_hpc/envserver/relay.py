@@ -30,6 +30,7 @@ from prime_hpc.inference.gate import authorization, read_body, send_json
 PATHS = ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions")  # POST
 READ_PATHS = ("/v1/models",)  # GET: renderers reads the model's context length
 SESSION_HEADER = b"x-session-id"
+JSON_HEADERS = {"content-type": "application/json"}
 TOKEN_VAR = "PRIME_HPC_RELAY_API_KEY"  # the workers' bearer for the relay (verifiers keeps *API_KEY* from programs)
 
 
@@ -67,6 +68,8 @@ class PolicyRelay:
     async def forward(self, scope: dict, receive: Any, send: Any) -> None:
         import httpx
 
+        from prime_hpc.inference.client import InferenceError
+
         path = scope.get("path", "")
         session = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == SESSION_HEADER), None)
         try:
@@ -78,8 +81,8 @@ class PolicyRelay:
                     return await send_json(send, 400, {"error": "send a JSON object"})
                 if path == "/inference/v1/generate":
                     body.setdefault("output_mode", "text")
-                r = await self.client().post(self.root + path, content=json.dumps(body).encode(), headers=_json())
-        except (httpx.HTTPError, OSError) as e:
+                r = await self.client().post(self.root + path, content=json.dumps(body).encode(), headers=JSON_HEADERS)
+        except (httpx.HTTPError, OSError, InferenceError) as e:  # InferenceError: the router not proven
             return await send_json(send, 502, {"error": f"the policy at {self.root} cannot be reached: {e}"})
         content = r.content
         if r.status_code == 200 and scope.get("method") == "POST":
@@ -141,7 +144,3 @@ def token_ids_as_tokens(answer: dict) -> bool:
                 entry["token"] = f"token_id:{tid}"
                 changed = True
     return changed
-
-
-def _json() -> dict:
-    return {"content-type": "application/json"}

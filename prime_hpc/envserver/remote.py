@@ -25,6 +25,7 @@ from typing import Any, Optional
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
 from prime_hpc.envserver.worker import POLICY_KEY_VAR
+from prime_hpc.job.watchdog import last_line
 from prime_hpc.orchestrator.envs import EnvFailed, EnvSlot, env_name
 from prime_hpc.orchestrator.generate import Generator, errored_group, sampling_args
 from prime_hpc.orchestrator.rollouts import Rollout
@@ -141,7 +142,7 @@ class EnvServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self.failed(
-                    f"its env server exited ({self.proc.returncode}) before serving: {whole_last_line(self.log)}"
+                    f"its env server exited ({self.proc.returncode}) before serving: {last_line(self.log, 16384, cut=None)}"
                 )
             try:
                 me = read_json(self.endpoint)
@@ -244,15 +245,6 @@ class RemoteGenerator(Generator):
         if status == 422:  # the env failed before any rollout of the group
             return errored_group(slot.name, row, n, str(answer.get("error")))
         raise server.failed(str(answer.get("error") or f"/group answered {status}"))
-
-
-def whole_last_line(log: Path) -> str:
-    """The last non-blank line of `log`, uncut (the server's own: it quotes the cause and
-    names the worker log; '' if none)."""
-    from prime_hpc.rundir import tail_lines
-
-    lines = [x.strip() for x in tail_lines(log, 16384, keep_cut=True) if x.strip()]
-    return lines[-1] if lines else ""
 
 
 def start_servers(

@@ -23,14 +23,14 @@ naming it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
+from prime_hpc.envserver.channel import Channel, open_worker, serve_requests
 
 TOKEN_VAR = "PRIME_HPC_RELAY_API_KEY"  # relay.TOKEN_VAR; verifiers keeps *API_KEY* names from programs
 WHEELHOUSE_VAR = "PRIME_HPC_WHEELHOUSE"
@@ -129,7 +129,7 @@ def warm_tokenizer(path: str) -> None:
     load_tokenizer(path)
 
 
-async def serve(spec: dict, out: Any) -> None:
+async def serve(spec: dict, channel: Channel) -> None:
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
     from verifiers.v1.utils.loaders import load_environment
 
@@ -139,11 +139,6 @@ async def serve(spec: dict, out: Any) -> None:
     client = TrainClientConfig(
         base_url=f"{spec['relay_url']}/v1", api_key_var=TOKEN_VAR, renderer_model_name=spec["tokenizer"]
     )
-    loop = asyncio.get_running_loop()
-
-    def answer(obj: dict) -> None:
-        out.write((json.dumps(obj) + "\n").encode())
-        out.flush()
 
     async def one(req: dict) -> None:
         try:
@@ -154,46 +149,25 @@ async def serve(spec: dict, out: Any) -> None:
         except Exception as e:
             logging.getLogger("prime_hpc.v1worker").exception("the group failed")
             first = str(e).splitlines()[0] if str(e) else ""
-            answer({"id": req["id"], "error": f"{type(e).__name__}: {first}"})
+            channel.answer({"id": req["id"], "error": f"{type(e).__name__}: {first}"})
             return
-        answer({"id": req["id"], "episodes": [ep.model_dump(mode="json") for ep in episodes]})
+        channel.answer({"id": req["id"], "episodes": [ep.model_dump(mode="json") for ep in episodes]})
 
     # the train client's renderer loads the tokenizer (and transformers) on its first call:
     # once here, before the worker says it is ready, not in the first group's time
     await asyncio.to_thread(warm_tokenizer, spec["tokenizer"])
-    reader = asyncio.StreamReader(limit=1 << 26)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     async with env.serving():
-        answer({"ready": True, "pid": os.getpid(), "rows": task_rows(tasks, limit)})
-        tasks_running: set[asyncio.Task] = set()
-        while line := await reader.readline():
-            t = asyncio.create_task(one(json.loads(line)))
-            tasks_running.add(t)
-            t.add_done_callback(tasks_running.discard)
-        for t in tasks_running:
-            t.cancel()
+        await serve_requests(channel, {"rows": task_rows(tasks, limit)}, one)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m prime_hpc.envserver.v1worker")
-    p.add_argument("--spec", required=True, help="the env server's spec (JSON)")
-    p.add_argument("--id", type=int, required=True)
-    a = p.parse_args()
-    spec = json.loads(a.spec)
-    out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 becomes the log
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s %(levelname)s worker {a.id} %(name)s: %(message)s"
-    )
-    logging.getLogger("verifiers").setLevel(str(spec.get("vf_level", "warning")).upper())
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    spec, channel = open_worker("python -m prime_hpc.envserver.v1worker")
     problems = offline_environ(os.environ)  # type: ignore[arg-type]
     if problems:
         for line in problems:
             logging.error(line)
         sys.exit(2)
-    asyncio.run(serve(spec, out))
+    asyncio.run(serve(spec, channel))
 
 
 if __name__ == "__main__":

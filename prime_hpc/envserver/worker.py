@@ -12,15 +12,12 @@ prints) goes to stderr, the worker's log. It exits when stdin closes: its server
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import logging
 import os
-import sys
 from typing import Any
 
 from prime_hpc.config.schema import EnvEntry
+from prime_hpc.envserver.channel import Channel, open_worker, serve_requests
 
 POLICY_KEY_VAR = "PRIME_HPC_ENV_POLICY_KEY"  # the policy endpoint's key where it is not the router's
 
@@ -37,7 +34,7 @@ def policy_client(spec: dict) -> Any:
     return make_client(base, key, max_context=c.get("max_context"), timeout_s=float(c["timeout_s"]))
 
 
-async def serve(spec: dict, out: Any) -> None:
+async def serve(spec: dict, channel: Channel) -> None:
     """Load the env, say ready, answer requests until stdin closes."""
     from prime_hpc.orchestrator.envs import load_env
     from prime_hpc.orchestrator.generate import generate_group
@@ -53,11 +50,6 @@ async def serve(spec: dict, out: Any) -> None:
         ds = env.get_dataset() if spec["kind"] == "train" else env.get_eval_dataset(n=n or -1)
         rows = {"rows": dataset_rows(ds)}
     client = policy_client(spec)
-    loop = asyncio.get_running_loop()
-
-    def answer(obj: dict) -> None:
-        out.write((json.dumps(obj) + "\n").encode())
-        out.flush()
 
     async def one(req: dict) -> None:
         rollouts = await generate_group(
@@ -72,38 +64,17 @@ async def serve(spec: dict, out: Any) -> None:
             int(req["seq_len"]),
             req["strategy"],
         )
-        answer({"id": req["id"], "rollouts": group_to_json(rollouts)})
+        channel.answer({"id": req["id"], "rollouts": group_to_json(rollouts)})
 
-    reader = asyncio.StreamReader(limit=1 << 26)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    answer({"ready": True, "pid": os.getpid(), **rows})
-    tasks: set[asyncio.Task] = set()
-    while line := await reader.readline():
-        task = asyncio.create_task(one(json.loads(line)))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    for t in tasks:
-        t.cancel()
+    await serve_requests(channel, rows, one)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m prime_hpc.envserver.worker")
-    p.add_argument("--spec", required=True, help="the env server's spec (JSON)")
-    p.add_argument("--id", type=int, required=True)
-    a = p.parse_args()
-    spec = json.loads(a.spec)
-    out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 becomes the log
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s %(levelname)s worker {a.id} %(name)s: %(message)s"
-    )
-    logging.getLogger("verifiers").setLevel(str(spec.get("vf_level", "warning")).upper())
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    spec, channel = open_worker("python -m prime_hpc.envserver.worker")
     from prime_hpc.orchestrator.envs import ENV_LOG
 
     ENV_LOG.propagate = True
-    asyncio.run(serve(spec, out))
+    asyncio.run(serve(spec, channel))
 
 
 if __name__ == "__main__":

@@ -95,13 +95,9 @@ def _import(name: str) -> Any:
 def _env_elsewhere(env_id: str) -> str:
     """For an env id this Python cannot import: what the envs' Python (`config.env_kinds`)
     says it is, when it can run it ('' otherwise)."""
-    from prime_hpc.config.env_kinds import CLASSIC, V1, envs_python, package_path, probe
-    from prime_hpc.core import usercache
+    from prime_hpc.config.env_kinds import CLASSIC, V1, ask
 
-    python = envs_python()
-    if python is None:
-        return ""
-    answer = probe(env_id, python, package_path(usercache.path("envs")))
+    python, answer = ask(env_id)
     if answer.get("kind") not in (CLASSIC, V1):
         return ""
     return f"{env_id} ({answer['kind']}, verifiers {answer.get('verifiers')}, {python})"

@@ -168,10 +168,11 @@ class Fleet:
         }
 
 
-def last_line(path: Path, max_bytes: int = 8192) -> str:
-    """The last non-blank line of the log `path` (at most 300 characters; '' if none)."""
+def last_line(path: Path, max_bytes: int = 8192, cut: Optional[int] = 300) -> str:
+    """The last non-blank line of the log `path` (at most `cut` characters, None: whole;
+    '' if none)."""
     lines = [ln.strip() for ln in tail_lines(path, max_bytes, keep_cut=True) if ln.strip()]
-    return lines[-1][:300] if lines else ""
+    return lines[-1][:cut] if lines else ""
 
 
 def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Path:

@@ -257,13 +257,9 @@ def dataset_rows(dataset: Any, limit: Optional[int] = None) -> list[dict]:
 def _v1_elsewhere(entry: EnvEntry, kind: str) -> Optional[UserError]:
     """The line for an entry that is a v1 task set where only classic envs load (`eval` and
     `synthesize` jobs), when the Python that would run it says so; else None."""
-    from prime_hpc.config.env_kinds import V1, envs_python, package_path, probe
-    from prime_hpc.core import usercache
+    from prime_hpc.config.env_kinds import V1, ask
 
-    python = entry.python or envs_python()
-    if python is None:
-        return None
-    if probe(entry.id, python, package_path(usercache.path("envs"))).get("kind") != V1:
+    if ask(entry.id, entry.python)[1].get("kind") != V1:
         return None
     return UserError(
         f"{kind} env {entry.id!r} is a verifiers v1 task set, which `prime-hpc eval` and `synthesize` do not run "

@@ -131,6 +131,7 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     rows = [r for r in logged if r not in evals]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["errored_rollouts/all"] == 0.0 for r in rows), [r["errored_rollouts/all"] for r in rows]
+    # word_lookup's own turns: the all-env mean now also counts the task set's one-turn rollouts
     assert max(r.get("num_turns/word_lookup/mean", 0) for r in rows) > 1.5
     # the v1 task set trained beside it: its groups (one turn each) came back with token ids
     # and rewards, each stamped with the policies that generated it: no group is older than
