@@ -56,10 +56,19 @@ def package_path(where: Path) -> Path:
     """A directory holding only a link to this package (`<where>/pylib/prime_hpc`): the
     path another interpreter gets, so it imports prime-hpc's own modules and nothing else
     of the run's venv."""
+    return package_link(where / "pylib")
+
+
+def package_link(pylib: Path) -> Path:
+    """`pylib` holding only the link to this package; it and every directory above it that
+    is missing made 0700 (`private/envservers/pylib` of an eval's or synthesize's own
+    directory is private like a run's)."""
     import prime_hpc
     from prime_hpc.core.usercache import private_dir
 
-    pylib = private_dir(where / "pylib")
+    for missing in reversed([p for p in (pylib, *pylib.parents) if not p.exists()]):
+        private_dir(missing)
+    pylib = private_dir(pylib)
     link = pylib / "prime_hpc"
     target = Path(prime_hpc.__file__).resolve().parent
     if not (link.is_symlink() and Path(os.readlink(link)) == target):
@@ -85,6 +94,7 @@ def probe(env_id: str, python: str, pylib: Path, timeout_s: float = PROBE_TIMEOU
     interpreter cannot be run or answers nothing)."""
     if not os.access(python, os.X_OK):
         return {"kind": None, "error": f"{python}: no such interpreter (not an executable file)"}
+    pylib = package_link(pylib)  # made here, when some env needs asking, not by every caller
     try:
         r = subprocess.run(
             [python, "-P", "-m", "prime_hpc.envserver.probe", env_id],  # -P: nothing from the working directory

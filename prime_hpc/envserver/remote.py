@@ -14,16 +14,16 @@ A server that is gone, or whose workers died past its restarts, fails the run:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from prime_hpc.config.schema import EnvEntry
-from prime_hpc.core.errors import UserError
 from prime_hpc.envserver.worker import POLICY_KEY_VAR
 from prime_hpc.job.watchdog import last_line
 from prime_hpc.orchestrator.envs import EnvFailed, EnvSlot, env_name
@@ -84,17 +84,20 @@ class EnvServerProcess:
         `env_kind` "v1" (a verifiers v1 taskset) or `python` (another interpreter): its
         workers run under that interpreter, a v1 taskset's rendering with `tokenizer`."""
         import os
+        import secrets
         from dataclasses import asdict
 
-        from prime_hpc.inference.client import api_key
+        from prime_hpc.core import usercache
+        from prime_hpc.inference.client import API_KEY_VAR, api_key
 
-        key = api_key()
+        # the job's key in a job; outside one (`prime-hpc eval`/`synthesize` from a login
+        # node) one made for this server alone, which only it and this process hold
+        key = api_key() or secrets.token_urlsafe(32)
         name = env_name(entry)
-        if not key:
-            raise UserError(f"{kind} env {name}: an env server needs the job's key ($INFERENCE_SERVER_API_KEY)")
         log = server_log(logs, kind, name)
         log.parent.mkdir(parents=True, exist_ok=True)
-        endpoint = run.private_dir / "envservers" / f"{kind}-{name}.json"
+        usercache.private_dir(run.private_dir)  # a run's, or an eval's or synthesize's own directory
+        endpoint = usercache.private_dir(run.private_dir / "envservers") / f"{kind}-{name}.json"
         endpoint.unlink(missing_ok=True)
         spec = {
             "entry": asdict(entry),
@@ -115,7 +118,7 @@ class EnvServerProcess:
 
             spec["python"] = python
             spec["pylib"] = str(package_path(run.private_dir / "envservers"))
-        env = dict(os.environ)
+        env = {**os.environ, API_KEY_VAR: key}
         if policy_key:
             env[POLICY_KEY_VAR] = policy_key
         with open(log, "ab") as f:
@@ -285,6 +288,38 @@ def start_servers(
         close_servers(started)
         raise
     return started
+
+
+def start_for(
+    slots: dict[str, list[EnvSlot]], run: RunDir, logs: Path, cfg: Any, base_url: Any, policy_key: Optional[str] = None
+) -> list[EnvServerProcess]:
+    """`start_servers` for a run config `cfg` (`OrchestratorRunConfig`): its workers ask
+    the policy at `base_url` (with `policy_key` where that is not the job's key) within the
+    run's context and timeout, a v1 task set's rendering with the run's tokenizer."""
+    o = cfg.orchestrator
+    spec = client_spec(base_url, cfg.seq_len, o.generation_timeout_s)
+    tokenizer = None
+    if any(s.kind != "classic" for of_kind in slots.values() for s in of_kind):  # v1 renders client-side
+        from prime_hpc.model import resolve_model
+
+        tokenizer = str(resolve_model(cfg.model.name, cfg.model.seed))
+    return start_servers(
+        slots, run, logs, spec, o.log.vf_level, o.eval.num_examples, policy_key=policy_key, tokenizer=tokenizer
+    )
+
+
+@contextlib.contextmanager
+def served(
+    slots: dict[str, list[EnvSlot]], run: RunDir, logs: Path, cfg: Any, base_url: Any, policy_key: Optional[str] = None
+) -> Iterator[list[EnvServerProcess]]:
+    """The slots' env servers (`start_for`) with their rows filled, for a job that only
+    generates (`eval`, `synthesize`); ended on leaving."""
+    servers = start_for(slots, run, logs, cfg, base_url, policy_key)
+    try:
+        asyncio.run(fill_rows(slots))
+        yield servers
+    finally:
+        close_servers(servers)
 
 
 async def fill_rows(slots: dict[str, list[EnvSlot]]) -> None:

@@ -10,8 +10,8 @@ taskset's tasks: `example_id`, `index`, `prompt` as chat messages), then per req
 line: the env failed before any episode).
 
 Each episode runs as verifiers runs it for training: the taskset's env (its own `Env`
-class or verifiers' single-agent one), the plain chat harness (`null`) in the local
-`subprocess` runtime, model calls through verifiers' train client (client-side rendering
+class or verifiers' single-agent one), the plain chat harness (`chat.py`: verifiers'
+`null` loop, in this process for a task without tools) in the local `subprocess` runtime, model calls through verifiers' train client (client-side rendering
 with the run's tokenizer, `POST <base>/inference/v1/generate`, token ids and logprobs
 back) whose base is the server's relay (`relay.py`; its token in `PRIME_HPC_RELAY_API_KEY`,
 the job's key never here). Nothing is fetched from an index: the chat program's packages
@@ -34,7 +34,6 @@ from prime_hpc.envserver.channel import Channel, open_worker, serve_requests
 
 TOKEN_VAR = "PRIME_HPC_RELAY_API_KEY"  # relay.TOKEN_VAR; verifiers keeps *API_KEY* names from programs
 WHEELHOUSE_VAR = "PRIME_HPC_WHEELHOUSE"
-HARNESS = {"id": "null"}  # verifiers' plain chat program
 RUNTIME = {"type": "subprocess"}  # on this node, no sandbox service
 
 
@@ -76,13 +75,19 @@ def offline_environ(environ: dict) -> list[str]:
 
 def env_config(spec: dict) -> Any:
     """verifiers' env config of the entry: the taskset with the entry's args, the plain
-    chat harness in the subprocess runtime, one interception server on loopback. The id is
+    chat harness (`chat.py`: in this process for a task without tools) in the subprocess
+    runtime, one interception server on loopback. The id is
     resolved as the probe resolved it (`config.env_ids`: a path is imported from there),
     then handed to verifiers by module name; one only verifiers knows (a task set it
     ships) as it is."""
     from verifiers.v1.utils.loaders import resolve_env_config
 
     from prime_hpc.config.env_ids import UnknownEnv, import_env_module
+    from prime_hpc.envserver import chat
+
+    # verifiers resolves a harness id as one of its own or a top-level module: the chat
+    # harness is named to it by that name, in this process only
+    sys.modules.setdefault(chat.HARNESS_ID, chat)
 
     entry = spec["entry"]
     try:
@@ -92,7 +97,7 @@ def env_config(spec: dict) -> Any:
     return resolve_env_config(
         {
             "taskset": {**dict(entry.get("args") or {}), "id": taskset_id},
-            "agent": {"harness": dict(HARNESS), "runtime": dict(RUNTIME)},
+            "agent": {"harness": {"id": chat.HARNESS_ID}, "runtime": dict(RUNTIME)},
             "interception": {"type": "server"},
         }
     )

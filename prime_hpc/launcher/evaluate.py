@@ -469,7 +469,6 @@ def run_standalone(args: list[str], here: bool = False) -> int:
     from prime_hpc.config.schema import EnvEntry
     from prime_hpc.core import usercache
     from prime_hpc.inference.client import endpoint_key
-    from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import env_name
 
     w = model_words(args, STANDALONE_KEYS, "eval")
@@ -483,8 +482,8 @@ def run_standalone(args: list[str], here: bool = False) -> int:
     samples: list[dict] = []
 
     def evaluate(url: str, model: str, key: Optional[str]) -> dict:
-        client = make_client(url, key, timeout_s=cfg.orchestrator.generation_timeout_s)
-        return asyncio.run(scoring.run_evaluator(cfg, client, model).evaluate(0, samples))
+        with scoring.run_evaluator(cfg, url, key, model, edir, edir.logs_root) as evaluator:
+            return asyncio.run(evaluator.evaluate(0, samples))
 
     with with_umask(cfg.cluster.umask):
         if "client.base_url" in opts:

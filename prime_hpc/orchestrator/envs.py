@@ -254,19 +254,6 @@ def dataset_rows(dataset: Any, limit: Optional[int] = None) -> list[dict]:
     return [dict(dataset[i]) for i in range(n)]
 
 
-def _v1_elsewhere(entry: EnvEntry, kind: str) -> Optional[UserError]:
-    """The line for an entry that is a v1 task set where only classic envs load (`eval` and
-    `synthesize` jobs), when the Python that would run it says so; else None."""
-    from prime_hpc.config.env_kinds import V1, ask
-
-    if ask(entry.id, entry.python)[1].get("kind") != V1:
-        return None
-    return UserError(
-        f"{kind} env {entry.id!r} is a verifiers v1 task set, which `prime-hpc eval` and `synthesize` do not run "
-        "yet (classic environments only); a run's own eval takes it: orchestrator.eval.env"
-    )
-
-
 def load_slots(
     entries: list[EnvEntry],
     kind: str,
@@ -291,10 +278,7 @@ def load_slots(
             if found.kind != CLASSIC or found.python is not None:
                 slots.append(EnvSlot(name=name, entry=entry, env=None, rows=[], kind=found.kind, python=found.python))
                 continue
-        try:
-            env = load_env(entry, kind)
-        except UserError as e:
-            raise _v1_elsewhere(entry, kind) or e from None
+        env = load_env(entry, kind)
         ds = env.get_dataset() if kind == "train" else env.get_eval_dataset(n=num_examples or -1)
         slots.append(EnvSlot(name=name, entry=entry, env=env, rows=dataset_rows(ds)))
     return slots

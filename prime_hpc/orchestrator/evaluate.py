@@ -133,12 +133,10 @@ def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str, res
     started with), run the eval envs, write `<results>/step_<n>.json` (`<run>/eval`, or
     the user's `out`) and every rollout to `step_<n>.samples.jsonl`, and print a row."""
     from prime_hpc.inference.client import Admin
-    from prime_hpc.orchestrator.client import make_client
 
-    client = make_client(url + "/v1", key, timeout_s=cfg.orchestrator.generation_timeout_s)
-    evaluator = run_evaluator(cfg, client, cfg.model.name)
+    here = RunDir(results)  # the eval's own directory (the server's files): its env servers' too
 
-    async def all_steps() -> None:
+    async def all_steps(evaluator: Any) -> None:
         admin = Admin([url], key=key)
         try:
             for step in steps:
@@ -146,7 +144,8 @@ def score_steps(run: RunDir, cfg: Any, steps: list[int], url: str, key: str, res
         finally:
             await admin.aclose()
 
-    asyncio.run(all_steps())
+    with run_evaluator(cfg, url + "/v1", key, cfg.model.name, here, here.logs_root) as evaluator:
+        asyncio.run(all_steps(evaluator))
 
 
 async def score_step(admin: Any, evaluator: Any, run: Optional[RunDir], step: int, results: Path) -> dict:
@@ -196,7 +195,7 @@ def run_job(cfg: Any) -> dict:
     `eval_job.results`; beats the orchestrator's heartbeat while it works (each finished
     group is progress)."""
     from prime_hpc.inference.client import Admin, api_key, discover
-    from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
+    from prime_hpc.orchestrator.client import SERVERS_WAIT_S
 
     job_dir = RunDir(cfg.output_dir)
     ej = cfg.eval_job
@@ -210,10 +209,7 @@ def run_job(cfg: Any) -> dict:
     def progressed() -> None:
         state["progress_at"] = time.time()
 
-    client = make_client(ep.openai_base_url, key, timeout_s=cfg.orchestrator.generation_timeout_s)
-    evaluator = run_evaluator(cfg, client, cfg.model.name, on_group=progressed)
-
-    async def all_steps() -> list[dict]:
+    async def all_steps(evaluator: Any) -> list[dict]:
         admin = Admin(ep.servers, key=key)
         rows = []
         try:
@@ -226,7 +222,9 @@ def run_job(cfg: Any) -> dict:
         return rows
 
     results.mkdir(parents=True, exist_ok=True)
-    rows = asyncio.run(beating(job_dir, state, all_steps()))
+    logs = jobenv.logs_dir() or job_dir.logs_root
+    with run_evaluator(cfg, ep.openai_base_url, key, cfg.model.name, job_dir, logs, on_group=progressed) as evaluator:
+        rows = asyncio.run(beating(job_dir, state, all_steps(evaluator)))
     print(f"prime-hpc eval: wrote {results}/step_<n>.json (and .samples.jsonl) for steps {list(ej.steps)}", flush=True)
     return {"steps": rows}
 
@@ -238,14 +236,20 @@ def write_samples(path: Path, samples: list[dict]) -> Path:
     return atomic_write_text(path, "".join(json.dumps(s, default=str) + "\n" for s in samples))
 
 
-def run_evaluator(cfg: Any, client: Any, model: str, on_group: Any = None) -> Any:
+@contextlib.contextmanager
+def run_evaluator(
+    cfg: Any, url: Any, key: Optional[str], model: str, where: RunDir, logs: Path, on_group: Any = None
+) -> Iterator[Any]:
     """The orchestrator's evaluator (`orchestrator.evaluator`) of the eval envs of `cfg` (a
-    run's composed config, or the orchestrator's own), generating through `client` as
-    `model`; `on_group`: called after each group."""
+    run's composed config, or the orchestrator's own), generating through the OpenAI base
+    `url` (asked with `key`) as `model`; `on_group`: called after each group. An env that
+    runs in a server of its own (a v1 task set, `workers`, `python`) gets one for as long
+    as the evaluator is used, its endpoint and pylib under `where`, its logs under `logs`."""
     from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
+    from prime_hpc.envserver.remote import RemoteGenerator, served
+    from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import load_slots
     from prime_hpc.orchestrator.evaluator import Evaluator
-    from prime_hpc.orchestrator.generate import Generator
 
     rcfg = (
         cfg
@@ -253,9 +257,14 @@ def run_evaluator(cfg: Any, client: Any, model: str, on_group: Any = None) -> An
         else typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
     )
     o = rcfg.orchestrator
-    return Evaluator(
-        o.eval,
-        load_slots(o.eval.env, "eval", o.eval.num_examples),
-        Generator(o, rcfg.seq_len, client, lambda: model),
-        on_group=on_group or (lambda: None),
-    )
+    where.root.mkdir(parents=True, exist_ok=True)
+    pylib = where.private_dir / "envservers" / "pylib"  # made when an env needs asking (`env_kinds.probe`)
+    slots = load_slots(o.eval.env, "eval", o.eval.num_examples, pylib=pylib, where="orchestrator.eval.env")
+    client = make_client(url, key, timeout_s=o.generation_timeout_s)
+    with served({"eval": slots}, where, logs, rcfg, url, policy_key=key):
+        yield Evaluator(
+            o.eval,
+            slots,
+            RemoteGenerator(o, rcfg.seq_len, client, lambda: model),
+            on_group=on_group or (lambda: None),
+        )

@@ -31,7 +31,7 @@ from loguru import logger
 from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.config.env_kinds import package_path
 from prime_hpc.core import jobenv
-from prime_hpc.envserver.remote import RemoteGenerator, close_servers, fill_rows, start_servers
+from prime_hpc.envserver.remote import RemoteGenerator, close_servers, fill_rows
 from prime_hpc.inference.client import Admin, api_key, discover
 from prime_hpc.orchestrator.checkpointer import Checkpointer
 from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
@@ -229,21 +229,12 @@ class Orchestrator:
     def env_servers(self, slots: dict[str, list[EnvSlot]], ep: Any) -> list:
         """The env servers of the entries with `workers` >= 1 (`prime_hpc.envserver`), their
         workers asking the same endpoint as `policy_client`."""
-        from prime_hpc.envserver.remote import client_spec
+        from prime_hpc.envserver.remote import start_for
 
-        cfg, at, o = self.cfg, self.teacher_at, self.ocfg
-        sft = o.training_mode == "sft" and at is not None
+        at = self.teacher_at
+        sft = self.ocfg.training_mode == "sft" and at is not None
         base, key = (at.url, at.key) if sft and at is not None else (ep.openai_base_url, None)
-        spec = client_spec(base, cfg.seq_len, o.generation_timeout_s)
-        logs = self.logs or self.run.root / "logs"
-        tokenizer = None
-        if any(s.kind != "classic" for of_kind in slots.values() for s in of_kind):  # v1 renders client-side
-            from prime_hpc.model import resolve_model
-
-            tokenizer = str(resolve_model(cfg.model.name, cfg.model.seed))
-        return start_servers(
-            slots, self.run, logs, spec, o.log.vf_level, o.eval.num_examples, policy_key=key, tokenizer=tokenizer
-        )
+        return start_for(slots, self.run, self.logs or self.run.root / "logs", self.cfg, base, policy_key=key)
 
     async def loop(self, start: int, eval_first: bool = False) -> None:
         """Evaluate the starting policy as step 0 when `eval_first` (under the heartbeat,

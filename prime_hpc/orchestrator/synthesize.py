@@ -109,42 +109,50 @@ async def synthesize(
     return summary
 
 
+def train_slots(o: Any, where: RunDir) -> list:
+    """The train envs of `o` (the orchestrator's config) loaded as a run loads them: one
+    that runs in a server of its own (a v1 task set, `python`) only named here, its
+    server's files under `where` (`remote.served` starts it)."""
+    from prime_hpc.orchestrator.envs import load_slots
+
+    return load_slots(o.env, "train", pylib=where.private_dir / "envservers" / "pylib", where="orchestrator.env")
+
+
 def run_job(cfg: Any) -> dict:
     """The head of a synthesize job: waits for the job's servers, then synthesizes through
     the router, beating the orchestrator's heartbeat (each finished group is progress)."""
     from prime_hpc.core import jobenv
+    from prime_hpc.envserver.remote import RemoteGenerator, served
     from prime_hpc.inference.client import api_key, discover
     from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
-    from prime_hpc.orchestrator.envs import load_slots
-    from prime_hpc.orchestrator.generate import Generator
+    from prime_hpc.orchestrator.evaluate import beating
 
     job_dir = RunDir(cfg.output_dir)
     sy = cfg.synthesize
-    ep = discover(job_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=jobenv.logs_dir())
     o = cfg.orchestrator
+    slots = train_slots(o, job_dir)
+    ep = discover(job_dir, cfg.inference_nodes, timeout_s=SERVERS_WAIT_S, logs=jobenv.logs_dir())
     client = make_client(ep.openai_base_url, api_key(), timeout_s=o.generation_timeout_s)
-    generator = Generator(o, cfg.seq_len, client, lambda: cfg.model.name)
-    slots = load_slots(o.env, "train")
     # it only waits on the servers: the watchdog excuses it while they work
     state: dict = {"progress_at": time.time(), "waiting_on": "inference"}
 
     def progressed() -> None:
         state["progress_at"] = time.time()
 
-    from prime_hpc.orchestrator.evaluate import beating
-
-    work = synthesize(
-        slots,
-        generator,
-        Path(sy.out),
-        int(sy.rollouts),
-        sy.examples,
-        sy.min_reward,
-        on_group=progressed,
-        log=lambda line: print(line, flush=True),
-        max_errored=int(o.max_errored_groups),
-    )
-    summary = asyncio.run(beating(job_dir, state, work))
+    logs = jobenv.logs_dir() or job_dir.logs_root
+    with served({"train": slots}, job_dir, logs, cfg, ep.openai_base_url, policy_key=api_key()):
+        work = synthesize(
+            slots,
+            RemoteGenerator(o, cfg.seq_len, client, lambda: cfg.model.name),
+            Path(sy.out),
+            int(sy.rollouts),
+            sy.examples,
+            sy.min_reward,
+            on_group=progressed,
+            log=lambda line: print(line, flush=True),
+            max_errored=int(o.max_errored_groups),
+        )
+        summary = asyncio.run(beating(job_dir, state, work))
     print(f"prime-hpc synthesize: wrote {summary['kept']} rollouts to {summary['data']}", flush=True)
     return summary
 
@@ -155,27 +163,31 @@ def synthesize_here(
     """Synthesize from this machine: through the endpoint given (`client.base_url=`, asked
     with `key`, the endpoint's own: `inference.client.endpoint_key`, never the job's
     variable; a serve job's router, proven with `key` and sent signed requests, never
-    the key), or one server started here (with a key made for it)."""
+    the key), or one server started here (with a key made for it). An env that runs in a
+    server of its own gets one here, its files under `out`."""
     from prime_hpc.config.cluster import cache_root
     from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
     from prime_hpc.core import usercache
+    from prime_hpc.envserver.remote import RemoteGenerator, served
     from prime_hpc.orchestrator import evaluate
     from prime_hpc.orchestrator.client import make_client
-    from prime_hpc.orchestrator.envs import load_slots
-    from prime_hpc.orchestrator.generate import Generator
 
     rcfg = typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
     o = rcfg.orchestrator
-    slots = load_slots(o.env, "train")
+    here = RunDir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    slots = train_slots(o, here)
 
     def play(url: str, model: str, api_key: Any) -> dict:
         client = make_client(url, api_key, timeout_s=o.generation_timeout_s)
-        generator = Generator(o, rcfg.seq_len, client, lambda: model)
-        return asyncio.run(synthesize(slots, generator, out, k, n, min_reward, max_errored=int(o.max_errored_groups)))
+        with served({"train": slots}, here, here.logs_root, rcfg, url, policy_key=api_key):
+            generator = RemoteGenerator(o, rcfg.seq_len, client, lambda: model)
+            return asyncio.run(
+                synthesize(slots, generator, out, k, n, min_reward, max_errored=int(o.max_errored_groups))
+            )
 
     if "client.base_url" in opts:  # a serve job's router is proven and sent no key (`evaluate.endpoint_url`)
         return play(evaluate.endpoint_url(opts["client.base_url"]), opts.get("client.model") or name, key)
     usercache.compile_dir(cache_root(cfg), create=False)
-    out.mkdir(parents=True, exist_ok=True)
-    with evaluate.eval_server(cfg, RunDir(out), cache_root(cfg)) as (url, server_key):
+    with evaluate.eval_server(cfg, here, cache_root(cfg)) as (url, server_key):
         return play(url + "/v1", cfg.model.name, server_key)

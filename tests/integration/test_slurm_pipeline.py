@@ -4,8 +4,10 @@ RL run, which SLURM starts only once the warm-up completed (afterok). The warm-u
 early on its validation loss; RL starts from its final weights and raises the reward,
 off-policy by at most the recipe's async_level steps. Every address the run publishes,
 and every socket of its servers, is on loopback. Then the RL-trained model teaches a fresh
-one: `prime-hpc synthesize` keeps its exact reversals, a fresh tiny model is trained on them
-(SFT), and `prime-hpc eval` scores it above the untrained model. Last, the warm-up's weights
+one: `prime-hpc synthesize` keeps its best reversals (of the classic env and of the v1 task
+set, whose env server the job runs), a fresh tiny model is trained on them (SFT), and
+`prime-hpc eval` scores it above the untrained model, answering the task set's held-out
+strings exactly as the classic env's. Last, the warm-up's weights
 start a sweep of two LoRA runs in one job (`--together`), and each run's reward rises."""
 
 from __future__ import annotations
@@ -141,14 +143,17 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     # cluster) keeps its rollouts of reward >= 0.7 (this short RL run's model reverses ~5% of
     # strings exactly, most nearly: mean reward ~0.6), in the messages layout the SFT trainer
     # reads as it is; a fresh tiny model trained on them alone, evaluated (a job too, the base
-    # model first, greedy), reverses strings far better than the untrained one
+    # model first, greedy), reverses strings far better than the untrained one. Half the
+    # strings come from the classic env, half from the v1 task set (other strings: its seed 1),
+    # which the job plays in an env server of its own
     synth = tmp_path / "synth"
     s = cli(
         "synthesize",
         f"model={rl.weights_step(RL_STEPS)}",
-        "env=reverse-text",
+        "env=reverse-text,reverse_text_v1",
+        "args.reverse_text_v1.seed=1",
         "rollouts=2",
-        "examples=1000",
+        "examples=500",
         "min_reward=0.7",
         "cluster=dev",
         "orchestrator.sampling.max_tokens=32",
@@ -165,7 +170,10 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
         system, user, assistant = row["messages"]
         assert (system["role"], user["role"], assistant["role"]) == ("system", "user", "assistant")
         assert row["reward"] >= 0.7 and row["metrics"]["lcs_reward"] == pytest.approx(row["reward"]), row
+    kept_v1 = sum(row["env"] == "reverse_text_v1" for row in data)
+    assert 100 <= kept_v1 <= len(data) - 100, (kept_v1, len(data))  # both kinds taught
     assert jobs.read_job(RunDir(synth / "job"))["kind"] == "synthesize"
+    assert (synth / "job" / "private" / "envservers").is_dir()  # the task set's server: the job's own files
     student = tmp_path / "student"
     r = cli(
         "submit",
@@ -180,11 +188,14 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
         timeout=900,
     )
     assert r.returncode == 0 and jobs.read_job(RunDir(student))["state"] == "COMPLETED", r.stdout[-3000:] + r.stderr
+    # evaluated on the classic env and on the v1 task set's same held-out strings (an env
+    # server of the eval job's): greedy, the same model answers both the same, string for string
     e = cli(
         "eval",
         str(student),
         "orchestrator.sampling.temperature=0",
         "orchestrator.eval.rollouts_per_example=1",
+        "orchestrator.eval.env=[{id: reverse_text}, {id: reverse_text_v1, args: {split: eval}}]",
         timeout=900,
     )
     assert e.returncode == 0, e.stdout + e.stderr
@@ -193,6 +204,13 @@ def test_sft_warmup_then_rl_raises_the_reward(tmp_path):
     print(f"untrained {untrained}\ntaught by the RL model's samples {taught}")
     assert untrained["eval/reverse_text/pass@1"] <= 0.05, untrained
     assert taught["eval/reverse_text/avg@1"] >= untrained["eval/reverse_text/avg@1"] + 0.2, (untrained, taught)
+    answers: dict = {}
+    for line in (RunDir(student).eval_dir / "step_400.samples.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        answers.setdefault(sample["env"], {})[json.dumps(sample["prompt"])] = sample["completion"]
+    classic, v1 = answers["reverse_text"], answers["reverse_text_v1"]
+    assert len(v1) == len(classic) >= 50 and v1 == classic, (len(v1), len(classic))
+    assert taught["eval/reverse_text_v1/avg@1"] == pytest.approx(taught["eval/reverse_text/avg@1"]), taught
 
     # a sweep of two LoRA runs from the warm-up's weights in one job (`--together`: one
     # trainer holding both adapters, one server serving both), each with its own optimizer

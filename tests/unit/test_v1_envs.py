@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -132,19 +133,30 @@ def test_a_stamped_episode_trains_as_generated_under_its_span():
     assert episode_rollouts(ep, "arithmetic", 4096, "interleaved")[0].policy_steps == [6]
 
 
-def test_where_only_classic_envs_load_a_task_set_is_named_as_one(monkeypatch):
-    """`prime-hpc eval` and `synthesize` load classic envs only: a task set there fails in
-    one line saying what it is and where it does run."""
+def test_eval_and_synthesize_name_a_task_set_for_its_server_as_a_run_does(monkeypatch, tmp_path):
+    """`prime-hpc eval` and `synthesize` load envs as a run does (`run_evaluator`,
+    `synthesize.train_slots`): a task set is asked of the envs' Python and only named
+    (its server loads it), its pylib made under the directory given only then; an id no
+    Python has keeps its own line."""
     from prime_hpc.config.schema import EnvEntry
     from prime_hpc.orchestrator.envs import load_slots
+    from prime_hpc.orchestrator.synthesize import train_slots
+    from prime_hpc.rundir import RunDir
 
     monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    here = RunDir(tmp_path / "synth")
+    here.root.mkdir()
+    (slot,) = train_slots(SimpleNamespace(env=[EnvEntry(id="reverse_text")]), here)
+    assert slot.kind == "classic" and slot.env is not None and slot.rows
+    assert not here.private_dir.exists()  # a classic env asks nobody: nothing made
+    (slot,) = train_slots(SimpleNamespace(env=[EnvEntry(id="reverse_text_v1")]), here)
+    assert (slot.kind, slot.env, slot.rows, slot.in_server_only) == ("v1", None, [], True)
+    assert (here.private_dir / "envservers" / "pylib" / "prime_hpc").is_symlink()
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in (here.private_dir, here.private_dir / "envservers"))
     with pytest.raises(UserError) as e:
-        load_slots([EnvEntry(id="reverse_text_v1")], "eval", 4)
+        load_slots([EnvEntry(id="no_such_env_anywhere")], "eval", 4, pylib=here.private_dir / "pylib", where="x")
     line = str(e.value)
-    assert len(line.splitlines()) == 1 and "is a verifiers v1 task set" in line and "orchestrator.eval.env" in line
-    with pytest.raises(UserError, match="cannot be imported"):  # what is no env anywhere keeps its own line
-        load_slots([EnvEntry(id="no_such_env_anywhere")], "eval", 4)
+    assert len(line.splitlines()) == 1 and line.startswith("x.0: ") and "no_such_env_anywhere" in line, line
 
 
 def test_doctor_checks_a_task_set_with_the_python_that_runs_it(monkeypatch):

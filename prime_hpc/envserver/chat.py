@@ -1,0 +1,80 @@
+"""The chat harness of a v1 worker: verifiers' plain chat loop (the `null` harness), run
+in the worker itself when the task gives the model no tools.
+
+verifiers' `null` harness runs its chat program as a subprocess of the runtime, one per
+episode (a Python start and the openai/mcp imports: ~1-2 CPU-s each, more than the tiny
+model's whole turn). A task without tool servers needs none of that: this harness posts
+the conversation to the episode's interception endpoint itself (non-streaming, the
+endpoint's bearer secret), appends the reply and stops, as the chat program does when a
+reply calls no tool. The interception server records the trace as for the program, so
+the episode is the same; verifiers allows a harness its loop in-process on that
+condition (`Harness.launch`). A task with tool servers runs verifiers' program as
+before (`NullHarness.launch`, prepared from the wheelhouse on its first use).
+
+Runs under the env's interpreter (verifiers >= 0.4), imported only by `v1worker.py`,
+which names it to verifiers by the top-level id `HARNESS_ID`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import httpx
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
+from verifiers.v1.harnesses.null import NullHarness
+from verifiers.v1.runtimes import ProgramResult
+
+HARNESS_ID = "prime_hpc_chat"
+
+__all__ = ["InWorkerChat"]
+
+
+def opening(system: Optional[str], prompt: Any) -> list[dict]:
+    """The conversation the chat program would open with."""
+    messages = [{"role": "system", "content": system}] if system else []
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    elif prompt is not None:
+        messages.extend(message_to_wire(m) for m in prompt)
+    return messages
+
+
+class InWorkerChat(NullHarness):
+    async def setup(self, runtime: Any) -> None:
+        """Nothing to prepare for a task without tools; a task with tools prepares the
+        chat program in its launch (`launch_chat_program`)."""
+
+    async def launch(
+        self,
+        ctx: Any,
+        trace: Any,
+        runtime: Any,
+        endpoint: str,
+        secret: str,
+        mcp_urls: dict[str, str],
+        data: Any,
+        tool_interception_url: Optional[str] = None,
+    ) -> Any:
+        if mcp_urls:
+            await super().setup(runtime)
+            return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url)
+        system, prompt = self.resolve_prompt(data)
+        body = {"model": ctx.model, "messages": opening(system, prompt)}
+        # the endpoint is this process's own loop, busy with every episode of the worker: no connect
+        # deadline of a network peer (the program's 5 s failed groups under a full queue)
+        timeout = httpx.Timeout(None)
+        try:
+            async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+                r = await client.post(
+                    f"{endpoint.rstrip('/')}/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {secret}"},
+                )
+        except httpx.TransportError as e:  # verifiers reads this exit as the interception failing
+            return ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"{type(e).__name__}: {e}")
+        if r.status_code >= 400:
+            return ProgramResult(1, "", f"chat completion answered {r.status_code}: {r.text[:2000]}")
+        # no tool was offered, so the reply ends the segment, as the program's loop ends on a
+        # reply without tool calls; the interception server has recorded the turn
+        return ProgramResult(0, "", "")
