@@ -31,7 +31,7 @@ os.environ.setdefault("PRIME_HPC_NODE_ADDRESS", "127.0.0.1")
 sys.path.insert(0, str(REPO / "tests" / "envs"))
 # the classic examples, importable here as the run's Python has them; a v1 task set lives in
 # .venv-envs only (verifiers 0.4), never on the run's path
-V1_EXAMPLES = {"reverse_text_v1"}
+V1_EXAMPLES = {"reverse_text_v1", "word_lookup_v1"}
 sys.path += [str(p) for p in sorted((REPO / "examples").iterdir()) if p.is_dir() and p.name not in V1_EXAMPLES]
 
 # Shell-hostile path fragments (spaces, quotes, command separators, substitutions).

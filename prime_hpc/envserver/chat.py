@@ -5,10 +5,10 @@ verifiers' `null` harness runs its chat program as a subprocess of the runtime, 
 episode (a Python start and the openai/mcp imports: ~1-2 CPU-s each, more than the tiny
 model's whole turn). A task without tool servers needs none of that: this harness posts
 the conversation to the episode's interception endpoint itself (non-streaming, the
-endpoint's bearer secret), appends the reply and stops, as the chat program does when a
-reply calls no tool. The interception server records the trace as for the program, so
-the episode is the same; verifiers allows a harness its loop in-process on that
-condition (`Harness.launch`). A task with tool servers runs verifiers' program as
+endpoint's bearer secret) and stops at the reply, as the chat program does when a reply
+calls no tool, or cleanly at a full context, as it does without compaction. The
+interception server records the trace as for the program, so the episode is the same;
+verifiers allows a harness its loop in-process on that condition (`Harness.launch`). A task with tool servers runs verifiers' program as
 before (`NullHarness.launch`, prepared from the wheelhouse on its first use).
 
 Runs under the env's interpreter (verifiers >= 0.4), imported only by `v1worker.py`,
@@ -23,11 +23,18 @@ import httpx
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
 from verifiers.v1.harnesses.null import NullHarness
+from verifiers.v1.harnesses.utils.compaction import CONTEXT_OVERFLOW_MARKERS
 from verifiers.v1.runtimes import ProgramResult
 
 HARNESS_ID = "prime_hpc_chat"
 
 __all__ = ["InWorkerChat"]
+
+
+def overflowed(status: int, body: str) -> bool:
+    """Whether an answer says the conversation outgrew the model's context (verifiers' own
+    test of it, `compaction.is_context_overflow`, on an HTTP answer)."""
+    return status in (400, 413) and any(m in body.casefold() for m in CONTEXT_OVERFLOW_MARKERS)
 
 
 def opening(system: Optional[str], prompt: Any) -> list[dict]:
@@ -73,6 +80,11 @@ class InWorkerChat(NullHarness):
                 )
         except httpx.TransportError as e:  # verifiers reads this exit as the interception failing
             return ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"{type(e).__name__}: {e}")
+        if overflowed(r.status_code, r.text):
+            # a full context ends the episode as the chat program ends it, cleanly, the
+            # transcript so far its record (the call's failure stays on the trace): a
+            # truncated episode, not an error
+            return ProgramResult(0, "", "")
         if r.status_code >= 400:
             return ProgramResult(1, "", f"chat completion answered {r.status_code}: {r.text[:2000]}")
         # no tool was offered, so the reply ends the segment, as the program's loop ends on a

@@ -74,13 +74,15 @@ def offline_environ(environ: dict) -> list[str]:
 
 
 def env_config(spec: dict) -> Any:
-    """verifiers' env config of the entry: the taskset with the entry's args, the plain
-    chat harness (`chat.py`: in this process for a task without tools) in the subprocess
-    runtime, one interception server on loopback. The id is
-    resolved as the probe resolved it (`config.env_ids`: a path is imported from there),
-    then handed to verifiers by module name; one only verifiers knows (a task set it
-    ships) as it is."""
-    from verifiers.v1.utils.loaders import resolve_env_config
+    """verifiers' env config of the entry: the taskset with the entry's args, each seat of
+    its env (the taskset's own `Env`, else verifiers' single-agent one with its one
+    `agent`) on the plain chat harness (`chat.py`: in this process for a task without
+    tools) in the subprocess runtime, the rest of a seat's defaults kept; one interception
+    server on loopback. The id is resolved as the probe resolved it (`config.env_ids`: a
+    path is imported from there), then handed to verifiers by module name; one only
+    verifiers knows (a task set it ships) as it is."""
+    from verifiers.v1.configs.agent import AgentConfig
+    from verifiers.v1.utils.loaders import env_config_type, resolve_env_config
 
     from prime_hpc.config.env_ids import UnknownEnv, import_env_module
     from prime_hpc.envserver import chat
@@ -88,16 +90,20 @@ def env_config(spec: dict) -> Any:
     # verifiers resolves a harness id as one of its own or a top-level module: the chat
     # harness is named to it by that name, in this process only
     sys.modules.setdefault(chat.HARNESS_ID, chat)
-
     entry = spec["entry"]
     try:
         taskset_id = import_env_module(entry["id"]).__name__
     except UnknownEnv:
         taskset_id = entry["id"]
+    seats = {}
+    for name, f in env_config_type(taskset_id).model_fields.items():
+        if isinstance(f.default, AgentConfig):
+            kept = f.default.model_dump(exclude_unset=True, exclude={"harness", "runtime"})
+            seats[name] = {**kept, "harness": {"id": chat.HARNESS_ID}, "runtime": dict(RUNTIME)}
     return resolve_env_config(
         {
             "taskset": {**dict(entry.get("args") or {}), "id": taskset_id},
-            "agent": {"harness": {"id": chat.HARNESS_ID}, "runtime": dict(RUNTIME)},
+            **seats,
             "interception": {"type": "server"},
         }
     )

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "NOT_FOUND",
     "correct_answer",
+    "is_answer",
     "load_environment",
     "looked_up",
     "lookup",
@@ -76,7 +77,8 @@ def parse_answer(text: str) -> int | None:
     return int(m.group(1)) if m and m.group(1) else None
 
 
-def _is_answer(text: str) -> bool:
+def is_answer(text: str) -> bool:
+    """Whether a message is an answer (``answer:``, with or without a number)."""
     return bool(_ANSWER.search(text or ""))
 
 
@@ -107,18 +109,18 @@ def correct_answer(completion: Any, answer: str, **kwargs: Any) -> float:
 def looked_up(completion: Any, prompt: Any, **kwargs: Any) -> float:
     """1.0 if one of the tool calls asked for the word of the task."""
     word = parse_query(_content(prompt[-1]) if isinstance(prompt, list) and prompt else str(prompt))
-    return float(any(parse_query(t) == word for t in _assistant_texts(completion) if not _is_answer(t)))
+    return float(any(parse_query(t) == word for t in _assistant_texts(completion) if not is_answer(t)))
 
 
 def lookups(completion: Any, **kwargs: Any) -> float:
     """Metric: how many tool calls the rollout made."""
-    return float(sum(not _is_answer(t) for t in _assistant_texts(completion)))
+    return float(sum(not is_answer(t) for t in _assistant_texts(completion)))
 
 
 def answered(completion: Any, **kwargs: Any) -> float:
     """Metric: 1.0 if the rollout ended with an answer."""
     texts = _assistant_texts(completion)
-    return float(bool(texts) and _is_answer(texts[-1]))
+    return float(bool(texts) and is_answer(texts[-1]))
 
 
 # --- the environment ----------------------------------------------------------------------
@@ -141,7 +143,7 @@ def _env_class():
             if not trajectory:
                 return False
             last = trajectory[-1]["completion"]
-            return bool(last) and _is_answer(_content(last[-1]))
+            return bool(last) and is_answer(_content(last[-1]))
 
         async def env_response(self, messages: Any, state: Any, **kwargs: Any) -> Any:
             n = len(state.get("trajectory") or [])
