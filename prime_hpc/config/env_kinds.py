@@ -19,6 +19,7 @@ is asked of the envs' Python. The answer says why an id is neither, in one line.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -156,12 +157,19 @@ def ask(env_id: str, python: Optional[str] = None) -> tuple[Optional[str], dict]
     """(the interpreter asked, `probe`'s answer) about `env_id` outside a run (submit,
     doctor, eval and synthesize jobs): `python`, else the envs' Python, with prime-hpc's
     path in the user's own cache; (None, {}) when there is no such interpreter."""
-    from prime_hpc.core import usercache
-
     interpreter = python or envs_python()
     if interpreter is None:
         return None, {}
-    return interpreter, probe(env_id, interpreter, package_path(usercache.path("envs")))
+    return interpreter, dict(_asked(env_id, interpreter))
+
+
+@functools.lru_cache(maxsize=64)
+def _asked(env_id: str, interpreter: str) -> dict:
+    """`probe`'s answer, once per id and interpreter in this process (a submit asks of a
+    task set for its train and its eval entries: one interpreter start, seconds, not two)."""
+    from prime_hpc.core import usercache
+
+    return probe(env_id, interpreter, package_path(usercache.path("envs")))
 
 
 def submit_error(env_id: str, python: Optional[str], where: str, here: Optional[str]) -> Optional[str]:
