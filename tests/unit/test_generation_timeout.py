@@ -1,6 +1,7 @@
 """`orchestrator.generation_timeout_s` is the timeout of every policy client a job makes
 with the orchestrator's config at hand: the run's orchestrator, eval (its job and from
-the command line), synthesize (its job and here) and bench."""
+the command line: both through `orchestrator.evaluate.run_evaluator`), synthesize (its job
+and here) and bench."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ def test_every_policy_client_of_the_package_is_given_the_configured_timeout():
         "prime_hpc/orchestrator/evaluate.py",
         "prime_hpc/orchestrator/synthesize.py",
         "prime_hpc/orchestrator/bench.py",
-        "prime_hpc/launcher/evaluate.py",
     ):
         assert file in where, file
     untimed = [f"{file}:{line}" for file, line, keywords in calls if "timeout_s" not in keywords]
