@@ -61,15 +61,11 @@ def package_path(where: Path) -> Path:
 
 
 def package_link(pylib: Path) -> Path:
-    """`pylib` holding only the link to this package; it and every directory above it that
-    is missing made 0700 (`private/envservers/pylib` of an eval's or synthesize's own
-    directory is private like a run's)."""
+    """`pylib` holding only the link to this package (`usercache.private_tree`)."""
     import prime_hpc
-    from prime_hpc.core.usercache import private_dir
+    from prime_hpc.core.usercache import private_tree
 
-    for missing in reversed([p for p in (pylib, *pylib.parents) if not p.exists()]):
-        private_dir(missing)
-    pylib = private_dir(pylib)
+    pylib = private_tree(pylib)
     link = pylib / "prime_hpc"
     target = Path(prime_hpc.__file__).resolve().parent
     if not (link.is_symlink() and Path(os.readlink(link)) == target):

@@ -106,6 +106,16 @@ def _open_below(fd: int, name: str, where: Path, flags: int) -> int:
         raise OSError(e.errno, f"{where}: {e.strerror}") from None
 
 
+def private_tree(p: os.PathLike | str) -> Path:
+    """`private_dir(p)`, every missing directory on the way to it made 0700 too (not only
+    `p`): `private/envservers/pylib` of an eval's or synthesize's own directory is private
+    like a run's, whose `private/` submit made 0700."""
+    p = Path(p).expanduser().absolute()
+    for missing in reversed([d for d in (p, *p.parents) if not d.exists()]):
+        private_dir(missing)
+    return private_dir(p)
+
+
 def private_dir(p: os.PathLike | str, create: bool = True) -> Path:
     """`p`'s real path, once `p` is a directory only this user can change, now and later:
     the user's, not a symlink, writable by nobody else, and below directories that are

@@ -8,8 +8,9 @@ the conversation to the episode's interception endpoint itself (non-streaming, t
 endpoint's bearer secret) and stops at the reply, as the chat program does when a reply
 calls no tool, or cleanly at a full context, as it does without compaction. The
 interception server records the trace as for the program, so the episode is the same;
-verifiers allows a harness its loop in-process on that condition (`Harness.launch`). A task with tool servers runs verifiers' program as
-before (`NullHarness.launch`, prepared from the wheelhouse on its first use).
+verifiers allows a harness its loop in-process on that condition (`Harness.launch`). A
+task with tool servers runs verifiers' program as before (`NullHarness.launch`, which
+prepares it from the wheelhouse on its first use).
 
 Runs under the env's interpreter (verifiers >= 0.4), imported only by `v1worker.py`,
 which names it to verifiers by the top-level id `HARNESS_ID`.
@@ -64,7 +65,6 @@ class InWorkerChat(NullHarness):
         tool_interception_url: Optional[str] = None,
     ) -> Any:
         if mcp_urls:
-            await super().setup(runtime)
             return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url)
         system, prompt = self.resolve_prompt(data)
         body = {"model": ctx.model, "messages": opening(system, prompt)}

@@ -96,8 +96,8 @@ class EnvServerProcess:
         name = env_name(entry)
         log = server_log(logs, kind, name)
         log.parent.mkdir(parents=True, exist_ok=True)
-        usercache.private_dir(run.private_dir)  # a run's, or an eval's or synthesize's own directory
-        endpoint = usercache.private_dir(run.private_dir / "envservers") / f"{kind}-{name}.json"
+        # a run's private/, or that of an eval's or synthesize's own directory
+        endpoint = usercache.private_tree(run.private_dir / "envservers") / f"{kind}-{name}.json"
         endpoint.unlink(missing_ok=True)
         spec = {
             "entry": asdict(entry),

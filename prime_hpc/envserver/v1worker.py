@@ -11,8 +11,9 @@ line: the env failed before any episode).
 
 Each episode runs as verifiers runs it for training: the taskset's env (its own `Env`
 class or verifiers' single-agent one), the plain chat harness (`chat.py`: verifiers'
-`null` loop, in this process for a task without tools) in the local `subprocess` runtime, model calls through verifiers' train client (client-side rendering
-with the run's tokenizer, `POST <base>/inference/v1/generate`, token ids and logprobs
+`null` loop, in this process for a task without tools) in the local `subprocess`
+runtime, model calls through verifiers' train client (client-side rendering with the
+run's tokenizer, `POST <base>/inference/v1/generate`, token ids and logprobs
 back) whose base is the server's relay (`relay.py`; its token in `PRIME_HPC_RELAY_API_KEY`,
 the job's key never here). Nothing is fetched from an index: the chat program's packages
 come from the wheelhouse beside the interpreter's venv (`<venv>/wheelhouse`, or

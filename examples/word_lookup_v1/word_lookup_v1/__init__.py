@@ -18,6 +18,8 @@ task's word was looked up. Metrics: `lookups` (lookups made) and `answered`.
 
 from __future__ import annotations
 
+import functools
+
 import verifiers.v1 as vf
 from word_lookup import DEFAULT_SYSTEM_PROMPT, is_answer, lookup, make_dictionary, parse_answer, parse_query
 
@@ -68,11 +70,16 @@ class WordLookupConfig(vf.TasksetConfig):
 
 
 class WordLookupTaskset(vf.Taskset[WordLookupTask, WordLookupConfig]):
+    @functools.cached_property
+    def dictionary(self) -> dict[str, int]:
+        """Every word (train and eval) and its number: what the tool knows."""
+        c = self.config
+        return make_dictionary(c.num_words + c.num_eval_words, c.min_len, c.max_len, c.seed)
+
     def load(self) -> list[WordLookupTask]:
         c = self.config
         if c.split not in ("train", "eval"):
             raise ValueError(f"split must be train or eval, not {c.split!r}")
-        self.dictionary = make_dictionary(c.num_words + c.num_eval_words, c.min_len, c.max_len, c.seed)
         words = list(self.dictionary)
         chosen = words[: c.num_words] if c.split == "train" else words[c.num_words :]
         return [
@@ -97,8 +104,6 @@ class WordLookupEnv(vf.Env[WordLookupEnvConfig]):
 
     async def run(self, task: WordLookupTask, agents: vf.Agents) -> None:
         taskset = self.taskset
-        if not hasattr(taskset, "dictionary"):
-            list(taskset)  # loads the tasks, and with them the dictionary
         async with agents.agent.interaction(task) as chat:
             segment = await chat.turn()  # the task speaks first: its word
             turns = 1
