@@ -62,6 +62,8 @@ class EnvServerProcess:
         self.me: dict = {}
         self.http: Any = None
         self.http_loop: Optional[asyncio.AbstractEventLoop] = None
+        self.sent: dict[int, float] = {}  # the groups asked for and not answered: when each was sent
+        self.sends = 0
 
     @classmethod
     def start(
@@ -170,7 +172,26 @@ class EnvServerProcess:
 
     async def group(self, body: dict) -> tuple[int, dict]:
         """(status, answer) of `POST /group` with `body`."""
-        return await self._call_status("POST", "/group", json.dumps(body).encode())
+        self.sends += 1
+        n, self.sent[self.sends] = self.sends, time.time()
+        try:
+            return await self._call_status("POST", "/group", json.dumps(body).encode())
+        finally:
+            del self.sent[n]
+
+    def waited(self) -> Optional[dict]:
+        """What the orchestrator waits for here, for its heartbeat (the watchdog names the
+        server of a stall): this env's groups asked for and not answered, since when the
+        oldest was sent, and the server's log; None when none is out."""
+        if not self.sent:
+            return None
+        return {
+            "env": self.name,
+            "kind": self.kind,
+            "since": min(self.sent.values()),
+            "groups": len(self.sent),
+            "log": str(self.log),
+        }
 
     async def _call(self, method: str, path: str, body: bytes) -> dict:
         status, answer = await self._call_status(method, path, body)

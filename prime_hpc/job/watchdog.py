@@ -74,9 +74,21 @@ def stalled(beats: dict[str, dict], timeout_s: float, now: float, fleet_down: bo
                     "silent_s": int(silent),
                     "why": why,
                     "step": b.get("step"),
+                    **({"env_server": w} if why == "no progress" and (w := env_wait(b, timeout_s, now)) else {}),
                 }
             )
     return max(stalls, key=lambda x: int(x["silent_s"]), default=None)
+
+
+def env_wait(beat: dict, timeout_s: float, now: float) -> Optional[dict]:
+    """The env server an orchestrator that makes no progress waits for (its heartbeat's
+    `env_waits`): the one whose oldest group has been out longer than `timeout_s`, if any;
+    its `out_s`, how long."""
+    waits = [w for w in beat.get("env_waits") or [] if isinstance(w, dict) and isinstance(w.get("since"), (int, float))]
+    oldest = min(waits, key=lambda w: float(w["since"]), default=None)
+    if oldest is None or now - float(oldest["since"]) <= timeout_s:
+        return None
+    return {**oldest, "out_s": int(now - float(oldest["since"]))}
 
 
 def _inference(name: str) -> bool:
@@ -270,11 +282,22 @@ def component_stall(s: dict[str, Any], logs: Path, timeout_s: float, ranks_per_n
     log = stall_log(logs, s["component"], s["rank"], ranks_per_node)
     who = s["component"] + (f" rank {s['rank']}" if s["component"] == "trainer" else "")
     what = "no heartbeat" if s["why"] == "no heartbeat" else "alive, but no progress"
-    reason = (
-        f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g})"
-        + (f" at step {s['step']}" if s.get("step") is not None else "")
-        + f"; last line of its log: {last_line(log) or '(empty)'}"
-    )
+    at = f" at step {s['step']}" if s.get("step") is not None else ""
+    if (w := s.get("env_server")) is not None:  # it waits for an env server that answers nothing: that one is named
+        log = Path(w["log"])
+        what = (
+            f"waiting on its {w.get('kind', 'train')} env server {w.get('env')}: {w.get('groups', 1)} group(s) out,"
+            f" the oldest for {w['out_s']}s"
+        )
+        reason = (
+            f"stalled: {what} (watchdog.stall_timeout_s={timeout_s:g}){at}; its workers' logs are beside its log,"
+            f" whose last line: {last_line(log) or '(empty)'}"
+        )
+    else:
+        reason = (
+            f"stalled: {what} for {s['silent_s']}s (watchdog.stall_timeout_s={timeout_s:g}){at}"
+            f"; last line of its log: {last_line(log) or '(empty)'}"
+        )
     node = s["rank"] // max(1, ranks_per_node) if s["component"] == "trainer" else s["rank"]
     return {**s, "who": who, "reason": reason, "log": str(log), "node": node}
 

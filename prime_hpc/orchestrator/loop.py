@@ -63,6 +63,7 @@ class Orchestrator:
         self.teacher: Optional[Teacher] = None  # opd: the teacher's prompt logprobs (one HTTP client, closed by main)
         self.teacher_at: Optional[TeacherAt] = None  # opd, sft: where the teacher answers (found by main)
         self.progress_at = time.time()  # a step written, a policy served, an eval group finished (heartbeat)
+        self.served_envs: list = []  # the env servers started (`env_servers`): what the heartbeat says it waits for there
         self.stop: Any = None  # prime_hpc.runtime.stopping.Stop, installed by main()
         self.stop_code: Optional[int] = None
 
@@ -179,7 +180,7 @@ class Orchestrator:
             metrics = MetricsLogger(self.run, "orchestrator", cfg.wandb, run_name=cfg.name, config=asdict(cfg))
             # the membership of a fleet several runs share is not one run's to keep: a fixed set for now
             client, model = self.policy_client(ep)
-            servers = self.env_servers({"train": train, "eval": evals}, ep)
+            servers = self.served_envs = self.env_servers({"train": train, "eval": evals}, ep)
             await fill_rows({"train": train, "eval": evals})
             self.wire(client, model, admin, metrics, train, evals, router=None if cfg.job_dir else ep.router)
             if saved is not None:
@@ -316,8 +317,10 @@ class Orchestrator:
 
     async def heartbeat(self) -> None:
         """`heartbeats/orchestrator_0` every `BEAT_S` from the event loop: the step, the
-        last time it made progress (`progress_at`), and whether it is only waiting for the
-        trainer's weights, which the watchdog does not count as a stall of its own."""
+        last time it made progress (`progress_at`), whether it is only waiting for the
+        trainer's weights, which the watchdog does not count as a stall of its own, and the
+        groups out at env servers (`env_waits`: a stall while one has been out that long is
+        the server's, and the watchdog names it and its log)."""
         while True:
             self.beat()
             t = time.monotonic()
@@ -337,6 +340,7 @@ class Orchestrator:
             else "inference"
             if self.source.waiting_for_inference()
             else None,
+            env_waits=[w for s in self.served_envs if (w := s.waited()) is not None],
             **info,
         )
 

@@ -248,3 +248,49 @@ def test_a_classic_env_under_a_python_of_its_own_is_served_from_there(tmp_path, 
     assert [r["example_id"] for r in rows] == [0, 1, 2] and all(r["answer"] == r["question"][::-1] for r in rows)
     worker_log = (tmp_path / "logs" / "envs" / "eval" / "reverse_text" / "env_worker_0.log").read_text()
     assert "Traceback" not in worker_log, worker_log
+
+
+@pytest.mark.vllm
+def test_a_stall_while_a_hung_worker_holds_a_group_names_the_env_server_and_its_log(keyed, tmp_path):
+    """A worker stopped mid-run (SIGSTOP: a reward or tool that never returns) keeps its
+    group out: the orchestrator's heartbeat says which server holds it and since when
+    (`waited`), and past the stall timeout the watchdog's one line names that env server and
+    its log, not the orchestrator's."""
+    from prime_hpc.job.watchdog import component_stall, stalled
+
+    server, logs = _start(keyed, tmp_path / "run", workers=1)
+    (pid,) = _worker_pids(server.log)
+    try:
+        gen, slot = _generator(keyed, server)
+        assert server.waited() is None
+        os.kill(pid, signal.SIGSTOP)
+
+        async def stuck() -> dict:
+            task = asyncio.create_task(gen.group(slot, slot.rows[0]))
+            await asyncio.sleep(1.0)
+            out = server.waited()
+            os.kill(pid, signal.SIGCONT)  # it goes on: the group comes back
+            assert all(r.error is None for r in await task)
+            return out
+
+        sent = time.time()
+        wait = asyncio.run(stuck())
+        assert wait is not None and (wait["env"], wait["kind"], wait["groups"]) == ("reverse_text", "train", 1)
+        assert sent <= wait["since"] <= sent + 1 and wait["log"] == str(server.log)
+        assert server.waited() is None  # answered
+        now = wait["since"] + 90
+        beat = {"time": now - 1, "progress_at": now - 120, "waiting_on": "inference", "step": 3, "env_waits": [wait]}
+        s = stalled({"orchestrator_0": beat}, 60, now)
+        record = component_stall(s, logs, 60, 1)
+        assert record["log"] == str(server.log) and record["component"] == "orchestrator", record
+        assert record["reason"].startswith(
+            "stalled: waiting on its train env server reverse_text: 1 group(s) out, the oldest for 90s"
+            " (watchdog.stall_timeout_s=60) at step 3"
+        ), record
+        # out for less than the timeout: the orchestrator's own stall (groups come back, none is kept)
+        beat["env_waits"] = [{**wait, "since": now - 5}]
+        record = component_stall(stalled({"orchestrator_0": beat}, 60, now), logs, 60, 1)
+        assert record["log"].endswith("orchestrator.log") and "alive, but no progress for 120s" in record["reason"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.close()

@@ -527,8 +527,19 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     o.progress_at = long_ago
     o.beat()
     beat = o.run.beats()["orchestrator_0"]
-    assert beat["waiting_on"] is None and beat["progress_at"] == long_ago
+    assert beat["waiting_on"] is None and beat["progress_at"] == long_ago and beat["env_waits"] == []
     assert stalled(o.run.beats(), 600, time.time())["why"] == "no progress"
+    # a group out at an env server for longer than the timeout: the stall is that server's
+    from prime_hpc.envserver.remote import EnvServerProcess
+
+    log = tmp_path / "logs" / "envs" / "train" / "b" / "env_server.log"
+    o.served_envs = [EnvServerProcess("b", "train", None, log, tmp_path / "b.json", "k")]  # type: ignore[arg-type]
+    o.served_envs[0].sent = {7: long_ago}
+    o.beat()
+    (wait,) = o.run.beats()["orchestrator_0"]["env_waits"]
+    assert wait == {"env": "b", "kind": "train", "since": long_ago, "groups": 1, "log": str(log)}
+    assert stalled(o.run.beats(), 600, time.time())["env_server"]["env"] == "b"
+    o.served_envs = []
     # nothing generating before any step is filled (the eval of the starting policy): no wait
     o.sink.filling, o.source.inflight = None, set()
     o.beat()
