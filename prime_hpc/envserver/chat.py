@@ -18,6 +18,7 @@ which names it to verifiers by the top-level id `HARNESS_ID`.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional
 
 import httpx
@@ -30,6 +31,28 @@ from verifiers.v1.runtimes import ProgramResult
 HARNESS_ID = "prime_hpc_chat"
 
 __all__ = ["InWorkerChat"]
+
+
+_client: Optional[tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = None
+
+
+def client() -> httpx.AsyncClient:
+    """One HTTP client for every episode of this worker (a client serves the event loop it
+    was made on: the worker's one), its connections to the interception endpoint kept
+    alive: not a client per turn, whose making (a TLS context loaded from the CA bundle,
+    for a plain-HTTP endpoint too) and connect cost more than the turn's own work
+    (docs/benchmarks.md). No deadline and no bound on connections: the endpoint is this
+    process's own loop, busy with every episode of the worker (the chat program's 5 s
+    connect deadline failed whole groups under a full queue), and every episode in flight
+    holds one request."""
+    global _client
+    loop = asyncio.get_running_loop()
+    if _client is None or _client[0] is not loop:
+        made = httpx.AsyncClient(
+            timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None), trust_env=False
+        )
+        _client = (loop, made)
+    return _client[1]
 
 
 def overflowed(status: int, body: str) -> bool:
@@ -68,16 +91,12 @@ class InWorkerChat(NullHarness):
             return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url)
         system, prompt = self.resolve_prompt(data)
         body = {"model": ctx.model, "messages": opening(system, prompt)}
-        # the endpoint is this process's own loop, busy with every episode of the worker: no connect
-        # deadline of a network peer (the program's 5 s failed groups under a full queue)
-        timeout = httpx.Timeout(None)
         try:
-            async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-                r = await client.post(
-                    f"{endpoint.rstrip('/')}/chat/completions",
-                    json=body,
-                    headers={"Authorization": f"Bearer {secret}"},
-                )
+            r = await client().post(
+                f"{endpoint.rstrip('/')}/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {secret}"},
+            )
         except httpx.TransportError as e:  # verifiers reads this exit as the interception failing
             return ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"{type(e).__name__}: {e}")
         if overflowed(r.status_code, r.text):
