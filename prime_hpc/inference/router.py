@@ -316,7 +316,15 @@ class Router:
                     print(f"prime-hpc router: {worker} answered without its proof; not routed to", file=sys.stderr)
                 self.out(worker, tried)
                 continue
-            if await self.aborted(response):  # its engine stopped under the request: the next server
+            try:
+                aborted = await self.aborted(response)
+            except httpx.TransportError as e:  # it died under its answer (SIGKILL): nothing was answered
+                await response.aclose()
+                errors.append(f"{worker}: {type(e).__name__} in its answer")
+                if tries[worker] >= TRIES_PER_SERVER or await self.verify(worker) is not None:
+                    self.out(worker, tried)
+                continue
+            if aborted:  # its engine stopped under the request: the next server
                 errors.append(f"{worker}: aborted the generation (the server is stopping)")
                 print(f"prime-hpc router: {worker} aborted a generation (it is stopping); sent on", file=sys.stderr)
                 self.out(worker, tried)

@@ -1,7 +1,7 @@
 """What the router takes for an answer (`Router.aborted`, `Router.relay`): a generation a
 server aborted (vLLM's `finish_reason` "abort", what an engine stopping under SLURM's
 SIGTERM answers with HTTP 200) is no answer, and the router sends the request to the next
-server; everything else is relayed byte for byte, a JSON answer read whole for the check,
+server, as it does when a server dies under its answer (its body cut short); everything else is relayed byte for byte, a JSON answer read whole for the check,
 any other as it streams; behind the router, a request that a stopping server aborted is
 answered by another. The run that loses a server this way is
 `tests/integration/test_node_loss.py` (no rollout errored)."""
@@ -142,3 +142,50 @@ def test_a_generation_aborted_by_a_stopping_server_is_answered_by_another(stoppi
     router.no_server_wait_s = 0.5
     last = _chat(base)
     assert last.status_code == 503 and "aborted the generation" in last.text, last.text
+
+
+class CutShort:
+    """A served app whose answers to generations are cut short: the headers (the gate's
+    proof among them) and a few bytes of the body out, then the connection closed, as when
+    the server is killed while it sends."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+
+        async def cut(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                await send({"type": "http.response.body", "body": message.get("body", b"")[:5], "more_body": True})
+                raise RuntimeError("killed")
+            await send(message)
+
+        await self.app(scope, receive, cut)
+
+
+def test_an_answer_cut_short_by_a_dying_server_is_no_answer_and_another_answers(tmp_path, monkeypatch):
+    monkeypatch.setattr(router_mod, "HEALTH_EVERY_S", 0.2)
+    run = RunDir(tmp_path / "run")
+    workers = {"a": Worker("a"), "b": Worker("b")}
+    served = {name: Served(w, gated=True) for name, w in workers.items()}
+    config = served["a"].server.config  # before the router's first connection: each connection takes it
+    config.loaded_app = CutShort(config.loaded_app)
+    for node, s in enumerate(served.values()):
+        atomic_write_json(run.inference_endpoint(node), s.endpoint(node))
+    router = Router([s.url for s in served.values()], KEY, run)
+    front = Served(router)
+    try:
+        _until(lambda: len(router.up()) == 2, what="the router to prove both servers")
+        answers = [_chat(front.url) for _ in range(4)]
+        assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]  # never a 500
+        assert [r.json()["worker"] for r in answers] == ["b"] * 4
+        assert workers["a"].seen, "server a was never tried"
+        served["b"].stop()  # none left that answers whole: 503 (the client tries again), never a 500
+        router.no_server_wait_s = 0.5
+        last = _chat(front.url)
+        assert last.status_code == 503 and "no inference server answered" in last.text, last.text
+    finally:
+        for s in (front, *served.values()):
+            s.stop()
