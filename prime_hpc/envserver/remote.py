@@ -62,8 +62,7 @@ class EnvServerProcess:
         self.me: dict = {}
         self.http: Any = None
         self.http_loop: Optional[asyncio.AbstractEventLoop] = None
-        self.sent: dict[int, float] = {}  # the groups asked for and not answered: when each was sent
-        self.sends = 0
+        self.sent: dict[object, float] = {}  # the groups asked for and not answered: when each was sent
 
     @classmethod
     def start(
@@ -172,12 +171,12 @@ class EnvServerProcess:
 
     async def group(self, body: dict) -> tuple[int, dict]:
         """(status, answer) of `POST /group` with `body`."""
-        self.sends += 1
-        n, self.sent[self.sends] = self.sends, time.time()
+        token = object()
+        self.sent[token] = time.time()
         try:
             return await self._call_status("POST", "/group", json.dumps(body).encode())
         finally:
-            del self.sent[n]
+            del self.sent[token]
 
     def waited(self) -> Optional[dict]:
         """What the orchestrator waits for here, for its heartbeat (the watchdog names the

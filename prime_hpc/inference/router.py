@@ -306,8 +306,7 @@ class Router:
                 response = await self.client.send(request, stream=True)
             except httpx.TransportError as e:  # nothing was answered: proven again, then again, else the next
                 errors.append(f"{worker}: {type(e).__name__}")
-                if tries[worker] >= TRIES_PER_SERVER or await self.verify(worker) is not None:
-                    self.out(worker, tried)
+                await self.unanswered(worker, tries[worker], tried)
                 continue
             if not self.key.proofs.answered(signature, response.headers):  # not the instance signed for
                 await response.aclose()
@@ -321,8 +320,7 @@ class Router:
             except httpx.TransportError as e:  # it died under its answer (SIGKILL): nothing was answered
                 await response.aclose()
                 errors.append(f"{worker}: {type(e).__name__} in its answer")
-                if tries[worker] >= TRIES_PER_SERVER or await self.verify(worker) is not None:
-                    self.out(worker, tried)
+                await self.unanswered(worker, tries[worker], tried)
                 continue
             if aborted:  # its engine stopped under the request: the next server
                 errors.append(f"{worker}: aborted the generation (the server is stopping)")
@@ -331,6 +329,12 @@ class Router:
                 continue
             return await self.relay(response, send)
         return await send_json(send, 503, {"error": "no inference server answered: " + ("; ".join(errors) or "none")})
+
+    async def unanswered(self, worker: str, tries: int, tried: set[str]) -> None:
+        """`worker` did not answer its `tries`-th try of a request (a connection that failed,
+        an answer cut short): it gets the request again once proven again, else `out`."""
+        if tries >= TRIES_PER_SERVER or await self.verify(worker) is not None:
+            self.out(worker, tried)
 
     def out(self, worker: str, tried: set[str]) -> None:
         """`worker` takes no more of this request, nor any other until a health check finds

@@ -9,6 +9,7 @@ answered by another. The run that loses a server this way is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -107,43 +108,6 @@ class Aborting(Worker):
         await send({"type": "http.response.body", "body": _completion("abort", "abort")})
 
 
-@pytest.fixture
-def stopping(tmp_path, monkeypatch):
-    """The router in front of server a, whose engine aborts every generation, and server b."""
-    monkeypatch.setattr(router_mod, "HEALTH_EVERY_S", 0.2)
-    run = RunDir(tmp_path / "run")
-    workers = {"a": Aborting("a"), "b": Worker("b")}
-    served = {name: Served(w, gated=True) for name, w in workers.items()}
-    for node, s in enumerate(served.values()):
-        atomic_write_json(run.inference_endpoint(node), s.endpoint(node))
-    router = Router([s.url for s in served.values()], KEY, run)
-    front = Served(router)
-    try:
-        _until(lambda: len(router.up()) == 2, what="the router to prove both servers")
-        yield router, front.url, workers, served
-    finally:
-        for s in (front, *served.values()):
-            s.stop()
-
-
-def _chat(base: str) -> httpx.Response:
-    return httpx.post(base + "/v1/chat/completions", json={"messages": []}, headers=AUTH, timeout=10)
-
-
-def test_a_generation_aborted_by_a_stopping_server_is_answered_by_another(stopping, capfd):
-    router, base, workers, served = stopping
-    answers = [_chat(base) for _ in range(4)]
-    assert [(r.status_code, r.json()["worker"]) for r in answers] == [(200, "b")] * 4
-    assert workers["a"].seen, "server a was never tried"
-    assert (
-        f"prime-hpc router: {served['a'].url} aborted a generation (it is stopping); sent on" in capfd.readouterr().err
-    )
-    served["b"].stop()  # no server left that finishes it: 503 (the client tries again), never the aborted answer
-    router.no_server_wait_s = 0.5
-    last = _chat(base)
-    assert last.status_code == 503 and "aborted the generation" in last.text, last.text
-
-
 class CutShort:
     """A served app whose answers to generations are cut short: the headers (the gate's
     proof among them) and a few bytes of the body out, then the connection closed, as when
@@ -165,27 +129,61 @@ class CutShort:
         await self.app(scope, receive, cut)
 
 
-def test_an_answer_cut_short_by_a_dying_server_is_no_answer_and_another_answers(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def _behind_router(tmp_path, monkeypatch, a: Worker, cut_a: bool = False):
+    """The router in front of server a (`a`; `cut_a`: its answers to generations cut short,
+    `CutShort`) and server b, once it has proven both: (router, its url, workers, served)."""
     monkeypatch.setattr(router_mod, "HEALTH_EVERY_S", 0.2)
     run = RunDir(tmp_path / "run")
-    workers = {"a": Worker("a"), "b": Worker("b")}
+    workers = {"a": a, "b": Worker("b")}
     served = {name: Served(w, gated=True) for name, w in workers.items()}
-    config = served["a"].server.config  # before the router's first connection: each connection takes it
-    config.loaded_app = CutShort(config.loaded_app)
+    if cut_a:  # before the router's first connection: each connection takes the app then
+        config = served["a"].server.config
+        config.loaded_app = CutShort(config.loaded_app)
     for node, s in enumerate(served.values()):
         atomic_write_json(run.inference_endpoint(node), s.endpoint(node))
     router = Router([s.url for s in served.values()], KEY, run)
     front = Served(router)
     try:
         _until(lambda: len(router.up()) == 2, what="the router to prove both servers")
-        answers = [_chat(front.url) for _ in range(4)]
+        yield router, front.url, workers, served
+    finally:
+        for s in (front, *served.values()):
+            s.stop()
+
+
+@pytest.fixture
+def stopping(tmp_path, monkeypatch):
+    """The router in front of server a, whose engine aborts every generation, and server b."""
+    with _behind_router(tmp_path, monkeypatch, Aborting("a")) as behind:
+        yield behind
+
+
+def _chat(base: str) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", json={"messages": []}, headers=AUTH, timeout=10)
+
+
+def test_a_generation_aborted_by_a_stopping_server_is_answered_by_another(stopping, capfd):
+    router, base, workers, served = stopping
+    answers = [_chat(base) for _ in range(4)]
+    assert [(r.status_code, r.json()["worker"]) for r in answers] == [(200, "b")] * 4
+    assert workers["a"].seen, "server a was never tried"
+    assert (
+        f"prime-hpc router: {served['a'].url} aborted a generation (it is stopping); sent on" in capfd.readouterr().err
+    )
+    served["b"].stop()  # no server left that finishes it: 503 (the client tries again), never the aborted answer
+    router.no_server_wait_s = 0.5
+    last = _chat(base)
+    assert last.status_code == 503 and "aborted the generation" in last.text, last.text
+
+
+def test_an_answer_cut_short_by_a_dying_server_is_no_answer_and_another_answers(tmp_path, monkeypatch):
+    with _behind_router(tmp_path, monkeypatch, Worker("a"), cut_a=True) as (router, base, workers, served):
+        answers = [_chat(base) for _ in range(4)]
         assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]  # never a 500
         assert [r.json()["worker"] for r in answers] == ["b"] * 4
         assert workers["a"].seen, "server a was never tried"
         served["b"].stop()  # none left that answers whole: 503 (the client tries again), never a 500
         router.no_server_wait_s = 0.5
-        last = _chat(front.url)
+        last = _chat(base)
         assert last.status_code == 503 and "no inference server answered" in last.text, last.text
-    finally:
-        for s in (front, *served.values()):
-            s.stop()
