@@ -1,10 +1,15 @@
 """A v1 worker's chat turn: the CPU a turn's HTTP call costs the worker with an HTTP client
-made for the turn (as the in-worker chat harness did) against the worker's one client
-(`prime_hpc.envserver.chat.client`), side by side in one run.
+made for the turn (as the in-worker chat harness once did), with one httpx client kept
+for every turn (httpx's own pool, as it did next, and as verifiers' train client does), and
+with the worker's one client on aiohttp's pool (`prime_hpc.envserver.chat.client`, on
+`envserver.transport`), side by side in one run.
 
 Run with the envs' Python (verifiers >= 0.4, where the harness runs):
 
-    .venv-envs/bin/python benchmarks/chat_client.py [--turns 400] [--concurrency 16]
+    .venv-envs/bin/python benchmarks/chat_client.py [--turns 400] [--concurrency 64]
+
+A step's 64 episodes are in flight at once in a worker: httpcore's pool walks every
+connection it holds on each request it takes and gives back, so its cost grows with them.
 
 The endpoint is an aiohttp server in the same process and loop, as verifiers' interception
 server is in a worker, answering each chat completion at once with a small reply: what is
@@ -43,6 +48,18 @@ async def turn_new(url: str) -> None:
     assert r.status_code == 200
 
 
+_httpx_pool: list[httpx.AsyncClient] = []
+
+
+async def turn_httpx_pool(url: str) -> None:
+    if not _httpx_pool:
+        _httpx_pool.append(
+            httpx.AsyncClient(timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None), trust_env=False)
+        )
+    r = await _httpx_pool[0].post(url, json=BODY, headers={"Authorization": "Bearer s"})
+    assert r.status_code == 200
+
+
 async def turn_shared(url: str) -> None:
     r = await client().post(url, json=BODY, headers={"Authorization": "Bearer s"})
     assert r.status_code == 200
@@ -72,26 +89,33 @@ async def main(turns: int, concurrency: int, rounds: int) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    results: dict[str, list[tuple[float, float]]] = {"a client per turn": [], "the worker's one client": []}
-    for _ in range(rounds):  # ABBA-like alternation against drift on a shared machine
-        results["a client per turn"].append(await measure(turn_new, url, turns, concurrency))
-        results["the worker's one client"].append(await measure(turn_shared, url, turns, concurrency))
+    turns_of = {
+        "a client per turn": turn_new,
+        "one httpx client": turn_httpx_pool,
+        "one client on aiohttp": turn_shared,
+    }
+    results: dict[str, list[tuple[float, float]]] = {k: [] for k in turns_of}
+    for _ in range(rounds):  # alternated against drift on a shared machine
+        for name, turn in turns_of.items():
+            results[name].append(await measure(turn, url, turns, concurrency))
+    await client().aclose()
+    await _httpx_pool[0].aclose()
     await runner.cleanup()
     print(f"{turns} turns x {rounds} rounds, {concurrency} at a time, endpoint in the same loop")
     print(f"{'':28}{'CPU ms / turn':>15}{'turns / s':>12}")
     best = {k: (min(c for c, _ in v), max(t for _, t in v)) for k, v in results.items()}
     for k, (cpu, rate) in best.items():
         print(f"{k:28}{cpu * 1000:15.2f}{rate:12.0f}")
-    (new_cpu, new_rate), (one_cpu, one_rate) = best.values()
-    print(
-        f"one client vs per turn: {new_cpu / one_cpu:.2f}x less CPU a turn, {one_rate / new_rate:.2f}x the turns a second"
-    )
+    one_cpu, one_rate = best["one client on aiohttp"]
+    for k in ("a client per turn", "one httpx client"):
+        cpu, rate = best[k]
+        print(f"on aiohttp vs {k}: {cpu / one_cpu:.2f}x less CPU a turn, {one_rate / rate:.2f}x the turns a second")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--turns", type=int, default=400)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     asyncio.run(main(a.turns, a.concurrency, a.rounds))

@@ -28,6 +28,8 @@ from verifiers.v1.harnesses.null import NullHarness
 from verifiers.v1.harnesses.utils.compaction import CONTEXT_OVERFLOW_MARKERS
 from verifiers.v1.runtimes import ProgramResult
 
+from prime_hpc.envserver.transport import async_client
+
 HARNESS_ID = "prime_hpc_chat"
 
 __all__ = ["InWorkerChat"]
@@ -48,9 +50,7 @@ def client() -> httpx.AsyncClient:
     global _client
     loop = asyncio.get_running_loop()
     if _client is None or _client[0] is not loop:
-        made = httpx.AsyncClient(
-            timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None), trust_env=False
-        )
+        made = async_client(httpx.Timeout(None), trust_env=False)
         _client = (loop, made)
     return _client[1]
 

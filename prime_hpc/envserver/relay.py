@@ -52,17 +52,23 @@ class PolicyRelay:
     def client(self) -> Any:
         import httpx
 
+        from prime_hpc.envserver.transport import AiohttpTransport
+
         if self.http is None:
-            timeout = httpx.Timeout(self.timeout_s, connect=10.0)
+            # a worker's episodes in flight are as many calls here: aiohttp's pool, not
+            # httpcore's, which walks all its connections for each (envserver/transport.py)
+            timeout, transport = httpx.Timeout(self.timeout_s, connect=10.0), AiohttpTransport()
             if self.router_json:
                 from prime_hpc.inference.client import RouterLink
 
-                self.http = httpx.AsyncClient(auth=RouterLink(self.router_json).auth(), timeout=timeout)
+                auth = RouterLink(self.router_json).auth()
+                self.http = httpx.AsyncClient(auth=auth, timeout=timeout, transport=transport)
             else:
                 from prime_hpc.inference.client import api_key
 
                 key = self.policy_key or api_key() or ""
-                self.http = httpx.AsyncClient(headers={"authorization": f"Bearer {key}"}, timeout=timeout)
+                headers = {"authorization": f"Bearer {key}"}
+                self.http = httpx.AsyncClient(headers=headers, timeout=timeout, transport=transport)
         return self.http
 
     async def forward(self, scope: dict, receive: Any, send: Any) -> None:

@@ -86,11 +86,12 @@ def env_config(spec: dict) -> Any:
     from verifiers.v1.utils.loaders import env_config_type, resolve_env_config
 
     from prime_hpc.config.env_ids import UnknownEnv, import_env_module
-    from prime_hpc.envserver import chat
+    from prime_hpc.envserver import chat, transport
 
     # verifiers resolves a harness id as one of its own or a top-level module: the chat
     # harness is named to it by that name, in this process only
     sys.modules.setdefault(chat.HARNESS_ID, chat)
+    transport.train_client_on_aiohttp()
     entry = spec["entry"]
     try:
         taskset_id = import_env_module(entry["id"]).__name__
