@@ -25,6 +25,7 @@ import httpx
 
 __all__ = ["AiohttpTransport", "async_client"]
 
+KEEPALIVE_S = 15.0
 # what aiohttp sets itself from the request it sends
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
@@ -66,7 +67,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),  # every episode in flight holds one
+                # no bound: every episode in flight holds one; an idle connection closed by
+                # this side first (the router keeps one 30 s, the env server 60 s, an
+                # interception server 75 s), never reused as its server closes it
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 auto_decompress=False,  # httpx decodes the body by its headers, as its own transport's
                 trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
