@@ -52,23 +52,21 @@ class PolicyRelay:
     def client(self) -> Any:
         import httpx
 
-        from prime_hpc.envserver.transport import AiohttpTransport
+        from prime_hpc.envserver.transport import async_client
 
         if self.http is None:
             # a worker's episodes in flight are as many calls here: aiohttp's pool, not
             # httpcore's, which walks all its connections for each (envserver/transport.py)
-            timeout, transport = httpx.Timeout(self.timeout_s, connect=10.0), AiohttpTransport()
+            timeout = httpx.Timeout(self.timeout_s, connect=10.0)
             if self.router_json:
                 from prime_hpc.inference.client import RouterLink
 
-                auth = RouterLink(self.router_json).auth()
-                self.http = httpx.AsyncClient(auth=auth, timeout=timeout, transport=transport)
+                self.http = async_client(timeout, auth=RouterLink(self.router_json).auth())
             else:
                 from prime_hpc.inference.client import api_key
 
                 key = self.policy_key or api_key() or ""
-                headers = {"authorization": f"Bearer {key}"}
-                self.http = httpx.AsyncClient(headers=headers, timeout=timeout, transport=transport)
+                self.http = async_client(timeout, headers={"authorization": f"Bearer {key}"})
         return self.http
 
     async def forward(self, scope: dict, receive: Any, send: Any) -> None:

@@ -11,8 +11,9 @@ SDK's and verifiers' handling of them (timeouts, errors, retries), and sends the
 aiohttp session, whose pool takes a free connection without walking the others. aiohttp is
 verifiers' own dependency (its interception server).
 
-Runs under the env's interpreter (verifiers >= 0.4), imported only by `v1worker.py` and
-`chat.py`.
+Imported by `v1worker.py` and `chat.py` under the env's interpreter (verifiers >= 0.4),
+and by the env server's relay (`relay.py`: as many calls from a worker's episodes to the
+router) under the run's: httpx and aiohttp alone, nothing of prime-hpc's stack.
 """
 
 from __future__ import annotations
@@ -110,9 +111,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             await self._session.close()
 
 
-def async_client(timeout: Any = None, trust_env: bool = True) -> httpx.AsyncClient:
-    """An httpx client on an `AiohttpTransport`."""
-    return httpx.AsyncClient(timeout=timeout, transport=AiohttpTransport(), trust_env=trust_env)
+def async_client(timeout: Any = None, **kwargs: Any) -> httpx.AsyncClient:
+    """An httpx client on an `AiohttpTransport` (`kwargs`: httpx's own, `auth`, `headers`,
+    `trust_env`)."""
+    return httpx.AsyncClient(timeout=timeout, transport=AiohttpTransport(), **kwargs)
 
 
 def train_client_on_aiohttp() -> None:
