@@ -111,6 +111,12 @@ def probe(env_id: str, python: str, pylib: Path, timeout_s: float = PROBE_TIMEOU
     return answer if isinstance(answer, dict) else {"kind": None, "error": f"{python} answered {answer!r}"}
 
 
+CLASSIC_RENDERER = (
+    "a classic env's turns are rendered by the model's chat template (vLLM's chat endpoint, "
+    "inference.model.tool_call_parser for its tool calls); renderer is for a verifiers v1 task set"
+)
+
+
 def classic_here(env_id: str) -> Optional[str]:
     """The module name when the run's own Python resolves `env_id` to a module with
     `load_environment` (imported to look), else None."""

@@ -263,6 +263,11 @@ class EnvEntry:
     python: Optional[str] = None
     """the Python interpreter of its server's workers (a venv with the env and its verifiers); None: the run's
     own for a classic env, for a verifiers v1 taskset $PRIME_HPC_ENVS_PYTHON or the .venv-envs tools/setup builds"""
+    renderer: Optional[Dict[str, Any]] = None
+    """a verifiers v1 taskset's renderer (client-side rendering and parsing of the model's turns: the `renderers`
+    config verifiers' train client takes, e.g. {name: qwen3} or {name: default, tool_parser: qwen3}; a tool_parser
+    `module:Class` is a parser class of your own); None: resolved from the model, which for a model renderers does
+    not know is its chat template without tool calls"""
 
 
 @dataclass

@@ -333,7 +333,7 @@ def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None =
             ("orchestrator.eval.env", o.eval.env),
         )
     )
-    from prime_hpc.config.env_kinds import submit_error
+    from prime_hpc.config.env_kinds import CLASSIC_RENDERER, classic_here, submit_error
 
     for where, entries in checked:
         for i, e in enumerate(entries):
@@ -343,6 +343,14 @@ def check_envs(cfg: DictConfig, importable: Callable[[str], str | None] | None =
             err = submit_error(e.id, python, f"{where}.{i}", here) if python is not None or here else None
             if err:
                 raise ConfigError(f"{where}.{i}.{'python' if python else 'id'}", err)
+            renderer = e.get("renderer")
+            if renderer is not None and not renderer.get("name"):
+                raise ConfigError(
+                    f"{where}.{i}.renderer",
+                    "names no renderer: give name (auto, default, qwen3, ...) beside its options",
+                )
+            if renderer is not None and python is None and here is None and classic_here(e.id):
+                raise ConfigError(f"{where}.{i}.renderer", CLASSIC_RENDERER)
 
 
 def env_import_error(env_id: str) -> str | None:

@@ -13,8 +13,8 @@ Each episode runs as verifiers runs it for training: the taskset's env (its own 
 class or verifiers' single-agent one), the plain chat harness (`chat.py`: verifiers'
 `null` loop, in this process for a task without tools) in the local `subprocess`
 runtime, model calls through verifiers' train client (client-side rendering with the
-run's tokenizer, `POST <base>/inference/v1/generate`, token ids and logprobs
-back) whose base is the server's relay (`relay.py`; its token in `PRIME_HPC_RELAY_API_KEY`,
+run's tokenizer and the entry's `renderer`, whose tool parser reads a turn's tool
+calls; `POST <base>/inference/v1/generate`, token ids and logprobs back) whose base is the server's relay (`relay.py`; its token in `PRIME_HPC_RELAY_API_KEY`,
 the job's key never here). Nothing is fetched from an index: the chat program's packages
 come from the wheelhouse beside the interpreter's venv (`<venv>/wheelhouse`, or
 `$PRIME_HPC_WHEELHOUSE`), uv and Python are the venv's own, no Python download, no proxy
@@ -136,10 +136,35 @@ def sampling(args: dict) -> dict:
     return {**extra, **out}
 
 
-def warm_tokenizer(path: str) -> None:
+def renderer_config(entry: dict) -> Optional[dict]:
+    """The entry's `renderer` as verifiers' train client takes it (None: resolved from the
+    model). A `tool_parser` of the form `module:Class` is a parser class of the user's
+    (renderers' protocol: `Class(tokenizer).extract(token_ids) -> (content_ids,
+    tool_calls)`), imported here and registered with renderers under that name."""
+    renderer = entry.get("renderer")
+    if not renderer:
+        return None
+    parser = renderer.get("tool_parser")
+    if isinstance(parser, str) and ":" in parser:
+        import importlib
+
+        from renderers import parsers
+
+        module, _, attr = parser.partition(":")
+        parsers.TOOL_PARSERS[parser] = getattr(importlib.import_module(module), attr)
+    return dict(renderer)
+
+
+def warm_renderer(path: str, config: Any) -> None:
+    """Load the tokenizer and make the entry's renderer once: the train client's first call
+    would (transformers and the tokenizer: seconds), and a renderer or parser that cannot
+    be made fails the worker here, in one line, not every group."""
+    from renderers import create_renderer
     from renderers.base import load_tokenizer
 
-    load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    if config.renderer is not None:
+        create_renderer(tokenizer, config.renderer)
 
 
 async def serve(spec: dict, channel: Channel) -> None:
@@ -150,7 +175,10 @@ async def serve(spec: dict, channel: Channel) -> None:
     tasks = list(env.taskset)
     limit = spec.get("num_examples") if spec["kind"] == "eval" else None
     client = TrainClientConfig(
-        base_url=f"{spec['relay_url']}/v1", api_key_var=TOKEN_VAR, renderer_model_name=spec["tokenizer"]
+        base_url=f"{spec['relay_url']}/v1",
+        api_key_var=TOKEN_VAR,
+        renderer_model_name=spec["tokenizer"],
+        renderer=renderer_config(spec["entry"]),
     )
 
     async def one(req: dict) -> None:
@@ -166,9 +194,8 @@ async def serve(spec: dict, channel: Channel) -> None:
             return
         channel.answer({"id": req["id"], "episodes": [ep.model_dump(mode="json") for ep in episodes]})
 
-    # the train client's renderer loads the tokenizer (and transformers) on its first call:
-    # once here, before the worker says it is ready, not in the first group's time
-    await asyncio.to_thread(warm_tokenizer, spec["tokenizer"])
+    # before the worker says it is ready, not in the first group's time
+    await asyncio.to_thread(warm_renderer, spec["tokenizer"], client)
     async with env.serving():
         await serve_requests(channel, {"rows": task_rows(tasks, limit)}, one)
 

@@ -272,9 +272,11 @@ def load_slots(
         if any(s.name == name for s in slots):
             raise UserError(f"two {kind} envs are named {name!r}: give one a `name`")
         if pylib is not None:
-            from prime_hpc.config.env_kinds import CLASSIC, detect
+            from prime_hpc.config.env_kinds import CLASSIC, CLASSIC_RENDERER, detect
 
             found = detect(entry.id, entry.python, pylib, f"{where}.{i}")
+            if found.kind == CLASSIC and entry.renderer is not None:
+                raise UserError(f"{where}.{i}.renderer: {CLASSIC_RENDERER}")
             if found.kind != CLASSIC or found.python is not None:
                 slots.append(EnvSlot(name=name, entry=entry, env=None, rows=[], kind=found.kind, python=found.python))
                 continue

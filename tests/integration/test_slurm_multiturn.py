@@ -7,9 +7,12 @@ same run sets the reference's knobs (`orchestrator.max_prompt_len`, `advantage=o
 `trainer.loss.target_kl`, `ckpt.weights.interval`) and checks what the prompt limit, the
 adaptive KL weight and the snapshots do (OPO's baseline: tests/unit); its env runs in an env
 server of its own with two workers (`workers: 2`), beside its port to a verifiers v1 task set
-(word_lookup_v1, verifiers 0.4 in .venv-envs: the lookups are the env's user turns) that
-trains at the same ratio, and another task set (reverse_text_v1) is evaluated at the last
-step: both kinds of environment in one run, multi-turn both."""
+(word_lookup_v1, verifiers 0.4 in .venv-envs: the lookups are the env's user turns) and
+the same task set with its lookups as real tool calls (`tools=true`: an MCP tool server the
+worker starts once, the tiny model's replies read as calls by the task set's parser named
+in the entry's `renderer`, the worker's chat loop calling the tool) train at the same
+ratio, and another task set (reverse_text_v1) is evaluated at the last step: both kinds of
+environment in one run, multi-turn both, tool calls both."""
 
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ REF_KL_COEF, TARGET_KL = 0.05, 1e-4
 EVAL_EXAMPLES = 4
 TASKSET_DIR = Path(__file__).resolve().parents[2] / "examples" / "word_lookup_v1" / "word_lookup_v1"
 TOOL_RESULT = re.compile(r"^(not found|[a-z]+ = \d+)$")
+LOOKUP_PARSER = "word_lookup_v1.tools:LookupCallParser"
+TOOLS_ENTRY = (
+    "{id: word_lookup_v1, name: word_lookup_tools, args: {tools: true}, "
+    f"renderer: {{name: default, tool_parser: '{LOOKUP_PARSER}'}}}}"
+)
 
 
 def _keep_rollouts(run: RunDir, kept: RunDir, sub) -> None:
@@ -112,7 +120,9 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
             # the env's groups in a server of its own (two worker processes), beside its verifiers
             # v1 port (word_lookup_v1, run by verifiers 0.4 in .venv-envs; given by its path) at the
             # same ratio; the eval at the last step scores another task set (by its installed name)
-            f"orchestrator.env=[{{id: word_lookup, workers: 2}}, {{id: {TASKSET_DIR}}}]",  # the task set by its path
+            # (the task set by its path), and the task set's tool-call variant (by its installed
+            # name: verifiers starts its tool server as `python -m word_lookup_v1.tools`)
+            f"orchestrator.env=[{{id: word_lookup, workers: 2}}, {{id: {TASKSET_DIR}}}, {TOOLS_ENTRY}]",
             "orchestrator.eval.env=[{id: reverse_text_v1, args: {split: eval}}]",
             f"orchestrator.eval.interval={STEPS}",
             f"orchestrator.eval.num_examples={EVAL_EXAMPLES}",
@@ -139,6 +149,11 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     v1 = [r for r in rows if "reward/word_lookup_v1/mean" in r]
     assert v1 and max(r["num_turns/word_lookup_v1/mean"] for r in v1) > 1.5, rows
     assert all(0 <= r["reward/word_lookup_v1/mean"] <= 1.2 for r in v1)
+    # the tool-call variant is one segment of the harness's loop: a second turn is only ever
+    # the model's answer to a tool message, so more than one turn means tool calls were
+    # parsed from its replies, made on the tool server and answered (errored rollouts: none)
+    tools = [r for r in rows if "reward/word_lookup_tools/mean" in r]
+    assert tools and max(r["num_turns/word_lookup_tools/mean"] for r in tools) > 1.5, tools
     assert max(r["off_policy/lag/max"] for r in rows) <= 1, [r["off_policy/lag/max"] for r in rows]
     assert [r["step"] for r in evals] == [STEPS] and 0 <= evals[0]["eval/reverse_text_v1/avg@2"] <= 1, evals
     assert max(r["is_truncated/all/mean"] for r in rows) > 0  # some rollouts filled their context
@@ -160,7 +175,7 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     tok = build_tokenizer()
     steps = kept.rollout_steps()
     assert steps, "no rollout step was kept"
-    multi_turn = tool_results = user_lookups = full = 0
+    multi_turn = tool_results = user_lookups = full = called = 0
     for step in steps:
         for mb in batch.read_rank(kept, step, 0, timeout_s=5).micro_batches:
             for row in range(mb["input_ids"].shape[0]):
@@ -180,7 +195,17 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
                 first = next(i for i in range(n) if "".join(tokens[i : i + 11]) == "<|im_start|>assistant\n")
                 assert first + 11 <= MAX_PROMPT_LEN, first  # the task's prompt, its generation header too
                 starts = {s for s, _ in trained}
-                for role, start, end in _messages(tokens, mask):
+                rendered = _messages(tokens, mask)
+                for (role, start, end), (after, a, b) in zip(rendered, rendered[1:]):
+                    # a tool call the template renders without text (the variant's calls: the
+                    # parser took the whole reply), its tool's answer next, as context
+                    called += (
+                        role == "assistant"
+                        and start == end
+                        and after == "tool"
+                        and bool(TOOL_RESULT.match("".join(tokens[a:b])))
+                    )
+                for role, start, end in rendered:
                     if role == "assistant" and start in starts:
                         continue
                     assert not any(mask[start - 1 : end + 1]), (role, "".join(tokens[start:end]))
@@ -195,6 +220,7 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     assert multi_turn > 0, "no sample holds more than one model turn"
     assert tool_results > 0, "no tool message in any sample"
     assert user_lookups > 0, "no lookup answered as a user turn (word_lookup_v1) in any sample"
+    assert called > 0, "no tool call answered by the tool server (word_lookup_tools) in any sample"
     assert full > 0, "no sample reached the context limit"
     logs = run.latest_logs.resolve()
     log = (logs / "orchestrator.log").read_text()
@@ -203,13 +229,21 @@ def test_multi_turn_tool_rollouts_train_only_the_models_turns(tmp_path):
     # two workers, its v1 port's one (verifiers 0.4's interpreter), the eval task set's own
     served = {
         (kind, env): (logs / "envs" / kind / env / "env_server.log").read_text()
-        for kind, env in (("train", "word_lookup"), ("train", "word_lookup_v1"), ("eval", "reverse_text_v1"))
+        for kind, env in (
+            ("train", "word_lookup"),
+            ("train", "word_lookup_v1"),
+            ("train", "word_lookup_tools"),
+            ("eval", "reverse_text_v1"),
+        )
     }
     groups = {k: int(re.findall(r"stopped after (\d+) groups", text)[-1]) for k, text in served.items()}
     assert "with 2 workers" in served["train", "word_lookup"]
     assert "serving 1000 rows" in served["train", "word_lookup_v1"]
     assert f"serving {EVAL_EXAMPLES} rows" in served["eval", "reverse_text_v1"]
-    train_groups = groups["train", "word_lookup"] + groups["train", "word_lookup_v1"]
+    train_groups = sum(groups["train", env] for env in ("word_lookup", "word_lookup_v1", "word_lookup_tools"))
+    # the tool server was started once for the task set, on loopback
+    worker = (logs / "envs" / "train" / "word_lookup_tools" / "env_worker_0.log").read_text()
+    assert len(re.findall(r"shared tool server '[^']*': http://127\.0\.0\.1:\d+/mcp", worker)) == 1, worker[-3000:]
     assert train_groups >= STEPS * 16 // 8, groups  # groups of 8 in batches of 16
     assert groups["eval", "reverse_text_v1"] == EVAL_EXAMPLES, groups
     assert not list((run.private_dir / "envservers").glob("*.json")), "an env server's endpoint outlived the run"

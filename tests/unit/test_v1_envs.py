@@ -93,6 +93,68 @@ def test_submit_takes_a_task_set_and_refuses_a_bad_python_in_one_line(tmp_path, 
     assert not (tmp_path / "b").exists()
 
 
+def test_a_renderer_is_refused_for_a_classic_env_and_without_a_name(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PRIME_HPC_ENVS_PYTHON", raising=False)
+    parser = "word_lookup_v1.tools:LookupCallParser"
+    code, err = _submit(
+        capsys, f"output_dir={tmp_path / 'a'}", "orchestrator.env=[{id: reverse_text, renderer: {name: qwen3}}]"
+    )
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "orchestrator.env.0.renderer" in err and "classic env" in err, err
+    code, err = _submit(
+        capsys,
+        f"output_dir={tmp_path / 'b'}",
+        f"orchestrator.env=[{{id: word_lookup_v1, renderer: {{tool_parser: '{parser}'}}}}]",
+    )
+    assert code == 2 and "orchestrator.env.0.renderer" in err and "names no renderer" in err, err
+    code, err = _submit(
+        capsys,
+        f"output_dir={tmp_path / 'c'}",
+        f"orchestrator.env=[{{id: word_lookup_v1, args: {{tools: true}}, renderer: {{name: default, tool_parser: '{parser}'}}}}]",
+    )
+    assert code == 0, err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_lookup_parser_reads_a_reply_as_a_call_and_a_worker_registers_it(tmp_path):
+    """Under the envs' Python: a run's `module:Class` tool parser is registered with
+    renderers and a default renderer parses the tiny model's reply with it (the word
+    looked up, nothing left as content), while an answer stays text."""
+    python = envs_python()
+    assert python, "no envs Python (tools/setup builds .venv-envs)"
+    from prime_hpc.model.tiny import build_tokenizer
+
+    tok_dir = tmp_path / "tokenizer"
+    build_tokenizer().save_pretrained(tok_dir)
+    code = f"""
+import json
+from prime_hpc.envserver.v1worker import renderer_config
+from renderers import create_renderer
+from renderers.base import load_tokenizer
+config = renderer_config({{"renderer": {{"name": "default", "tool_parser": "word_lookup_v1.tools:LookupCallParser"}}}})
+from verifiers.v1 import TrainClientConfig
+client = TrainClientConfig(base_url="http://127.0.0.1:1/v1", renderer=config)
+tok = load_tokenizer({str(tok_dir)!r})
+r = create_renderer(tok, client.renderer)
+out = {{}}
+for text in ("lookup: abc", "answer: 7"):
+    p = r.parse_response(tok.encode(text, add_special_tokens=False))
+    out[text] = [p.content, [(c.name, c.arguments) for c in p.tool_calls]]
+print(json.dumps(out))
+"""
+    import subprocess
+
+    from prime_hpc.config.env_kinds import python_env
+
+    r = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, timeout=120, env=python_env(package_path(tmp_path))
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["lookup: abc"] == ["", [["lookup", {"word": "abc"}]]], out
+    assert out["answer: 7"] == ["answer: 7", []], out
+
+
 # ----------------------------------------------------------------------------- the relay
 def test_logprob_entries_are_named_by_their_token_ids():
     answer = {

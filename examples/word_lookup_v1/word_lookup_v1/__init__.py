@@ -10,8 +10,16 @@ task set, which verifiers then plays it with) answers each lookup as the next us
 of the one agent's interaction, where the classic env answers with a `tool` message.
 `split` picks the train or the held-out eval words (`num_words`, `num_eval_words`).
 
-Reward: 1.0 for the right number in the last reply, plus `lookup_bonus` (0.2) when the
-task's word was looked up. Metrics: `lookups` (lookups made) and `answered`.
+With `tools=true` the lookups are tool calls instead: the task set serves a `lookup`
+tool (`tools.LookupTools`, an MCP server verifiers starts once for the task set), the
+model calls it, and the tool's answer comes back as a `tool` message; the episode is one
+segment of the harness's tool loop, ending at a reply with no tool call (the answer) or
+after `max_turns` replies. A model reads the tool from the prompt and calls it in its
+own format, which its renderer's tool parser reads; the tiny model has none, so a run
+names `tools.LookupCallParser` (the plain-text protocol above, read as tool calls).
+
+Reward: 1.0 for the right number in the last reply, plus 0.2 when the task's word was
+looked up (as text or with the tool). Metrics: `lookups` (lookups made) and `answered`.
 
     prime-hpc submit +experiment=word_lookup env=word_lookup_v1
 """
@@ -23,6 +31,8 @@ import functools
 import verifiers.v1 as vf
 from word_lookup import DEFAULT_SYSTEM_PROMPT, is_answer, lookup, make_dictionary, parse_answer, parse_query
 
+from word_lookup_v1.tools import LookupTools, LookupToolsConfig, tool_queries
+
 __all__ = ["WordLookupEnv", "WordLookupTaskset"]
 
 
@@ -31,9 +41,22 @@ def replies(trace: vf.Trace) -> list[str]:
     return [(m.content or "").strip() for m in trace.assistant_messages]
 
 
+def queries(trace: vf.Trace) -> list[str]:
+    """The words the model looked up: with the tool, or as a reply that is no answer."""
+    words = []
+    for m in trace.assistant_messages:
+        text = (m.content or "").strip()
+        if m.tool_calls:
+            words += tool_queries(m)
+        elif text and not is_answer(text):
+            words.append(parse_query(text))
+    return words
+
+
 class WordLookupData(vf.TaskData):
     word: str
     number: int
+    max_turns: int = 4
 
 
 class WordLookupTask(vf.Task[WordLookupData]):
@@ -44,11 +67,16 @@ class WordLookupTask(vf.Task[WordLookupData]):
 
     @vf.reward(weight=0.2)
     async def looked_up(self, trace: vf.Trace) -> float:
-        return float(any(parse_query(t) == self.data.word for t in replies(trace) if not is_answer(t)))
+        return float(self.data.word in queries(trace))
 
     @vf.metric
     async def lookups(self, trace: vf.Trace) -> float:
-        return float(sum(not is_answer(t) for t in replies(trace)))
+        return float(len(queries(trace)))
+
+    @vf.stop
+    async def out_of_turns(self, trace: vf.Trace) -> bool:
+        """The tool loop's bound (`max_turns` replies); the text protocol's is the env's."""
+        return trace.num_turns >= self.data.max_turns
 
     @vf.metric
     async def answered(self, trace: vf.Trace) -> float:
@@ -67,6 +95,8 @@ class WordLookupConfig(vf.TasksetConfig):
     """replies per episode, the answer included"""
     seed: int = 0
     system: str | None = DEFAULT_SYSTEM_PROMPT
+    tools: bool = False
+    """the lookups as calls of a `lookup` tool (an MCP server of the task set), not as replies"""
 
 
 class WordLookupTaskset(vf.Taskset[WordLookupTask, WordLookupConfig]):
@@ -75,6 +105,23 @@ class WordLookupTaskset(vf.Taskset[WordLookupTask, WordLookupConfig]):
         """Every word (train and eval) and its number: what the tool knows."""
         c = self.config
         return make_dictionary(c.num_words + c.num_eval_words, c.min_len, c.max_len, c.seed)
+
+    @classmethod
+    def toolsets(cls, config: WordLookupConfig) -> list[vf.Toolset]:
+        if not config.tools:
+            return []
+        c = config
+        return [
+            LookupTools(
+                LookupToolsConfig(
+                    num_words=c.num_words,
+                    num_eval_words=c.num_eval_words,
+                    min_len=c.min_len,
+                    max_len=c.max_len,
+                    seed=c.seed,
+                )
+            )
+        ]
 
     def load(self) -> list[WordLookupTask]:
         c = self.config
@@ -85,7 +132,12 @@ class WordLookupTaskset(vf.Taskset[WordLookupTask, WordLookupConfig]):
         return [
             WordLookupTask(
                 WordLookupData(
-                    id=f"{c.split}-{i}", prompt=w, system_prompt=c.system, word=w, number=self.dictionary[w]
+                    id=f"{c.split}-{i}",
+                    prompt=w,
+                    system_prompt=c.system,
+                    word=w,
+                    number=self.dictionary[w],
+                    max_turns=c.max_turns,
                 ),
                 c.task,
             )
@@ -106,6 +158,8 @@ class WordLookupEnv(vf.Env[WordLookupEnvConfig]):
         taskset = self.taskset
         async with agents.agent.interaction(task) as chat:
             segment = await chat.turn()  # the task speaks first: its word
+            if taskset.config.tools:
+                return  # the lookups were the segment's tool calls; it ended at the answer
             turns = 1
             while not segment.terminated and not is_answer(segment.last_reply) and turns < taskset.config.max_turns:
                 segment = await chat.turn(lookup(taskset.dictionary, parse_query(segment.last_reply)))
