@@ -232,7 +232,8 @@ already an SFT run); another is refused with its `REFUSED` line"""
 REFUSED: dict[str, tuple[str, str]] = {
     "renderer": (
         "orchestrator.trajectory_strategy",
-        "prime-hpc tokenizes with the model's own chat template, it has no renderers; for a template "
+        "a classic env's turns are tokenized with the model's own chat template (a verifiers v1 task set's "
+        "renderer is orchestrator.env[i].renderer); for a template "
         "that drops earlier reasoning (Qwen3's) give orchestrator.trajectory_strategy=branching",
     ),
     "data.type": (

@@ -273,7 +273,7 @@ def test_a_level_prime_hpc_lacks_is_refused_only_where_it_is_used(tmp_path, valu
     [
         (
             '[renderer]\nname = "prime-qwen3"\n',
-            "renderer.name has no prime-hpc counterpart: prime-hpc tokenizes with the model's own chat template",
+            "renderer.name has no prime-hpc counterpart: a classic env's turns are tokenized with the model's own chat template",
         ),
         ("[orchestrator]\nrollouts_per_exampel = 8\n", "nearest known key: orchestrator.rollouts_per_example"),
         ('[[orchestrator.env]]\nid = "x"\nwieght = 2\n', "orchestrator.env[0].wieght has no prime-hpc counterpart"),
