@@ -8,9 +8,13 @@ burns `--cpu-ms` of CPU per rollout):
   inproc   cpu_ms=N, the env in the orchestrator's process
   workers  cpu_ms=N, the env in a server of its own with `--workers` worker processes
 Printed: each run's median step time (the wall time between the trainer's step ends,
-after the first steps) and the ratios of the step rates. With the reward in the
-orchestrator's process its event loop scores each rollout in turn (64 x N ms a step);
-in workers the scoring runs beside the loop, on as many cores as the machine has left.
+after the first steps) and the ratios of the step rates; and how long the orchestrator's
+event loop was held (`time/loop_lag/max` of each step's row, its median over the same
+steps, and the worst), side by side. With the reward in the orchestrator's process its
+event loop scores each rollout in turn (64 x N ms a step), holding every group in flight,
+the heartbeat and the weight relay meanwhile; in workers the scoring runs beside the
+loop, on as many cores as the machine has left. The step rate needs cores to spare for
+the workers (a GPU node's head has tens); the loop lag does not.
 
 From the repository root:
 
@@ -22,17 +26,18 @@ A finished run in `--workdir` is read again instead of re-run.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import machine, median_step_s, project_versions, read_jsonl, submit_and_wait  # noqa: E402
+from vs_trl import SKIP_STEPS, machine, median_step_s, project_versions, read_jsonl, submit_and_wait  # noqa: E402
 
 ENV = Path(__file__).resolve().parent / "envs" / "slow_reverse_text"
 
 
-def run(workdir: Path, name: str, steps: int, cpu_ms: float, workers: int) -> tuple[float, int]:
+def run(workdir: Path, name: str, steps: int, cpu_ms: float, workers: int) -> tuple[float, int, float, float]:
     out = workdir / name
     overrides = [
         "+experiment=reverse_text",
@@ -47,7 +52,9 @@ def run(workdir: Path, name: str, steps: int, cpu_ms: float, workers: int) -> tu
     ]
     submit_and_wait(out, overrides, name, steps)
     ends = [float(r["time"]) for r in read_jsonl(out / "metrics" / "trainer.jsonl")]
-    return median_step_s(ends)
+    rows = [r for r in read_jsonl(out / "metrics" / "orchestrator.jsonl") if "time/loop_lag/max" in r]
+    lags = [float(r["time/loop_lag/max"]) for r in rows if r["step"] > SKIP_STEPS] or [float("nan")]
+    return (*median_step_s(ends), statistics.median(lags), max(lags))
 
 
 def main() -> None:
@@ -62,14 +69,19 @@ def main() -> None:
     plain = run(workdir, "plain", a.steps, 0.0, 0)
     inproc = run(workdir, "inproc", a.steps, a.cpu_ms, 0)
     workers = run(workdir, "workers", a.steps, a.cpu_ms, a.workers)
-    print(f"{'run':<34} {'median step s':>14} {'steps':>6} {'step rate vs plain':>19}")
-    for label, (s, n) in (
+    print(
+        f"{'run':<34} {'median step s':>14} {'steps':>6} {'step rate vs plain':>19}"
+        f" {'loop held s (median of step max)':>33} {'worst':>6}"
+    )
+    for label, (s, n, lag, worst) in (
         ("plain (reward 0 ms, in process)", plain),
         (f"inproc (reward {a.cpu_ms:g} ms, in process)", inproc),
         (f"workers (reward {a.cpu_ms:g} ms, {a.workers} workers)", workers),
     ):
-        print(f"{label:<34} {s:>14.3f} {n:>6} {plain[0] / s:>18.2f}x")
-    print(f"workers vs inproc: {inproc[0] / workers[0]:.2f}x the step rate")
+        print(f"{label:<34} {s:>14.3f} {n:>6} {plain[0] / s:>18.2f}x {lag:>33.3f} {worst:>6.2f}")
+    print(
+        f"workers vs inproc: {inproc[0] / workers[0]:.2f}x the step rate, the loop held {inproc[2] / workers[2]:.1f}x less"
+    )
 
 
 if __name__ == "__main__":

@@ -31,17 +31,17 @@ from loguru import logger
 from prime_hpc.config.component import OrchestratorRunConfig, typed
 from prime_hpc.config.env_kinds import package_path
 from prime_hpc.core import jobenv
-from prime_hpc.envserver.remote import RemoteGenerator, close_servers, fill_rows
 from prime_hpc.inference.client import Admin, api_key, discover
 from prime_hpc.orchestrator.checkpointer import Checkpointer
 from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
 from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot, load_slots, route_env_logs
+from prime_hpc.orchestrator.envservers import RemoteGenerator, close_servers, fill_rows
 from prime_hpc.orchestrator.evaluator import Evaluator
 from prime_hpc.orchestrator.fleet import keep_fixed
 from prime_hpc.orchestrator.relay import WeightRelay
 from prime_hpc.orchestrator.sink import StepFill, StepSink
 from prime_hpc.orchestrator.source import GroupSource
-from prime_hpc.orchestrator.step_metrics import StepMetrics
+from prime_hpc.orchestrator.step_metrics import LoopLag, StepMetrics
 from prime_hpc.orchestrator.teacher import Teacher, TeacherAt, locate
 from prime_hpc.rundir import BEAT_S, CHECKPOINT_PARTS, RunDir, atomic_write_json
 from prime_hpc.rundir.checkpoints import resolve_resume_step
@@ -94,11 +94,16 @@ class Orchestrator:
         self.generator = RemoteGenerator(o, cfg.seq_len, client, lambda: relay.model)
         sampler = self.sampler(train)
         self.source = GroupSource(sampler, self.generator, lambda: relay.policy, o, self.async_level, self.max_steps)
+        self.loop_lag = LoopLag()
         self.step_metrics = StepMetrics(
             metrics,
             cfg.wandb.log_extras,
             cfg.seed,
-            lambda: {**relay.gauges(), **{f"progress/total_{k}": v for k, v in self.totals().items()}},
+            lambda: {
+                **relay.gauges(),
+                **{f"progress/total_{k}": v for k, v in self.totals().items()},
+                **self.loop_lag.take(),
+            },
             long_prompts=lambda: getattr(sampler, "dropped", 0),
         )
         at = self.teacher_at
@@ -230,7 +235,7 @@ class Orchestrator:
     def env_servers(self, slots: dict[str, list[EnvSlot]], ep: Any) -> list:
         """The env servers of the entries with `workers` >= 1 (`prime_hpc.envserver`), their
         workers asking the same endpoint as `policy_client`."""
-        from prime_hpc.envserver.remote import start_for
+        from prime_hpc.orchestrator.envservers import start_for
 
         at = self.teacher_at
         sft = self.ocfg.training_mode == "sft" and at is not None
@@ -246,6 +251,7 @@ class Orchestrator:
         self.relay.start()
         self.progress()
         beats = asyncio.create_task(self.heartbeat())
+        lag = asyncio.create_task(self.loop_lag.run())
         step = start + 1
         try:
             if eval_first:
@@ -267,8 +273,9 @@ class Orchestrator:
             logger.info(f"last step written: {self.sink.step} ({self.run.rollouts_done})")
         finally:
             beats.cancel()
+            lag.cancel()
             await asyncio.gather(
-                beats, self.relay.aclose(), self.source.aclose(), self.evaluator.aclose(), return_exceptions=True
+                beats, lag, self.relay.aclose(), self.source.aclose(), self.evaluator.aclose(), return_exceptions=True
             )
             self.beat(done=True)
 

@@ -10,8 +10,9 @@ policy lag of the trained rollouts; the groups judged and dropped by reason
 their prompt is longer than `orchestrator.max_prompt_len` (`filter/long_prompts`,
 `prompts.LimitedSampler`); spanning rollouts; the step's time and its wait for weights;
 the generation of its accepted groups (`generation_times`: `time/generate`, from the
-first request of any of them to the last answer, and `time/generate_group/mean`).
-A step that is not filled (the run gives up or is stopped) gets a row without
+first request of any of them to the last answer, and `time/generate_group/mean`); how
+late the event loop ran a timer since the previous row (`LoopLag`: `time/loop_lag/max`,
+`time/loop_lag/mean`). A step that is not filled (the run gives up or is stopped) gets a row without
 reward keys, without generation times and with `filter/unfilled` 1 (`log_unfilled`). Every
 `wandb.log_extras.interval` steps with W&B, a table of sampled rollouts and histograms of
 rewards and advantages (`log_extras`). The names are documented in docs/orchestrator.md.
@@ -60,6 +61,29 @@ def generation_times(groups: list[list[Rollout]]) -> dict:
         "time/generate": max(end for _, end in spans) - min(start for start, _ in spans),
         "time/generate_group/mean": mean(end - start for start, end in spans),
     }
+
+
+class LoopLag:
+    """How long the orchestrator's event loop was held: a timer every `interval_s`, and how
+    late it ran. Work that runs in the loop's thread (a classic env's reward or env
+    response in the orchestrator's process, a synchronous call) holds every group in
+    flight, the heartbeat and the relay for as long; `take()` gives the max and the mean
+    lateness since the last take (0 before the first tick)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.late: list[float] = []
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.late.append(max(0.0, loop.time() - t - self.interval_s))
+
+    def take(self) -> dict:
+        late, self.late = self.late, []
+        return {"time/loop_lag/max": max(late, default=0.0), "time/loop_lag/mean": mean(late) if late else 0.0}
 
 
 class StepMetrics:

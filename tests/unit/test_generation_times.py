@@ -89,3 +89,27 @@ def test_groups_without_a_span_give_no_generation_time():
     later = [_r(1.0)]
     later[0].generated = (3.0, 9.0)
     assert generation_times([timed, later, [_r(0.5)]]) == {"time/generate": 7.0, "time/generate_group/mean": 4.5}
+
+
+def test_the_loop_lag_is_how_long_work_in_the_loops_thread_held_it():
+    """`time/loop_lag/max`: a synchronous 300 ms in the event loop (a reward run in the
+    orchestrator's process) shows as a timer at least that late; each take starts over."""
+    import time
+
+    from prime_hpc.orchestrator.step_metrics import LoopLag
+
+    async def main() -> tuple[dict, dict, dict]:
+        lag = LoopLag(interval_s=0.01)
+        probe = asyncio.create_task(lag.run())
+        await asyncio.sleep(0.05)
+        before = lag.take()
+        time.sleep(0.3)  # holds the loop
+        await asyncio.sleep(0.05)
+        held = lag.take()
+        probe.cancel()
+        return before, held, lag.take()
+
+    before, held, after = asyncio.run(main())
+    assert held["time/loop_lag/max"] >= 0.28 > before["time/loop_lag/max"], (before, held)
+    assert held["time/loop_lag/mean"] < held["time/loop_lag/max"]  # the other ticks were on time-ish
+    assert after == {"time/loop_lag/max": 0.0, "time/loop_lag/mean": 0.0}
