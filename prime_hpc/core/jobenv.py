@@ -39,6 +39,7 @@ DEVICE_VAR = "PRIME_HPC_DEVICE"
 CACHE_VAR = "PRIME_HPC_CACHE"
 API_KEY_VAR = "INFERENCE_SERVER_API_KEY"
 PG_STORE_VAR = "PRIME_HPC_PG_STORE"
+ENV_POLICY_KEY_VAR = "PRIME_HPC_ENV_POLICY_KEY"  # an env server's policy endpoint's key where it is not the router's
 STALLED = 3  # the watchdog's exit code for a stall
 
 

@@ -37,13 +37,12 @@ from typing import Any, Optional
 
 from loguru import logger
 
+from prime_hpc.core.jobenv import ENV_POLICY_KEY_VAR as POLICY_KEY_VAR
 from prime_hpc.envserver.relay import PATHS as RELAY_PATHS
 from prime_hpc.envserver.relay import READ_PATHS as RELAY_READ_PATHS
 from prime_hpc.envserver.relay import TOKEN_VAR, PolicyRelay
-from prime_hpc.envserver.worker import POLICY_KEY_VAR
 from prime_hpc.inference.gate import ApiKey, answer_identity, read_body, send_json
-from prime_hpc.job.watchdog import last_line
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, last_line
 
 MAX_RESTARTS = 3  # worker restarts an env server makes in all before its env fails the run
 STOP_GRACE_S = 5.0  # a worker asked to stop (SIGTERM) has this long before SIGKILL

@@ -17,9 +17,8 @@ import os
 from typing import Any
 
 from prime_hpc.config.schema import EnvEntry
+from prime_hpc.core.jobenv import ENV_POLICY_KEY_VAR as POLICY_KEY_VAR
 from prime_hpc.envserver.channel import Channel, open_worker, serve_requests
-
-POLICY_KEY_VAR = "PRIME_HPC_ENV_POLICY_KEY"  # the policy endpoint's key where it is not the router's
 
 
 def policy_client(spec: dict) -> Any:

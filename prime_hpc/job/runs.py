@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, runs, tail_lines
+from prime_hpc.rundir import RunDir, last_line, runs
 
 POLL_S = 0.5
 STOP_WAIT_S = 60.0  # after a stop, how long an orchestrator has to end before it is killed
@@ -58,11 +58,6 @@ def start(job: RunDir, name: str) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             env=env,
         )
-
-
-def last_line(path: Path) -> str:
-    lines = [line for line in tail_lines(path, 4096) if line.strip()]
-    return lines[-1].strip() if lines else "(no output)"
 
 
 class FleetKeeper:
@@ -181,7 +176,7 @@ def run_all(job: RunDir) -> dict:
                         flush=True,
                     )
                 else:
-                    why = f"its orchestrator exited {p.returncode}: {last_line(log)}"
+                    why = f"its orchestrator exited {p.returncode}: {last_line(log, cut=None) or '(no output)'}"
                     runs.record(job.sub_run(name), runs.FAILED, reason=why)
                     print(f"prime-hpc head: run {name} failed ({why}); see {log}; the other runs go on", flush=True)
             if len(codes) == len(procs):  # every orchestrator started has ended

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, atomic_write_json, parse_slot, runs, tail_lines
+from prime_hpc.rundir import RunDir, atomic_write_json, last_line, parse_slot, runs
 
 POLL_S = 2.0
 STALLED = jobenv.STALLED  # the exit code
@@ -178,13 +178,6 @@ class Fleet:
             "node": None,
             "who": "inference",
         }
-
-
-def last_line(path: Path, max_bytes: int = 8192, cut: Optional[int] = 300) -> str:
-    """The last non-blank line of the log `path` (at most `cut` characters, None: whole;
-    '' if none)."""
-    lines = [ln.strip() for ln in tail_lines(path, max_bytes, keep_cut=True) if ln.strip()]
-    return lines[-1][:cut] if lines else ""
 
 
 def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Path:

@@ -172,14 +172,14 @@ class EnvSlot:
     order: list[int] = field(default_factory=list)
     cursor: int = 0
     epoch: int = 0
-    server: Any = None  # its env server (`envserver.remote.EnvServerProcess`) when it runs in one
+    server: Any = None  # its env server (`orchestrator.envservers.EnvServerProcess`) when it runs in one
     kind: str = "classic"  # or "v1": a verifiers v1 taskset (`config.env_kinds`)
     python: Optional[str] = None  # its server's interpreter (None: the run's own)
 
     @property
     def in_server_only(self) -> bool:
         """Loaded only in its server (a v1 taskset, an env of another Python): its rows come
-        from there (`envserver.remote.fill_rows`), `env` is None."""
+        from there (`orchestrator.envservers.fill_rows`), `env` is None."""
         return self.kind != "classic" or self.python is not None
 
 

@@ -246,9 +246,9 @@ def run_evaluator(
     runs in a server of its own (a v1 task set, `workers`, `python`) gets one for as long
     as the evaluator is used, its endpoint and pylib under `where`, its logs under `logs`."""
     from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
-    from prime_hpc.envserver.remote import RemoteGenerator, served
     from prime_hpc.orchestrator.client import make_client
     from prime_hpc.orchestrator.envs import load_slots
+    from prime_hpc.orchestrator.envservers import RemoteGenerator, served
     from prime_hpc.orchestrator.evaluator import Evaluator
 
     rcfg = (

@@ -122,9 +122,9 @@ def run_job(cfg: Any) -> dict:
     """The head of a synthesize job: waits for the job's servers, then synthesizes through
     the router, beating the orchestrator's heartbeat (each finished group is progress)."""
     from prime_hpc.core import jobenv
-    from prime_hpc.envserver.remote import RemoteGenerator, served
     from prime_hpc.inference.client import api_key, discover
     from prime_hpc.orchestrator.client import SERVERS_WAIT_S, make_client
+    from prime_hpc.orchestrator.envservers import RemoteGenerator, served
     from prime_hpc.orchestrator.evaluate import beating
 
     job_dir = RunDir(cfg.output_dir)
@@ -168,9 +168,9 @@ def synthesize_here(
     from prime_hpc.config.cluster import cache_root
     from prime_hpc.config.component import OrchestratorRunConfig, component_config, typed
     from prime_hpc.core import usercache
-    from prime_hpc.envserver.remote import RemoteGenerator, served
     from prime_hpc.orchestrator import evaluate
     from prime_hpc.orchestrator.client import make_client
+    from prime_hpc.orchestrator.envservers import RemoteGenerator, served
 
     rcfg = typed(OrchestratorRunConfig, component_config(cfg, "orchestrator"), "orchestrator config")
     o = rcfg.orchestrator

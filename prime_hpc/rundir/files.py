@@ -151,6 +151,13 @@ def tail_lines(path: os.PathLike | str, max_bytes: int, *, keep_cut: bool = Fals
     return lines[1:] if start and not keep_cut else lines
 
 
+def last_line(path: Path, max_bytes: int = 8192, cut: Optional[int] = 300) -> str:
+    """The last non-blank line of the log `path` (at most `cut` characters, None: whole;
+    '' if none)."""
+    lines = [ln.strip() for ln in tail_lines(path, max_bytes, keep_cut=True) if ln.strip()]
+    return lines[-1][:cut] if lines else ""
+
+
 def tail(path: os.PathLike | str, lines: int = 20) -> str:
     """Last `lines` lines of a text file, from its last 64 KiB ('' if it does not exist)."""
     return "\n".join(tail_lines(path, 64 * 1024, keep_cut=True)[-lines:])

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from prime_hpc.config.schema import EnvEntry, OrchestratorConfig, SamplingConfig
-from prime_hpc.envserver.remote import EnvServerProcess, RemoteGenerator, client_spec, server_log
 from prime_hpc.envserver.server import MAX_RESTARTS
 from prime_hpc.orchestrator.envs import EnvFailed, load_slots
+from prime_hpc.orchestrator.envservers import EnvServerProcess, RemoteGenerator, client_spec, server_log
 from prime_hpc.orchestrator.rollouts import group_error
 from prime_hpc.rundir import RunDir
 

@@ -530,7 +530,7 @@ def test_the_orchestrators_progress_is_a_step_written_or_trained_never_a_group_j
     assert beat["waiting_on"] is None and beat["progress_at"] == long_ago and beat["env_waits"] == []
     assert stalled(o.run.beats(), 600, time.time())["why"] == "no progress"
     # a group out at an env server for longer than the timeout: the stall is that server's
-    from prime_hpc.envserver.remote import EnvServerProcess
+    from prime_hpc.orchestrator.envservers import EnvServerProcess
 
     log = tmp_path / "logs" / "envs" / "train" / "b" / "env_server.log"
     o.served_envs = [EnvServerProcess("b", "train", None, log, tmp_path / "b.json", "k")]  # type: ignore[arg-type]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.job.watchdog import last_line
 from prime_hpc.rundir import (
     CHECKPOINT_PARTS,
     STABLE,
@@ -26,6 +25,7 @@ from prime_hpc.rundir import (
     RunDir,
     is_stable,
     jsonl_row,
+    last_line,
     mark_stable,
     read_rows,
     read_tail,

@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from prime_hpc.config.schema import EnvEntry
-from prime_hpc.envserver.worker import POLICY_KEY_VAR
-from prime_hpc.job.watchdog import last_line
+from prime_hpc.core.jobenv import ENV_POLICY_KEY_VAR as POLICY_KEY_VAR
 from prime_hpc.orchestrator.envs import EnvFailed, EnvSlot, env_name
 from prime_hpc.orchestrator.generate import Generator, errored_group, sampling_args
 from prime_hpc.orchestrator.rollouts import Rollout
 from prime_hpc.orchestrator.wire import group_from_json
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, last_line
 
 START_TIMEOUT_S = 600.0  # a server's env load and first worker
 STOP_GRACE_S = 10.0
