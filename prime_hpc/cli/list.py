@@ -82,8 +82,8 @@ def _extra_rows(r: Any, job: dict, indent: str) -> list[tuple]:
     """The run's extra inference jobs (`prime-hpc scale`), one row each, under its row."""
     if not job.get("extra_jobs"):
         return []
-    from prime_hpc.watch.extra import live_states as extra_live
-    from prime_hpc.watch.extra import state_of
+    from prime_hpc.watch.extra_jobs import live_states as extra_live
+    from prime_hpc.watch.extra_jobs import state_of
 
     live, _ = extra_live(job)
     rows = []

@@ -47,7 +47,7 @@ def job_status(ref: Any) -> dict[str, Any]:
     from prime_hpc.rundir.fleet import fleet
     from prime_hpc.sched.registry import choose
     from prime_hpc.watch.envservers import env_servers
-    from prime_hpc.watch.extra import extra_status
+    from prime_hpc.watch.extra_jobs import extra_status
     from prime_hpc.watch.vitals import vitals
 
     job = jobs.read_job(ref.run)
@@ -124,7 +124,7 @@ def _max_steps(run: Any) -> Optional[int]:
 def format_job(s: dict[str, Any]) -> list[str]:
     from prime_hpc.rundir import jobs
     from prime_hpc.watch.envservers import env_server_line
-    from prime_hpc.watch.extra import format_extra
+    from prime_hpc.watch.extra_jobs import format_extra
     from prime_hpc.watch.vitals import format_vitals
 
     attempts = s["attempts"]

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core.errors import UserError
-from prime_hpc.job import killed
+from prime_hpc.job import kill_signals
 from prime_hpc.rundir import (
     CHECKPOINT_PARTS,
     RunDir,
@@ -311,7 +311,7 @@ def end(run: RunDir, job_id: str, rc: Optional[int], component: str = "", reason
                 where = where_it_died(logs, component) if component else {"log": str(logs)}
                 reason, where = own_cause(run, component, reason, where)
                 if component and not run.failure_record(component).exists():  # it said nothing of its own
-                    how = killed.cause(rc, [Path(where["log"]), RunDir.srun_log(logs, component)])
+                    how = kill_signals.cause(rc, [Path(where["log"]), RunDir.srun_log(logs, component)])
                     reason = f"{reason}: {how}" if how and reason else (how or reason)
             job["failure"] = {"component": component or None, "rc": rc, "reason": reason, **where}
         _end_attempt(job, job_id, job["state"], reason)
@@ -389,7 +389,7 @@ def lost(run: RunDir, component: str, rc: int) -> tuple[str, bool]:
     with editing_job(run) as job:
         if job.get("attempts"):
             job["attempts"][-1].setdefault("lost", []).append(entry)
-    how = killed.cause(rc, [])  # a server killed by a signal (srun's exit code 128 + N)
+    how = kill_signals.cause(rc, [])  # a server killed by a signal (srun's exit code 128 + N)
     why = entry.get("reason") or (f"exited with code {rc}: {how}" if how else f"exited with code {rc}")
     if restart:
         run.failure_record(component).unlink(missing_ok=True)  # its cause is recorded; a later death has its own

@@ -385,7 +385,7 @@ def write_weights(
     servers should load the adapter rather than the merged weights. `hf`: `hf_weights(pol,
     sd)` when the caller made them already. `merged=False` (a run of several on one trainer,
     between its last steps): the adapter alone, which the servers load."""
-    from prime_hpc.trainer import stwrite
+    from prime_hpc.trainer import safetensors_writer
 
     final = run.weights_step(step)
     tmp = staging_dir(final)
@@ -395,7 +395,9 @@ def write_weights(
         if merged:  # the merged (or full) weights; the serving path chooses which to load
             # cast as it is written: no second copy of the model in memory
             tensors = hf if hf is not None else served_tensors(pol, sd)
-            stwrite.write(tmp / "model.safetensors", tensors, dtype=pol.save_dtype, metadata={"format": "pt"})
+            safetensors_writer.write(
+                tmp / "model.safetensors", tensors, dtype=pol.save_dtype, metadata={"format": "pt"}
+            )
         cfg = pol.hf_config
         old_dtype, old_cache = getattr(cfg, "dtype", None), getattr(cfg, "use_cache", None)
         cfg.dtype, cfg.use_cache = pol.save_dtype, True

@@ -260,7 +260,7 @@ def extra_sources(run: RunDir) -> list[Source]:
     """The logs of the servers of the run's extra inference jobs (`prime-hpc scale`,
     `logs/extra/<id>/inference/node_<id>.<n>.log`, labelled `inference[<id>.<n>]`) that exist,
     of the jobs that had not ended when the current attempt started."""
-    from prime_hpc.watch.extra import log_sources
+    from prime_hpc.watch.extra_jobs import log_sources
 
     job = read_job(run)
     if not job.get("extra_jobs"):

@@ -837,20 +837,22 @@ def test_a_component_killed_by_a_signal_is_named_with_the_rank_and_slurms_out_of
     """torchrun's report names the first rank that died and its signal; SLURM's words on the
     step's cgroup (srun's log) turn "out of memory?" into "out of memory"; a Python error
     that mentions memory is no kill; a process killed outright is its exit code 128 + N."""
-    from prime_hpc.job import killed
+    from prime_hpc.job import kill_signals
 
     node_log, srun_log = tmp_path / "node_0.log", tmp_path / "srun.log"
     node_log.write_text("step 7 | loss 0.1\n" * 5000 + TORCHRUN_REPORT)  # the report at the end of a long log
-    assert killed.cause(1, [node_log, srun_log]) == f"rank 3 was killed by SIGKILL: {killed.OOM_HINT}"
+    assert kill_signals.cause(1, [node_log, srun_log]) == f"rank 3 was killed by SIGKILL: {kill_signals.OOM_HINT}"
     oom = "slurmstepd: error: Detected 1 oom_kill event in StepId=57.2. Some of the step tasks have been OOM Killed."
     srun_log.write_text(f"srun: error: node2: task 1: Out Of Memory\n{oom}\n")
-    assert killed.cause(1, [node_log, srun_log]) == f"rank 3 was killed by SIGKILL: out of memory ({oom})"
+    assert kill_signals.cause(1, [node_log, srun_log]) == f"rank 3 was killed by SIGKILL: out of memory ({oom})"
     srun_log.write_text("slurmstepd: error: Detected 2 oom-kill event(s) in step 57.2 cgroup.\n")  # older SLURM
-    assert killed.cause(1, [node_log, srun_log]).startswith("rank 3 was killed by SIGKILL: out of memory (slurmstepd")
+    assert kill_signals.cause(1, [node_log, srun_log]).startswith(
+        "rank 3 was killed by SIGKILL: out of memory (slurmstepd"
+    )
 
     node_log.write_text("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n")  # an exception: exit 1
     srun_log.write_text("srun: error: node2: task 1: Exited with exit code 1\n")
-    assert killed.cause(1, [node_log, srun_log]) == ""
-    assert killed.cause(137, [node_log, srun_log]) == f"killed by SIGKILL: {killed.OOM_HINT}"
-    assert killed.cause(139, []) == "killed by SIGSEGV"
-    assert killed.cause(None, [tmp_path / "missing.log"]) == ""
+    assert kill_signals.cause(1, [node_log, srun_log]) == ""
+    assert kill_signals.cause(137, [node_log, srun_log]) == f"killed by SIGKILL: {kill_signals.OOM_HINT}"
+    assert kill_signals.cause(139, []) == "killed by SIGSEGV"
+    assert kill_signals.cause(None, [tmp_path / "missing.log"]) == ""

@@ -21,7 +21,7 @@ from prime_hpc.rundir import RunDir, jobs
 from prime_hpc.rundir.fleet import fleet as read_fleet
 from prime_hpc.rundir.layout import Slot, parse_slot, server_slot
 from prime_hpc.watch import plot
-from prime_hpc.watch.extra import format_extra, log_sources, state_of
+from prime_hpc.watch.extra_jobs import format_extra, log_sources, state_of
 from prime_hpc.watch.tail import extra_sources
 from tests.conftest import HOSTILE, REPO, cli, hydra_quote
 

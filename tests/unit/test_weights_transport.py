@@ -683,12 +683,12 @@ def test_an_nccl_send_that_fails_midway_aborts_its_communicator(monkeypatch):
 
 
 def test_weights_are_written_cast_a_chunk_at_a_time_and_read_back_by_safetensors(tmp_path):
-    """The published `model.safetensors` (`trainer.stwrite`): float tensors in the served
+    """The published `model.safetensors` (`trainer.safetensors_writer`): float tensors in the served
     dtype, other tensors as they are, metadata kept, whatever the chunking."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from prime_hpc.trainer import stwrite
+    from prime_hpc.trainer import safetensors_writer
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -699,9 +699,11 @@ def test_weights_are_written_cast_a_chunk_at_a_time_and_read_back_by_safetensors
         "positions": torch.arange(7),  # int64: not cast
         "already_bf16": torch.randn(3, 3, generator=g).to(torch.bfloat16),
     }
-    for chunk in (64, 1000, stwrite.CHUNK_BYTES):
+    for chunk in (64, 1000, safetensors_writer.CHUNK_BYTES):
         path = tmp_path / f"model-{chunk}.safetensors"
-        size = stwrite.write(path, tensors, dtype=torch.bfloat16, metadata={"format": "pt"}, chunk_bytes=chunk)
+        size = safetensors_writer.write(
+            path, tensors, dtype=torch.bfloat16, metadata={"format": "pt"}, chunk_bytes=chunk
+        )
         assert size == path.stat().st_size
         back = load_file(str(path))
         assert list(back) == list(tensors)  # in the order given
@@ -711,10 +713,10 @@ def test_weights_are_written_cast_a_chunk_at_a_time_and_read_back_by_safetensors
         with safe_open(str(path), "pt") as f:
             assert f.metadata() == {"format": "pt"}
     kept = tmp_path / "float32.safetensors"
-    stwrite.write(kept, tensors)  # no dtype: every tensor as it is
+    safetensors_writer.write(kept, tensors)  # no dtype: every tensor as it is
     assert all(torch.equal(load_file(str(kept))[k], t) for k, t in tensors.items())
     with pytest.raises(ValueError, match="complex"):
-        stwrite.write(tmp_path / "bad.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
+        safetensors_writer.write(tmp_path / "bad.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
     assert not (tmp_path / "bad.safetensors").exists()
 
 
