@@ -32,6 +32,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
+    from prime_hpc.core import jobenv
     from prime_hpc.launcher import launch, scale
     from prime_hpc.rundir import jobs
 
@@ -44,7 +45,7 @@ def run(a: argparse.Namespace) -> int:
         raise scale.ScaleError(f"resume --scale {a.scale}: a resumed run has no extra job to remove; give +N")
     if nodes:
         scale.check_kind(ref)
-    with launch.job_api_key(launch.keep_job_key(ref.run)):  # the run and its extra job: the run's key
+    with jobenv.job_api_key(launch.keep_job_key(ref.run)):  # the run and its extra job: the run's key
         sub = launch.resume(ref, a.overrides)
         print(
             f"resumed {ref.name} as job {sub.ref.job_id} ({sub.ref.backend}) from checkpoint step "
@@ -57,11 +58,12 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _resume_run(a: argparse.Namespace, ref: Any) -> int:
+    from prime_hpc.core import jobenv
     from prime_hpc.launcher import launch
 
     if a.scale:
         raise SystemExit("prime-hpc resume: error: --scale resumes a whole job; drop it with --run")
-    with launch.job_api_key(launch.keep_job_key(ref.run)):
+    with jobenv.job_api_key(launch.keep_job_key(ref.run)):
         step, sub = launch.resume_run(ref, a.run, a.overrides)
     where = f"from checkpoint step {step}" if step else "from its start"
     if sub is None:

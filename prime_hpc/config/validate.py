@@ -264,7 +264,7 @@ def check_slurm(cfg: DictConfig) -> None:
 def check_sbatch_option(i: int, line: str) -> None:
     """`--export` and `--export-file` (also abbreviated: sbatch takes `--export-f`) are
     prime-hpc's own: the job must get the submitting environment, the only way the
-    inference API key reaches it (`prime_hpc.launcher.launch.job_api_key`); an export file
+    inference API key reaches it (`prime_hpc.core.jobenv.job_api_key`); an export file
     replaces that environment even next to `--export=ALL`. `--get-user-env` only adds the
     login environment below it: allowed."""
     from prime_hpc.core.jobenv import API_KEY_VAR

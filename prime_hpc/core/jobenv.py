@@ -26,10 +26,11 @@ which the job script tells from its other ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 LOGS_VAR = "PRIME_HPC_LOGS"
 NODE_RANK_VAR = "PRIME_HPC_NODE_RANK"
@@ -114,3 +115,17 @@ def process_group_init() -> dict:
         "rank": int(os.environ["RANK"]),
         "world_size": int(os.environ["WORLD_SIZE"]),
     }
+
+
+@contextlib.contextmanager
+def job_api_key(key: str) -> Iterator[None]:
+    """`key` in this process's environment while the job is submitted: it reaches the job
+    only through the environment sbatch (or the local script) inherits from it."""
+    if os.environ.get(API_KEY_VAR) == key:
+        yield
+        return
+    os.environ[API_KEY_VAR] = key
+    try:
+        yield
+    finally:
+        os.environ.pop(API_KEY_VAR, None)

@@ -3,13 +3,12 @@ render, hand to the backend, record the job. Shared by both backends."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -19,7 +18,7 @@ from prime_hpc.config.dump import to_yaml
 from prime_hpc.config.pipeline import model_overrides, warmup_overrides
 from prime_hpc.config.validate import minutes, validate
 from prime_hpc.core.errors import ConfigError, LaunchError
-from prime_hpc.core.jobenv import API_KEY_VAR
+from prime_hpc.core.jobenv import API_KEY_VAR, job_api_key
 from prime_hpc.job.head import HeadTask
 from prime_hpc.launcher.plan import After, Plan, make_plan
 from prime_hpc.launcher.render import render_local, render_sbatch
@@ -115,20 +114,6 @@ def keep_job_key(run: RunDir) -> str:
         key = secrets.token_urlsafe(32)
     keyfile.write(run.private_dir, key)
     return key
-
-
-@contextlib.contextmanager
-def job_api_key(key: str) -> Iterator[None]:
-    """`key` in this process's environment while the job is submitted: it reaches the job
-    only through the environment sbatch (or the local script) inherits from it."""
-    if os.environ.get(API_KEY_VAR) == key:
-        yield
-        return
-    os.environ[API_KEY_VAR] = key
-    try:
-        yield
-    finally:
-        os.environ.pop(API_KEY_VAR, None)
 
 
 def check_chosen_key() -> None:

@@ -214,7 +214,7 @@ def scale_up(
         check_slurm,
         validate,
     )
-    from prime_hpc.launcher.launch import job_api_key
+    from prime_hpc.core.jobenv import job_api_key
     from prime_hpc.launcher.plan import inference_job_plan
     from prime_hpc.launcher.render import render_inference
     from prime_hpc.rundir import atomic_write_text, with_umask

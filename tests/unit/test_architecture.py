@@ -1,8 +1,8 @@
 """docs/architecture.md's package table against the code: every package of `prime_hpc/`
-has its row and every module is named in it, and no import (at the top of a module or
-inside a function) runs up the table, but for the one the doc names. Without this the
-table drifts from the code and an import up a layer goes unnoticed until it makes a
-circle."""
+has its row and every module is named in it, no import (at the top of a module or inside
+a function) runs up the table, but for the one the doc names, and no circle of modules
+imports itself back. Without this the table drifts from the code and an import up a layer
+goes unnoticed until it makes a circle."""
 
 from __future__ import annotations
 
@@ -83,3 +83,90 @@ def test_the_layer_check_sees_an_import_up_inside_a_function(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from prime_hpc.cli.submit import main\n    import prime_hpc.core.net\n")
     assert imports(path) == ["prime_hpc.cli.submit", "prime_hpc.core.net"]
+
+
+def module_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def faces() -> dict[str, dict[str, str]]:
+    """For each package's `__init__`: the names it takes from its own modules, and from
+    which (`from prime_hpc.rundir import RunDir` is an arrow to `rundir.layout`)."""
+    out: dict[str, dict[str, str]] = {}
+    for init in PACKAGE.rglob("__init__.py"):
+        package = module_of(init)
+        names = out.setdefault(package, {})
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package + "."):
+                for a in node.names:
+                    names[a.asname or a.name] = node.module
+    return out
+
+
+def arrows() -> dict[str, set[str]]:
+    """Module -> the modules it imports (anywhere in it), names taken through a package's
+    `__init__` followed to the module that defines them."""
+    known = {module_of(p) for p in PACKAGE.rglob("*.py")}
+    face = faces()
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        source = module_of(path)
+        targets = graph.setdefault(source, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("prime_hpc"):
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    targets.add(sub if sub in known else face.get(node.module, {}).get(a.name, node.module))
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in known)
+        targets.discard(source)
+        if path.name == "__init__.py":
+            targets.clear()  # a package's face: its names are followed to their modules above
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_circle_of_modules_imports_itself_back():
+    """Imports inside functions count: a lazy import back is still a circle a reader must
+    hold in mind (launcher/launch <-> launcher/scale once)."""
+    assert circles(arrows()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from prime_hpc.core import keyfile
+from prime_hpc.core import jobenv, keyfile
 from prime_hpc.core.errors import ConfigError
 from prime_hpc.core.keyfile import KeyFileError
 from prime_hpc.inference.client import ENDPOINT_KEY_VAR, SERVE_DIR, endpoint_key
@@ -99,7 +99,7 @@ def test_submit_keeps_the_users_key_or_makes_one_and_a_resume_keeps_using_it(tmp
     made = launch.keep_job_key(run)
     assert len(made) >= 43 and keyfile.read(run.private_dir) == made
     assert launch.keep_job_key(run) == made  # a resume without an exported key: the same key
-    with launch.job_api_key(made):
+    with jobenv.job_api_key(made):
         assert os.environ[JOB_VAR] == made  # what sbatch hands the job
     assert JOB_VAR not in os.environ
     monkeypatch.setenv(JOB_VAR, "u" * 32)  # the user's own, exactly 32 bytes
