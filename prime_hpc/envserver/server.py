@@ -42,7 +42,7 @@ from prime_hpc.envserver.relay import PATHS as RELAY_PATHS
 from prime_hpc.envserver.relay import READ_PATHS as RELAY_READ_PATHS
 from prime_hpc.envserver.relay import TOKEN_VAR, PolicyRelay
 from prime_hpc.inference.gate import ApiKey, answer_identity, read_body, send_json
-from prime_hpc.rundir import RunDir, last_line
+from prime_hpc.rundir import last_line, logtree
 
 MAX_RESTARTS = 3  # worker restarts an env server makes in all before its env fails the run
 STOP_GRACE_S = 5.0  # a worker asked to stop (SIGTERM) has this long before SIGKILL
@@ -93,7 +93,7 @@ class EnvServer:
 
     # ------------------------------------------------------------------ workers
     def worker_log(self, w: Worker) -> Path:
-        return RunDir.env_worker_log(self.logs, self.kind, self.name, w.wid)
+        return logtree.env_worker_log(self.logs, self.kind, self.name, w.wid)
 
     async def start_worker(self, w: Worker) -> None:
         log = open(self.worker_log(w), "ab")

@@ -36,7 +36,7 @@ from typing import Any, Optional
 from prime_hpc.core.jobenv import API_KEY_VAR
 from prime_hpc.core.net import IDLE_CONNECTION_S
 from prime_hpc.inference.gate import IDENTITY_PATH, Proofs, signature_header
-from prime_hpc.rundir import RunDir, WaitTimeout, read_json, wait_for
+from prime_hpc.rundir import RunDir, WaitTimeout, logtree, read_json, wait_for
 
 POLICY_TIMEOUT_S = 10.0  # a `GET /policy` answers at once, even while the server loads weights
 CHALLENGE_TIMEOUT_S = 10.0  # a server answers its identity challenge at once
@@ -414,7 +414,7 @@ def wait_for_servers(
             what=str(path),
             timeout_s=timeout_s,
             producer=f"{run.group} server on node {node}",
-            producer_log=RunDir.node_log(logs, run.group, node) if logs else None,
+            producer_log=logtree.node_log(logs, run.group, node) if logs else None,
             alive=alive,
         )
         records.append(read_json(path))
@@ -467,7 +467,7 @@ def discover(
             what=what,
             timeout_s=timeout_s,
             producer="router" if run.group == "inference" else f"{run.group} router",
-            producer_log=RunDir.router_log(logs, 0, run.group) if logs else None,
+            producer_log=logtree.router_log(logs, 0, run.group) if logs else None,
             alive=alive,
         )
     except WaitTimeout as e:

@@ -88,7 +88,7 @@ from prime_hpc.inference.broadcast import DIGEST_MISMATCH, NCCL_UNIQUE_ID_BYTES,
 from prime_hpc.inference.client import LEAVING_STATUS, api_key
 from prime_hpc.inference.gate import GateMiddleware, PolicyGate, UpdateTimeout
 from prime_hpc.inference.vllm_plugin import SERVER_PID_VAR
-from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, jobs, read_json, server_slot
+from prime_hpc.rundir import BEAT_S, RunDir, atomic_write_json, jobs, logtree, read_json, server_slot
 from prime_hpc.runtime.limits import raise_open_files
 
 PROCESS_STARTED_AT = time.time()  # this module is imported as the server process starts
@@ -980,7 +980,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     node = jobenv.node_rank()
     logs = jobenv.logs_dir()
-    log = str(RunDir.node_log(logs, "inference", node)) if logs else "this process's output"
+    log = str(logtree.node_log(logs, "inference", node)) if logs else "this process's output"
     os.environ.update(env)
     for name, value in address_env(cfg.address).items():  # as the launcher sets them (a weight group's gloo too)
         os.environ.setdefault(name, value)

@@ -43,6 +43,7 @@ from prime_hpc.rundir import (
     RunDir,
     atomic_write_json,
     atomic_write_text,
+    logtree,
     parse_slot,
     read_json,
     server_slot,
@@ -96,7 +97,7 @@ def start(run: RunDir, job_id: str) -> str:
     # top-level names of the reference layout, pointing at node 0's stream
     for comp in ("trainer", "inference", "teacher"):
         if comp in groups:
-            os.symlink(os.path.join(comp, "node_0.log"), run.component_log(logs, comp))
+            os.symlink(os.path.join(comp, "node_0.log"), logtree.component_log(logs, comp))
     try:
         resumed_from = resume_point(run, restarted)
     except UserError as e:
@@ -215,7 +216,7 @@ def start_fleet(run: RunDir, job_id: str, logs: Path, group: str = "inference") 
     for node in range(nodes):
         slot = server_slot(node, None, group)
         fleet_files.write_process(
-            run, slot, fleet_files.STARTING, restarts=0, node=node, job_id=job_id, log=str(RunDir.log_of(logs, slot))
+            run, slot, fleet_files.STARTING, restarts=0, node=node, job_id=job_id, log=str(logtree.log_of(logs, slot))
         )
 
 
@@ -311,7 +312,7 @@ def end(run: RunDir, job_id: str, rc: Optional[int], component: str = "", reason
                 where = where_it_died(logs, component) if component else {"log": str(logs)}
                 reason, where = own_cause(run, component, reason, where)
                 if component and not run.failure_record(component).exists():  # it said nothing of its own
-                    how = kill_signals.cause(rc, [Path(where["log"]), RunDir.srun_log(logs, component)])
+                    how = kill_signals.cause(rc, [Path(where["log"]), logtree.srun_log(logs, component)])
                     reason = f"{reason}: {how}" if how and reason else (how or reason)
             job["failure"] = {"component": component or None, "rc": rc, "reason": reason, **where}
         _end_attempt(job, job_id, job["state"], reason)
@@ -341,7 +342,7 @@ def stall_record(run: RunDir, logs: Path, reason: str) -> tuple[str, str, dict]:
     try:
         stall = read_json(run.stall_record)
     except (OSError, ValueError):
-        return "watchdog", reason, {"node": None, "log": str(RunDir.component_log(logs, "watchdog"))}
+        return "watchdog", reason, {"node": None, "log": str(logtree.component_log(logs, "watchdog"))}
     component = stall.get("component", "watchdog")  # "inference": the whole fleet (no server could serve)
     return component, stall["reason"], {"node": stall.get("node"), "log": stall["log"], "who": stall.get("who")}
 
@@ -418,7 +419,7 @@ SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.*)")
 
 
 def where_it_died(logs: Path, component: str) -> dict[str, Any]:
-    """Which node of `component` failed first, and the log to read (`RunDir.log_of`): for a
+    """Which node of `component` failed first, and the log to read (`logtree.log_of`): for a
     server of a set, its own node; for the trainer (one step over its nodes), the first task
     srun reports as failed (`trainer/srun.log`, one task per node); else node 0."""
     node: Optional[int] = 0
@@ -428,7 +429,7 @@ def where_it_died(logs: Path, component: str) -> dict[str, Any]:
         node = slot.node
     elif component == "trainer":
         try:
-            for line in RunDir.srun_log(logs, "trainer").read_text(errors="replace").splitlines():
+            for line in logtree.srun_log(logs, "trainer").read_text(errors="replace").splitlines():
                 m = SRUN_TASK_ERROR.search(line)
                 if m:
                     host, node = m.group(1), int(m.group(2))
@@ -437,7 +438,7 @@ def where_it_died(logs: Path, component: str) -> dict[str, Any]:
             pass
     elif component not in ("router", "orchestrator"):
         node = None
-    log = RunDir.log_of(logs, component, 0 if component in ("inference", "teacher") else node)
+    log = logtree.log_of(logs, component, 0 if component in ("inference", "teacher") else node)
     return {"node": node, "log": str(log), **({"host": host} if host else {})}
 
 

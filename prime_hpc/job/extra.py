@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from prime_hpc.rundir import RunDir, atomic_write_text
+from prime_hpc.rundir import RunDir, atomic_write_text, logtree
 from prime_hpc.rundir.fleet import STARTING, write_process
 from prime_hpc.rundir.jobs import CANCELLED, COMPLETED, FAILED, FINAL_STATES, extra_job, read_job, update_extra_job
 from prime_hpc.rundir.layout import server_slot
@@ -56,11 +56,13 @@ def start(run: RunDir, job_id: str) -> str:
         update_extra_job(run, job_id, state=COMPLETED, end="RUN_ENDED", started_at=None, ended_at=time.time())
         raise RuntimeError(f"the run ended ({job.get('state')}) before job {job_id} started: nothing to serve")
     logs = run.extra_job_logs(job_id)
-    RunDir.group_log_dir(logs, "inference").mkdir(parents=True, exist_ok=True)
+    logtree.group_log_dir(logs, "inference").mkdir(parents=True, exist_ok=True)
     for node in range(int(record.get("nodes") or 0)):  # the fleet's view (`status`): starting, until the relay has it
         slot = server_slot(node, job_id)
         try:
-            write_process(run, slot, STARTING, node=node, job_id=job_id, restarts=0, log=str(RunDir.log_of(logs, slot)))
+            write_process(
+                run, slot, STARTING, node=node, job_id=job_id, restarts=0, log=str(logtree.log_of(logs, slot))
+            )
         except OSError:  # an attempt of the run's job starting this moment empties fleet/: the view only
             pass
     update_extra_job(

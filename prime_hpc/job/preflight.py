@@ -30,7 +30,7 @@ from prime_hpc.core.net import node_address
 from prime_hpc.core.text import columns
 from prime_hpc.inference.client import api_key
 from prime_hpc.inference.gate import MissingKey
-from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, read_json, wait_file
+from prime_hpc.rundir import RunDir, WaitTimeout, atomic_write_json, logtree, read_json, wait_file
 
 IMPORTS = {
     "orchestrator": ("verifiers", "openai", "transformers"),
@@ -279,7 +279,7 @@ def run_head(run: RunDir, expected: dict[str, int]) -> dict[str, Any]:
                         path,
                         timeout_s=max(0.0, deadline - time.monotonic()),
                         producer=f"{group} rank {rank}",
-                        producer_log=RunDir.log_of(logs, group),
+                        producer_log=logtree.log_of(logs, group),
                     )
                     reports[group].append(read_json(path))
                 except WaitTimeout as e:

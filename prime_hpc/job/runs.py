@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, last_line, runs
+from prime_hpc.rundir import RunDir, last_line, logtree, runs
 
 POLL_S = 0.5
 STOP_WAIT_S = 60.0  # after a stop, how long an orchestrator has to end before it is killed
@@ -36,7 +36,7 @@ STOP_WAIT_S = 60.0  # after a stop, how long an orchestrator has to end before i
 def run_logs(job: RunDir, name: str) -> Path:
     """Where run `name`'s orchestrator logs in this attempt."""
     logs = jobenv.logs_dir()
-    return RunDir.sub_run_logs(logs if logs else job.root / "logs", name)
+    return logtree.sub_run_logs(logs if logs else job.root / "logs", name)
 
 
 def start(job: RunDir, name: str) -> subprocess.Popen:
@@ -44,7 +44,7 @@ def start(job: RunDir, name: str) -> subprocess.Popen:
     logs = run_logs(job, name)
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, jobenv.LOGS_VAR: str(logs)}
-    with open(RunDir.component_log(logs, "orchestrator"), "ab") as out:
+    with open(logtree.component_log(logs, "orchestrator"), "ab") as out:
         return subprocess.Popen(
             [
                 sys.executable,
@@ -201,7 +201,7 @@ def _failed(job: RunDir, name: str, code: int) -> bool:
 
 
 def orchestrator_log(job: RunDir, name: str) -> Path:
-    return RunDir.component_log(run_logs(job, name), "orchestrator")
+    return logtree.component_log(run_logs(job, name), "orchestrator")
 
 
 def stop(procs: dict[str, subprocess.Popen], wait_s: Optional[float] = STOP_WAIT_S) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core import jobenv
-from prime_hpc.rundir import RunDir, atomic_write_json, last_line, parse_slot, runs
+from prime_hpc.rundir import RunDir, atomic_write_json, last_line, logtree, parse_slot, runs
 
 POLL_S = 2.0
 STALLED = jobenv.STALLED  # the exit code
@@ -145,7 +145,7 @@ class Fleet:
     def request_restart(self, slot: str, beat: dict, why: str, now: float) -> None:
         from prime_hpc.rundir.fleet import request_restart
 
-        log = RunDir.log_of(self.logs, slot)
+        log = logtree.log_of(self.logs, slot)
         reason = f"hung: {why} (inference.stall_timeout_s={self.server_timeout_s:g})"
         request_restart(self.run, slot, reason, log, beat)
         print(f"prime-hpc watchdog: {slot} {reason}; asking for its restart; see {log}", file=sys.stderr, flush=True)
@@ -159,7 +159,7 @@ class Fleet:
 
         rows = fleet(self.run)
         servers = [
-            f"{r['slot']} {r['state']}, {r['restarts']} restart(s), log {r['log'] or RunDir.log_of(self.logs, r['slot'])}"
+            f"{r['slot']} {r['state']}, {r['restarts']} restart(s), log {r['log'] or logtree.log_of(self.logs, r['slot'])}"
             for r in rows
         ]
         silent = int(now - self.serving_at)
@@ -167,7 +167,7 @@ class Fleet:
             f"stalled: no inference server could serve for {silent}s (watchdog.stall_timeout_s={self.timeout_s:g}): "
             + ("; ".join(servers) or "none left")
         )
-        log = rows[0]["log"] if rows and rows[0]["log"] else str(RunDir.log_of(self.logs, "inference_0"))
+        log = rows[0]["log"] if rows and rows[0]["log"] else str(logtree.log_of(self.logs, "inference_0"))
         return {
             "component": "inference",
             "servers": [r["slot"] for r in rows],
@@ -181,9 +181,9 @@ class Fleet:
 
 
 def stall_log(logs: Path, component: str, rank: int, ranks_per_node: int) -> Path:
-    """The log of the stalled `component` rank: its node's (`RunDir.log_of`)."""
+    """The log of the stalled `component` rank: its node's (`logtree.log_of`)."""
     node = {"trainer": rank // max(1, ranks_per_node)}.get(component)
-    return RunDir.log_of(logs, component, node)
+    return logtree.log_of(logs, component, node)
 
 
 class Supervisor:
@@ -266,7 +266,7 @@ def run_stalls(
         own = {n: b for n, b in sub.beats().items() if n.startswith("orchestrator_")}
         s = stalled({**servers, **own}, timeout_s, now, fleet_down) if own else None
         if s is not None:
-            out.append((name, component_stall(s, RunDir.sub_run_logs(logs, name), timeout_s, 1)))
+            out.append((name, component_stall(s, logtree.sub_run_logs(logs, name), timeout_s, 1)))
     return out
 
 

@@ -21,7 +21,7 @@ from prime_hpc.core.errors import UserError
 from prime_hpc.core.jobenv import STALLED
 from prime_hpc.core.text import control_char
 from prime_hpc.launcher.plan import InferenceJobPlan, Plan
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, logtree
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "sbatch_templates"
 # How long components get to exit (e.g. finish a checkpoint) before SIGKILL, and how long a
@@ -130,6 +130,7 @@ def _render(template: str, plan: Plan, **extra: object) -> str:
             plan=plan,
             grace_s=STOP_GRACE_S,
             layout=RunDir,
+            logtree=logtree,
             LOGS="$LOGS",
             stalled_rc=STALLED,
             checkpoint_budget_s=budget_s,

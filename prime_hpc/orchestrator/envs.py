@@ -17,7 +17,7 @@ from typing import Any, Optional
 from prime_hpc.config.env_ids import import_env_module
 from prime_hpc.config.schema import EnvEntry
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import logtree
 
 REWARD_ERROR = "reward_error"  # state key set when a reward function raised
 CURRENT_ENV: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("prime_hpc_env", default=None)
@@ -144,7 +144,7 @@ def route_env_logs(logs: Path, slots: dict[str, list["EnvSlot"]], vf_level: str)
     the attempt's `logs`; close it at the end."""
     router = EnvLogRouter(
         {
-            f"{kind}/{s.name}": RunDir.env_worker_log(logs, kind, s.name)
+            f"{kind}/{s.name}": logtree.env_worker_log(logs, kind, s.name)
             for kind, of_kind in slots.items()
             for s in of_kind
         }

@@ -29,7 +29,7 @@ from prime_hpc.orchestrator.envs import EnvFailed, EnvSlot, env_name
 from prime_hpc.orchestrator.generate import Generator, errored_group, sampling_args
 from prime_hpc.orchestrator.rollouts import Rollout
 from prime_hpc.orchestrator.wire import group_from_json
-from prime_hpc.rundir import RunDir, last_line
+from prime_hpc.rundir import RunDir, last_line, logtree
 
 START_TIMEOUT_S = 600.0  # a server's env load and first worker
 STOP_GRACE_S = 10.0
@@ -47,7 +47,7 @@ def client_spec(base_url: Any, max_context: Optional[int], timeout_s: float) -> 
 
 
 def server_log(logs: Path, kind: str, env: str) -> Path:
-    return RunDir.env_log_dir(logs, kind, env) / "env_server.log"
+    return logtree.env_log_dir(logs, kind, env) / "env_server.log"
 
 
 class EnvServerProcess:

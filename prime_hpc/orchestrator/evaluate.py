@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, atomic_write_json
+from prime_hpc.rundir import RunDir, atomic_write_json, logtree
 
 
 @contextlib.contextmanager
@@ -50,7 +50,7 @@ def eval_server(cfg: Any, edir: RunDir, cache: str) -> Iterator[tuple[str, str]]
     cfg.output_dir = str(edir.root)
     cfg.cluster.inference.nodes = 1
     inference_yaml = write_component_config(cfg, "inference")
-    log = RunDir.node_log(edir.logs_root, "inference", 0)
+    log = logtree.node_log(edir.logs_root, "inference", 0)
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.unlink(edir.inference_endpoint(0))

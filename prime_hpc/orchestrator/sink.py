@@ -37,7 +37,7 @@ from prime_hpc.orchestrator.envs import EnvFailed
 from prime_hpc.orchestrator.rollouts import ErrorStreak, Rollout, judge_group
 from prime_hpc.orchestrator.source import GroupSource
 from prime_hpc.orchestrator.teacher import Teacher
-from prime_hpc.rundir import RunDir, batch, window
+from prime_hpc.rundir import RunDir, batch, logtree, window
 from prime_hpc.rundir.drops import Drop
 
 FILL_LOG_S = 30.0  # while a step does not fill: how often to say how far it got
@@ -174,7 +174,7 @@ class StepSink:
         raise EnvFailed(
             f"train env {e.env!r}: {e.count} groups in a row errored (orchestrator.max_errored_groups="
             f"{e.limit}); the last: {error}",
-            RunDir.env_worker_log(self.logs, "train", e.env or "") if self.logs is not None else None,
+            logtree.env_worker_log(self.logs, "train", e.env or "") if self.logs is not None else None,
         )
 
     def waiting_for_trainer(self) -> bool:

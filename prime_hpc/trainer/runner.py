@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional, S
 
 from prime_hpc.core import jobenv
 from prime_hpc.core.errors import UserError
-from prime_hpc.rundir import RunDir, WaitTimeout, remove_marked
+from prime_hpc.rundir import RunDir, WaitTimeout, logtree, remove_marked
 from prime_hpc.rundir.window import prunable
 from prime_hpc.runtime.limits import raise_open_files
 
@@ -311,4 +311,4 @@ def beat(s: Session, step: int, progress: bool = True, **info: Any) -> None:
 def orchestrator_log() -> Optional[Path]:
     """`$PRIME_HPC_LOGS/orchestrator.log` (this attempt's), if the launcher said where."""
     logs = jobenv.logs_dir()
-    return RunDir.component_log(logs, "orchestrator") if logs else None
+    return logtree.component_log(logs, "orchestrator") if logs else None

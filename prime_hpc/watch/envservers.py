@@ -6,7 +6,7 @@ Consumes, per env server:
   (`RunDir.env_server_endpoint`), written by the server once it serves and removed when
   it stops: an endpoint there means a server that serves, or one that died without
   removing it;
-- its log, `logs/<attempt>/envs/<kind>/<env>/env_server.log` (`RunDir.env_server_log`):
+- its log, `logs/<attempt>/envs/<kind>/<env>/env_server.log` (`logtree.env_server_log`):
   its workers (`worker <id> started (pid <p>)`, again on each restart) and restarts
   (`restarting it (...)`), and `no more restarts` once its workers died past its bound.
 
@@ -23,7 +23,7 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, logtree
 
 _STARTED = re.compile(r"worker (\d+) started \(pid (\d+)\)")
 _RESTARTED = re.compile(r"; restarting it \(")
@@ -118,7 +118,7 @@ def env_servers(run: RunDir, job: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         if not isinstance(me, dict) or not isinstance(me.get("pid"), int):
             continue
-        log = RunDir.env_server_log(logs, kind, env)
+        log = logtree.env_server_log(logs, kind, env)
         said = read_server_log(log)
         rows.append(
             {

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from prime_hpc.core.text import ago, columns
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, logtree
 from prime_hpc.rundir.jobs import FINAL_STATES, extra_jobs
 from prime_hpc.rundir.layout import server_slot
 
@@ -67,5 +67,5 @@ def log_sources(run: RunDir, job: dict[str, Any], since: Optional[float] = None)
             continue
         logs = run.extra_job_logs(str(x["job_id"]))
         for n in range(int(x.get("nodes") or 0)):
-            out.append((RunDir.log_of(logs, server_slot(n, str(x["job_id"]))), f"inference[{x['job_id']}.{n}]"))
+            out.append((logtree.log_of(logs, server_slot(n, str(x["job_id"]))), f"inference[{x['job_id']}.{n}]"))
     return out

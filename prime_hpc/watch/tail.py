@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional, Sequence, TextIO, Union
 
 from prime_hpc.core.text import printable
 from prime_hpc.rundir import COMPONENTS as RUN_COMPONENTS
-from prime_hpc.rundir import RunDir, read_tail
+from prime_hpc.rundir import RunDir, logtree, read_tail
 from prime_hpc.rundir.jobs import COMPLETED, FINAL_STATES, PENDING, REQUEUED, read_job
 from prime_hpc.sched.registry import of
 
@@ -204,15 +204,15 @@ def _env_sources(logs: Path) -> list[Source]:
     """The logs under `envs/<kind>/<env>/`, train envs first: each env's server log (when
     it runs in an env server), then its worker logs."""
     out = []
-    root = RunDir.env_logs_root(logs)
+    root = logtree.env_logs_root(logs)
     for kind in sorted(_listdir(root), key=lambda k: (k != "train", k)):
         for env in _listdir(root / kind):
-            server = RunDir.env_server_log(logs, kind, env)
+            server = logtree.env_server_log(logs, kind, env)
             if server.is_file():
                 out.append(Source(server, f"env-server:{kind}/{env}"))
-            for w in _indexed(RunDir.env_log_dir(logs, kind, env), "env_worker_"):
+            for w in _indexed(logtree.env_log_dir(logs, kind, env), "env_worker_"):
                 label = f"env:{kind}/{env}" + (f"[{w}]" if w else "")
-                out.append(Source(RunDir.env_worker_log(logs, kind, env, w), label))
+                out.append(Source(logtree.env_worker_log(logs, kind, env, w), label))
     return out
 
 
@@ -221,36 +221,36 @@ def discover(logs: Path, components: Sequence[str] = COMPONENTS) -> list[Source]
     order (orchestrator, inference nodes, router, trainer nodes, env servers and workers,
     teacher)."""
     found = []
-    orchestrator = RunDir.log_of(logs, "orchestrator")
+    orchestrator = logtree.log_of(logs, "orchestrator")
     if "orchestrator" in components and orchestrator.is_file():
         found.append(Source(orchestrator, "orchestrator"))
     for name in _listdir(logs / "runs") if "orchestrator" in components else []:  # a job of several runs
-        own = RunDir.component_log(RunDir.sub_run_logs(logs, name), "orchestrator")
+        own = logtree.component_log(logtree.sub_run_logs(logs, name), "orchestrator")
         if own.is_file():
             found.append(Source(own, f"orchestrator[{name}]"))
     if "inference" in components:
         found += [
-            Source(RunDir.log_of(logs, "inference", i), f"inference[{i}]")
-            for i in _indexed(RunDir.group_log_dir(logs, "inference"), "node_")
+            Source(logtree.log_of(logs, "inference", i), f"inference[{i}]")
+            for i in _indexed(logtree.group_log_dir(logs, "inference"), "node_")
         ]
     if "router" in components:
         found += [
-            Source(RunDir.log_of(logs, f"router_{i}"), "router" if i == 0 else f"router[{i}]")
-            for i in _indexed(RunDir.group_log_dir(logs, "inference"), "router_")
+            Source(logtree.log_of(logs, f"router_{i}"), "router" if i == 0 else f"router[{i}]")
+            for i in _indexed(logtree.group_log_dir(logs, "inference"), "router_")
         ]
     if "trainer" in components:
         found += [
-            Source(RunDir.log_of(logs, "trainer", i), f"torchrun[{i}]", node=i)
-            for i in _indexed(RunDir.group_log_dir(logs, "trainer"), "node_")
+            Source(logtree.log_of(logs, "trainer", i), f"torchrun[{i}]", node=i)
+            for i in _indexed(logtree.group_log_dir(logs, "trainer"), "node_")
         ]
     if "envs" in components:
         found += _env_sources(logs)
     if "teacher" in components:
         found += [
-            Source(RunDir.log_of(logs, "teacher", i), f"teacher[{i}]")
-            for i in _indexed(RunDir.group_log_dir(logs, "teacher"), "node_")
+            Source(logtree.log_of(logs, "teacher", i), f"teacher[{i}]")
+            for i in _indexed(logtree.group_log_dir(logs, "teacher"), "node_")
         ]
-        router = RunDir.log_of(logs, "teacher_router")
+        router = logtree.log_of(logs, "teacher_router")
         if router.is_file():
             found.append(Source(router, "teacher-router"))
     return found
@@ -273,7 +273,7 @@ def extra_sources(run: RunDir) -> list[Source]:
 def nproc_per_node(logs: Path) -> Optional[int]:
     """Trainer ranks per node: torchrun makes one directory per local rank under
     `trainer/torchrun/<rdzv-id>_<suffix>/attempt_<r>/` on every node (None until then)."""
-    root = RunDir.torchrun_log_dir(logs)
+    root = logtree.torchrun_log_dir(logs)
     counts = [sum(1 for r in _listdir(root / d / a) if r.isdigit()) for d in _listdir(root) for a in _listdir(root / d)]
     return max(counts, default=0) or None
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.rundir import RunDir, jobs, logtree
 from tests.conftest import REPO, cli
 from tests.runs import run_processes, still_alive
 
@@ -68,9 +68,9 @@ def test_a_broken_env_fails_the_job_with_one_line_quoting_its_error(tmp_path, en
         logs = run.latest_logs.resolve()
         assert job["state"] == "FAILED", job
         name = env_file.removesuffix(".py")
-        env_log = RunDir.env_worker_log(logs, "train", name)
+        env_log = logtree.env_worker_log(logs, "train", name)
         # the orchestrator's last word: one line, quoting the error, naming the env's log
-        last = RunDir.component_log(logs, "orchestrator").read_text().strip().splitlines()[-1]
+        last = logtree.component_log(logs, "orchestrator").read_text().strip().splitlines()[-1]
         prefix = f"prime-hpc orchestrator: train env {name!r}: {LIMIT} groups in a row errored"
         assert last.startswith(prefix) and quoted in last and last.endswith(f"; see {env_log}"), last
         cause = last.removeprefix("prime-hpc orchestrator: ").removesuffix(f"; see {env_log}")

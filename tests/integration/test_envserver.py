@@ -24,7 +24,7 @@ from prime_hpc.envserver.server import MAX_RESTARTS
 from prime_hpc.orchestrator.envs import EnvFailed, load_slots
 from prime_hpc.orchestrator.envservers import EnvServerProcess, RemoteGenerator, client_spec, server_log
 from prime_hpc.orchestrator.rollouts import group_error
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, logtree
 
 REPO = Path(__file__).resolve().parents[2]
 REVERSE_TEXT = str(REPO / "examples" / "reverse_text")
@@ -105,7 +105,7 @@ def test_a_group_comes_back_from_the_env_servers_workers(keyed, tmp_path):
         ok = httpx.get(server.me["url"] + "/info", headers={"authorization": f"Bearer {keyed.key}"})
         assert ok.status_code == 200
         for name in ("env_server.log", "env_worker_0.log", "env_worker_1.log"):
-            assert (RunDir.env_log_dir(logs, "train", "reverse_text") / name).exists(), name
+            assert (logtree.env_log_dir(logs, "train", "reverse_text") / name).exists(), name
         pids = _worker_pids(server.log)
         assert len(pids) == 2 and all(_alive(p) for p in pids)
     finally:

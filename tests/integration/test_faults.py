@@ -24,7 +24,7 @@ from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
 from prime_hpc.launcher.render import STOP_GRACE_S
 from prime_hpc.launcher.state import batch_log
-from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.rundir import RunDir, jobs, logtree
 from tests import procs
 from tests.conftest import cli
 from tests.runs import agent_pid, engine_pid, rank0_pid, run_processes, still_alive, supervisor_pid, wait_for_step
@@ -165,14 +165,14 @@ def test_a_dead_or_frozen_component_ends_the_job_precisely_and_leaves_nothing(
         f = job["failure"]
         assert f["component"] == named, f
         if named.startswith("inference"):
-            assert f["log"] == str(RunDir.node_log(logs, "inference", 0)), f
+            assert f["log"] == str(logtree.node_log(logs, "inference", 0)), f
         elif named == "router":
-            assert f["log"] == str(RunDir.router_log(logs, 0)), f
-            assert "giving up" in RunDir.router_log(logs, 0).read_text()
+            assert f["log"] == str(logtree.router_log(logs, 0)), f
+            assert "giving up" in logtree.router_log(logs, 0).read_text()
         elif named == "trainer":
-            assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0, f
+            assert f["log"] == str(logtree.node_log(logs, "trainer", 0)) and f["node"] == 0, f
         else:
-            assert f["log"] == str(RunDir.component_log(logs, named)), f
+            assert f["log"] == str(logtree.component_log(logs, named)), f
         if how == "kill":
             assert f["rc"] != 0 and f["reason"], f
         elif target == "inference":  # hung, killed and restarted; no server serves for the watchdog's timeout
@@ -252,7 +252,7 @@ def test_a_killed_torchrun_agent_or_job_script_ends_the_job_and_leaves_nothing(t
         if target == "supervisor":
             assert f["log"] == str(batch_log(sub.ref)) and f"pid {pid} " in f["reason"], f
         else:
-            assert f["log"] == str(RunDir.node_log(logs, "trainer", 0)) and f["node"] == 0 and f["rc"] != 0, f
+            assert f["log"] == str(logtree.node_log(logs, "trainer", 0)) and f["node"] == 0 and f["rc"] != 0, f
             # the agent's own death is its exit code (128 + 9), a rank's is torchrun's report
             killed = "rank 0 was killed by SIGKILL" if target == "rank" else "killed by SIGKILL"
             assert f"{killed}: out of memory?" in f["reason"], f

@@ -22,7 +22,7 @@ import pytest
 
 from prime_hpc.config.compose import compose
 from prime_hpc.launcher import launch
-from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.rundir import RunDir, jobs, logtree
 from prime_hpc.rundir.layout import server_slot
 from tests import procs
 from tests.conftest import cli
@@ -138,7 +138,7 @@ def test_an_extra_inference_job_joins_at_step_5_and_leaves_at_step_20(tmp_path, 
     assert joined_at < STEPS - 10, f"the extra server published its endpoint only at step {joined_at}"
     # the extra job: cancelled, its server drained and exited 0, nothing of it left behind
     assert left["state"] == "CANCELLED" and left["exits"] == {"0": 0} and left["end"] == "USR2", left
-    log = RunDir.log_of(run.extra_job_logs(xid), slot).read_text()
+    log = logtree.log_of(run.extra_job_logs(xid), slot).read_text()
     assert f"{slot} leaves the run (its job asks: USR2)" in log, log[-3000:]
     assert "out of the router, no request in flight" in log, log[-3000:]
     assert "does not ask the router" not in log, log[-3000:]  # it proved the run's router, and asked it signed

@@ -23,7 +23,7 @@ from prime_hpc.orchestrator.envs import EnvSampler, EnvSlot
 from prime_hpc.orchestrator.loop import Orchestrator
 from prime_hpc.orchestrator.rollouts import advantages
 from prime_hpc.orchestrator.source import GroupSource
-from prime_hpc.rundir import RunDir, atomic_write_json, jobs, mark_stable, truncate_jsonl
+from prime_hpc.rundir import RunDir, atomic_write_json, jobs, logtree, mark_stable, truncate_jsonl
 from prime_hpc.runtime import stopping
 
 
@@ -439,7 +439,7 @@ def test_the_watchdog_asks_once_per_hung_process_and_fails_only_a_fleet_that_can
     logs = run.logs_root / "attempt_0"
     run.control_dir.mkdir(parents=True)
     for slot in ("inference_0", "inference_1"):
-        fleet_files.write_process(run, slot, fleet_files.STARTING, restarts=0, log=str(RunDir.log_of(logs, slot)))
+        fleet_files.write_process(run, slot, fleet_files.STARTING, restarts=0, log=str(logtree.log_of(logs, slot)))
     f = Fleet(run, logs, timeout_s=100, server_timeout_s=20)
     now = 1000.0
     ok = {"time": now - 1, "progress_at": now - 1, "in_flight": 2, "pid": 11}
@@ -658,7 +658,7 @@ def test_a_components_own_one_line_cause_is_the_recorded_failure(tmp_path):
     k, logs = run.new_attempt()
     job = {"job_ids": ["7"], "state": "RUNNING", "attempts": [{"attempt": k, "job_id": "7"}]}
     atomic_write_json(run.job_json, job)
-    env_log = RunDir.env_worker_log(logs, "train", "broken")
+    env_log = logtree.env_worker_log(logs, "train", "broken")
     cause = "train env 'broken': 3 groups in a row errored (orchestrator.max_errored_groups=3); the last: boom"
     atomic_write_json(run.failure_record("orchestrator"), {"reason": cause, "log": str(env_log)})
     said = attempt.end(run, "7", 1, "orchestrator", "exited with code 1")
@@ -710,7 +710,7 @@ def test_server_slots_are_named_and_parsed_in_one_place(tmp_path):
     assert run.server_slots() == ["inference_0", "inference_1", "inference_9.1", "inference_12.0"]
     assert run.server_endpoints()["inference_9.1"]["url"].endswith("inference_9.1")
     logs = tmp_path / "logs"
-    assert RunDir.log_of(logs, "inference_9.1") == logs / "inference" / "node_9.1.log"
+    assert logtree.log_of(logs, "inference_9.1") == logs / "inference" / "node_9.1.log"
     assert attempt.where_it_died(logs, "inference_9.1")["node"] == 1
 
 

@@ -23,6 +23,7 @@ from prime_hpc.orchestrator.rollouts import (
     judge_group,
     pass_at_k,
 )
+from prime_hpc.rundir import logtree
 from prime_hpc.rundir.checkpoints import is_due
 from prime_hpc.rundir.drops import Drop
 
@@ -238,14 +239,13 @@ def test_the_orchestrator_gives_up_on_errored_groups_in_a_row_in_one_line_and_a_
 
     from prime_hpc.orchestrator.envs import EnvFailed, EnvLogRouter
     from prime_hpc.orchestrator.sink import StepFill
-    from prime_hpc.rundir import RunDir
 
     logs = tmp_path / "logs"
     monkeypatch.setenv("PRIME_HPC_LOGS", str(logs))
     o = _orchestrator(
         tmp_path / "run", "orchestrator.max_errored_groups=3", "orchestrator.online_difficulty_filtering=true"
     )
-    env_log = RunDir.env_worker_log(logs, "train", "reverse_text")
+    env_log = logtree.env_worker_log(logs, "train", "reverse_text")
     o.log_router = EnvLogRouter({"train/reverse_text": env_log})
     o.log_router.attach("warning")
     fill = StepFill(t0=time.monotonic())

@@ -21,6 +21,7 @@ from prime_hpc.rundir import (
     WaitTimeout,
     atomic_write_bytes,
     is_stable,
+    logtree,
     mark_stable,
     wait_file,
     wait_stable,
@@ -160,7 +161,7 @@ def test_paths_are_step_tagged(tmp_path):
     ],
 )
 def test_the_log_of_a_component(tmp_path, component, node, path):
-    assert RunDir.log_of(tmp_path, component, node) == tmp_path / path
+    assert logtree.log_of(tmp_path, component, node) == tmp_path / path
 
 
 def test_checkpoint_part_steps_are_the_one_lookup(tmp_path):

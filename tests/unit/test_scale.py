@@ -17,7 +17,7 @@ from prime_hpc.job import extra
 from prime_hpc.launcher import scale
 from prime_hpc.launcher.plan import inference_job_plan
 from prime_hpc.launcher.render import render_inference
-from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.rundir import RunDir, jobs, logtree
 from prime_hpc.rundir.fleet import fleet as read_fleet
 from prime_hpc.rundir.layout import Slot, parse_slot, server_slot
 from prime_hpc.watch import plot
@@ -91,7 +91,7 @@ def test_slot_names_of_the_runs_servers_and_of_extra_jobs(tmp_path):
         with pytest.raises(ValueError):
             run.inference_endpoint(bad)
     logs = run.extra_job_logs("57")
-    assert RunDir.log_of(logs, "inference_57.1") == logs / "inference" / "node_57.1.log"
+    assert logtree.log_of(logs, "inference_57.1") == logs / "inference" / "node_57.1.log"
 
 
 # --------------------------------------------------------------------------- inference=-N

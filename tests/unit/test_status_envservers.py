@@ -17,7 +17,7 @@ import pytest
 
 from prime_hpc.cli import main
 from prime_hpc.envserver.server import publish
-from prime_hpc.rundir import RunDir, jobs
+from prime_hpc.rundir import RunDir, jobs, logtree
 from prime_hpc.watch.envservers import env_server_line, env_servers
 
 SERVER_LOG = """\
@@ -72,7 +72,7 @@ def running_job(tmp_path: Path, host: str | None = None) -> tuple[RunDir, Path]:
 
 def serve(run: RunDir, logs: Path, kind: str, env: str, pid: int, log: str = "") -> Path:
     """What a server of `env` leaves: its log, then its endpoint (`publish`)."""
-    server_log = RunDir.env_server_log(logs, kind, env)
+    server_log = logtree.env_server_log(logs, kind, env)
     server_log.parent.mkdir(parents=True, exist_ok=True)
     server_log.write_text(log)
     endpoint = run.env_server_endpoint(kind, env)
@@ -88,12 +88,12 @@ def status_lines(run: RunDir, capsys) -> list[str]:
 def test_one_line_per_published_env_server_with_its_pid_workers_and_log(tmp_path, capsys, sleeper):
     run, logs = running_job(tmp_path)
     train, ev = sleeper(), sleeper()
-    train_logs = RunDir.env_log_dir(logs, "train", "reverse_text")
+    train_logs = logtree.env_log_dir(logs, "train", "reverse_text")
     serve(run, logs, "train", "reverse_text", train.pid, SERVER_LOG.format(w0=11, w1=12, logs=train_logs))
     serve(run, logs, "eval", "reverse_text", ev.pid, SERVER_LOG.format(w0=21, w1=22, logs=train_logs).split("\n")[0])
-    train_log = RunDir.env_server_log(logs, "train", "reverse_text")
+    train_log = logtree.env_server_log(logs, "train", "reverse_text")
     assert status_lines(run, capsys) == [
-        f"env server eval/reverse_text: pid {ev.pid}, 1 worker, log {RunDir.env_server_log(logs, 'eval', 'reverse_text')}",
+        f"env server eval/reverse_text: pid {ev.pid}, 1 worker, log {logtree.env_server_log(logs, 'eval', 'reverse_text')}",
         f"env server train/reverse_text: pid {train.pid}, 2 workers, log {train_log}",
     ]
     # a worker restarted: counted once, the workers still two
@@ -123,7 +123,7 @@ def test_an_endpoint_whose_server_is_gone_is_said_so(tmp_path, capsys, sleeper):
     endpoint = serve(run, logs, "train", "reverse_text", dead.pid, SERVER_LOG.format(w0=1, w1=2, logs="l"))
     dead.kill()
     dead.wait()
-    log = RunDir.env_server_log(logs, "train", "reverse_text")
+    log = logtree.env_server_log(logs, "train", "reverse_text")
     assert status_lines(run, capsys) == [
         f"env server train/reverse_text: pid {dead.pid} is gone (it ended without removing {endpoint}); log {log}"
     ]
@@ -142,7 +142,7 @@ def test_from_another_host_the_pid_is_not_checked(tmp_path, capsys):
     serve(run, logs, "train", "reverse_text", 4242, SERVER_LOG.format(w0=1, w1=2, logs="l"))
     (row,) = env_servers(run, jobs.read_job(run))
     assert row["alive"] is None and row["host"] == "head-node-7"
-    log = RunDir.env_server_log(logs, "train", "reverse_text")
+    log = logtree.env_server_log(logs, "train", "reverse_text")
     assert env_server_line(row) == (
         f"env server train/reverse_text: pid 4242 on head-node-7 (not checked from here), 2 workers, log {log}"
     )
@@ -159,7 +159,7 @@ def test_workers_past_their_restarts_and_files_that_are_no_endpoint(tmp_path, ca
     run.env_servers_dir.joinpath(".tmp.train-x.json.123").write_text("{")  # being written
     run.env_servers_dir.joinpath("notes.txt").write_text("x")
     run.env_servers_dir.joinpath("train-half.json").write_text('{"url": ')  # being replaced: left out
-    log = RunDir.env_server_log(logs, "train", "reverse_text")
+    log = logtree.env_server_log(logs, "train", "reverse_text")
     assert status_lines(run, capsys) == [
         f"env server train/reverse_text: pid {proc.pid}, 2 workers, 3 restarts, its workers died past its "
         f"restarts (the next group fails the run), log {log}"

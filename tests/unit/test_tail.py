@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_hpc.rundir import RunDir
+from prime_hpc.rundir import RunDir, logtree
 from prime_hpc.rundir.jobs import update_job
 from prime_hpc.watch import tail
 
@@ -45,29 +45,29 @@ def make_run(tmp_path: Path, state: str = "RUNNING", **job) -> tuple[RunDir, Pat
 def rl_tree(logs: Path, tag: str = "") -> None:
     """An RL attempt: orchestrator, 2 inference nodes with a router, 2 trainer nodes of 2
     ranks each (torchrun's per-rank directories included), one train and one eval env."""
-    write(RunDir.component_log(logs, "orchestrator"), f"06:21:00 INFO orchestrator: step 1{tag}")
+    write(logtree.component_log(logs, "orchestrator"), f"06:21:00 INFO orchestrator: step 1{tag}")
     for i in range(2):
         write(
-            RunDir.node_log(logs, "inference", i),
+            logtree.node_log(logs, "inference", i),
             f"prime-hpc inference: node {i} serving{tag}",
             ACCESS,
             RESET,
             THROUGHPUT,
         )
-    write(RunDir.router_log(logs, 0), f"prime-hpc router: serving{tag}", ROUTER_DONE)
+    write(logtree.router_log(logs, 0), f"prime-hpc router: serving{tag}", ROUTER_DONE)
     for node in range(2):
         for local in range(2):
-            (RunDir.torchrun_log_dir(logs) / f"42_n{node}" / "attempt_0" / str(local)).mkdir(parents=True)
+            (logtree.torchrun_log_dir(logs) / f"42_n{node}" / "attempt_0" / str(local)).mkdir(parents=True)
         write(
-            RunDir.node_log(logs, "trainer", node),
+            logtree.node_log(logs, "trainer", node),
             *[
                 f"[default{local}]:2026-11-23 06:20:27 | INFO    | trainer[{node * 2 + local}] | step 1{tag}"
                 for local in range(2)
             ],
             f"W1123 06:20:30.1 123 torch/distributed/elastic/agent/server/api.py:753] node {node} agent{tag}",
         )
-    write(RunDir.env_log_dir(logs, "train", "reverse_text") / "env_worker_0.log", f"train env line{tag}")
-    write(RunDir.env_log_dir(logs, "eval", "reverse_text") / "env_worker_0.log", f"eval env line{tag}")
+    write(logtree.env_log_dir(logs, "train", "reverse_text") / "env_worker_0.log", f"train env line{tag}")
+    write(logtree.env_log_dir(logs, "eval", "reverse_text") / "env_worker_0.log", f"eval env line{tag}")
 
 
 def labelled(output: str) -> list[tuple[str, str]]:
@@ -133,7 +133,7 @@ def test_an_env_servers_log_comes_with_its_workers_logs(tmp_path):
     its worker log. A server log that appears later is picked up."""
     run, logs = make_run(tmp_path)
     rl_tree(logs)
-    train = RunDir.env_log_dir(logs, "train", "reverse_text")
+    train = logtree.env_log_dir(logs, "train", "reverse_text")
     write(train / "env_server.log", "env reverse_text: worker 0 started (pid 11)", "env reverse_text: serving")
     write(train / "env_worker_1.log", "worker 1 line")
     assert [s.label for s in tail.discover(logs, ["envs"])] == [
@@ -142,7 +142,7 @@ def test_an_env_servers_log_comes_with_its_workers_logs(tmp_path):
         "env:train/reverse_text[1]",
         "env:eval/reverse_text",
     ]
-    assert tail.discover(logs, ["envs"])[0].path == RunDir.env_server_log(logs, "train", "reverse_text")
+    assert tail.discover(logs, ["envs"])[0].path == logtree.env_server_log(logs, "train", "reverse_text")
     got = labelled(once(run, components=["envs"])[1])
     assert got[:2] == [
         ("env-server:train/reverse_text", "env reverse_text: worker 0 started (pid 11)"),
@@ -154,7 +154,7 @@ def test_an_env_servers_log_comes_with_its_workers_logs(tmp_path):
     t.switch(logs)
     t.poll(initial_lines=10)
     before = len(t.out.getvalue())
-    write(RunDir.env_server_log(logs, "eval", "reverse_text"), "env reverse_text: serving 5 rows")
+    write(logtree.env_server_log(logs, "eval", "reverse_text"), "env reverse_text: serving 5 rows")
     write(train / "env_server.log", "env reverse_text: worker 0 (pid 11) died (exit -9); restarting it")
     t.poll()
     assert labelled(t.out.getvalue()[before:]) == [
@@ -165,7 +165,7 @@ def test_an_env_servers_log_comes_with_its_workers_logs(tmp_path):
 
 def test_last_lines_per_source(tmp_path):
     run, logs = make_run(tmp_path)
-    write(RunDir.component_log(logs, "orchestrator"), *[f"line {i}" for i in range(30)])
+    write(logtree.component_log(logs, "orchestrator"), *[f"line {i}" for i in range(30)])
     _, output = once(run, lines=3)
     assert [text for _, text in labelled(output)] == ["line 27", "line 28", "line 29"]
 
@@ -175,7 +175,7 @@ def test_last_lines_of_a_log_longer_than_the_window_and_what_follows(tmp_path, m
     from there, a line completed later printed whole."""
     monkeypatch.setattr(tail, "TAIL_WINDOW", 40)
     run, logs = make_run(tmp_path)
-    log = RunDir.component_log(logs, "orchestrator")
+    log = logtree.component_log(logs, "orchestrator")
     write(log, *[f"line {i:02d}" for i in range(30)])
     with open(log, "a") as f:
         f.write("half")
@@ -276,8 +276,8 @@ def test_what_a_model_or_env_wrote_cannot_drive_the_terminal(tmp_path):
         ended_at=time.time(),
         failure={"component": "orchestrator", "rc": 1, "reason": "env said \x1b[31mboom\x1b]0;x\x07", "log": "l"},
     )
-    write(RunDir.component_log(logs, "orchestrator"), HOSTILE)
-    write(RunDir.env_log_dir(logs, "train", "rev\x1b[1Ax") / "env_worker_0.log", "partial\x1b[1A")
+    write(logtree.component_log(logs, "orchestrator"), HOSTILE)
+    write(logtree.env_log_dir(logs, "train", "rev\x1b[1Ax") / "env_worker_0.log", "partial\x1b[1A")
     for kwargs in ({"once": True}, {"poll_s": 0.01}):
         out = io.StringIO()
         tail.follow(run, out=out, **kwargs)
@@ -313,7 +313,7 @@ def test_once_on_a_failed_job_shows_the_failure(tmp_path):
         ended_at=time.time(),
         failure={"component": "inference_0", "rc": 1, "reason": "exited with code 1", "log": log},
     )
-    write(RunDir.node_log(logs, "inference", 0), "RuntimeError: Engine core initialization failed.")
+    write(logtree.node_log(logs, "inference", 0), "RuntimeError: Engine core initialization failed.")
     for kwargs in ({"once": True}, {}):  # --no-follow, and following a job that already ended
         out = io.StringIO()
         assert tail.follow(run, out=out, poll_s=0.01, **kwargs) == 1
@@ -336,8 +336,8 @@ def test_follow_across_a_new_attempt_until_completed(tmp_path):
     thread = threading.Thread(target=lambda: result.update(code=tail.follow(run, out=out, poll_s=0.05)), daemon=True)
     thread.start()
     wait_for_output(out, "step 1")
-    write(RunDir.component_log(logs, "orchestrator"), "06:21:05 INFO orchestrator: step 2")
-    write(RunDir.node_log(logs, "inference", 2), "prime-hpc inference: node 2 serving (late)", ACCESS)
+    write(logtree.component_log(logs, "orchestrator"), "06:21:05 INFO orchestrator: step 2")
+    write(logtree.node_log(logs, "inference", 2), "prime-hpc inference: node 2 serving (late)", ACCESS)
     wait_for_output(out, "node 2 serving (late)")
     update_job(run, state="REQUEUED")
     wait_for_output(out, "job 42 was requeued")
@@ -395,7 +395,7 @@ def test_final_state_without_ended_at_ends_after_a_grace(tmp_path, monkeypatch):
     """A job cancelled before it started has nobody to record `ended_at`."""
     monkeypatch.setattr(tail, "ENDED_GRACE_S", 0.2)
     run, logs = make_run(tmp_path, state="CANCELLED")
-    write(RunDir.component_log(logs, "orchestrator"), "last words")
+    write(logtree.component_log(logs, "orchestrator"), "last words")
     out = io.StringIO()
     started = time.monotonic()
     assert tail.follow(run, out=out, poll_s=0.02) == 1

@@ -16,7 +16,7 @@ from prime_hpc.core.errors import ConfigError
 from prime_hpc.job import attempt
 from prime_hpc.launcher.plan import make_plan
 from prime_hpc.launcher.render import render_local, render_sbatch
-from prime_hpc.rundir import RunDir, Slot, atomic_write_json, parse_slot, server_slot
+from prime_hpc.rundir import RunDir, Slot, atomic_write_json, logtree, parse_slot, server_slot
 from prime_hpc.rundir import fleet as fleet_files
 
 OPD = ["+experiment=reverse_text", "warmup.experiment=null", "orchestrator.training_mode=opd"]
@@ -47,8 +47,8 @@ def test_teacher_slots_router_and_membership_are_their_own(tmp_path):
     assert teacher.server_slots() == ["teacher_0", "teacher_1"]
     assert set(teacher.server_endpoints()) == {"teacher_0", "teacher_1"}
     logs = tmp_path / "logs"
-    assert RunDir.log_of(logs, "teacher_1") == logs / "teacher" / "node_1.log"
-    assert RunDir.log_of(logs, "teacher_router") == logs / "teacher" / "router_0.log"
+    assert logtree.log_of(logs, "teacher_1") == logs / "teacher" / "node_1.log"
+    assert logtree.log_of(logs, "teacher_router") == logs / "teacher" / "router_0.log"
     assert attempt.where_it_died(logs, "teacher_1") == {"node": 1, "log": str(logs / "teacher" / "node_1.log")}
 
 
