@@ -155,6 +155,37 @@ print(json.dumps(out))
     assert out["answer: 7"] == ["answer: 7", []], out
 
 
+def test_the_worker_answers_a_bad_tool_call_with_a_tool_message_as_verifiers_program_does(tmp_path):
+    """Under the envs' Python: arguments that are no JSON, JSON that is no object and a tool
+    the task has not each get a `tool` message saying so (the model's next turn reads it),
+    as verifiers' chat program answers them, never an exception that fails the episode."""
+    python = envs_python()
+    assert python, "no envs Python (tools/setup builds .venv-envs)"
+    code = """
+import asyncio, json
+from prime_hpc.envserver.chat import tool_message
+calls = [
+    {"id": "a", "function": {"name": "lookup", "arguments": "{not json"}},
+    {"id": "b", "function": {"name": "lookup", "arguments": "[1, 2]"}},
+    {"id": "c", "function": {"name": "nope", "arguments": "{}"}},
+]
+print(json.dumps([asyncio.run(tool_message(c, {"lookup": ("", "lookup")}, {})) for c in calls]))
+"""
+    import subprocess
+
+    from prime_hpc.config.env_kinds import python_env
+
+    r = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, timeout=120, env=python_env(package_path(tmp_path))
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    bad_json, not_object, unknown = json.loads(r.stdout.splitlines()[-1])
+    assert bad_json["role"] == "tool" and bad_json["tool_call_id"] == "a" and bad_json["name"] == "lookup"
+    assert bad_json["content"].startswith("error: invalid JSON in tool arguments"), bad_json
+    assert not_object["content"] == "error: tool arguments must be a JSON object, got list; resend as an object"
+    assert unknown["content"] == "error: unknown tool 'nope'" and unknown["tool_call_id"] == "c", unknown
+
+
 # ----------------------------------------------------------------------------- the relay
 def test_logprob_entries_are_named_by_their_token_ids():
     answer = {
