@@ -328,12 +328,9 @@ class Orchestrator:
         trainer's weights, which the watchdog does not count as a stall of its own, and the
         groups out at env servers (`env_waits`: a stall while one has been out that long is
         the server's, and the watchdog names it and its log)."""
-        while True:
+        while True:  # a loop held long enough to delay this is said by `LoopLag`
             self.beat()
-            t = time.monotonic()
             await asyncio.sleep(BEAT_S)
-            if (late := time.monotonic() - t - BEAT_S) > BEAT_S:  # something held the loop: say so, it may stall
-                logger.warning(f"the event loop was blocked for {late:.1f}s (the heartbeat came late)")
 
     def beat(self, **info: Any) -> None:
         self.run.beat(

@@ -27,10 +27,12 @@ from collections import defaultdict
 from statistics import mean
 from typing import Any, Callable
 
+from loguru import logger
+
 from prime_hpc.config.schema import LogExtrasConfig
 from prime_hpc.orchestrator.rollouts import Rollout
 from prime_hpc.orchestrator.sink import StepFill
-from prime_hpc.rundir import RunDir, read_json
+from prime_hpc.rundir import BEAT_S, RunDir, read_json
 from prime_hpc.rundir.drops import Drop
 
 TRAINER_WAIT_S = 300.0  # at the end, with W&B: how long to wait for the trainer's last metrics
@@ -68,10 +70,12 @@ class LoopLag:
     late it ran. Work that runs in the loop's thread (a classic env's reward or env
     response in the orchestrator's process, a synchronous call) holds every group in
     flight, the heartbeat and the relay for as long; `take()` gives the max and the mean
-    lateness since the last take (0 before the first tick)."""
+    lateness since the last take (0 before the first tick). A hold longer than `warn_s`
+    (a heartbeat's period: the watchdog may take it for a stall) is also logged."""
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self, interval_s: float = 0.05, warn_s: float = BEAT_S) -> None:
         self.interval_s = interval_s
+        self.warn_s = warn_s
         self.late: list[float] = []
 
     async def run(self) -> None:
@@ -79,7 +83,10 @@ class LoopLag:
         while True:
             t = loop.time()
             await asyncio.sleep(self.interval_s)
-            self.late.append(max(0.0, loop.time() - t - self.interval_s))
+            late = max(0.0, loop.time() - t - self.interval_s)
+            self.late.append(late)
+            if late > self.warn_s:
+                logger.warning(f"the event loop was blocked for {late:.1f}s (time/loop_lag/max)")
 
     def take(self) -> dict:
         late, self.late = self.late, []

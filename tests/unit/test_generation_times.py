@@ -93,13 +93,19 @@ def test_groups_without_a_span_give_no_generation_time():
 
 def test_the_loop_lag_is_how_long_work_in_the_loops_thread_held_it():
     """`time/loop_lag/max`: a synchronous 300 ms in the event loop (a reward run in the
-    orchestrator's process) shows as a timer at least that late; each take starts over."""
+    orchestrator's process) shows as a timer at least that late, and a hold past `warn_s` is
+    logged once; each take starts over."""
     import time
+
+    from loguru import logger
 
     from prime_hpc.orchestrator.step_metrics import LoopLag
 
+    said: list[str] = []
+    sink = logger.add(lambda m: said.append(m.record["message"]), level="WARNING")
+
     async def main() -> tuple[dict, dict, dict]:
-        lag = LoopLag(interval_s=0.01)
+        lag = LoopLag(interval_s=0.01, warn_s=0.2)
         probe = asyncio.create_task(lag.run())
         await asyncio.sleep(0.05)
         before = lag.take()
@@ -109,7 +115,11 @@ def test_the_loop_lag_is_how_long_work_in_the_loops_thread_held_it():
         probe.cancel()
         return before, held, lag.take()
 
-    before, held, after = asyncio.run(main())
+    try:
+        before, held, after = asyncio.run(main())
+    finally:
+        logger.remove(sink)
+    assert len([m for m in said if m.startswith("the event loop was blocked for")]) == 1, said
     assert held["time/loop_lag/max"] >= 0.28 > before["time/loop_lag/max"], (before, held)
     assert held["time/loop_lag/mean"] < held["time/loop_lag/max"]  # the other ticks were on time-ish
     assert after == {"time/loop_lag/max": 0.0, "time/loop_lag/mean": 0.0}
