@@ -11,11 +11,12 @@ line: the env failed before any episode).
 
 Each episode runs as verifiers runs it for training: the taskset's env (its own `Env`
 class or verifiers' single-agent one), the plain chat harness (`chat.py`: verifiers'
-`null` loop, in this process for a task without tools) in the local `subprocess`
-runtime, model calls through verifiers' train client (client-side rendering with the
-run's tokenizer and the entry's `renderer`, whose tool parser reads a turn's tool
-calls; `POST <base>/inference/v1/generate`, token ids and logprobs back) whose base is the server's relay (`relay.py`; its token in `PRIME_HPC_RELAY_API_KEY`,
-the job's key never here). Nothing is fetched from an index: the chat program's packages
+`null` loop, tool calls included, in this process) in the local `subprocess` runtime,
+the task set's tool servers started there once (`Taskset.toolsets`), model calls
+through verifiers' train client (client-side rendering with the run's tokenizer and the
+entry's `renderer`, whose tool parser reads a turn's tool calls; `POST
+<base>/inference/v1/generate`, token ids and logprobs back) whose base is the server's
+relay (`relay.py`; its token in `PRIME_HPC_RELAY_API_KEY`, the job's key never here). Nothing is fetched from an index: the chat program's packages
 come from the wheelhouse beside the interpreter's venv (`<venv>/wheelhouse`, or
 `$PRIME_HPC_WHEELHOUSE`), uv and Python are the venv's own, no Python download, no proxy
 for loopback (`offline_environ`); a missing package fails the episode with uv's line
@@ -77,8 +78,8 @@ def offline_environ(environ: dict) -> list[str]:
 def env_config(spec: dict) -> Any:
     """verifiers' env config of the entry: the taskset with the entry's args, each seat of
     its env (the taskset's own `Env`, else verifiers' single-agent one with its one
-    `agent`) on the plain chat harness (`chat.py`: in this process for a task without
-    tools) in the subprocess runtime, the rest of a seat's defaults kept; one interception
+    `agent`) on the plain chat harness (`chat.py`: its loop in this process) in the
+    subprocess runtime, the rest of a seat's defaults kept; one interception
     server on loopback. The id is resolved as the probe resolved it (`config.env_ids`: a
     path is imported from there), then handed to verifiers by module name; one only
     verifiers knows (a task set it ships) as it is."""
